@@ -1,0 +1,3 @@
+"""lm: train language models end to end in JAX/Flax."""
+
+__version__ = "0.1.0"

@@ -1,0 +1,70 @@
+"""`lm` command line: thin verbs over the library. User errors print one line, exit 2."""
+
+from __future__ import annotations
+
+import argparse
+import sys
+
+from lm.errors import UserError
+
+
+def _split_overrides(argv: list[str]) -> tuple[list[str], list[str]]:
+    """Separates `--config.a.b=v` (or `--config.a.b v`) overrides from the other arguments."""
+    rest, overrides, i = [], [], 0
+    while i < len(argv):
+        arg = argv[i]
+        if arg.startswith("--config."):
+            item = arg[len("--config."):]
+            if "=" not in item:
+                if i + 1 >= len(argv):
+                    raise UserError(f"override '{arg}' has no value; write {arg}=VALUE")
+                item, i = f"{item}={argv[i + 1]}", i + 1
+            overrides.append(item)
+        else:
+            rest.append(arg)
+        i += 1
+    return rest, overrides
+
+
+def _parser() -> argparse.ArgumentParser:
+    p = argparse.ArgumentParser(prog="lm", description="Train language models end to end.")
+    sub = p.add_subparsers(dest="verb", required=True)
+    t = sub.add_parser("train", help="pretrain a model (default: tiny model on the Python standard library)")
+    t.add_argument("--config", default="configs/tiny.py", help="a Python config file with get_config()")
+    t.add_argument("--workdir", required=True, help="directory for checkpoints, metrics, plots")
+    t.add_argument("--resume", action="store_true", help="continue from the newest checkpoint in --workdir")
+    t.add_argument("--no-progress", action="store_true", help="no progress bar (logs only)")
+    pl = sub.add_parser("plan", help="params, FLOPs and memory of a config")
+    pl.add_argument("--config", default="configs/tiny.py")
+    return p
+
+
+def main(argv: list[str] | None = None) -> int:
+    argv = sys.argv[1:] if argv is None else argv
+    try:
+        rest, overrides = _split_overrides(argv)
+        args = _parser().parse_args(rest)
+        from lm.config import load_config
+
+        config = load_config(args.config, overrides)
+        if args.verb == "plan":
+            from lm import plan
+
+            print(plan.summary(config.model, config.data.seq_len))
+            return 0
+        from lm.train.pretrain import train
+
+        summary = train(config, args.workdir, resume=args.resume, show_progress=not args.no_progress)
+        print(f"done: step {summary['step']}, held-out loss {summary['eval_loss']:.4f} "
+              f"(unigram baseline {summary['unigram_baseline']:.4f}); see {args.workdir}/loss.png")
+        return 0
+    except UserError as e:
+        print(f"lm: error: {e}", file=sys.stderr)
+        return 2
+    except KeyboardInterrupt:
+        print("lm: interrupted", file=sys.stderr)
+        return 130
+
+
+if __name__ == "__main__":
+    sys.exit(main())

@@ -1,0 +1,68 @@
+"""Tokenizers: a common interface and the byte-level tokenizer.
+
+Every tokenizer exposes the same small surface (see `Tokenizer`) so that token
+files, the pipeline and the model only ever see ids. `fingerprint()` identifies
+the exact id mapping: token files record it, and reading a file with a different
+tokenizer fails instead of silently training on wrong ids.
+"""
+
+from __future__ import annotations
+
+from typing import Protocol
+
+import numpy as np
+
+from lm.errors import UserError
+
+
+class Tokenizer(Protocol):
+    name: str
+    vocab_size: int
+    bos_id: int
+    eos_id: int
+    pad_id: int
+
+    def encode(self, text: str | bytes) -> np.ndarray: ...
+    def decode(self, ids) -> str: ...
+    def fingerprint(self) -> str: ...
+
+
+class ByteTokenizer:
+    """Ids 0..255 are raw bytes; 256, 257, 258 are BOS, EOS, PAD.
+
+    Lossless for any input (no unknown tokens), needs no training: the baseline
+    and the tokenizer for tests.
+    """
+
+    name = "byte"
+    bos_id = 256
+    eos_id = 257
+    pad_id = 258
+    vocab_size = 259
+
+    def encode(self, text: str | bytes) -> np.ndarray:
+        data = text.encode("utf-8") if isinstance(text, str) else bytes(text)
+        return np.frombuffer(data, dtype=np.uint8).astype(np.int32)
+
+    def decode(self, ids) -> str:
+        ids = np.asarray(ids).reshape(-1)
+        data = ids[(ids >= 0) & (ids < 256)].astype(np.uint8).tobytes()  # drop specials
+        return data.decode("utf-8", errors="replace")
+
+    def fingerprint(self) -> str:
+        # Bump the version if the id mapping ever changes.
+        return f"byte-v1:bos={self.bos_id},eos={self.eos_id},pad={self.pad_id},vocab={self.vocab_size}"
+
+    def __repr__(self) -> str:
+        return "ByteTokenizer()"
+
+
+_TOKENIZERS = {"byte": ByteTokenizer}
+
+
+def load_tokenizer(name: str) -> Tokenizer:
+    """Build a tokenizer by name (later also: a sentencepiece model path)."""
+    if name not in _TOKENIZERS:
+        known = ", ".join(repr(k) for k in sorted(_TOKENIZERS))
+        raise UserError(f"data.tokenizer: unknown tokenizer '{name}'; known: {known}")
+    return _TOKENIZERS[name]()

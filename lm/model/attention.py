@@ -1,0 +1,75 @@
+"""Grouped-query attention with RoPE and a packed-document (segment) causal mask."""
+
+from __future__ import annotations
+
+import flax.linen as nn
+import jax
+import jax.numpy as jnp
+
+from lm.model.layers import ModelSpec, Partitioning, normal, param
+
+
+def rope(x: jax.Array, positions: jax.Array, theta: float) -> jax.Array:
+    """Rotates channel pairs (i, i + H/2) by position-dependent angles. x: [B, T, N, H]."""
+    half = x.shape[-1] // 2
+    freqs = theta ** (-jnp.arange(half, dtype=jnp.float32) / half)
+    angles = positions.astype(jnp.float32)[..., None] * freqs  # [B, T, H/2]
+    sin, cos = jnp.sin(angles)[:, :, None, :], jnp.cos(angles)[:, :, None, :]
+    x1, x2 = jnp.split(x.astype(jnp.float32), 2, axis=-1)
+    return jnp.concatenate([x1 * cos - x2 * sin, x2 * cos + x1 * sin], axis=-1).astype(x.dtype)
+
+
+def segment_causal_mask(segment_ids: jax.Array) -> jax.Array:
+    """[B, 1, T, T] bool: query t sees key s iff s <= t and both are in the same document."""
+    t = segment_ids.shape[1]
+    causal = jnp.tril(jnp.ones((t, t), dtype=bool))
+    same = segment_ids[:, :, None] == segment_ids[:, None, :]
+    return (causal[None] & same)[:, None]
+
+
+def reference_attention(q, k, v, mask) -> jax.Array:
+    """Plain softmax attention, float32 softmax. q: [B,T,N,H], k/v: [B,S,K,H], mask [B,1,T,S]."""
+    groups = q.shape[2] // k.shape[2]
+    k, v = jnp.repeat(k, groups, axis=2), jnp.repeat(v, groups, axis=2)
+    logits = jnp.einsum("btnh,bsnh->bnts", q, k, preferred_element_type=jnp.float32)
+    logits = logits / jnp.sqrt(q.shape[-1]).astype(jnp.float32)
+    logits = jnp.where(mask, logits, jnp.finfo(jnp.float32).min)
+    probs = jax.nn.softmax(logits, axis=-1).astype(v.dtype)
+    return jnp.einsum("bnts,bsnh->btnh", probs, v)
+
+
+def attend(q, k, v, mask, implementation: str) -> jax.Array:
+    if implementation == "reference":
+        return reference_attention(q, k, v, mask)
+    return jax.nn.dot_product_attention(q, k, v, mask=mask, implementation=implementation)
+
+
+class Attention(nn.Module):
+    spec: ModelSpec
+    part: Partitioning
+
+    @nn.compact
+    def __call__(self, x, mask, positions):
+        s, dt, c = self.spec, self.spec.dtype, self.part.constrain
+        init, out_init = normal(s.init_std), normal(s.init_std / (2 * s.n_layers) ** 0.5)
+
+        def project(name, heads, head_names, act_names):
+            w = param(self, name, init, (s.d_model, heads, s.head_dim), ("embed", head_names, "head_dim"))
+            y = jnp.einsum("btd,dnh->btnh", x, w.astype(dt))
+            if s.use_bias:
+                b = param(self, name + "_bias", nn.initializers.zeros, (heads, s.head_dim), (head_names, "head_dim"))
+                y = y + b.astype(dt)
+            return c(y, ("batch", "length", act_names, None))
+
+        q = project("wq", s.n_heads, "q_heads", "act_heads")
+        k = project("wk", s.n_kv_heads, "kv_heads", "act_kv_heads")
+        v = project("wv", s.n_kv_heads, "kv_heads", "act_kv_heads")
+        if s.position == "rope":
+            q, k = rope(q, positions, s.rope_theta), rope(k, positions, s.rope_theta)
+        y = attend(q, k, v, mask, s.attention)
+        y = c(y, ("batch", "length", "act_heads", None))
+        wo = param(self, "wo", out_init, (s.n_heads, s.head_dim, s.d_model), ("q_heads", "head_dim", "embed"))
+        out = jnp.einsum("btnh,nhd->btd", y, wo.astype(dt))
+        if s.use_bias:
+            out = out + param(self, "wo_bias", nn.initializers.zeros, (s.d_model,), ("embed",)).astype(dt)
+        return c(out, ("batch", "length", "act_embed"))

@@ -1,0 +1,27 @@
+"""Measured hardware figures: the matmul peak that MFU is reported against."""
+
+from __future__ import annotations
+
+import time
+
+import jax
+import jax.numpy as jnp
+
+
+def measure_matmul_peak(dtype: str = "float32", n: int = 2048, repeats: int = 5) -> float:
+    """FLOP/s of an n×n×n matmul on the default device (float32 accumulation), best of `repeats`."""
+    a = jax.random.normal(jax.random.PRNGKey(0), (n, n), jnp.float32).astype(dtype)
+    b = jax.random.normal(jax.random.PRNGKey(1), (n, n), jnp.float32).astype(dtype)
+    matmul = jax.jit(lambda x, y: jnp.dot(x, y, preferred_element_type=jnp.float32))
+    matmul(a, b).block_until_ready()
+    best = float("inf")
+    for _ in range(repeats):
+        start = time.perf_counter()
+        matmul(a, b).block_until_ready()
+        best = min(best, time.perf_counter() - start)
+    return 2 * n**3 / best
+
+
+def mfu(tokens_per_s: float, flops_per_token: float, peak_flops: float) -> float:
+    """Model FLOPs utilisation: achieved model FLOP/s over the peak."""
+    return tokens_per_s * flops_per_token / peak_flops if peak_flops > 0 else 0.0

@@ -1,0 +1,39 @@
+"""Losses as (sum, count) pairs so that averages over micro-batches and devices are exact.
+
+A LossFn is `(params, batch, rng) -> (objective_sum, sums)`: the gradient is taken of
+`objective_sum`, and `sums` holds additive statistics including the token `count`.
+The train step divides by the global count once, after all micro-batches.
+"""
+
+from __future__ import annotations
+
+import jax
+import jax.numpy as jnp
+
+
+def masked_cross_entropy(logits, targets, mask):
+    """Returns (nll_sum, count, z_sum): summed over positions where mask is 1.
+
+    logits are float32 [B, T, V]; z_sum is the sum of log(Z)^2 for the PaLM z-loss.
+    """
+    logits = logits.astype(jnp.float32)
+    log_z = jax.nn.logsumexp(logits, axis=-1)
+    target_logit = jnp.take_along_axis(logits, targets[..., None], axis=-1)[..., 0]
+    mask = mask.astype(jnp.float32)
+    nll_sum = jnp.sum((log_z - target_logit) * mask)
+    return nll_sum, jnp.sum(mask), jnp.sum(jnp.square(log_z) * mask)
+
+
+def logits_of(model, params, batch):
+    return model.apply({"params": params}, batch["inputs"], batch["segment_ids"], batch["positions"])
+
+
+def pretrain_loss(model, z_loss: float = 0.0):
+    """Next-token cross-entropy on every position whose loss_mask is 1, plus optional z-loss."""
+
+    def loss_fn(params, batch, rng):
+        del rng  # no dropout
+        nll, count, z = masked_cross_entropy(logits_of(model, params, batch), batch["targets"], batch["loss_mask"])
+        return nll + z_loss * z, {"loss_sum": nll, "log_z_sq_sum": z, "count": count}
+
+    return loss_fn

@@ -1,0 +1,127 @@
+"""`lm train`: data -> model -> sharded state -> loop -> checkpoints, metrics, plot, sample.
+
+Everything the run writes lives under `workdir`.
+"""
+
+from __future__ import annotations
+
+import json
+import pathlib
+
+import jax
+
+from lm import plan
+from lm.config import rules_table
+from lm.data.pipeline import eval_batches, train_dataset
+from lm.data.prepare import describe, prepare_pretrain_data
+from lm.errors import UserError
+from lm.infer.sample import generate
+from lm.model.layers import ModelSpec, Partitioning
+from lm.model.transformer import Transformer
+from lm.perf import measure_matmul_peak
+from lm.sharding import batch_sharding, host_batch_to_global, make_mesh
+from lm.train.checkpoint import Checkpointer
+from lm.train.loop import LoopSpec, run_loop
+from lm.train.losses import pretrain_loss
+from lm.train.metrics import MetricsWriter, plot_curves, truncate_after
+from lm.train.optim import make_optimizer
+from lm.train.state import abstract_state, create_state
+from lm.train.steps import make_eval_step, make_train_step
+
+
+def _load_data(config, workdir: pathlib.Path):
+    d = config.data
+    cache = pathlib.Path(d.cache_dir) if d.cache_dir else workdir / "data"
+    data = prepare_pretrain_data(d.corpus, d.tokenizer, d.heldout_fraction, cache, d.max_train_bytes)
+    if data.tokenizer.vocab_size > config.model.vocab_size:
+        raise UserError(f"model.vocab_size={config.model.vocab_size} is smaller than the "
+                        f"'{d.tokenizer}' tokenizer's {data.tokenizer.vocab_size} ids")
+    return data
+
+
+def _evaluator(eval_fn, batches, to_device):
+    def evaluate(state):
+        total, count = 0.0, 0.0
+        for batch in batches:
+            stats = jax.device_get(eval_fn(state.params, to_device(batch)))
+            total, count = total + float(stats["loss_sum"]), count + float(stats["count"])
+        return {"eval_loss": total / max(count, 1.0), "eval_tokens": count}
+
+    return evaluate
+
+
+def train(config, workdir, resume: bool = False, show_progress: bool = True) -> dict:
+    workdir = pathlib.Path(workdir)
+    workdir.mkdir(parents=True, exist_ok=True)
+    is_main = jax.process_index() == 0
+    if is_main:
+        (workdir / "config.json").write_text(config.to_json(indent=2))
+    data = _load_data(config, workdir)
+    t, m = config.train, config.model
+    print(describe(data.stats))
+
+    rules = rules_table(config)
+    mesh = make_mesh(config.mesh)
+    spec = ModelSpec.from_config(m)
+    model = Transformer(spec, Partitioning(mesh, rules))
+    optimizer, schedule = make_optimizer(config.optim, t.steps)
+    state, shardings = create_state(model, optimizer, mesh, rules, t.seed)
+    b_sharding = batch_sharding(mesh, rules)
+    to_device = lambda batch: host_batch_to_global(batch, b_sharding)  # noqa: E731
+
+    n_proc, seq = jax.process_count(), config.data.seq_len
+    if t.batch_size % n_proc:
+        raise UserError(f"train.batch_size={t.batch_size} must divide evenly over {n_proc} processes")
+    eos = data.tokenizer.eos_id
+    data_iter = iter(train_dataset(data.train_tokens, seq_len=seq, batch_size=t.batch_size // n_proc,
+                                   seed=t.seed, eos_id=eos, process_index=jax.process_index(),
+                                   process_count=n_proc))
+    checkpointer = Checkpointer(workdir / "checkpoints", config.checkpoint.every_steps, config.checkpoint.keep)
+    if resume:
+        state, step = checkpointer.restore(abstract_state(model, optimizer, shardings), data_iter)
+        truncate_after(workdir / "metrics.jsonl", step) if is_main else None
+        print(f"resumed from step {step}")
+    elif checkpointer.latest_step() is not None:
+        raise UserError(f"'{workdir}' already holds checkpoints; pass --resume to continue, or use a new --workdir")
+
+    loss_fn = pretrain_loss(model, config.optim.z_loss)
+    step_fn = make_train_step(loss_fn, optimizer, schedule, mesh, shardings, b_sharding, t.micro_batches)
+    e = config.eval
+    batches = eval_batches(data.heldout_tokens, seq_len=seq, batch_size=e.batch_size, n_batches=e.batches,
+                           eos_id=eos)
+    evaluate = _evaluator(make_eval_step(loss_fn, mesh, shardings.params, b_sharding), batches, to_device)
+
+    flops = plan.flops_per_token(m, seq)
+    peak = t.peak_flops or measure_matmul_peak(m.compute_dtype) * len(jax.devices())
+    writer = MetricsWriter(workdir, enabled=is_main)
+    if not resume:
+        writer.write(0, {"unigram_baseline": data.stats["unigram_entropy_nats"], "params": plan.param_count(m),
+                         "flops_per_token": flops, "peak_flops": peak} | evaluate(state))
+    spec_loop = LoopSpec(t.steps, t.log_every, e.every_steps, t.batch_size * seq, flops, peak)
+    state, last = run_loop(spec_loop, state, step_fn, data_iter, to_device, evaluate=evaluate,
+                           writer=writer, checkpointer=checkpointer, show_progress=show_progress and is_main)
+    checkpointer.close()
+    writer.close()
+    return _finish(config, workdir, model, state, data, last, is_main)
+
+
+def _finish(config, workdir, model, state, data, last: dict, is_main: bool) -> dict:
+    """Plot, sample and a summary; only process 0 writes files."""
+    tok = data.tokenizer
+    prompt = tok.encode(config.train.sample_prompt)
+    sample_model = Transformer(model.spec)  # unconstrained: batch of one
+    ids = generate(sample_model, state.params, prompt, config.train.sample_tokens, config.data.seq_len,
+                   seed=config.train.seed)
+    text = tok.decode(ids)
+    summary = {"step": int(jax.device_get(state.step)), "unigram_baseline": data.stats["unigram_entropy_nats"]}
+    summary |= {k: last[k] for k in ("loss", "tokens_per_s", "mfu", "compile_s") if k in last}
+    if is_main:
+        rows = [json.loads(line) for line in (workdir / "metrics.jsonl").read_text().splitlines()]
+        evals = [r["eval_loss"] for r in rows if "eval_loss" in r]
+        summary["eval_loss"] = evals[-1] if evals else None
+        plot_curves(workdir / "metrics.jsonl", workdir / "loss.png", baseline=summary["unigram_baseline"])
+        (workdir / "sample.txt").write_text(text)
+        (workdir / "summary.json").write_text(json.dumps(summary, indent=2))
+        print("--- sample ---\n" + text + "\n--------------")
+    return summary | {"sample": text}
+

@@ -1,0 +1,84 @@
+"""The one update routine shared by every training flavour, and the eval step.
+
+Gradient accumulation scans over micro-batches inside the jitted step, summing the
+gradients of loss *sums*, then divides once by the global token count, so the
+update does not depend on how the batch was split.
+"""
+
+from __future__ import annotations
+
+import jax
+import jax.numpy as jnp
+import optax
+from jax.sharding import NamedSharding, PartitionSpec
+
+from lm.train.state import TrainState
+
+
+def split_micro(x: jax.Array, n: int) -> jax.Array:
+    """[B, ...] -> [n, B/n, ...] where micro-batch i holds rows i, i+n, ...
+
+    Interleaving keeps every device's rows on that device (no resharding).
+    """
+    return x.reshape(x.shape[0] // n, n, *x.shape[1:]).swapaxes(0, 1)
+
+
+def _tree_add(a, b):
+    return jax.tree.map(jnp.add, a, b)
+
+
+def accumulate(loss_fn, params, batch, rng, n_micro: int, micro_sharding=None):
+    """Sums (grads, stats) of loss_fn over n_micro interleaved micro-batches."""
+    micro = jax.tree.map(lambda x: split_micro(x, n_micro), batch)
+    if micro_sharding is not None:
+        micro = jax.tree.map(lambda x: jax.lax.with_sharding_constraint(x, micro_sharding), micro)
+    grad_fn = jax.value_and_grad(loss_fn, has_aux=True)
+    first = jax.tree.map(lambda x: x[0], micro)
+    _, stats_shape = jax.eval_shape(loss_fn, params, first, rng)
+    init = (jax.tree.map(jnp.zeros_like, params), jax.tree.map(lambda s: jnp.zeros(s.shape, s.dtype), stats_shape))
+
+    def body(carry, xs):
+        mb, i = xs
+        (_, stats), grads = grad_fn(params, mb, jax.random.fold_in(rng, i))
+        return (_tree_add(carry[0], grads), _tree_add(carry[1], stats)), None
+
+    (grads, stats), _ = jax.lax.scan(body, init, (micro, jnp.arange(n_micro)))
+    return grads, stats
+
+
+def summarize(stats) -> dict:
+    """Turns summed statistics into per-token means (keys ending in _sum) plus the count."""
+    count = jnp.maximum(stats["count"], 1.0)
+    out = {k[: -len("_sum")]: v / count for k, v in stats.items() if k.endswith("_sum")}
+    out["tokens"] = stats["count"]
+    return out
+
+
+def make_train_step(loss_fn, optimizer, schedule, mesh, state_shardings, batch_shardings, n_micro: int = 1):
+    """Builds the jitted `step(state, batch) -> (state, metrics)`; the state buffer is donated."""
+    spec = batch_shardings.spec if isinstance(batch_shardings, NamedSharding) else None
+    micro_sharding = NamedSharding(mesh, PartitionSpec(None, *spec)) if spec is not None else None
+
+    def step(state: TrainState, batch):
+        rng, step_rng = jax.random.split(state.rng)
+        grads, stats = accumulate(loss_fn, state.params, batch, step_rng, n_micro, micro_sharding)
+        grads = jax.tree.map(lambda g: g / jnp.maximum(stats["count"], 1.0), grads)
+        updates, opt_state = optimizer.update(grads, state.opt_state, state.params)
+        params = optax.apply_updates(state.params, updates)
+        metrics = summarize(stats) | {"grad_norm": optax.global_norm(grads), "lr": schedule(state.step)}
+        return TrainState(step=state.step + 1, params=params, opt_state=opt_state, rng=rng), metrics
+
+    rep = NamedSharding(mesh, PartitionSpec())
+    return jax.jit(step, in_shardings=(state_shardings, batch_shardings),
+                   out_shardings=(state_shardings, rep), donate_argnums=0)
+
+
+def make_eval_step(loss_fn, mesh, param_shardings, batch_shardings):
+    """Jitted `eval(params, batch) -> stats` returning sums, so callers can average exactly."""
+
+    def evaluate(params, batch):
+        _, stats = loss_fn(params, batch, jax.random.PRNGKey(0))
+        return stats
+
+    rep = NamedSharding(mesh, PartitionSpec())
+    return jax.jit(evaluate, in_shardings=(param_shardings, batch_shardings), out_shardings=rep)

@@ -1,0 +1,6 @@
+"""Eight simulated CPU devices for mesh tests: must be set before jax is first imported."""
+
+import os
+
+os.environ["XLA_FLAGS"] = (os.environ.get("XLA_FLAGS", "") + " --xla_force_host_platform_device_count=8").strip()
+os.environ.setdefault("JAX_PLATFORMS", "cpu")

@@ -12,6 +12,7 @@ import argparse
 import contextlib
 import json
 import os
+import statistics
 import sys
 import time
 
@@ -92,15 +93,19 @@ def main(argv=None):
 
     for _ in range(args.warmup):
         step()
-    t0 = time.perf_counter()
+    times = []  # eager CPU is synchronous: wall time per step is exact
     for _ in range(args.steps):
-        loss = step()
-    loss.item()  # eager CPU is synchronous; this just touches the result
-    dt = (time.perf_counter() - t0) / args.steps
+        t0 = time.perf_counter()
+        step().item()
+        times.append(time.perf_counter() - t0)
+    dt = sum(times) / len(times)
 
     print(json.dumps({
         "peer": "nanoGPT", "dtype": args.dtype,
         "tokens_per_s": round(B * T / dt, 1), "ms_per_step": round(dt * 1e3, 2),
+        # mean above; median and best help when the machine is noisy
+        "ms_per_step_median": round(statistics.median(times) * 1e3, 2),
+        "ms_per_step_min": round(min(times) * 1e3, 2),
         "n_params": n_params, "shape": shape, "torch": torch.__version__,
     }))
 

@@ -79,7 +79,7 @@ def base_config() -> ConfigDict:
 
 def _suggest(key: str, options) -> str:
     close = difflib.get_close_matches(key, list(options), n=1)
-    return f" (did you mean '{close[0]}'?)" if close else ""
+    return f" (did you mean '{close[0]}'?)" if close else f" (known keys: {', '.join(sorted(options))})"
 
 
 def _check_type(key: str, value, default):
@@ -182,7 +182,10 @@ def _load_file(path: str) -> ConfigDict:
         raise UserError(f"config file '{path}' failed to load: {type(e).__name__}: {e}") from None
     if not hasattr(module, "get_config"):
         raise UserError(f"config file '{path}' has no get_config() function")
-    return module.get_config()
+    try:
+        return module.get_config()
+    except Exception as e:
+        raise UserError(f"config file '{path}': get_config() failed: {type(e).__name__}: {e}") from None
 
 
 def _require(ok: bool, key: str, value, expected: str) -> None:

@@ -65,7 +65,7 @@ def make_train_step(loss_fn, optimizer, schedule, mesh, state_shardings, batch_s
         grads = jax.tree.map(lambda g: g / jnp.maximum(stats["count"], 1.0), grads)
         updates, opt_state = optimizer.update(grads, state.opt_state, state.params)
         params = optax.apply_updates(state.params, updates)
-        metrics = summarize(stats) | {"grad_norm": optax.global_norm(grads), "lr": schedule(state.step)}
+        metrics = summarize(stats) | {"grad_norm": optax.tree.norm(grads), "lr": schedule(state.step)}
         return TrainState(step=state.step + 1, params=params, opt_state=opt_state, rng=rng), metrics
 
     rep = NamedSharding(mesh, PartitionSpec())

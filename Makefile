@@ -1,0 +1,22 @@
+# The two entry points: `make demo` (install + train the tiny model on the Python
+# standard library) and `make test` (install + run the test suite).
+PYTHON ?= python3
+VENV ?= .venv
+PY := $(VENV)/bin/python
+WORKDIR ?= runs/tiny-$(shell date +%Y%m%d-%H%M%S)
+
+$(VENV)/.installed: pyproject.toml
+	$(PYTHON) -m venv $(VENV)
+	$(PY) -m pip install -q --upgrade pip
+	$(PY) -m pip install -q -e '.[dev]'
+	touch $@
+
+install: $(VENV)/.installed
+
+demo: $(VENV)/.installed
+	$(VENV)/bin/lm train --config configs/tiny.py --workdir $(WORKDIR)
+
+test: $(VENV)/.installed
+	$(PY) -m pytest -q
+
+.PHONY: install demo test

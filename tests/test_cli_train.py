@@ -1,0 +1,98 @@
+"""`lm train` end to end on a small corpus: outputs, resume, and one-line user errors."""
+
+import json
+import pathlib
+import shutil
+import sysconfig
+
+import numpy as np
+import orbax.checkpoint as ocp
+import pytest
+
+from lm.cli import main
+
+SMALL = ["--config.model.d_model=32", "--config.model.n_layers=2", "--config.model.n_heads=2",
+         "--config.model.n_kv_heads=1", "--config.model.d_ff=64", "--config.data.seq_len=32",
+         "--config.train.batch_size=16", "--config.eval.batches=2", "--config.eval.batch_size=8",
+         "--config.train.sample_tokens=16", "--config.optim.warmup_steps=5", "--config.optim.decay_steps=40",
+         "--config.train.peak_flops=1e11", "--no-progress"]
+
+
+@pytest.fixture(scope="module")
+def corpus(tmp_path_factory):
+    """A few real stdlib modules: enough text for a short run."""
+    root = tmp_path_factory.mktemp("corpus")
+    stdlib = pathlib.Path(sysconfig.get_paths()["stdlib"])
+    for name in ["abc.py", "bisect.py", "colorsys.py", "copy.py", "fnmatch.py", "heapq.py", "keyword.py",
+                 "numbers.py", "operator.py", "queue.py", "shlex.py", "textwrap.py"]:
+        shutil.copy(stdlib / name, root / name)
+    return root
+
+
+def train(workdir, corpus, steps, *extra):
+    return main(["train", "--workdir", str(workdir), f"--config.data.corpus={corpus}",
+                 f"--config.train.steps={steps}", "--config.eval.every_steps=10",
+                 "--config.checkpoint.every_steps=10", *SMALL, *extra])
+
+
+def final_params(workdir, step):
+    manager = ocp.CheckpointManager(pathlib.Path(workdir, "checkpoints").absolute(), item_names=("state", "data"))
+    restored = manager.restore(step, args=ocp.args.Composite(state=ocp.args.StandardRestore()))
+    return restored["state"]["params"]
+
+
+@pytest.mark.slow
+def test_train_writes_everything_and_resume_is_exact(tmp_path, corpus):
+    straight, split = tmp_path / "straight", tmp_path / "split"
+    assert train(straight, corpus, 20) == 0
+    rows = [json.loads(line) for line in (straight / "metrics.jsonl").read_text().splitlines()]
+    steps = [r for r in rows if "loss" in r]
+    assert [r["step"] for r in steps] == [10, 20]
+    for r in steps:
+        assert {"loss", "lr", "grad_norm", "tokens_per_s", "mfu"} <= r.keys()
+    evals = [r for r in rows if "eval_loss" in r]
+    assert [r["step"] for r in evals] == [0, 10, 20]
+    assert evals[-1]["eval_loss"] < evals[0]["eval_loss"]
+    assert (straight / "loss.png").read_bytes()[:4] == b"\x89PNG"
+    assert list((straight / "tensorboard").glob("events.out.tfevents.*"))
+    assert json.loads((straight / "config.json").read_text())["train"]["steps"] == 20
+    assert (straight / "sample.txt").read_text()
+
+    assert train(split, corpus, 10) == 0
+    assert train(split, corpus, 20, "--resume") == 0
+    a, b = final_params(straight, 20), final_params(split, 20)
+    for x, y in zip(jax_leaves(a), jax_leaves(b)):
+        np.testing.assert_array_equal(x, y)
+    rows_b = [json.loads(line) for line in (split / "metrics.jsonl").read_text().splitlines()]
+    assert [r["loss"] for r in rows_b if "loss" in r] == [r["loss"] for r in steps]
+
+
+def jax_leaves(tree):
+    import jax
+
+    return jax.tree.leaves(tree)
+
+
+def test_user_errors_are_one_line(tmp_path, capsys, corpus):
+    cases = [
+        (["--config.data.corpus=" + str(tmp_path / "missing")], "does not exist"),
+        (["--config", str(tmp_path / "nope.py")], "nope.py' does not exist"),
+        (["--resume"], "no checkpoint"),
+        (["--config.model.n_kv_heads=3"], "model.n_kv_heads"),
+    ]
+    for args, words in cases:
+        code = main(["train", "--workdir", str(tmp_path / "w"), f"--config.data.corpus={corpus}", *args])
+        err = capsys.readouterr().err.strip()
+        assert code == 2 and err.startswith("lm: error:") and words in err and "\n" not in err, err
+
+
+def test_empty_corpus_is_a_user_error(tmp_path, capsys):
+    (tmp_path / "empty").mkdir()
+    (tmp_path / "empty" / "a.txt").write_text("")
+    assert main(["train", "--workdir", str(tmp_path / "w"), f"--config.data.corpus={tmp_path / 'empty'}"]) == 2
+    assert "empty" in capsys.readouterr().err
+
+
+def test_plan_prints_counts(capsys):
+    assert main(["plan", "--config", "configs/llama3_8b.py"]) == 0
+    assert "8,030,261,248" in capsys.readouterr().out

@@ -34,6 +34,11 @@ def _parser() -> argparse.ArgumentParser:
     t.add_argument("--workdir", required=True, help="directory for checkpoints, metrics, plots")
     t.add_argument("--resume", action="store_true", help="continue from the newest checkpoint in --workdir")
     t.add_argument("--no-progress", action="store_true", help="no progress bar (logs only)")
+    t.add_argument("--distributed", action="store_true",
+                   help="multi-host: call jax.distributed.initialize() (auto-detects TPU pods, Slurm, ...)")
+    t.add_argument("--coordinator", help="with --distributed: host:port of process 0 (else auto-detected)")
+    t.add_argument("--num-processes", type=int, help="with --distributed: number of processes")
+    t.add_argument("--process-id", type=int, help="with --distributed: this process's index")
     pl = sub.add_parser("plan", help="params, FLOPs and memory of a config")
     pl.add_argument("--config", default="configs/tiny.py")
     return p
@@ -52,11 +57,16 @@ def main(argv: list[str] | None = None) -> int:
 
             print(plan.summary(config.model, config.data.seq_len))
             return 0
+        if args.distributed:
+            import jax
+
+            jax.distributed.initialize(args.coordinator, args.num_processes, args.process_id)
         from lm.train.pretrain import train
 
         summary = train(config, args.workdir, resume=args.resume, show_progress=not args.no_progress)
-        print(f"done: step {summary['step']}, held-out loss {summary['eval_loss']:.4f} "
-              f"(unigram baseline {summary['unigram_baseline']:.4f}); see {args.workdir}/loss.png")
+        if summary["eval_loss"] is not None:
+            print(f"done: step {summary['step']}, held-out loss {summary['eval_loss']:.4f} "
+                  f"(unigram baseline {summary['unigram_baseline']:.4f}); see {args.workdir}/loss.png")
         return 0
     except UserError as e:
         print(f"lm: error: {e}", file=sys.stderr)

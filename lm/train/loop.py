@@ -32,11 +32,11 @@ def _due(step: int, every: int, total: int) -> bool:
 
 def run_loop(spec: LoopSpec, state, step_fn: Callable, data_iter: Iterator, to_device: Callable, *,
              evaluate: Callable | None = None, writer=None, checkpointer=None, show_progress: bool = True):
-    """Runs from state.step to spec.total_steps; returns (state, last logged metrics)."""
+    """Runs from state.step to spec.total_steps; returns (state, last logged and eval metrics)."""
     start = int(jax.device_get(state.step))
     bar = tqdm(total=spec.total_steps, initial=start, disable=not show_progress, unit="step",
                dynamic_ncols=True)
-    window_start, window_steps, logged, compile_s = None, 0, {}, None
+    window_start, window_steps, logged, compile_s, last_eval = None, 0, {}, None, {}
     for step in range(start + 1, spec.total_steps + 1):
         t0 = time.perf_counter()
         state, metrics = step_fn(state, to_device(next(data_iter)))
@@ -58,7 +58,7 @@ def run_loop(spec: LoopSpec, state, step_fn: Callable, data_iter: Iterator, to_d
                 writer.write(step, logged)
             bar.set_postfix(_postfix(row), refresh=False)
         if evaluate is not None and _due(step, spec.eval_every, spec.total_steps):
-            eval_row = evaluate(state)
+            eval_row = last_eval = evaluate(state)
             if writer:
                 writer.write(step, eval_row)
             bar.write(f"step {step}: " + ", ".join(f"{k} {v:.4f}" for k, v in eval_row.items()))
@@ -67,7 +67,7 @@ def run_loop(spec: LoopSpec, state, step_fn: Callable, data_iter: Iterator, to_d
             checkpointer.save(step, state, data_iter, force=step == spec.total_steps)
         bar.update(1)
     bar.close()
-    return state, logged
+    return state, logged | last_eval
 
 
 def _postfix(row: dict) -> dict:

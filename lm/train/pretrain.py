@@ -79,7 +79,8 @@ def train(config, workdir, resume: bool = False, show_progress: bool = True) -> 
     checkpointer = Checkpointer(workdir / "checkpoints", config.checkpoint.every_steps, config.checkpoint.keep)
     if resume:
         state, step = checkpointer.restore(abstract_state(model, optimizer, shardings), data_iter)
-        truncate_after(workdir / "metrics.jsonl", step) if is_main else None
+        if is_main:
+            truncate_after(workdir / "metrics.jsonl", step)
         print(f"resumed from step {step}")
     elif checkpointer.latest_step() is not None:
         raise UserError(f"'{workdir}' already holds checkpoints; pass --resume to continue, or use a new --workdir")
@@ -114,11 +115,8 @@ def _finish(config, workdir, model, state, data, last: dict, is_main: bool) -> d
                    seed=config.train.seed)
     text = tok.decode(ids)
     summary = {"step": int(jax.device_get(state.step)), "unigram_baseline": data.stats["unigram_entropy_nats"]}
-    summary |= {k: last[k] for k in ("loss", "tokens_per_s", "mfu", "compile_s") if k in last}
+    summary |= {k: last.get(k) for k in ("loss", "eval_loss", "tokens_per_s", "mfu", "compile_s")}
     if is_main:
-        rows = [json.loads(line) for line in (workdir / "metrics.jsonl").read_text().splitlines()]
-        evals = [r["eval_loss"] for r in rows if "eval_loss" in r]
-        summary["eval_loss"] = evals[-1] if evals else None
         plot_curves(workdir / "metrics.jsonl", workdir / "loss.png", baseline=summary["unigram_baseline"])
         (workdir / "sample.txt").write_text(text)
         (workdir / "summary.json").write_text(json.dumps(summary, indent=2))

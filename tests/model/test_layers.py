@@ -1,0 +1,82 @@
+"""Norms and MLPs against numpy formulas, with non-trivial (random) params."""
+
+import dataclasses
+
+import flax.linen as nn
+import jax
+import jax.numpy as jnp
+import numpy as np
+import pytest
+
+from lm.model.layers import Mlp, ModelSpec, Norm, Partitioning
+
+SPEC = ModelSpec(vocab_size=16, d_model=8, n_layers=2, n_heads=2, n_kv_heads=1, head_dim=4, d_ff=12,
+                 norm_eps=1e-5)
+
+
+def randomized(params, seed):
+    """Replaces every param with random values so scale=1/bias=0 defaults can't hide mistakes."""
+    leaves, tree = jax.tree.flatten(nn.unbox(params))
+    keys = jax.random.split(jax.random.key(seed), len(leaves))
+    return jax.tree.unflatten(tree, [jax.random.normal(k, x.shape) for k, x in zip(keys, leaves)])
+
+
+def apply(module, x, seed=0):
+    params = randomized(module.init(jax.random.key(0), x)["params"], seed)
+    y = module.apply({"params": params}, x)
+    return np.asarray(y, np.float64), jax.tree.map(lambda a: np.asarray(a, np.float64), params)
+
+
+@pytest.fixture(scope="module")
+def x():
+    return jnp.asarray(np.random.default_rng(0).normal(size=(2, 3, 8)) * 3 + 1, jnp.float32)
+
+
+def test_rmsnorm(x):
+    y, p = apply(Norm(SPEC), x)
+    xn = np.asarray(x, np.float64)
+    want = xn / np.sqrt((xn**2).mean(-1, keepdims=True) + 1e-5) * p["scale"]
+    np.testing.assert_allclose(y, want, rtol=1e-5, atol=1e-5)
+    assert set(p) == {"scale"}
+
+
+@pytest.mark.parametrize("use_bias", [False, True])
+def test_layernorm(x, use_bias):
+    spec = dataclasses.replace(SPEC, norm="layernorm", use_bias=use_bias)
+    y, p = apply(Norm(spec), x)
+    xn = np.asarray(x, np.float64)
+    mu, var = xn.mean(-1, keepdims=True), xn.var(-1, keepdims=True)
+    want = (xn - mu) / np.sqrt(var + 1e-5) * p["scale"] + (p["bias"] if use_bias else 0.0)
+    np.testing.assert_allclose(y, want, rtol=1e-5, atol=1e-5)
+    assert set(p) == ({"scale", "bias"} if use_bias else {"scale"})
+
+
+def test_norm_returns_compute_dtype(x):
+    spec = dataclasses.replace(SPEC, compute_dtype="bfloat16")
+    module = Norm(spec)
+    y = module.apply(module.init(jax.random.key(0), x), x)
+    assert y.dtype == jnp.bfloat16
+
+
+def np_silu(a):
+    return a / (1 + np.exp(-a))
+
+
+def np_gelu_tanh(a):
+    return 0.5 * a * (1 + np.tanh(np.sqrt(2 / np.pi) * (a + 0.044715 * a**3)))
+
+
+def test_swiglu_mlp(x):
+    y, p = apply(Mlp(SPEC, Partitioning()), x, seed=1)
+    xn = np.asarray(x, np.float64)
+    want = (np_silu(xn @ p["w_gate"]) * (xn @ p["w_up"])) @ p["w_down"]
+    np.testing.assert_allclose(y, want, rtol=1e-4, atol=1e-4)
+
+
+def test_gelu_mlp_with_bias(x):
+    spec = dataclasses.replace(SPEC, mlp="gelu", use_bias=True)
+    y, p = apply(Mlp(spec, Partitioning()), x, seed=2)
+    xn = np.asarray(x, np.float64)
+    h = np_gelu_tanh(xn @ p["w_in"] + p["w_in_bias"])
+    want = h @ p["w_down"] + p["w_down_bias"]
+    np.testing.assert_allclose(y, want, rtol=1e-4, atol=1e-4)

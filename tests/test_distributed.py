@@ -1,0 +1,49 @@
+"""Two processes x 4 CPU devices train like one process x 8 devices (jax.distributed on localhost)."""
+
+import json
+import os
+import socket
+import subprocess
+import sys
+
+import pytest
+
+from tests.test_cli_train import SMALL, corpus  # noqa: F401  (fixture)
+
+ARGS = SMALL + ["--config.train.steps=6", "--config.train.log_every=2", "--config.eval.every_steps=0",
+                "--config.checkpoint.every_steps=3", "--config.mesh.data=2", "--config.mesh.fsdp=4"]
+
+
+def free_port() -> int:
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        return s.getsockname()[1]
+
+
+def run(workdir, corpus, n_proc: int, devices_per_proc: int):
+    env = os.environ | {"XLA_FLAGS": f"--xla_force_host_platform_device_count={devices_per_proc}",
+                        "JAX_PLATFORMS": "cpu"}
+    base = [sys.executable, "-m", "lm.cli", "train", "--workdir", str(workdir),
+            f"--config.data.corpus={corpus}", *ARGS]
+    if n_proc > 1:
+        port = free_port()
+        cmds = [base + ["--distributed", "--coordinator", f"127.0.0.1:{port}", "--num-processes", str(n_proc),
+                        "--process-id", str(i)] for i in range(n_proc)]
+    else:
+        cmds = [base]
+    procs = [subprocess.Popen(c, env=env, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True) for c in cmds]
+    outs = [p.communicate(timeout=600)[0] for p in procs]
+    for p, out in zip(procs, outs):
+        assert p.returncode == 0, out[-3000:]
+    return [json.loads(line) for line in (workdir / "metrics.jsonl").read_text().splitlines()]
+
+
+@pytest.mark.slow
+def test_two_processes_match_one(tmp_path, corpus):  # noqa: F811
+    one = run(tmp_path / "one", corpus, 1, 8)
+    two = run(tmp_path / "two", corpus, 2, 4)
+    losses_one = [r["loss"] for r in one if "loss" in r]
+    losses_two = [r["loss"] for r in two if "loss" in r]
+    assert len(losses_one) == 3
+    assert losses_two == pytest.approx(losses_one, rel=1e-5)
+    assert (tmp_path / "two" / "checkpoints" / "6").is_dir()

@@ -101,7 +101,7 @@ def prepare_pretrain_data(
 ) -> PretrainData:
     """Resolve, split, tokenize and cache a corpus; reuse the cache when nothing changed."""
     if max_bytes < 0:
-        raise UserError(f"data.max_bytes: {max_bytes} must be >= 0 (0 means the whole corpus)")
+        raise UserError(f"data.max_train_bytes: {max_bytes} must be >= 0 (0 means the whole corpus)")
     tokenizer = load_tokenizer(tokenizer_name)
     root, files = resolve_corpus(corpus)
     stat = {p: p.stat() for p in files}

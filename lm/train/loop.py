@@ -61,7 +61,7 @@ def run_loop(spec: LoopSpec, state, step_fn: Callable, data_iter: Iterator, to_d
             eval_row = last_eval = evaluate(state)
             if writer:
                 writer.write(step, eval_row)
-            bar.write(f"step {step}: " + ", ".join(f"{k} {v:.4f}" for k, v in eval_row.items()))
+            bar.write(f"step {step}: held-out loss {eval_row['eval_loss']:.4f}")
             window_start, window_steps = time.perf_counter(), 0  # eval time is not training time
         if checkpointer is not None:
             checkpointer.save(step, state, data_iter, force=step == spec.total_steps)

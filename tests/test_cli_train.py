@@ -79,6 +79,7 @@ def test_user_errors_are_one_line(tmp_path, capsys, corpus):
         (["--config", str(tmp_path / "nope.py")], "nope.py' does not exist"),
         (["--resume"], "no checkpoint"),
         (["--config.model.n_kv_heads=3"], "model.n_kv_heads"),
+        (["--config.train.batch_size=12"], "8 batch shards"),
     ]
     for args, words in cases:
         code = main(["train", "--workdir", str(tmp_path / "w"), f"--config.data.corpus={corpus}", *args])

@@ -20,7 +20,8 @@ def masked_cross_entropy(logits, targets, mask):
     log_z = jax.nn.logsumexp(logits, axis=-1)
     target_logit = jnp.take_along_axis(logits, targets[..., None], axis=-1)[..., 0]
     mask = mask.astype(jnp.float32)
-    nll_sum = jnp.sum((log_z - target_logit) * mask)
+    # where, not just * mask: an out-of-range target id (e.g. a padding sentinel) gathers NaN
+    nll_sum = jnp.sum(jnp.where(mask != 0, (log_z - target_logit) * mask, 0.0))
     return nll_sum, jnp.sum(mask), jnp.sum(jnp.square(log_z) * mask)
 
 

@@ -6,6 +6,7 @@ Everything the run writes lives under `workdir`.
 from __future__ import annotations
 
 import json
+import math
 import pathlib
 
 import jax
@@ -50,6 +51,17 @@ def _evaluator(eval_fn, batches, to_device):
     return evaluate
 
 
+def _check_batch_split(batch_size: int, micro_batches: int, n_proc: int, sharding) -> None:
+    """Every micro-batch must split evenly over the batch-sharded devices and the processes."""
+    axes = sharding.spec[0] if sharding.spec else None
+    axes = () if axes is None else (axes if isinstance(axes, tuple) else (axes,))
+    n_shards = math.prod(sharding.mesh.shape[a] for a in axes)
+    if batch_size % n_proc or (batch_size // micro_batches) % n_shards:
+        raise UserError(f"train.batch_size={batch_size} with train.micro_batches={micro_batches} gives "
+                        f"micro-batches of {batch_size // micro_batches} rows, which must divide evenly over "
+                        f"the {n_shards} batch shards of the mesh and {n_proc} processes")
+
+
 def train(config, workdir, resume: bool = False, show_progress: bool = True) -> dict:
     workdir = pathlib.Path(workdir)
     workdir.mkdir(parents=True, exist_ok=True)
@@ -70,8 +82,7 @@ def train(config, workdir, resume: bool = False, show_progress: bool = True) -> 
     to_device = lambda batch: host_batch_to_global(batch, b_sharding)  # noqa: E731
 
     n_proc, seq = jax.process_count(), config.data.seq_len
-    if t.batch_size % n_proc:
-        raise UserError(f"train.batch_size={t.batch_size} must divide evenly over {n_proc} processes")
+    _check_batch_split(t.batch_size, t.micro_batches, n_proc, b_sharding)
     eos = data.tokenizer.eos_id
     data_iter = iter(train_dataset(data.train_tokens, seq_len=seq, batch_size=t.batch_size // n_proc,
                                    seed=t.seed, eos_id=eos, process_index=jax.process_index(),

@@ -1,0 +1,197 @@
+"""Training throughput of one pretrain step on one CPU device: tokens/s, ms/step, MFU, compile time.
+
+Shape (nanoGPT's "baby GPT" scale): 6 layers, 6 heads, d_model 384, SwiGLU d_ff 1024 (the
+parameter count of a 4x GELU MLP), seq_len 256, batch 16, byte vocabulary, tied embeddings,
+RoPE. MFU is against the matmul peak measured in the same run (lm.perf.measure_matmul_peak).
+
+    PYTHONPATH=. python bench/train_throughput.py [--steps 20] [--out figures.json] \
+        [--peer-python /tmp/torch-venv/bin/python --nanogpt /tmp/nanoGPT]
+
+With the peer flags, bench/nanogpt_peer.py runs right after our measurement of each dtype
+and the ratio ours/peer is printed. Prints figures only; asserts nothing.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import os
+import pathlib
+import re
+import subprocess
+import sys
+import time
+
+# One real CPU device: drop a simulated-device count inherited from the environment.
+os.environ["XLA_FLAGS"] = re.sub(r"--xla_force_host_platform_device_count=\S+", "",
+                                 os.environ.get("XLA_FLAGS", "")).strip()
+
+import jax  # noqa: E402
+import jax.numpy as jnp  # noqa: E402
+import numpy as np  # noqa: E402
+
+from lm import plan  # noqa: E402
+from lm.config import base_config, rules_table, validate  # noqa: E402
+from lm.model.layers import ModelSpec, Partitioning  # noqa: E402
+from lm.model.transformer import Transformer  # noqa: E402
+from lm.perf import measure_matmul_peak, mfu  # noqa: E402
+from lm.sharding import batch_sharding, make_mesh  # noqa: E402
+from lm.train.losses import pretrain_loss  # noqa: E402
+from lm.train.optim import make_optimizer  # noqa: E402
+from lm.train.state import abstract_state, create_state, state_shardings  # noqa: E402
+from lm.train.steps import make_train_step  # noqa: E402
+
+REPO = pathlib.Path(__file__).resolve().parent.parent
+SEQ, BATCH = 256, 16
+
+
+def make_config(dtype: str, n_layers: int = 6):
+    c = base_config()
+    c.model.update(vocab_size=256, d_model=384, n_layers=n_layers, n_heads=6, n_kv_heads=6, d_ff=1024,
+                   mlp="swiglu", position="rope", max_seq_len=SEQ, tie_embeddings=True, compute_dtype=dtype)
+    c.data.seq_len, c.train.batch_size = SEQ, BATCH
+    c.mesh.update(data=1, fsdp=1, tensor=1)
+    validate(c)
+    return c
+
+
+def build(config):
+    """(model, optimizer, step, mesh, rules) on a (1,1,1) mesh of the first device."""
+    mesh = make_mesh(dict(data=1, fsdp=1, tensor=1), jax.devices()[:1])
+    rules = rules_table(config)
+    model = Transformer(ModelSpec.from_config(config.model), Partitioning(mesh, rules))
+    optimizer, schedule = make_optimizer(config.optim, config.train.steps)
+    return model, optimizer, schedule, mesh, rules
+
+
+def make_batch(sharding, seed: int = 0) -> dict:
+    rng = np.random.default_rng(seed)
+    tokens = rng.integers(0, 256, (BATCH, SEQ + 1), dtype=np.int32)
+    batch = {"inputs": tokens[:, :-1], "targets": tokens[:, 1:],
+             "loss_mask": np.ones((BATCH, SEQ), np.float32), "segment_ids": np.ones((BATCH, SEQ), np.int32),
+             "positions": np.broadcast_to(np.arange(SEQ, dtype=np.int32), (BATCH, SEQ)).copy()}
+    return {k: jax.device_put(v, sharding) for k, v in batch.items()}
+
+
+def abstract_batch(sharding) -> dict:
+    dtypes = dict(inputs=jnp.int32, targets=jnp.int32, loss_mask=jnp.float32, segment_ids=jnp.int32,
+                  positions=jnp.int32)
+    return {k: jax.ShapeDtypeStruct((BATCH, SEQ), d, sharding=sharding) for k, d in dtypes.items()}
+
+
+def compile_seconds(dtype: str, n_layers: int) -> float:
+    """lower().compile() of the full train step on abstract inputs (nothing is allocated)."""
+    config = make_config(dtype, n_layers)
+    model, optimizer, schedule, mesh, rules = build(config)
+    shardings = state_shardings(model, optimizer, mesh, rules)
+    b_sh = batch_sharding(mesh, rules)
+    step = make_train_step(pretrain_loss(model), optimizer, schedule, mesh, shardings, b_sh)
+    t0 = time.perf_counter()
+    step.lower(abstract_state(model, optimizer, shardings), abstract_batch(b_sh)).compile()
+    return time.perf_counter() - t0
+
+
+def measure_ours(dtype: str, steps: int, warmup: int, peak: float) -> dict:
+    config = make_config(dtype)
+    model, optimizer, schedule, mesh, rules = build(config)
+    state, shardings = create_state(model, optimizer, mesh, rules, seed=0)
+    b_sh = batch_sharding(mesh, rules)
+    step = make_train_step(pretrain_loss(model), optimizer, schedule, mesh, shardings, b_sh)
+    batch = make_batch(b_sh)
+    t0 = time.perf_counter()
+    compiled = step.lower(state, batch).compile()
+    compile_s = time.perf_counter() - t0
+    for _ in range(warmup):
+        state, metrics = compiled(state, batch)
+    jax.block_until_ready((state, metrics))
+    times = []
+    for _ in range(steps):  # block every step: the figure is per-step latency, as for the peer
+        t0 = time.perf_counter()
+        state, metrics = compiled(state, batch)
+        jax.block_until_ready((state, metrics))
+        times.append(time.perf_counter() - t0)
+    dt = float(np.mean(times))
+    tps = BATCH * SEQ / dt
+    flops = plan.flops_per_token(config.model, SEQ)
+    return {"dtype": dtype, "tokens_per_s": tps, "ms_per_step": dt * 1e3,
+            "ms_per_step_median": float(np.median(times)) * 1e3, "ms_per_step_min": min(times) * 1e3,
+            "mfu": mfu(tps, flops, peak), "compile_s": compile_s, "flops_per_token": flops,
+            "params": plan.param_count(config.model), "loss": float(metrics["loss"])}
+
+
+def measure_peer(args, dtype: str) -> dict | None:
+    script = REPO / "bench" / "nanogpt_peer.py"
+    if not (args.peer_python and args.nanogpt):
+        return None
+    if not script.is_file():
+        print(f"note: {script} not found; peer skipped")
+        return None
+    cmd = [args.peer_python, str(script), "--nanogpt", args.nanogpt, "--dtype", dtype,
+           "--steps", str(args.peer_steps or args.steps), "--warmup", str(args.warmup)]
+    proc = subprocess.run(cmd, capture_output=True, text=True)
+    if proc.returncode != 0:
+        print(f"note: peer failed ({proc.returncode}): {proc.stderr.strip().splitlines()[-1:]}")
+        return None
+    return json.loads(proc.stdout.strip().splitlines()[-1])
+
+
+def table(rows, headers) -> str:
+    cells = [[str(h) for h in headers]] + [[str(c) for c in r] for r in rows]
+    widths = [max(len(r[i]) for r in cells) for i in range(len(headers))]
+    lines = ["  ".join(c.rjust(w) for c, w in zip(r, widths)) for r in cells]
+    return "\n".join([lines[0], "  ".join("-" * w for w in widths), *lines[1:]])
+
+
+def main(argv=None):
+    p = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    p.add_argument("--steps", type=int, default=20, help="timed steps per dtype")
+    p.add_argument("--warmup", type=int, default=2)
+    p.add_argument("--dtypes", default="float32,bfloat16")
+    p.add_argument("--depths", default="2,24", help="n_layers whose compile time is measured (float32)")
+    p.add_argument("--peer-python", help="a Python with torch, e.g. /tmp/torch-venv/bin/python")
+    p.add_argument("--nanogpt", help="a nanoGPT checkout, e.g. /tmp/nanoGPT")
+    p.add_argument("--peer-steps", type=int, default=0, help="timed peer steps (default: --steps)")
+    p.add_argument("--out", help="write the figures as JSON here")
+    args = p.parse_args(argv)
+    if not (args.peer_python and args.nanogpt):
+        print("note: no --peer-python/--nanogpt given; peer skipped")
+
+    print(f"jax {jax.__version__}, device {jax.devices()[0]}, {os.cpu_count()} cores, "
+          f"batch {BATCH} x seq {SEQ} = {BATCH * SEQ} tokens/step", flush=True)
+    out = {"shape": dict(make_config("float32").model.to_dict(), seq_len=SEQ, batch_size=BATCH),
+           "peaks": {}, "ours": {}, "peer": {}, "ratio_tokens_per_s": {}, "compile_s_by_depth": {}}
+    for dtype in args.dtypes.split(","):
+        peak = out["peaks"][dtype] = measure_matmul_peak(dtype)
+        print(f"[{dtype}] matmul peak {peak / 1e9:.0f} GFLOP/s", flush=True)
+        ours = out["ours"][dtype] = measure_ours(dtype, args.steps, args.warmup, peak)
+        print(f"[{dtype}] ours: {ours['tokens_per_s']:.0f} tok/s, {ours['ms_per_step']:.1f} ms/step, "
+              f"MFU {ours['mfu']:.1%}, compile {ours['compile_s']:.1f}s", flush=True)
+        peer = measure_peer(args, dtype)
+        if peer is not None:
+            out["peer"][dtype] = peer
+            ratio = out["ratio_tokens_per_s"][dtype] = ours["tokens_per_s"] / peer["tokens_per_s"]
+            print(f"[{dtype}] nanoGPT: {peer['tokens_per_s']:.0f} tok/s, {peer['ms_per_step']:.1f} ms/step; "
+                  f"ours/peer {ratio:.2f}x", flush=True)
+    for depth in [int(d) for d in args.depths.split(",") if d]:
+        s = out["compile_s_by_depth"][depth] = compile_seconds("float32", depth)
+        print(f"compile (float32, {depth} layers): {s:.1f}s", flush=True)
+
+    rows = []
+    for dtype, o in out["ours"].items():
+        peer = out["peer"].get(dtype)
+        rows.append([dtype, f"{out['peaks'][dtype] / 1e9:.0f}", f"{o['tokens_per_s']:.0f}", f"{o['ms_per_step']:.1f}",
+                     f"{o['mfu']:.1%}", f"{o['compile_s']:.1f}",
+                     f"{peer['tokens_per_s']:.0f}" if peer else "-", f"{peer['ms_per_step']:.1f}" if peer else "-",
+                     f"{out['ratio_tokens_per_s'][dtype]:.2f}" if peer else "-"])
+    print()
+    print(table(rows, ["dtype", "peak GF/s", "tok/s", "ms/step", "MFU", "compile s",
+                       "peer tok/s", "peer ms/step", "ours/peer"]))
+    print("compile s by depth (float32): " + ", ".join(f"{d} layers {s:.1f}" for d, s in
+                                                       out["compile_s_by_depth"].items()))
+    if args.out:
+        pathlib.Path(args.out).write_text(json.dumps(out, indent=2, default=float))
+        print(f"wrote {args.out}")
+
+
+if __name__ == "__main__":
+    sys.exit(main())

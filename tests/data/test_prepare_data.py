@@ -80,5 +80,5 @@ def test_errors(tmp_path):
     (tmp_path / "a.txt").write_text("a")
     with pytest.raises(UserError, match="unknown tokenizer"):
         prepare_pretrain_data(str(tmp_path), "gpt9", 0.1, tmp_path / "cache")
-    with pytest.raises(UserError, match="max_bytes"):
+    with pytest.raises(UserError, match="data.max_train_bytes"):
         prepare_pretrain_data(str(tmp_path), "byte", 0.1, tmp_path / "cache", max_bytes=-1)

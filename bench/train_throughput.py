@@ -127,7 +127,7 @@ def measure_peer(args, dtype: str) -> dict | None:
         print(f"note: {script} not found; peer skipped")
         return None
     cmd = [args.peer_python, str(script), "--nanogpt", args.nanogpt, "--dtype", dtype,
-           "--steps", str(args.peer_steps or args.steps), "--warmup", str(args.warmup)]
+           "--steps", str(args.peer_steps), "--warmup", str(args.warmup)]
     proc = subprocess.run(cmd, capture_output=True, text=True)
     if proc.returncode != 0:
         print(f"note: peer failed ({proc.returncode}): {proc.stderr.strip().splitlines()[-1:]}")
@@ -150,7 +150,7 @@ def main(argv=None):
     p.add_argument("--depths", default="2,24", help="n_layers whose compile time is measured (float32)")
     p.add_argument("--peer-python", help="a Python with torch, e.g. /tmp/torch-venv/bin/python")
     p.add_argument("--nanogpt", help="a nanoGPT checkout, e.g. /tmp/nanoGPT")
-    p.add_argument("--peer-steps", type=int, default=0, help="timed peer steps (default: --steps)")
+    p.add_argument("--peer-steps", type=int, default=10, help="timed peer steps")
     p.add_argument("--out", help="write the figures as JSON here")
     args = p.parse_args(argv)
     if not (args.peer_python and args.nanogpt):

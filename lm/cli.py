@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import argparse
+import os
 import sys
 
 from lm.errors import UserError
@@ -41,7 +42,26 @@ def _parser() -> argparse.ArgumentParser:
     t.add_argument("--process-id", type=int, help="with --distributed: this process's index")
     pl = sub.add_parser("plan", help="params, FLOPs and memory of a config")
     pl.add_argument("--config", default="configs/tiny.py")
+    pl.add_argument("--compile", action="store_true",
+                    help="also compile the train step ahead of time on the mesh (nothing is allocated)")
+    pl.add_argument("--devices", type=int, default=0,
+                    help="with --compile: simulate this many CPU devices (for meshes larger than this machine)")
     return p
+
+
+def _plan(config, args) -> int:
+    from lm import plan
+
+    print(plan.summary(config.model, config.data.seq_len))
+    if args.compile:
+        if args.devices:  # must happen before jax is first imported
+            os.environ["JAX_PLATFORMS"] = "cpu"
+            os.environ["XLA_FLAGS"] = f"--xla_force_host_platform_device_count={args.devices}"
+        from lm.aot import compile_train_step
+
+        for key, value in compile_train_step(config).items():
+            print(f"{key:32s} {value:,}" if isinstance(value, int) else f"{key:32s} {value}")
+    return 0
 
 
 def main(argv: list[str] | None = None) -> int:
@@ -53,10 +73,7 @@ def main(argv: list[str] | None = None) -> int:
 
         config = load_config(args.config, overrides)
         if args.verb == "plan":
-            from lm import plan
-
-            print(plan.summary(config.model, config.data.seq_len))
-            return 0
+            return _plan(config, args)
         if args.distributed:
             import jax
 

@@ -19,6 +19,15 @@ import numpy as np
 
 from lm.errors import UserError
 
+# The batch contract: every text batch has these [B, T] fields.
+BATCH_DTYPES = {
+    "inputs": np.int32,
+    "targets": np.int32,
+    "loss_mask": np.float32,
+    "segment_ids": np.int32,
+    "positions": np.int32,
+}
+
 
 def window_example(tokens, start: int, seq_len: int, eos_id: int) -> dict:
     """One row of the batch contract from tokens[start : start + seq_len + 1]."""

@@ -157,9 +157,10 @@ def main(argv=None):
         print("note: no --peer-python/--nanogpt given; peer skipped")
 
     print(f"jax {jax.__version__}, device {jax.devices()[0]}, {os.cpu_count()} cores, "
-          f"batch {BATCH} x seq {SEQ} = {BATCH * SEQ} tokens/step", flush=True)
-    out = {"shape": dict(make_config("float32").model.to_dict(), seq_len=SEQ, batch_size=BATCH),
-           "peaks": {}, "ours": {}, "peer": {}, "ratio_tokens_per_s": {}, "compile_s_by_depth": {}}
+          f"batch {BATCH} x seq {SEQ} = {BATCH * SEQ} tokens/step, load average {os.getloadavg()[0]:.1f}", flush=True)
+    shape = dict(make_config("float32").model.to_dict(), seq_len=SEQ, batch_size=BATCH)
+    out = {"load_average_start": os.getloadavg()[0], "shape": shape, "peaks": {}, "ours": {}, "peer": {},
+           "ratio_tokens_per_s": {}, "compile_s_by_depth": {}}
     for dtype in args.dtypes.split(","):
         peak = out["peaks"][dtype] = measure_matmul_peak(dtype)
         print(f"[{dtype}] matmul peak {peak / 1e9:.0f} GFLOP/s", flush=True)
@@ -188,6 +189,8 @@ def main(argv=None):
                        "peer tok/s", "peer ms/step", "ours/peer"]))
     print("compile s by depth (float32): " + ", ".join(f"{d} layers {s:.1f}" for d, s in
                                                        out["compile_s_by_depth"].items()))
+    out["load_average_end"] = os.getloadavg()[0]
+    print(f"load average at the end {out['load_average_end']:.1f} (this run alone accounts for ~2 on 2 cores)")
     if args.out:
         pathlib.Path(args.out).write_text(json.dumps(out, indent=2, default=float))
         print(f"wrote {args.out}")

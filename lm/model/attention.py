@@ -6,7 +6,7 @@ import flax.linen as nn
 import jax
 import jax.numpy as jnp
 
-from lm.model.layers import ModelSpec, Partitioning, normal, param
+from lm.model.layers import ModelSpec, Partitioning, matmul, normal, param
 
 
 def rope(x: jax.Array, positions: jax.Array, theta: float) -> jax.Array:
@@ -55,7 +55,7 @@ class Attention(nn.Module):
 
         def project(name, heads, head_names, act_names):
             w = param(self, name, init, (s.d_model, heads, s.head_dim), ("embed", head_names, "head_dim"))
-            y = jnp.einsum("btd,dnh->btnh", x, w.astype(dt))
+            y = matmul("btd,dnh->btnh", x, w.astype(dt))
             if s.use_bias:
                 b = param(self, name + "_bias", nn.initializers.zeros, (heads, s.head_dim), (head_names, "head_dim"))
                 y = y + b.astype(dt)
@@ -69,7 +69,7 @@ class Attention(nn.Module):
         y = attend(q, k, v, mask, s.attention)
         y = c(y, ("batch", "length", "act_heads", None))
         wo = param(self, "wo", out_init, (s.n_heads, s.head_dim, s.d_model), ("q_heads", "head_dim", "embed"))
-        out = jnp.einsum("btnh,nhd->btd", y, wo.astype(dt))
+        out = matmul("btnh,nhd->btd", y, wo.astype(dt))
         if s.use_bias:
             out = out + param(self, "wo_bias", nn.initializers.zeros, (s.d_model,), ("embed",)).astype(dt)
         return c(out, ("batch", "length", "act_embed"))

@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import dataclasses
+import functools
 
 import flax.linen as nn
 import jax
@@ -59,6 +60,41 @@ class Partitioning:
         return jax.lax.with_sharding_constraint(x, NamedSharding(self.mesh, spec))
 
 
+@functools.lru_cache(maxsize=None)
+def _matmul_fn(spec: str, out_dtype: str | None):
+    """An einsum of two operands with float32 accumulation and an explicit backward pass.
+
+    Autodiff of a multi-axis einsum leaves XLA dot_generals with transposed layouts that
+    the CPU backend runs through slow copies and upcasts; spelling the two gradient
+    einsums out (same accumulation) keeps every product on the fast matmul path.
+    """
+    inputs, out = spec.split("->")
+    a_spec, b_spec = inputs.split(",")
+
+    def product(s, a, b, dtype):
+        return jnp.einsum(s, a, b, preferred_element_type=jnp.float32).astype(dtype)
+
+    @jax.custom_vjp
+    def matmul(a, b):
+        return product(spec, a, b, out_dtype or a.dtype)
+
+    def forward(a, b):
+        return matmul(a, b), (a, b)
+
+    def backward(saved, g):
+        a, b = saved
+        return (product(f"{out},{b_spec}->{a_spec}", g, b, a.dtype),
+                product(f"{a_spec},{out}->{b_spec}", a, g, b.dtype))
+
+    matmul.defvjp(forward, backward)
+    return matmul
+
+
+def matmul(spec: str, a: jax.Array, b: jax.Array, out_dtype: str | None = None) -> jax.Array:
+    """`jnp.einsum(spec, a, b)` with float32 accumulation, returned in out_dtype (default a's)."""
+    return _matmul_fn(spec.replace(" ", ""), out_dtype)(a, b)
+
+
 def param(module: nn.Module, name: str, init, shape, names) -> jax.Array:
     """A float32 param annotated with logical axis names."""
     return module.param(name, nn.with_logical_partitioning(init, names), shape, jnp.float32)
@@ -100,7 +136,7 @@ class Mlp(nn.Module):
 
         def dense_in(name):
             w = param(self, name, init, (s.d_model, s.d_ff), names_in)
-            h = jnp.einsum("btd,df->btf", x, w.astype(dt))
+            h = matmul("btd,df->btf", x, w.astype(dt))
             if s.use_bias:
                 h = h + param(self, name + "_bias", nn.initializers.zeros, (s.d_ff,), ("mlp",)).astype(dt)
             return self.part.constrain(h, ("batch", "length", "act_mlp"))
@@ -110,7 +146,7 @@ class Mlp(nn.Module):
         else:
             h = nn.gelu(dense_in("w_in"), approximate=True)
         w_out = param(self, "w_down", out_init, (s.d_ff, s.d_model), names_out)
-        y = jnp.einsum("btf,fd->btd", h, w_out.astype(dt))
+        y = matmul("btf,fd->btd", h, w_out.astype(dt))
         if s.use_bias:
             y = y + param(self, "w_down_bias", nn.initializers.zeros, (s.d_model,), ("embed",)).astype(dt)
         return self.part.constrain(y, ("batch", "length", "act_embed"))

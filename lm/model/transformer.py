@@ -7,7 +7,7 @@ import jax
 import jax.numpy as jnp
 
 from lm.model.attention import Attention, segment_causal_mask
-from lm.model.layers import Mlp, ModelSpec, Norm, Partitioning, normal, param
+from lm.model.layers import Mlp, ModelSpec, Norm, Partitioning, matmul, normal, param
 
 REMAT_POLICIES = {
     "full": jax.checkpoint_policies.nothing_saveable,
@@ -67,7 +67,7 @@ class Transformer(nn.Module):
             head = embedding.T
         else:
             head = param(self, "head", normal(s.init_std), (s.d_model, s.vocab_size), ("embed", "vocab"))
-        logits = jnp.einsum("btd,dv->btv", x, head.astype(s.dtype), preferred_element_type=jnp.float32)
+        logits = matmul("btd,dv->btv", x, head.astype(s.dtype), out_dtype="float32")
         return c(logits, ("batch", "length", "act_vocab"))
 
 

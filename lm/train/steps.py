@@ -29,10 +29,13 @@ def _tree_add(a, b):
 
 def accumulate(loss_fn, params, batch, rng, n_micro: int, micro_sharding=None):
     """Sums (grads, stats) of loss_fn over n_micro interleaved micro-batches."""
+    grad_fn = jax.value_and_grad(loss_fn, has_aux=True)
+    if n_micro == 1:  # no loop: spares the accumulator buffers
+        (_, stats), grads = grad_fn(params, batch, jax.random.fold_in(rng, 0))
+        return grads, stats
     micro = jax.tree.map(lambda x: split_micro(x, n_micro), batch)
     if micro_sharding is not None:
         micro = jax.tree.map(lambda x: jax.lax.with_sharding_constraint(x, micro_sharding), micro)
-    grad_fn = jax.value_and_grad(loss_fn, has_aux=True)
     first = jax.tree.map(lambda x: x[0], micro)
     _, stats_shape = jax.eval_shape(loss_fn, params, first, rng)
     init = (jax.tree.map(jnp.zeros_like, params), jax.tree.map(lambda s: jnp.zeros(s.shape, s.dtype), stats_shape))

@@ -75,3 +75,30 @@ def test_gelu_mlp_with_bias(x):
     h = np_gelu_tanh(xn @ p["w_in"] + p["w_in_bias"])
     want = h @ p["w_down"] + p["w_down_bias"]
     np.testing.assert_allclose(y, want, rtol=1e-4, atol=1e-4)
+
+
+@pytest.mark.parametrize("spec, a_shape, b_shape", [
+    ("btd,df->btf", (2, 3, 4), (4, 5)),
+    ("btd,dnh->btnh", (2, 3, 4), (4, 2, 3)),
+    ("btnh,nhd->btd", (2, 3, 2, 3), (2, 3, 4)),
+])
+def test_matmul_value_and_grads_match_einsum(spec, a_shape, b_shape):
+    from lm.model.layers import matmul
+
+    rng = np.random.default_rng(0)
+    a = jnp.asarray(rng.normal(size=a_shape), jnp.float32)
+    b = jnp.asarray(rng.normal(size=b_shape), jnp.float32)
+    w = jnp.asarray(rng.normal(size=jnp.einsum(spec, a, b).shape), jnp.float32)  # a non-uniform cotangent
+
+    def ours(a, b):
+        return jnp.sum(matmul(spec, a, b) * w)
+
+    def reference(a, b):
+        return jnp.sum(jnp.einsum(spec, a, b) * w)
+
+    np.testing.assert_allclose(ours(a, b), reference(a, b), rtol=1e-6)
+    for g, r in zip(jax.grad(ours, (0, 1))(a, b), jax.grad(reference, (0, 1))(a, b)):
+        np.testing.assert_allclose(g, r, rtol=1e-5, atol=1e-6)
+    bf16 = matmul(spec, a.astype(jnp.bfloat16), b.astype(jnp.bfloat16))
+    assert bf16.dtype == jnp.bfloat16
+    assert matmul(spec, a.astype(jnp.bfloat16), b.astype(jnp.bfloat16), out_dtype="float32").dtype == jnp.float32

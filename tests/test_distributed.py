@@ -46,4 +46,8 @@ def test_two_processes_match_one(tmp_path, corpus):  # noqa: F811
     losses_two = [r["loss"] for r in two if "loss" in r]
     assert len(losses_one) == 3
     assert losses_two == pytest.approx(losses_one, rel=1e-5)
+    evals_one = [(r["eval_loss"], r["eval_tokens"]) for r in one if "eval_loss" in r]
+    evals_two = [(r["eval_loss"], r["eval_tokens"]) for r in two if "eval_loss" in r]
+    assert [t for _, t in evals_two] == [t for _, t in evals_one]
+    assert [v for v, _ in evals_two] == pytest.approx([v for v, _ in evals_one], rel=1e-5)
     assert (tmp_path / "two" / "checkpoints" / "6").is_dir()

@@ -41,9 +41,13 @@ def _load_data(config, workdir: pathlib.Path):
 
 
 def _evaluator(eval_fn, batches, to_device):
+    """Held-out loss over fixed batches; each process feeds a disjoint share of every batch's rows."""
+    pi, n_proc = jax.process_index(), jax.process_count()
+    local = [{k: v[pi::n_proc] for k, v in batch.items()} for batch in batches]
+
     def evaluate(state):
         total, count = 0.0, 0.0
-        for batch in batches:
+        for batch in local:
             stats = jax.device_get(eval_fn(state.params, to_device(batch)))
             total, count = total + float(stats["loss_sum"]), count + float(stats["count"])
         return {"eval_loss": total / max(count, 1.0), "eval_tokens": count}
@@ -51,13 +55,14 @@ def _evaluator(eval_fn, batches, to_device):
     return evaluate
 
 
-def _check_batch_split(batch_size: int, micro_batches: int, n_proc: int, sharding) -> None:
+def _check_batch_split(batch_size: int, micro_batches: int, n_proc: int, sharding,
+                       key: str = "train.batch_size") -> None:
     """Every micro-batch must split evenly over the batch-sharded devices and the processes."""
     axes = sharding.spec[0] if sharding.spec else None
     axes = () if axes is None else (axes if isinstance(axes, tuple) else (axes,))
     n_shards = math.prod(sharding.mesh.shape[a] for a in axes)
     if batch_size % n_proc or (batch_size // micro_batches) % n_shards:
-        raise UserError(f"train.batch_size={batch_size} with train.micro_batches={micro_batches} gives "
+        raise UserError(f"{key}={batch_size} with {micro_batches} micro-batch(es) gives "
                         f"micro-batches of {batch_size // micro_batches} rows, which must divide evenly over "
                         f"the {n_shards} batch shards of the mesh and {n_proc} processes")
 
@@ -99,6 +104,7 @@ def train(config, workdir, resume: bool = False, show_progress: bool = True) -> 
     loss_fn = pretrain_loss(model, config.optim.z_loss)
     step_fn = make_train_step(loss_fn, optimizer, schedule, mesh, shardings, b_sharding, t.micro_batches)
     e = config.eval
+    _check_batch_split(e.batch_size, 1, n_proc, b_sharding, key="eval.batch_size")
     batches = eval_batches(data.heldout_tokens, seq_len=seq, batch_size=e.batch_size, n_batches=e.batches,
                            eos_id=eos)
     evaluate = _evaluator(make_eval_step(loss_fn, mesh, shardings.params, b_sharding), batches, to_device)

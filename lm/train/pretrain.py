@@ -100,6 +100,8 @@ def train(config, workdir, resume: bool = False, show_progress: bool = True) -> 
         print(f"resumed from step {step}")
     elif checkpointer.latest_step() is not None:
         raise UserError(f"'{workdir}' already holds checkpoints; pass --resume to continue, or use a new --workdir")
+    elif is_main and (workdir / "metrics.jsonl").exists():  # a run that died before its first checkpoint
+        (workdir / "metrics.jsonl").replace(workdir / "metrics.jsonl.prev")
 
     loss_fn = pretrain_loss(model, config.optim.z_loss)
     step_fn = make_train_step(loss_fn, optimizer, schedule, mesh, shardings, b_sharding, t.micro_batches)

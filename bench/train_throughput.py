@@ -27,11 +27,11 @@ os.environ["XLA_FLAGS"] = re.sub(r"--xla_force_host_platform_device_count=\S+", 
                                  os.environ.get("XLA_FLAGS", "")).strip()
 
 import jax  # noqa: E402
-import jax.numpy as jnp  # noqa: E402
 import numpy as np  # noqa: E402
 
 from lm import plan  # noqa: E402
 from lm.config import base_config, rules_table, validate  # noqa: E402
+from lm.data.pipeline import BATCH_DTYPES  # noqa: E402
 from lm.model.layers import ModelSpec, Partitioning  # noqa: E402
 from lm.model.transformer import Transformer  # noqa: E402
 from lm.perf import measure_matmul_peak, mfu  # noqa: E402
@@ -74,9 +74,7 @@ def make_batch(sharding, seed: int = 0) -> dict:
 
 
 def abstract_batch(sharding) -> dict:
-    dtypes = dict(inputs=jnp.int32, targets=jnp.int32, loss_mask=jnp.float32, segment_ids=jnp.int32,
-                  positions=jnp.int32)
-    return {k: jax.ShapeDtypeStruct((BATCH, SEQ), d, sharding=sharding) for k, d in dtypes.items()}
+    return {k: jax.ShapeDtypeStruct((BATCH, SEQ), d, sharding=sharding) for k, d in BATCH_DTYPES.items()}
 
 
 def compile_seconds(dtype: str, n_layers: int) -> float:

@@ -1,6 +1,22 @@
 """Eight simulated CPU devices for mesh tests: must be set before jax is first imported."""
 
 import os
+import pathlib
+import shutil
+import sysconfig
+
+import pytest
 
 os.environ["XLA_FLAGS"] = (os.environ.get("XLA_FLAGS", "") + " --xla_force_host_platform_device_count=8").strip()
 os.environ.setdefault("JAX_PLATFORMS", "cpu")
+
+
+@pytest.fixture(scope="session")
+def corpus(tmp_path_factory):
+    """A few real stdlib modules: enough text for a short run."""
+    root = tmp_path_factory.mktemp("corpus")
+    stdlib = pathlib.Path(sysconfig.get_paths()["stdlib"])
+    for name in ["abc.py", "bisect.py", "colorsys.py", "copy.py", "fnmatch.py", "heapq.py", "keyword.py",
+                 "numbers.py", "operator.py", "queue.py", "shlex.py", "textwrap.py"]:
+        shutil.copy(stdlib / name, root / name)
+    return root

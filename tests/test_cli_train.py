@@ -2,8 +2,6 @@
 
 import json
 import pathlib
-import shutil
-import sysconfig
 
 import numpy as np
 import orbax.checkpoint as ocp
@@ -16,17 +14,6 @@ SMALL = ["--config.model.d_model=32", "--config.model.n_layers=2", "--config.mod
          "--config.train.batch_size=16", "--config.eval.batches=2", "--config.eval.batch_size=8",
          "--config.train.sample_tokens=16", "--config.optim.warmup_steps=5", "--config.optim.decay_steps=40",
          "--config.train.peak_flops=1e11", "--no-progress"]
-
-
-@pytest.fixture(scope="module")
-def corpus(tmp_path_factory):
-    """A few real stdlib modules: enough text for a short run."""
-    root = tmp_path_factory.mktemp("corpus")
-    stdlib = pathlib.Path(sysconfig.get_paths()["stdlib"])
-    for name in ["abc.py", "bisect.py", "colorsys.py", "copy.py", "fnmatch.py", "heapq.py", "keyword.py",
-                 "numbers.py", "operator.py", "queue.py", "shlex.py", "textwrap.py"]:
-        shutil.copy(stdlib / name, root / name)
-    return root
 
 
 def train(workdir, corpus, steps, *extra):

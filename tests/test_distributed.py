@@ -8,7 +8,7 @@ import sys
 
 import pytest
 
-from tests.test_cli_train import SMALL, corpus  # noqa: F401  (fixture)
+from tests.test_cli_train import SMALL
 
 ARGS = SMALL + ["--config.train.steps=6", "--config.train.log_every=2", "--config.eval.every_steps=0",
                 "--config.checkpoint.every_steps=3", "--config.mesh.data=2", "--config.mesh.fsdp=4"]
@@ -39,7 +39,7 @@ def run(workdir, corpus, n_proc: int, devices_per_proc: int):
 
 
 @pytest.mark.slow
-def test_two_processes_match_one(tmp_path, corpus):  # noqa: F811
+def test_two_processes_match_one(tmp_path, corpus):
     one = run(tmp_path / "one", corpus, 1, 8)
     two = run(tmp_path / "two", corpus, 2, 4)
     losses_one = [r["loss"] for r in one if "loss" in r]

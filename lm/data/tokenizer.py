@@ -1,4 +1,6 @@
-"""Tokenizers: a common interface and the byte-level tokenizer.
+"""Tokenizers: a common interface, the byte-level tokenizer and `load_tokenizer`.
+
+Sentencepiece (training and loading) lives in `lm.data.spm`.
 
 Every tokenizer exposes the same small surface (see `Tokenizer`) so that token
 files, the pipeline and the model only ever see ids. `fingerprint()` identifies
@@ -8,6 +10,8 @@ tokenizer fails instead of silently training on wrong ids.
 
 from __future__ import annotations
 
+import os
+from pathlib import Path
 from typing import Protocol
 
 import numpy as np
@@ -61,8 +65,16 @@ _TOKENIZERS = {"byte": ByteTokenizer}
 
 
 def load_tokenizer(name: str) -> Tokenizer:
-    """Build a tokenizer by name (later also: a sentencepiece model path)."""
-    if name not in _TOKENIZERS:
-        known = ", ".join(repr(k) for k in sorted(_TOKENIZERS))
-        raise UserError(f"data.tokenizer: unknown tokenizer '{name}'; known: {known}")
-    return _TOKENIZERS[name]()
+    """Build a tokenizer by name ('byte') or from a sentencepiece `.model` path."""
+    if name in _TOKENIZERS:
+        return _TOKENIZERS[name]()
+    known = ", ".join(repr(k) for k in sorted(_TOKENIZERS))
+    if name.endswith(".model") or os.sep in name or "/" in name:
+        if not Path(name).is_file():
+            raise UserError(f"data.tokenizer: sentencepiece model '{name}' does not exist; "
+                            f"give an existing .model file or one of: {known}")
+        from lm.data.spm import SentencePieceTokenizer  # lazy: needs sentencepiece
+
+        return SentencePieceTokenizer(name)
+    raise UserError(f"data.tokenizer: unknown tokenizer '{name}'; "
+                    f"known: {known}, or a path to a sentencepiece .model file")

@@ -40,6 +40,13 @@ def _parser() -> argparse.ArgumentParser:
     t.add_argument("--coordinator", help="with --distributed: host:port of process 0 (else auto-detected)")
     t.add_argument("--num-processes", type=int, help="with --distributed: number of processes")
     t.add_argument("--process-id", type=int, help="with --distributed: this process's index")
+    tk = sub.add_parser("tokenizer", help="train a sentencepiece BPE tokenizer on a corpus")
+    tk.add_argument("action", choices=["train"])
+    tk.add_argument("--corpus", default="stdlib", help="'stdlib', a directory or a glob (train split only)")
+    tk.add_argument("--out", required=True, help="output prefix: writes PREFIX.model and PREFIX.vocab")
+    tk.add_argument("--vocab-size", type=int, default=8192)
+    tk.add_argument("--max-bytes", type=int, default=50_000_000, help="cap on training text")
+    tk.add_argument("--heldout-fraction", type=float, default=0.02, help="as data.heldout_fraction")
     pl = sub.add_parser("plan", help="params, FLOPs and memory of a config")
     pl.add_argument("--config", default="configs/tiny.py")
     pl.add_argument("--compile", action="store_true",
@@ -47,6 +54,15 @@ def _parser() -> argparse.ArgumentParser:
     pl.add_argument("--devices", type=int, default=0,
                     help="with --compile: simulate this many CPU devices (for meshes larger than this machine)")
     return p
+
+
+def _tokenizer(args) -> int:
+    from lm.data.prepare import train_corpus_tokenizer
+
+    tok = train_corpus_tokenizer(args.corpus, args.heldout_fraction, args.out, args.vocab_size, args.max_bytes)
+    print(f"wrote {tok.path} ({tok.vocab_size} pieces, {tok.fingerprint()}); trained on {tok.train_stats}")
+    print(f"use it with --config.data.tokenizer={tok.path} (model.vocab_size must be >= {tok.vocab_size})")
+    return 0
 
 
 def _plan(config, args) -> int:
@@ -69,6 +85,8 @@ def main(argv: list[str] | None = None) -> int:
     try:
         rest, overrides = _split_overrides(argv)
         args = _parser().parse_args(rest)
+        if args.verb == "tokenizer":
+            return _tokenizer(args)
         from lm.config import load_config
 
         config = load_config(args.config, overrides)

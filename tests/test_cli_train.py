@@ -84,3 +84,16 @@ def test_empty_corpus_is_a_user_error(tmp_path, capsys):
 def test_plan_prints_counts(capsys):
     assert main(["plan", "--config", "configs/llama3_8b.py"]) == 0
     assert "8,030,261,248" in capsys.readouterr().out
+
+
+def test_tokenizer_train_then_pretrain_with_it(tmp_path, capsys, corpus):
+    assert main(["tokenizer", "train", "--corpus", str(corpus), "--out", str(tmp_path / "tok"),
+                 "--vocab-size", "512"]) == 0
+    model = tmp_path / "tok.model"
+    assert model.is_file() and "512 pieces" in capsys.readouterr().out
+    too_small = main(["train", "--workdir", str(tmp_path / "a"), f"--config.data.corpus={corpus}",
+                      f"--config.data.tokenizer={model}"])
+    assert too_small == 2 and "model.vocab_size=264" in capsys.readouterr().err
+    assert train(tmp_path / "b", corpus, 4, f"--config.data.tokenizer={model}", "--config.model.vocab_size=512") == 0
+    rows = [json.loads(line) for line in (tmp_path / "b" / "metrics.jsonl").read_text().splitlines()]
+    assert rows[0]["unigram_baseline"] > 0 and rows[-1]["step"] == 4

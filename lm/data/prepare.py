@@ -130,3 +130,14 @@ def describe(stats: dict) -> str:
         f"held-out {stats['heldout_tokens']:,} tokens ({stats['n_heldout_files']} files), "
         f"unigram entropy {h:.3f} nats ({h / math.log(2):.3f} bits)"
     )
+
+
+def train_corpus_tokenizer(corpus: str, heldout_fraction: float, out_prefix: Path, vocab_size: int,
+                           max_bytes: int = 50_000_000):
+    """Trains a sentencepiece BPE on the *train* files of a corpus (held-out files never seen)."""
+    from lm.data.spm import train_sentencepiece  # lazy: needs sentencepiece
+
+    root, files = resolve_corpus(corpus)
+    train, _ = split_files(root, [p for p in files if p.stat().st_size > 0], heldout_fraction)
+    return train_sentencepiece((p.read_bytes() for p in train), out_prefix, vocab_size, max_bytes=max_bytes)
+

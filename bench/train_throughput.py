@@ -30,15 +30,15 @@ import jax  # noqa: E402
 import numpy as np  # noqa: E402
 
 from lm import plan  # noqa: E402
+from lm.aot import compile_train_step  # noqa: E402
 from lm.config import base_config, rules_table, validate  # noqa: E402
-from lm.data.pipeline import BATCH_DTYPES  # noqa: E402
 from lm.model.layers import ModelSpec, Partitioning  # noqa: E402
 from lm.model.transformer import Transformer  # noqa: E402
 from lm.perf import measure_matmul_peak, mfu  # noqa: E402
 from lm.sharding import batch_sharding, make_mesh  # noqa: E402
 from lm.train.losses import pretrain_loss  # noqa: E402
 from lm.train.optim import make_optimizer  # noqa: E402
-from lm.train.state import abstract_state, create_state, state_shardings  # noqa: E402
+from lm.train.state import create_state  # noqa: E402
 from lm.train.steps import make_train_step  # noqa: E402
 
 REPO = pathlib.Path(__file__).resolve().parent.parent
@@ -73,20 +73,9 @@ def make_batch(sharding, seed: int = 0) -> dict:
     return {k: jax.device_put(v, sharding) for k, v in batch.items()}
 
 
-def abstract_batch(sharding) -> dict:
-    return {k: jax.ShapeDtypeStruct((BATCH, SEQ), d, sharding=sharding) for k, d in BATCH_DTYPES.items()}
-
-
 def compile_seconds(dtype: str, n_layers: int) -> float:
-    """lower().compile() of the full train step on abstract inputs (nothing is allocated)."""
-    config = make_config(dtype, n_layers)
-    model, optimizer, schedule, mesh, rules = build(config)
-    shardings = state_shardings(model, optimizer, mesh, rules)
-    b_sh = batch_sharding(mesh, rules)
-    step = make_train_step(pretrain_loss(model), optimizer, schedule, mesh, shardings, b_sh)
-    t0 = time.perf_counter()
-    step.lower(abstract_state(model, optimizer, shardings), abstract_batch(b_sh)).compile()
-    return time.perf_counter() - t0
+    """Ahead-of-time compile of the full train step on abstract inputs (nothing is allocated)."""
+    return compile_train_step(make_config(dtype, n_layers), jax.devices()[:1])["compile_s"]
 
 
 def measure_ours(dtype: str, steps: int, warmup: int, peak: float) -> dict:

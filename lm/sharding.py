@@ -55,30 +55,24 @@ def batch_sharding(mesh: Mesh, rules) -> NamedSharding:
 
 def param_shardings(boxed_abstract_params, mesh: Mesh, rules):
     """NamedShardings from the params' logical annotations, checking that every split divides."""
-    specs = nn.get_partition_spec(boxed_abstract_params)
-    shardings = nn.logical_to_mesh_sharding(specs, mesh, rules)
-    shapes = nn.unbox(boxed_abstract_params)
-    for path, leaf in jax.tree_util.tree_leaves_with_path(shapes):
-        sharding = _lookup(shardings, path)
+    shardings = nn.logical_to_mesh_sharding(nn.get_partition_spec(boxed_abstract_params), mesh, rules)
+
+    def check(path, leaf, sharding):
         for dim, axes in zip(leaf.shape, sharding.spec):
-            size = math.prod(mesh.shape[a] for a in _as_tuple(axes))
+            size = split_count(mesh, axes)
             if dim % size:
                 raise UserError(f"param {jax.tree_util.keystr(path)} {leaf.shape}: dimension {dim} is "
                                 f"split over mesh axes {axes} of size {size}, which does not divide it; "
                                 "change the model shape, the mesh, or mesh.rules")
+
+    jax.tree_util.tree_map_with_path(check, nn.unbox(boxed_abstract_params), shardings)
     return shardings
 
 
-def _lookup(tree, path):
-    for key in path:
-        tree = tree[key.key]
-    return tree
-
-
-def _as_tuple(axes):
-    if axes is None:
-        return ()
-    return axes if isinstance(axes, tuple) else (axes,)
+def split_count(mesh: Mesh, axes) -> int:
+    """How many ways one array dimension is split by a PartitionSpec entry (None, name or tuple)."""
+    axes = () if axes is None else (axes if isinstance(axes, tuple) else (axes,))
+    return math.prod(mesh.shape[a] for a in axes)
 
 
 def per_device_bytes(tree) -> int:

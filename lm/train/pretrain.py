@@ -6,7 +6,6 @@ Everything the run writes lives under `workdir`.
 from __future__ import annotations
 
 import json
-import math
 import pathlib
 
 import jax
@@ -20,7 +19,7 @@ from lm.infer.sample import generate
 from lm.model.layers import ModelSpec, Partitioning
 from lm.model.transformer import Transformer
 from lm.perf import measure_matmul_peak
-from lm.sharding import batch_sharding, host_batch_to_global, make_mesh
+from lm.sharding import batch_sharding, host_batch_to_global, make_mesh, split_count
 from lm.train.checkpoint import Checkpointer
 from lm.train.loop import LoopSpec, run_loop
 from lm.train.losses import pretrain_loss
@@ -58,9 +57,7 @@ def _evaluator(eval_fn, batches, to_device):
 def _check_batch_split(batch_size: int, micro_batches: int, n_proc: int, sharding,
                        key: str = "train.batch_size") -> None:
     """Every micro-batch must split evenly over the batch-sharded devices and the processes."""
-    axes = sharding.spec[0] if sharding.spec else None
-    axes = () if axes is None else (axes if isinstance(axes, tuple) else (axes,))
-    n_shards = math.prod(sharding.mesh.shape[a] for a in axes)
+    n_shards = split_count(sharding.mesh, sharding.spec[0] if sharding.spec else None)
     if batch_size % n_proc or (batch_size // micro_batches) % n_shards:
         raise UserError(f"{key}={batch_size} with {micro_batches} micro-batch(es) gives "
                         f"micro-batches of {batch_size // micro_batches} rows, which must divide evenly over "

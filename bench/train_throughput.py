@@ -22,9 +22,17 @@ import subprocess
 import sys
 import time
 
-# One real CPU device: drop a simulated-device count inherited from the environment.
+# One real CPU device: drop a simulated-device count inherited from the environment. A worker
+# (--worker DTYPE, started by main for each dtype) then applies the CPU defaults that `lm train`
+# applies for that compute dtype (lm.cpu_flags) before jax starts, so its figures are those of
+# `lm train`; the flags differ by dtype, hence one process per dtype.
 os.environ["XLA_FLAGS"] = re.sub(r"--xla_force_host_platform_device_count=\S+", "",
                                  os.environ.get("XLA_FLAGS", "")).strip()
+sys.path.insert(0, str(pathlib.Path(__file__).resolve().parent.parent))
+if "--worker" in sys.argv:
+    from lm.cpu_flags import apply_cpu_defaults
+
+    apply_cpu_defaults(sys.argv[sys.argv.index("--worker") + 1])
 
 import jax  # noqa: E402
 import numpy as np  # noqa: E402
@@ -129,6 +137,23 @@ def table(rows, headers) -> str:
     return "\n".join([lines[0], "  ".join("-" * w for w in widths), *lines[1:]])
 
 
+def run_worker(args) -> dict:
+    """Measures one dtype (or, for 'compile', the compile time by depth) in this process."""
+    if args.worker == "compile":
+        return {"compile_s_by_depth": {int(d): compile_seconds("float32", int(d))
+                                       for d in args.depths.split(",") if d}}
+    peak = measure_matmul_peak(args.worker)
+    return {"peak": peak, "ours": measure_ours(args.worker, args.steps, args.warmup, peak),
+            "xla_flags": os.environ["XLA_FLAGS"], "device": str(jax.devices()[0])}
+
+
+def spawn_worker(args, what: str) -> dict:
+    cmd = [sys.executable, __file__, "--worker", what, "--steps", str(args.steps), "--warmup", str(args.warmup),
+           "--depths", args.depths]
+    proc = subprocess.run(cmd, stdout=subprocess.PIPE, text=True, check=True)
+    return json.loads(proc.stdout.strip().splitlines()[-1])
+
+
 def main(argv=None):
     p = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     p.add_argument("--steps", type=int, default=20, help="timed steps per dtype")
@@ -139,19 +164,25 @@ def main(argv=None):
     p.add_argument("--nanogpt", help="a nanoGPT checkout, e.g. /tmp/nanoGPT")
     p.add_argument("--peer-steps", type=int, default=10, help="timed peer steps")
     p.add_argument("--out", help="write the figures as JSON here")
+    p.add_argument("--worker", help=argparse.SUPPRESS)  # internal: measure one dtype, print JSON
     args = p.parse_args(argv)
+    if args.worker:
+        print(json.dumps(run_worker(args), default=float))
+        return 0
     if not (args.peer_python and args.nanogpt):
         print("note: no --peer-python/--nanogpt given; peer skipped")
 
-    print(f"jax {jax.__version__}, device {jax.devices()[0]}, {os.cpu_count()} cores, "
-          f"batch {BATCH} x seq {SEQ} = {BATCH * SEQ} tokens/step, load average {os.getloadavg()[0]:.1f}", flush=True)
+    print(f"jax {jax.__version__}, {os.cpu_count()} cores, batch {BATCH} x seq {SEQ} = {BATCH * SEQ} "
+          f"tokens/step, model.attention={make_config('float32').model.attention}, "
+          f"load average {os.getloadavg()[0]:.1f}", flush=True)
     shape = dict(make_config("float32").model.to_dict(), seq_len=SEQ, batch_size=BATCH)
-    out = {"load_average_start": os.getloadavg()[0], "shape": shape, "peaks": {}, "ours": {}, "peer": {},
-           "ratio_tokens_per_s": {}, "compile_s_by_depth": {}}
+    out = {"load_average_start": os.getloadavg()[0], "shape": shape, "xla_flags": {}, "peaks": {}, "ours": {},
+           "peer": {}, "ratio_tokens_per_s": {}, "compile_s_by_depth": {}}
     for dtype in args.dtypes.split(","):
-        peak = out["peaks"][dtype] = measure_matmul_peak(dtype)
-        print(f"[{dtype}] matmul peak {peak / 1e9:.0f} GFLOP/s", flush=True)
-        ours = out["ours"][dtype] = measure_ours(dtype, args.steps, args.warmup, peak)
+        w = spawn_worker(args, dtype)
+        peak, ours = w["peak"], w["ours"]
+        out["peaks"][dtype], out["ours"][dtype], out["xla_flags"][dtype] = peak, ours, w["xla_flags"]
+        print(f"[{dtype}] XLA_FLAGS={w['xla_flags']!r}; matmul peak {peak / 1e9:.0f} GFLOP/s", flush=True)
         print(f"[{dtype}] ours: {ours['tokens_per_s']:.0f} tok/s, {ours['ms_per_step']:.1f} ms/step, "
               f"MFU {ours['mfu']:.1%}, compile {ours['compile_s']:.1f}s", flush=True)
         peer = measure_peer(args, dtype)
@@ -160,9 +191,10 @@ def main(argv=None):
             ratio = out["ratio_tokens_per_s"][dtype] = ours["tokens_per_s"] / peer["tokens_per_s"]
             print(f"[{dtype}] nanoGPT: {peer['tokens_per_s']:.0f} tok/s, {peer['ms_per_step']:.1f} ms/step; "
                   f"ours/peer {ratio:.2f}x", flush=True)
-    for depth in [int(d) for d in args.depths.split(",") if d]:
-        s = out["compile_s_by_depth"][depth] = compile_seconds("float32", depth)
-        print(f"compile (float32, {depth} layers): {s:.1f}s", flush=True)
+    if args.depths:
+        out["compile_s_by_depth"] = spawn_worker(args, "compile")["compile_s_by_depth"]
+        for depth, s in out["compile_s_by_depth"].items():
+            print(f"compile (float32, {depth} layers): {s:.1f}s", flush=True)
 
     rows = []
     for dtype, o in out["ours"].items():

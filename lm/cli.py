@@ -47,6 +47,26 @@ def _parser() -> argparse.ArgumentParser:
     tk.add_argument("--vocab-size", type=int, default=8192)
     tk.add_argument("--max-bytes", type=int, default=50_000_000, help="cap on training text")
     tk.add_argument("--heldout-fraction", type=float, default=0.02, help="as data.heldout_fraction")
+    ex = sub.add_parser("export", help="write the params of a training checkpoint (orbax dir or .safetensors)")
+    ex.add_argument("--workdir", required=True, help="the `lm train` workdir holding checkpoints/")
+    ex.add_argument("--step", type=int, help="which checkpoint (default: the newest)")
+    ex.add_argument("--out", required=True, help="a directory (orbax) or a file ending in .safetensors")
+    ex.add_argument("--format", choices=["orbax", "safetensors"], help="default: from the --out suffix")
+    tz = sub.add_parser("tokenize", help="tokenize a corpus into train / held-out token shards")
+    tz.add_argument("--corpus", default="stdlib", help="'stdlib', a directory or a glob of text or JSONL(.gz) files")
+    tz.add_argument("--out", required=True, help="output directory: writes OUT/train and OUT/heldout")
+    tz.add_argument("--tokenizer", default="byte", help="'byte' or a sentencepiece .model file")
+    tz.add_argument("--heldout-fraction", type=float, default=0.02, help="as data.heldout_fraction")
+    tz.add_argument("--max-bytes", type=int, default=0, help="cap on train input (whole files; 0 = all)")
+    tz.add_argument("--workers", type=int, default=0, help="tokenizing processes (0 = all cores)")
+    tz.add_argument("--no-progress", action="store_true", help="no progress bar")
+    cu = sub.add_parser("curate", help="dedup, filter, language-id and redact raw text into JSONL.gz shards")
+    cu.add_argument("--input", action="append", required=True,
+                    help="a file, directory or glob (.txt/.py/any text, .jsonl[.gz|.zst], .parquet) or 'stdlib'; repeatable")
+    cu.add_argument("--out", required=True, help="output directory: part-*.jsonl.gz shards and report.json")
+    cu.add_argument("--config", default="configs/tiny.py", help="a config file; its `curate` section is used")
+    cu.add_argument("--workers", type=int, default=1, help="parallel processes")
+    cu.add_argument("--no-progress", action="store_true", help="no progress bar")
     pl = sub.add_parser("plan", help="params, FLOPs and memory of a config")
     pl.add_argument("--config", default="configs/tiny.py")
     pl.add_argument("--compile", action="store_true",
@@ -65,6 +85,29 @@ def _tokenizer(args) -> int:
     return 0
 
 
+def _tokenize(args) -> int:
+    from lm.data.shards import tokenize_corpus
+
+    manifests = tokenize_corpus(args.corpus, args.out, args.tokenizer, args.heldout_fraction,
+                                max_train_bytes=args.max_bytes, workers=args.workers, progress=not args.no_progress)
+    for split, m in manifests.items():
+        print(f"{split}: {m['n_docs']:,} docs, {m['n_tokens']:,} tokens ({m['dtype']}) from {m['n_bytes']:,} bytes "
+              f"in {len(m['shards'])} shard(s); skipped {m['skipped']}")
+    print(f"use it with --config.data.sources={args.out} --config.data.tokenizer={args.tokenizer}")
+    return 0
+
+
+def _curate(config, args) -> int:
+    from pathlib import Path
+
+    from lm.data.curate import curate
+
+    report = curate(args.input, Path(args.out), config.curate, workers=args.workers, progress=not args.no_progress)
+    print(f"kept {report['kept']['docs']:,} of {report['in']['docs']:,} documents; "
+          f"wrote {len(report['shards'])} shard(s) and report.json to {args.out}")
+    return 0
+
+
 def _plan(config, args) -> int:
     from lm import plan
 
@@ -80,6 +123,25 @@ def _plan(config, args) -> int:
     return 0
 
 
+def _export(args) -> int:
+    from lm.export import export_params
+
+    done = export_params(args.workdir, args.out, args.step, args.format)
+    print(f"wrote {done['params']:,} params of step {done['step']} to {done['out']} ({done['format']}); "
+          "read them with lm.export.load_params")
+    return 0
+
+
+def _stopped(summary: dict, argv: list[str]) -> int:
+    """A signal ended the run after a checkpoint: say how to continue; exit 0 (nothing was lost)."""
+    import shlex
+
+    again = shlex.join(a for a in argv if a != "--resume")
+    print(f"lm: stopped by {summary['stopped_by']} at step {summary['step']}; checkpoint saved. "
+          f"Continue with: lm {again} --resume", file=sys.stderr)
+    return 0
+
+
 def main(argv: list[str] | None = None) -> int:
     argv = sys.argv[1:] if argv is None else argv
     try:
@@ -87,11 +149,20 @@ def main(argv: list[str] | None = None) -> int:
         args = _parser().parse_args(rest)
         if args.verb == "tokenizer":
             return _tokenizer(args)
+        if args.verb == "tokenize":
+            return _tokenize(args)
+        if args.verb == "export":
+            return _export(args)
         from lm.config import load_config
 
         config = load_config(args.config, overrides)
+        from lm.cpu_flags import apply_cpu_defaults
+
+        apply_cpu_defaults(config.model.compute_dtype)  # before anything imports jax
         if args.verb == "plan":
             return _plan(config, args)
+        if args.verb == "curate":
+            return _curate(config, args)
         if args.distributed:
             import jax
 
@@ -99,6 +170,8 @@ def main(argv: list[str] | None = None) -> int:
         from lm.train.pretrain import train
 
         summary = train(config, args.workdir, resume=args.resume, show_progress=not args.no_progress)
+        if summary.get("stopped_by"):
+            return _stopped(summary, argv)
         if summary["eval_loss"] is not None:
             print(f"done: step {summary['step']}, held-out loss {summary['eval_loss']:.4f} "
                   f"(unigram baseline {summary['unigram_baseline']:.4f}); see {args.workdir}/loss.png")

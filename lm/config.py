@@ -44,8 +44,10 @@ CHOICES = {
     "model.norm": ("rmsnorm", "layernorm"),
     "model.position": ("rope", "learned"),
     "model.compute_dtype": ("float32", "bfloat16"),
-    "model.attention": ("xla", "cudnn", "reference"),
+    "model.attention": ("xla", "cudnn", "reference", "blockwise"),
     "model.remat": ("none", "full", "dots_saveable", "dots_with_no_batch_dims_saveable"),
+    "train.on_bad": ("restore", "stop"),
+    "curate.on_bad_record": ("error", "skip"),
 }
 
 
@@ -56,11 +58,15 @@ def base_config() -> ConfigDict:
         vocab_size=320, d_model=128, n_layers=4, n_heads=4, n_kv_heads=2, head_dim=0,
         d_ff=384, mlp="swiglu", norm="rmsnorm", use_bias=False, position="rope",
         max_seq_len=256, rope_theta=10000.0, norm_eps=1e-5, tie_embeddings=True,
-        compute_dtype="float32", attention="xla", remat="none", init_std=0.02,
+        compute_dtype="float32", attention="blockwise", remat="none", init_std=0.02,
     )
+    # sources: ("SPEC:WEIGHT", ...) mixed by weight; SPEC is a corpus ('stdlib', dir, glob) or an
+    # `lm tokenize` output dir; empty = data.corpus alone. tokenizer: 'byte', a .model, or 'spm:VOCAB'
+    # (trained on the first corpus). curate: run each corpus through `curate` (section below) first.
+    # workers: processes for curating and tokenizing (0 = all cores)
     c.data = dict(
-        corpus="stdlib", tokenizer="byte", seq_len=256, heldout_fraction=0.02,
-        max_train_bytes=0, cache_dir="",
+        corpus="stdlib", sources=(), tokenizer="byte", seq_len=256, heldout_fraction=0.02,
+        max_train_bytes=0, cache_dir="", curate=False, workers=0,
     )
     c.optim = dict(
         lr=3e-3, min_lr_ratio=0.1, warmup_steps=50, decay_steps=0, b1=0.9, b2=0.95,
@@ -70,11 +76,53 @@ def base_config() -> ConfigDict:
     c.train = dict(
         steps=500, batch_size=16, micro_batches=1, seed=0, log_every=10,
         peak_flops=0.0, sample_tokens=200, sample_prompt="def ",
+        # numerical faults: non-finite steps are skipped; after max_bad_steps in a row, or a loss
+        # spike (loss > median + spike_threshold * robust std over spike_window steps; 0 = off),
+        # on_bad restores the last good checkpoint and skips ahead in the data, or stops
+        max_bad_steps=5, on_bad="restore", spike_window=0, spike_threshold=8.0, max_rollbacks=3,
     )
     c.eval = dict(every_steps=100, batches=8, batch_size=16)
-    c.checkpoint = dict(every_steps=100, keep=3)
+    # keep the newest `keep` plus every step divisible by keep_period (0 = none); every_minutes
+    # adds timed saves (0 = off); processes agree on signals and timed saves every agree_every_steps
+    c.checkpoint = dict(every_steps=100, every_minutes=0.0, keep=3, keep_period=0, agree_every_steps=5)
     c.mesh = dict(data=-1, fsdp=1, tensor=1, rules=dict(DEFAULT_RULES))
+    c.curate = curate_defaults()
     return c
+
+
+def curate_defaults() -> dict:
+    """`lm curate`: every stage on, with the thresholds published with each rule set
+    (Gopher: Rae et al. 2021; C4: Raffel et al. 2020; FineWeb: Penedo et al. 2024). These suit
+    web prose; for source code turn the prose rules off (see lm/data/curate.py)."""
+    return dict(
+        on_bad_record="error",  # "error": stop, naming file and line; "skip": count and skip
+        text_key="text",  # the text field of .jsonl / .parquet inputs
+        tasks=0,  # shards of work (and output files); 0 = one per 8 MB of input
+        exact_dedup=dict(enabled=True),
+        near_dedup=dict(enabled=True, ngrams=5, bands=14, rows=8),  # MinHash LSH, 112 hashes
+        language=dict(enabled=True, keep=("en",), threshold=0.65),
+        gopher_repetition=dict(
+            enabled=True, dup_line_frac=0.3, dup_para_frac=0.3, dup_line_char_frac=0.2,
+            dup_para_char_frac=0.2, top_n_grams=("2:0.20", "3:0.18", "4:0.16"),
+            dup_n_grams=("5:0.15", "6:0.14", "7:0.13", "8:0.12", "9:0.11", "10:0.10"),
+        ),
+        gopher_quality=dict(
+            enabled=True, min_doc_words=50, max_doc_words=100000, min_avg_word_length=3,
+            max_avg_word_length=10, max_symbol_word_ratio=0.1, max_bullet_lines_ratio=0.9,
+            max_ellipsis_lines_ratio=0.3, max_non_alpha_words_ratio=0.8, min_stop_words=2,
+        ),
+        c4=dict(
+            enabled=True, split_paragraph=True, remove_citations=True, filter_no_terminal_punct=True,
+            min_num_sentences=5, min_words_per_line=3, max_word_length=1000, filter_lorem_ipsum=True,
+            filter_javascript=True, filter_curly_bracket=True, filter_policy=True,
+        ),
+        fineweb=dict(
+            enabled=True, line_punct_thr=0.12, line_punct_exclude_zero=False, short_line_thr=0.67,
+            short_line_length=30, char_duplicates_ratio=0.01, new_line_ratio=0.3,
+        ),
+        word_list=dict(enabled=False, path="", max_hits=0),  # a local file, one word per line
+        pii=dict(enabled=True, emails=True, ips=True, phones=True),
+    )
 
 
 def _suggest(key: str, options) -> str:
@@ -209,12 +257,26 @@ def validate(c: ConfigDict) -> None:
              "RoPE needs an even head dimension")
     _require(c.data.seq_len <= m.max_seq_len, "data.seq_len", c.data.seq_len,
              f"must be <= model.max_seq_len={m.max_seq_len}")
+    _validate_sources(c.data)
+    _require(c.data.workers >= 0, "data.workers", c.data.workers, "expected >= 0 (0 = all cores)")
     _require(0.0 < c.data.heldout_fraction < 1.0, "data.heldout_fraction", c.data.heldout_fraction,
              "expected a fraction in (0, 1)")
     t = c.train
     _require(t.steps > 0, "train.steps", t.steps, "expected a positive integer")
     _require(t.micro_batches > 0 and t.batch_size % t.micro_batches == 0, "train.micro_batches",
              t.micro_batches, f"must be positive and divide train.batch_size={t.batch_size}")
+    for key in ("max_bad_steps", "max_rollbacks"):
+        _require(t[key] >= 1, f"train.{key}", t[key], "expected a positive integer")
+    _require(t.spike_window == 0 or t.spike_window >= 8, "train.spike_window", t.spike_window,
+             "expected 0 (off) or at least 8 steps")
+    _require(t.spike_threshold > 0, "train.spike_threshold", t.spike_threshold, "expected > 0")
+    k = c.checkpoint
+    for key in ("every_steps", "keep_period"):
+        _require(k[key] >= 0, f"checkpoint.{key}", k[key], "expected >= 0 (0 = off)")
+    _require(k.every_minutes >= 0, "checkpoint.every_minutes", k.every_minutes, "expected >= 0 (0 = off)")
+    _require(k.keep >= 1, "checkpoint.keep", k.keep, "expected a positive integer")
+    _require(k.agree_every_steps >= 1, "checkpoint.agree_every_steps", k.agree_every_steps,
+             "expected a positive integer")
     _require(c.optim.lr > 0, "optim.lr", c.optim.lr, "expected a positive learning rate")
     _require(0 <= c.optim.warmup_steps, "optim.warmup_steps", c.optim.warmup_steps, "expected >= 0")
     for axis in ("data", "fsdp", "tensor"):
@@ -226,6 +288,32 @@ def validate(c: ConfigDict) -> None:
         for axis in axes:
             _require(axis in ("data", "fsdp", "tensor"), f"mesh.rules.{name}", axes,
                      "expected mesh axes among data, fsdp, tensor")
+
+
+def data_sources(d) -> list[tuple[str, float]]:
+    """data.sources entries 'SPEC' or 'SPEC:WEIGHT' -> [(spec, weight)]; empty means data.corpus alone."""
+    if not d.sources:
+        return [(d.corpus, 1.0)]
+    out = []
+    for entry in d.sources:
+        spec, sep, weight = entry.rpartition(":")
+        try:
+            out.append((spec, float(weight)) if sep and spec else (entry, 1.0))
+        except ValueError:
+            out.append((entry, 1.0))  # a ':' that belongs to the path, not a weight
+    return out
+
+
+def _validate_sources(d) -> None:
+    """Each weight >= 0 and finite; together they must sum to a positive number."""
+    if not d.sources:
+        return
+    parsed = data_sources(d)
+    for i, (spec, weight) in enumerate(parsed):
+        _require(bool(spec), f"data.sources[{i}]", d.sources[i], "expected SPEC or SPEC:WEIGHT")
+        _require(0 <= weight < float("inf"), f"data.sources[{i}]", d.sources[i],
+                 "expected a finite weight >= 0 after the last ':'")
+    _require(sum(w for _, w in parsed) > 0, "data.sources", d.sources, "the weights must sum to a positive number")
 
 
 def _head_dim(m) -> int:

@@ -1,7 +1,9 @@
 """`lm train` end to end on a small corpus: outputs, resume, and one-line user errors."""
 
 import json
+import math
 import pathlib
+import shutil
 
 import numpy as np
 import orbax.checkpoint as ocp
@@ -9,7 +11,10 @@ import pytest
 
 from lm.cli import main
 
-SMALL = ["--config.model.d_model=32", "--config.model.n_layers=2", "--config.model.n_heads=2",
+# The byte-level data path without curation: the default config's curation and tokenizer
+# training have their own tests.
+BYTES = ["--config.data.curate=false", "--config.data.tokenizer=byte", "--config.model.vocab_size=264"]
+SMALL = [*BYTES, "--config.model.d_model=32", "--config.model.n_layers=2", "--config.model.n_heads=2",
          "--config.model.n_kv_heads=1", "--config.model.d_ff=64", "--config.data.seq_len=32",
          "--config.train.batch_size=16", "--config.eval.batches=2", "--config.eval.batch_size=8",
          "--config.train.sample_tokens=16", "--config.optim.warmup_steps=5", "--config.optim.decay_steps=40",
@@ -69,7 +74,7 @@ def test_user_errors_are_one_line(tmp_path, capsys, corpus):
         (["--config.train.batch_size=12"], "8 batch shards"),
     ]
     for args, words in cases:
-        code = main(["train", "--workdir", str(tmp_path / "w"), f"--config.data.corpus={corpus}", *args])
+        code = main(["train", "--workdir", str(tmp_path / "w"), f"--config.data.corpus={corpus}", *BYTES, *args])
         err = capsys.readouterr().err.strip()
         assert code == 2 and err.startswith("lm: error:") and words in err and "\n" not in err, err
 
@@ -77,7 +82,7 @@ def test_user_errors_are_one_line(tmp_path, capsys, corpus):
 def test_empty_corpus_is_a_user_error(tmp_path, capsys):
     (tmp_path / "empty").mkdir()
     (tmp_path / "empty" / "a.txt").write_text("")
-    assert main(["train", "--workdir", str(tmp_path / "w"), f"--config.data.corpus={tmp_path / 'empty'}"]) == 2
+    assert main(["train", "--workdir", str(tmp_path / "w"), f"--config.data.corpus={tmp_path / 'empty'}", *BYTES]) == 2
     assert "empty" in capsys.readouterr().err
 
 
@@ -91,9 +96,28 @@ def test_tokenizer_train_then_pretrain_with_it(tmp_path, capsys, corpus):
                  "--vocab-size", "512"]) == 0
     model = tmp_path / "tok.model"
     assert model.is_file() and "512 pieces" in capsys.readouterr().out
-    too_small = main(["train", "--workdir", str(tmp_path / "a"), f"--config.data.corpus={corpus}",
+    too_small = main(["train", "--workdir", str(tmp_path / "a"), f"--config.data.corpus={corpus}", *BYTES,
                       f"--config.data.tokenizer={model}"])
     assert too_small == 2 and "model.vocab_size=264" in capsys.readouterr().err
     assert train(tmp_path / "b", corpus, 4, f"--config.data.tokenizer={model}", "--config.model.vocab_size=512") == 0
     rows = [json.loads(line) for line in (tmp_path / "b" / "metrics.jsonl").read_text().splitlines()]
     assert rows[0]["unigram_baseline"] > 0 and rows[-1]["step"] == 4
+
+
+def test_default_config_curates_trains_a_tokenizer_then_pretrains(tmp_path, corpus):
+    """The main job's data path (configs/tiny.py): curate -> sentencepiece -> token shards -> train."""
+    src = tmp_path / "raw"
+    shutil.copytree(corpus, src)
+    shutil.copy(corpus / "abc.py", src / "abc_copy.py")  # an exact duplicate for curation to drop
+    args = [a for a in SMALL if a not in BYTES] + ["--config.model.vocab_size=512", "--config.data.tokenizer=spm:512",
+                                                   "--config.data.heldout_fraction=0.3", "--config.data.workers=1"]
+    assert main(["train", "--workdir", str(tmp_path / "w"), f"--config.data.corpus={src}",
+                 "--config.train.steps=2", "--config.eval.every_steps=2", *args]) == 0
+    (report,) = (tmp_path / "w" / "data").glob("curated-*/report.json")
+    report = json.loads(report.read_text())
+    assert report["in"]["docs"] == 13 and report["stages"]["exact_dedup"]["reasons"]["exact_duplicate"]["docs"] == 1
+    stats = json.loads((tmp_path / "w" / "data_stats.json").read_text())
+    assert stats["train_docs"] + stats["heldout_docs"] == report["kept"]["docs"]
+    assert list((tmp_path / "w" / "data").glob("tokenizer-spm512-*.model"))
+    rows = [json.loads(line) for line in (tmp_path / "w" / "metrics.jsonl").read_text().splitlines()]
+    assert rows[-1]["step"] == 2 and rows[-1]["eval_loss"] < 1.5 * math.log(512)

@@ -1,22 +1,29 @@
-"""Find the raw text files of a corpus and split them into train / held-out.
+"""Find the raw text files of a corpus, split them into train / held-out, read documents.
 
 A corpus spec is 'stdlib' (the running interpreter's standard library: real
 English-commented text that is always available offline), a directory, or a
 glob pattern. Files are always returned sorted by their path relative to a root,
 so every machine sees the same list in the same order.
+
+A plain file is one document. A `.jsonl` or `.jsonl.gz` file (what curation
+writes) holds one document per line: a JSON object with a string `text` field.
 """
 
 from __future__ import annotations
 
 import glob
+import gzip
 import hashlib
+import json
 import sysconfig
 from pathlib import Path
+from typing import Iterator
 
 from lm.errors import UserError
 
 _GLOB_CHARS = set("*?[")
 _SNIFF_BYTES = 8192  # a NUL byte in the head marks a binary file
+JSONL_SUFFIXES = (".jsonl", ".jsonl.gz")
 
 
 def _relkey(root: Path, path: Path) -> str:
@@ -27,7 +34,13 @@ def _is_hidden(rel: Path) -> bool:
     return any(part.startswith(".") for part in rel.parts)
 
 
+def is_jsonl(path: Path) -> bool:
+    return path.name.endswith(JSONL_SUFFIXES)
+
+
 def _looks_binary(path: Path) -> bool:
+    if is_jsonl(path):  # gzip is binary on disk but holds text documents
+        return False
     with open(path, "rb") as f:
         return b"\0" in f.read(_SNIFF_BYTES)
 
@@ -121,3 +134,37 @@ def split_files(
     n_heldout = min(max(n_heldout, 1), len(files) - 1)
     order = lambda ps: sorted(ps, key=lambda p: _relkey(root, p))  # noqa: E731
     return order(ranked[n_heldout:]), order(ranked[:n_heldout])
+
+
+def _jsonl_text(line: bytes, where: str) -> str:
+    try:
+        obj = json.loads(line)
+    except UnicodeDecodeError:
+        raise UserError(f"{where}: not UTF-8; JSONL documents must be UTF-8 encoded JSON") from None
+    except json.JSONDecodeError as e:
+        raise UserError(f"{where}: not a JSON object ({e.msg}); expected one "
+                        '{"text": ...} object per line') from None
+    if not isinstance(obj, dict) or not isinstance(obj.get("text"), str):
+        found = f"keys {sorted(obj)}" if isinstance(obj, dict) else type(obj).__name__
+        raise UserError(f"{where}: expected a JSON object with a string 'text' field, found {found}")
+    return obj["text"]
+
+
+def iter_documents(path: Path) -> Iterator[tuple[bytes | str, str]]:
+    """Yields (document, where) pairs; `where` is 'file' or 'file:line' for error messages.
+
+    Plain files yield their raw bytes (decoding is the tokenizer's business); JSONL
+    files yield each line's `text`. Blank JSONL lines are skipped.
+    """
+    if not is_jsonl(path):
+        yield path.read_bytes(), str(path)
+        return
+    opener = gzip.open if path.name.endswith(".gz") else open
+    try:
+        with opener(path, "rb") as f:
+            for line_no, line in enumerate(f, 1):
+                if line.strip():
+                    where = f"{path}:{line_no}"
+                    yield _jsonl_text(line, where), where
+    except (gzip.BadGzipFile, EOFError) as e:
+        raise UserError(f"{path}: not a readable gzip file ({e}); re-run curation to rewrite it") from None

@@ -1,22 +1,29 @@
-"""From a flat token array to batches (the batch contract of DESIGN.md section 4).
+"""From token shard sets to batches (the batch contract of DESIGN.md section 4), with grain.
 
-The token stream is cut into non-overlapping windows of seq_len + 1 tokens
-(window i starts at i * seq_len; its last token is only a target). Documents are
-separated by EOS, so a window can hold the end of one document and the start of
-the next: `segment_ids` and `positions` say where each document starts, so
-attention and RoPE never cross a document boundary.
+A document of n+1 tokens (its EOS included) holds n next-token predictions. It is
+cut into pieces of at most seq_len predictions; consecutive pieces share one token
+(the last target of one is the first input of the next), so every prediction is
+made exactly once. A document longer than a row is thus split, never truncated.
 
-Training order is a grain index permutation, so the iterator state is a few
-integers and resuming from a checkpoint reproduces the exact batches.
+Training rows are built as global-batch *streams*: row r of every global batch
+comes from stream r, which reads every B-th piece (B = global batch size) of each
+source's per-epoch shuffle, mixes the sources by weight (grain `MapDataset.mix`)
+and packs pieces first-fit into rows (grain `FirstFitPackIterDataset`): padding
+where a piece does not fit, `segment_ids` so attention never crosses documents.
+A process builds only the streams of its own rows, so it reads only its share,
+and the global batch is the same whatever the number of processes.
+Everything before packing is index arithmetic, so the iterator state is a few
+integers per stream and resuming reproduces the exact batches.
 """
 
 from __future__ import annotations
 
-import functools
+import dataclasses
 
 import grain
 import numpy as np
 
+from lm.data.shards import ShardSet
 from lm.errors import UserError
 
 # The batch contract: every text batch has these [B, T] fields.
@@ -27,99 +34,115 @@ BATCH_DTYPES = {
     "segment_ids": np.int32,
     "positions": np.int32,
 }
+PACK_BINS = 8  # rows each stream packs at once: more bins, less padding, longer replay on restore
+# Reading a piece is a memmap slice: threads would cost more than they save, and each
+# of the many streams would own a pool.
+_READ = grain.ReadOptions(num_threads=0, prefetch_buffer_size=0)
 
 
-def window_example(tokens, start: int, seq_len: int, eos_id: int) -> dict:
-    """One row of the batch contract from tokens[start : start + seq_len + 1]."""
-    chunk = np.asarray(tokens[start : start + seq_len + 1], dtype=np.int32)
-    if len(chunk) != seq_len + 1:
-        raise ValueError(f"window at {start} needs {seq_len + 1} tokens, got {len(chunk)}")
-    inputs, targets = chunk[:-1], chunk[1:]
-    is_eos = inputs == eos_id
-    # The EOS belongs to the document it ends; the next document starts after it.
-    eos_before = np.cumsum(is_eos) - is_eos
-    idx = np.arange(seq_len)
-    starts_doc = np.concatenate([[True], is_eos[:-1]])
-    doc_start = np.maximum.accumulate(np.where(starts_doc, idx, 0))
+@dataclasses.dataclass(frozen=True)
+class Source:
+    name: str  # for messages and stats, e.g. the corpus spec
+    shards: ShardSet
+    weight: float
+
+
+class Pieces:
+    """Random access to the pieces of a shard set: index -> {'inputs', 'targets'}."""
+
+    def __init__(self, shards: ShardSet, seq_len: int):
+        self.shards, self.seq_len = shards, seq_len
+        predictions = shards.doc_lengths() - 1
+        self.per_doc = -(-predictions // seq_len)  # ceil
+        self.first = np.concatenate([[0], np.cumsum(self.per_doc)])
+
+    def __len__(self) -> int:
+        return int(self.first[-1])
+
+    def __getitem__(self, i: int) -> dict:
+        d = int(np.searchsorted(self.first, i, side="right")) - 1
+        start = (int(i) - int(self.first[d])) * self.seq_len
+        chunk = self.shards.doc(d)[start : start + self.seq_len + 1]
+        return {"inputs": chunk[:-1], "targets": chunk[1:]}
+
+    def stats(self) -> dict:
+        """Documents longer than a row are split (never truncated): how many, into how many pieces."""
+        return {"docs": int(len(self.per_doc)), "pieces": len(self),
+                "split_docs": int((self.per_doc > 1).sum()), "truncated_docs": 0}
+
+
+def check_weights(sources: list[Source], key: str = "data.sources") -> None:
+    for s in sources:
+        if not np.isfinite(s.weight) or s.weight < 0:
+            raise UserError(f"{key}: weight {s.weight} of '{s.name}' must be a finite number >= 0")
+    if sum(s.weight for s in sources) <= 0:
+        raise UserError(f"{key}: the weights {[s.weight for s in sources]} must sum to a positive number")
+
+
+def _mixed(parts: list, weights: list[float]):
+    return parts[0] if len(parts) == 1 else grain.MapDataset.mix(parts, weights)
+
+
+def _pack(ds: grain.IterDataset, seq_len: int, bins: int) -> grain.IterDataset:
+    return grain.experimental.FirstFitPackIterDataset(
+        ds, length_struct={"inputs": seq_len, "targets": seq_len}, num_packing_bins=bins, shuffle_bins=False)
+
+
+def to_contract(rows: dict) -> dict:
+    """grain's packed fields -> the batch contract (works on one row or a batch of rows)."""
+    segments = rows["inputs_segment_ids"].astype(np.int32)
     return {
-        "inputs": inputs,
-        "targets": targets,
-        # Predicting the next document's first token from the previous one is noise.
-        "loss_mask": (~is_eos).astype(np.float32),
-        "segment_ids": (1 + eos_before).astype(np.int32),
-        "positions": (idx - doc_start).astype(np.int32),
+        "inputs": rows["inputs"].astype(np.int32),
+        "targets": rows["targets"].astype(np.int32),
+        "loss_mask": (segments > 0).astype(np.float32),  # no loss on padding
+        "segment_ids": segments,
+        "positions": rows["inputs_positions"].astype(np.int32),
     }
 
 
-def n_windows(tokens, seq_len: int) -> int:
-    return max(len(tokens) - 1, 0) // seq_len
+def _stream_seed(seed: int, source: int) -> int:
+    return (seed * 1_000_003 + source) % 2**32
 
 
-def _window(i, *, tokens, seq_len, eos_id):
-    return window_example(tokens, int(i) * seq_len, seq_len, eos_id)
+def train_dataset(sources: list[Source], *, seq_len: int, global_batch: int, seed: int,
+                  process_index: int = 0, process_count: int = 1) -> grain.IterDataset:
+    """An endless stream of this process's [global_batch / process_count, seq_len] batches."""
+    if seq_len < 1 or global_batch < 1:
+        raise UserError(f"data: seq_len ({seq_len}) and batch size ({global_batch}) must be >= 1")
+    if not 0 <= process_index < process_count or global_batch % process_count:
+        raise UserError(f"data: batch size {global_batch} must split evenly over {process_count} processes "
+                        f"(process {process_index})")
+    check_weights(sources)
+    sources = [s for s in sources if s.weight > 0]
+    pieces = [Pieces(s.shards, seq_len) for s in sources]
+    for s, p in zip(sources, pieces):
+        if len(p) == 0:
+            raise UserError(f"data: source '{s.name}' has no tokens to train on")
+    # Each source is shuffled afresh every epoch (repeat reseeds the shuffle).
+    epochs = [grain.MapDataset.source(p).shuffle(seed=_stream_seed(seed, i)).repeat()
+              for i, p in enumerate(pieces)]
+    rows = global_batch // process_count
+    streams = []
+    for r in range(process_index * rows, (process_index + 1) * rows):
+        mixed = _mixed([e[r::global_batch] for e in epochs], [s.weight for s in sources])
+        streams.append(_pack(mixed.to_iter_dataset(_READ), seq_len, PACK_BINS))
+    # Equal weights: grain's mix takes the streams round-robin, so batch row i is stream i.
+    merged = streams[0] if len(streams) == 1 else grain.IterDataset.mix(streams)
+    return merged.batch(rows, drop_remainder=True).map(to_contract)
 
 
-def train_dataset(
-    tokens,
-    *,
-    seq_len: int,
-    batch_size: int,
-    seed: int,
-    eos_id: int,
-    process_index: int = 0,
-    process_count: int = 1,
-) -> grain.IterDataset:
-    """An endless, per-epoch reshuffled, host-sharded stream of [batch_size, seq_len] batches.
-
-    batch_size is per process. Every process builds the same permutation (same seed)
-    and takes every process_count-th window of it, so the hosts' shares are disjoint
-    within each epoch and together cover it.
-    """
-    if seq_len < 1 or batch_size < 1:
-        raise UserError(f"data: seq_len ({seq_len}) and batch_size ({batch_size}) must be >= 1")
-    if not 0 <= process_index < process_count:
-        raise UserError(f"data: process_index {process_index} not in [0, {process_count})")
-    n = n_windows(tokens, seq_len)
-    # Drop the last n % process_count windows so every host's share has the same size
-    # and grain's repeat keeps epochs aligned across hosts (at most process_count-1 lost).
-    n -= n % process_count
-    per_process = n // process_count
-    if per_process < batch_size:
-        raise UserError(
-            f"data: the training tokens ({len(tokens)}) give {per_process} windows of "
-            f"{seq_len + 1} tokens per process, fewer than one batch of {batch_size}; "
-            "use a larger corpus (or max_bytes), or a smaller seq_len or batch_size"
-        )
-    fn = functools.partial(_window, tokens=tokens, seq_len=seq_len, eos_id=eos_id)
-    ds = (
-        grain.MapDataset.range(n)
-        .shuffle(seed=seed)
-        [process_index::process_count]
-        .repeat()  # infinite; reseeds the shuffle for each epoch
-        .map(fn)
-        .batch(batch_size, drop_remainder=True)
-    )
-    return ds.to_iter_dataset()
-
-
-def eval_batches(
-    tokens, *, seq_len: int, batch_size: int, n_batches: int, eos_id: int
-) -> list[dict]:
-    """The first n_batches * batch_size windows, in order: the same every time.
-
-    If the text holds fewer windows, the last batch is filled with padding rows
-    (segment_ids 0, loss_mask 0) so every batch has the same shape (no recompiles).
-    """
-    n = min(n_windows(tokens, seq_len), n_batches * batch_size)
-    if n == 0:
-        raise UserError(
-            f"data: the held-out text has {len(tokens)} tokens but one eval window needs "
-            f"{seq_len + 1}; use a larger heldout_fraction or corpus, or a smaller seq_len"
-        )
-    rows = [window_example(tokens, i * seq_len, seq_len, eos_id) for i in range(n)]
+def eval_batches(sources: list[Source], *, seq_len: int, batch_size: int, n_batches: int) -> list[dict]:
+    """The first n_batches * batch_size packed rows of the held-out pieces, in document order
+    (sources mixed by weight): the same every time. A short last batch is filled with
+    padding rows (segment_ids 0, loss_mask 0) so every batch has the same shape."""
+    check_weights(sources)
+    sources = [s for s in sources if s.weight > 0]
+    parts = [grain.MapDataset.source(Pieces(s.shards, seq_len)) for s in sources]
+    if any(len(p) == 0 for p in parts):
+        raise UserError("data: a held-out source has no tokens; use a larger heldout_fraction or corpus")
+    packed = iter(_pack(_mixed(parts, [s.weight for s in sources]).to_iter_dataset(_READ), seq_len, batch_size))
+    rows = [to_contract(row) for _, row in zip(range(n_batches * batch_size), packed)]
     pad = {k: np.zeros_like(v) for k, v in rows[0].items()}
-    rows += [pad] * (-n % batch_size)
-    return [
-        {k: np.stack([r[k] for r in rows[b : b + batch_size]]) for k in pad}
-        for b in range(0, len(rows), batch_size)
-    ]
+    rows += [pad] * (-len(rows) % batch_size)
+    return [{k: np.stack([r[k] for r in rows[b : b + batch_size]]) for k in pad}
+            for b in range(0, len(rows), batch_size)]

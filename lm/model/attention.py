@@ -6,17 +6,38 @@ import flax.linen as nn
 import jax
 import jax.numpy as jnp
 
+from lm.model.blockwise import blockwise_attention
 from lm.model.layers import ModelSpec, Partitioning, matmul, normal, param
 
 
-def rope(x: jax.Array, positions: jax.Array, theta: float) -> jax.Array:
-    """Rotates channel pairs (i, i + H/2) by position-dependent angles. x: [B, T, N, H]."""
-    half = x.shape[-1] // 2
+def rope_tables(positions: jax.Array, head_dim: int, theta: float) -> tuple[jax.Array, jax.Array]:
+    """(cos, sin), each [B, T, 1, 2, H/2] float32, for `apply_rope`; sin carries the rotation's sign.
+
+    Computed once per forward pass: a fused consumer would otherwise recompute the sines
+    and cosines for every head of every layer.
+    """
+    half = head_dim // 2
     freqs = theta ** (-jnp.arange(half, dtype=jnp.float32) / half)
     angles = positions.astype(jnp.float32)[..., None] * freqs  # [B, T, H/2]
-    sin, cos = jnp.sin(angles)[:, :, None, :], jnp.cos(angles)[:, :, None, :]
-    x1, x2 = jnp.split(x.astype(jnp.float32), 2, axis=-1)
-    return jnp.concatenate([x1 * cos - x2 * sin, x2 * cos + x1 * sin], axis=-1).astype(x.dtype)
+    cos, sin = jnp.cos(angles), jnp.sin(angles)
+    return jnp.stack([cos, cos], axis=-2)[:, :, None], jnp.stack([-sin, sin], axis=-2)[:, :, None]
+
+
+def apply_rope(x: jax.Array, tables: tuple[jax.Array, jax.Array]) -> jax.Array:
+    """Rotates channel pairs (i, i + H/2) of x [B, T, N, H] by the angles in `tables`.
+
+    The halves are swapped by reversing a size-2 axis rather than by split and concatenate,
+    so forward and backward each stay one elementwise pass.
+    """
+    cos, sin = tables
+    b, t, n, h = x.shape
+    xf = x.astype(jnp.float32).reshape(b, t, n, 2, h // 2)
+    return (xf * cos + xf[..., ::-1, :] * sin).reshape(x.shape).astype(x.dtype)
+
+
+def rope(x: jax.Array, positions: jax.Array, theta: float) -> jax.Array:
+    """RoPE of x [B, T, N, H] at integer positions [B, T]."""
+    return apply_rope(x, rope_tables(positions, x.shape[-1], theta))
 
 
 def segment_causal_mask(segment_ids: jax.Array) -> jax.Array:
@@ -38,7 +59,11 @@ def reference_attention(q, k, v, mask) -> jax.Array:
     return jnp.einsum("bnts,bsnh->btnh", probs, v)
 
 
-def attend(q, k, v, mask, implementation: str) -> jax.Array:
+def attend(q, k, v, segment_ids, implementation: str) -> jax.Array:
+    """Causal attention within documents. q: [B,T,N,H], k/v: [B,T,K,H], segment_ids: [B,T]."""
+    if implementation == "blockwise":
+        return blockwise_attention(q, k, v, segment_ids)
+    mask = segment_causal_mask(segment_ids)
     if implementation == "reference":
         return reference_attention(q, k, v, mask)
     return jax.nn.dot_product_attention(q, k, v, mask=mask, implementation=implementation)
@@ -49,7 +74,8 @@ class Attention(nn.Module):
     part: Partitioning
 
     @nn.compact
-    def __call__(self, x, mask, positions):
+    def __call__(self, x, segment_ids, rope_cs):
+        """rope_cs: `rope_tables` of the positions, or None without RoPE."""
         s, dt, c = self.spec, self.spec.dtype, self.part.constrain
         init, out_init = normal(s.init_std), normal(s.init_std / (2 * s.n_layers) ** 0.5)
 
@@ -64,9 +90,9 @@ class Attention(nn.Module):
         q = project("wq", s.n_heads, "q_heads", "act_heads")
         k = project("wk", s.n_kv_heads, "kv_heads", "act_kv_heads")
         v = project("wv", s.n_kv_heads, "kv_heads", "act_kv_heads")
-        if s.position == "rope":
-            q, k = rope(q, positions, s.rope_theta), rope(k, positions, s.rope_theta)
-        y = attend(q, k, v, mask, s.attention)
+        if rope_cs is not None:
+            q, k = apply_rope(q, rope_cs), apply_rope(k, rope_cs)
+        y = attend(q, k, v, segment_ids, s.attention)
         y = c(y, ("batch", "length", "act_heads", None))
         wo = param(self, "wo", out_init, (s.n_heads, s.head_dim, s.d_model), ("q_heads", "head_dim", "embed"))
         out = matmul("btnh,nhd->btd", y, wo.astype(dt))

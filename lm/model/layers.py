@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import dataclasses
 import functools
+import math
 
 import flax.linen as nn
 import jax
@@ -31,7 +32,7 @@ class ModelSpec:
     norm_eps: float = 1e-5
     tie_embeddings: bool = True
     compute_dtype: str = "float32"
-    attention: str = "xla"
+    attention: str = "blockwise"
     remat: str = "none"
     init_std: float = 0.02
 
@@ -60,6 +61,30 @@ class Partitioning:
         return jax.lax.with_sharding_constraint(x, NamedSharding(self.mesh, spec))
 
 
+def _product(spec: str, a, b, dtype):
+    return jnp.einsum(spec, a, b, preferred_element_type=jnp.float32).astype(dtype)
+
+
+def _weight_grad(a_spec: str, a, g_spec: str, g, out_spec: str, dtype):
+    """einsum(a, g -> out) contracting the activation axes, with the narrower operand as the lhs.
+
+    The CPU backend copies the lhs of such a product into a transposed layout, so the operand
+    with fewer free elements goes first and the small result is transposed instead.
+    """
+    def free_size(x_spec, x):
+        return math.prod(n for c, n in zip(x_spec, x.shape) if c in out_spec)
+
+    if free_size(a_spec, a) > free_size(g_spec, g):
+        a_spec, a, g_spec, g = g_spec, g, a_spec, a
+    lhs_free = "".join(c for c in a_spec if c in out_spec)
+    order = lhs_free + "".join(c for c in g_spec if c in out_spec and c not in lhs_free)
+    y = _product(f"{a_spec},{g_spec}->{order}", a, g, dtype)
+    if order == out_spec:
+        return y
+    # The barrier stops XLA from folding the transpose back into the product's operands.
+    return jnp.transpose(jax.lax.optimization_barrier(y), [order.index(c) for c in out_spec])
+
+
 @functools.lru_cache(maxsize=None)
 def _matmul_fn(spec: str, out_dtype: str | None):
     """An einsum of two operands with float32 accumulation and an explicit backward pass.
@@ -71,20 +96,17 @@ def _matmul_fn(spec: str, out_dtype: str | None):
     inputs, out = spec.split("->")
     a_spec, b_spec = inputs.split(",")
 
-    def product(s, a, b, dtype):
-        return jnp.einsum(s, a, b, preferred_element_type=jnp.float32).astype(dtype)
-
     @jax.custom_vjp
     def matmul(a, b):
-        return product(spec, a, b, out_dtype or a.dtype)
+        return _product(spec, a, b, out_dtype or a.dtype)
 
     def forward(a, b):
         return matmul(a, b), (a, b)
 
     def backward(saved, g):
         a, b = saved
-        return (product(f"{out},{b_spec}->{a_spec}", g, b, a.dtype),
-                product(f"{a_spec},{out}->{b_spec}", a, g, b.dtype))
+        return (_product(f"{out},{b_spec}->{a_spec}", g, b, a.dtype),
+                _weight_grad(a_spec, a, out, g, b_spec, b.dtype))
 
     matmul.defvjp(forward, backward)
     return matmul
@@ -93,6 +115,39 @@ def _matmul_fn(spec: str, out_dtype: str | None):
 def matmul(spec: str, a: jax.Array, b: jax.Array, out_dtype: str | None = None) -> jax.Array:
     """`jnp.einsum(spec, a, b)` with float32 accumulation, returned in out_dtype (default a's)."""
     return _matmul_fn(spec.replace(" ", ""), out_dtype)(a, b)
+
+
+@jax.custom_vjp
+def swiglu_down(gate: jax.Array, up: jax.Array, w: jax.Array) -> jax.Array:
+    """(silu(gate) * up) @ w for [B, T, F] activations and a [F, D] weight.
+
+    The backward pass recomputes silu(gate) * up from the saved gate and up rather than
+    keeping a third [B, T, F] activation per layer until the backward pass.
+    """
+    return _product("btf,fd->btd", _swiglu(gate, up).astype(gate.dtype), w, gate.dtype)
+
+
+def _swiglu(gate, up):
+    """silu(gate) * up in float32 (one rounding to the compute dtype, by the caller)."""
+    return nn.silu(gate.astype(jnp.float32)) * up.astype(jnp.float32)
+
+
+def _swiglu_down_fwd(gate, up, w):
+    return swiglu_down(gate, up, w), (gate, up, w)
+
+
+def _swiglu_down_bwd(saved, g):
+    gate, up, w = saved
+    gf, uf = gate.astype(jnp.float32), up.astype(jnp.float32)
+    sig = jax.nn.sigmoid(gf)
+    silu = gf * sig
+    dh = _product("btd,fd->btf", g, w, jnp.float32)
+    d_gate = dh * uf * sig * (1 + gf * (1 - sig))
+    d_w = _weight_grad("btf", _swiglu(gate, up).astype(gate.dtype), "btd", g, "fd", w.dtype)
+    return d_gate.astype(gate.dtype), (dh * silu).astype(up.dtype), d_w
+
+
+swiglu_down.defvjp(_swiglu_down_fwd, _swiglu_down_bwd)
 
 
 def param(module: nn.Module, name: str, init, shape, names) -> jax.Array:
@@ -142,11 +197,13 @@ class Mlp(nn.Module):
             return self.part.constrain(h, ("batch", "length", "act_mlp"))
 
         if s.mlp == "swiglu":
-            h = nn.silu(dense_in("w_gate")) * dense_in("w_up")
+            gate, up = dense_in("w_gate"), dense_in("w_up")
+            w_out = param(self, "w_down", out_init, (s.d_ff, s.d_model), names_out)
+            y = swiglu_down(gate, up, w_out.astype(dt))
         else:
             h = nn.gelu(dense_in("w_in"), approximate=True)
-        w_out = param(self, "w_down", out_init, (s.d_ff, s.d_model), names_out)
-        y = matmul("btf,fd->btd", h, w_out.astype(dt))
+            w_out = param(self, "w_down", out_init, (s.d_ff, s.d_model), names_out)
+            y = matmul("btf,fd->btd", h, w_out.astype(dt))
         if s.use_bias:
             y = y + param(self, "w_down_bias", nn.initializers.zeros, (s.d_model,), ("embed",)).astype(dt)
         return self.part.constrain(y, ("batch", "length", "act_embed"))

@@ -6,7 +6,7 @@ import flax.linen as nn
 import jax
 import jax.numpy as jnp
 
-from lm.model.attention import Attention, segment_causal_mask
+from lm.model.attention import Attention, rope_tables
 from lm.model.layers import Mlp, ModelSpec, Norm, Partitioning, matmul, normal, param
 
 REMAT_POLICIES = {
@@ -23,8 +23,8 @@ class Block(nn.Module):
     part: Partitioning
 
     @nn.compact
-    def __call__(self, x, mask, positions):
-        x = x + Attention(self.spec, self.part, name="attn")(Norm(self.spec, name="attn_norm")(x), mask, positions)
+    def __call__(self, x, segment_ids, rope_cs):
+        x = x + Attention(self.spec, self.part, name="attn")(Norm(self.spec, name="attn_norm")(x), segment_ids, rope_cs)
         x = x + Mlp(self.spec, self.part, name="mlp")(Norm(self.spec, name="mlp_norm")(x))
         return x, None
 
@@ -60,8 +60,8 @@ class Transformer(nn.Module):
             table = param(self, "pos_embedding", normal(s.init_std), (s.max_seq_len, s.d_model), ("position", "embed"))
             x = x + jnp.take(table, positions, axis=0).astype(s.dtype)
         x = c(x, ("batch", "length", "act_embed"))
-        mask = segment_causal_mask(segment_ids)
-        x, _ = scanned_blocks(s)(s, self.part, name="blocks")(x, mask, positions)
+        rope_cs = rope_tables(positions, s.head_dim, s.rope_theta) if s.position == "rope" else None
+        x, _ = scanned_blocks(s)(s, self.part, name="blocks")(x, segment_ids, rope_cs)
         x = Norm(s, name="final_norm")(x)
         if s.tie_embeddings:
             head = embedding.T

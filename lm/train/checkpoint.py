@@ -1,46 +1,247 @@
-"""Orbax checkpoints of the whole run: TrainState (sharded) + the data iterator state."""
+"""Orbax checkpoints of the whole run, and restoring them safely.
+
+One checkpoint is a step directory with three items written together:
+  state/  the TrainState (step, params, optimizer state, rng), sharded, one layout whatever
+          the mesh or remat policy (layers are always scanned: a leading `layers` axis);
+  data/   the grain iterator state (a resumed run sees exactly the batches it would have seen);
+  meta/   JSON: the resolved config, the shape of every state leaf, a checksum of every leaf,
+          and the loop's fault counters.
+Orbax writes each step to a temporary directory and renames it when complete, so a crash,
+a kill or a full disk during a save never touches the checkpoints already there.
+
+On resume the newest checkpoint is checked (meta readable, shapes match the config, every
+array restorable, checksums equal) and, if damaged, moved to `rejected_checkpoints/` with a
+warning naming the fault; the next newest is tried. Shapes that do not fit the config are
+refused outright: that is a wrong config, not a damaged file.
+"""
 
 from __future__ import annotations
 
+import contextlib
+import json
 import pathlib
+import shutil
+import time
 
 import grain
+import jax
+import jax.numpy as jnp
 import orbax.checkpoint as ocp
 
 from lm.errors import UserError
 
+ITEMS = ("state", "data", "meta")
+
+
+class IncompatibleCheckpoint(UserError):
+    """The checkpoint's arrays do not have the shapes this config gives."""
+
+
+def leaf_paths(tree) -> list[str]:
+    return ["/".join(_key_name(k) for k in path) for path, _ in jax.tree_util.tree_flatten_with_path(tree)[0]]
+
+
+def _key_name(key) -> str:
+    for attr in ("key", "name", "idx"):
+        if hasattr(key, attr):
+            return str(getattr(key, attr))
+    return str(key)
+
+
+def _as_u32(x):
+    bits = {4: jnp.uint32, 2: jnp.uint16, 1: jnp.uint8}[x.dtype.itemsize]
+    return jax.lax.bitcast_convert_type(x, bits).astype(jnp.uint32)
+
+
+@jax.jit
+def _leaf_sums(tree):
+    # uint32 addition wraps, so the sum is exact and independent of sharding and reduction order
+    return [jnp.sum(_as_u32(x), dtype=jnp.uint32) for x in jax.tree.leaves(tree)]
+
+
+def checksums(tree) -> list[int]:
+    """One wrapping uint32 sum of the raw bits per leaf: any changed byte changes it (p ~ 1 - 2^-32)."""
+    return [int(v) for v in jax.device_get(_leaf_sums(tree))]
+
+
+def _shapes(tree) -> dict:
+    return {p: [list(x.shape), str(x.dtype)] for p, x in zip(leaf_paths(tree), jax.tree.leaves(tree))}
+
+
+def _flat(d: dict, prefix: str = "") -> dict:
+    out = {}
+    for k, v in d.items():
+        if isinstance(v, dict):
+            out |= _flat(v, f"{prefix}{k}.")
+        else:
+            out[f"{prefix}{k}"] = v
+    return out
+
 
 class Checkpointer:
-    """Saves every `every_steps`, keeps the newest `keep`; restores onto the given shardings."""
+    """Saves when asked (the loop decides when), keeps the newest `keep` plus every
+    `keep_period`-th step, and restores onto any target shardings."""
 
-    def __init__(self, directory: pathlib.Path, every_steps: int, keep: int):
+    def __init__(self, directory, every_steps: int = 100, keep: int = 3, *, every_minutes: float = 0.0,
+                 keep_period: int = 0, config=None):
         self.directory = pathlib.Path(directory).absolute()
-        options = ocp.CheckpointManagerOptions(save_interval_steps=max(every_steps, 1), max_to_keep=keep,
-                                               enable_async_checkpointing=True)
-        self.manager = ocp.CheckpointManager(self.directory, options=options,
-                                             item_names=("state", "data"))
+        self.rejected_dir = self.directory.parent / "rejected_checkpoints"
+        self.every_steps, self.every_minutes = every_steps, every_minutes
+        self.config = json.loads(config.to_json()) if config is not None else None
+        options = ocp.CheckpointManagerOptions(max_to_keep=keep, keep_period=keep_period or None,
+                                               enable_async_checkpointing=True, cleanup_tmp_directories=True)
+        self.manager = ocp.CheckpointManager(self.directory, options=options, item_names=ITEMS)
+        self._last_save = time.monotonic()
+        self._pending_step = None
+
+    @classmethod
+    def from_config(cls, directory, config) -> "Checkpointer":
+        k = config.checkpoint
+        return cls(directory, k.every_steps, k.keep, every_minutes=k.every_minutes, keep_period=k.keep_period,
+                   config=config)
+
+    # ---- saving ----------------------------------------------------------------------------
+
+    def due(self, step: int) -> bool:
+        return self.every_steps > 0 and step % self.every_steps == 0
+
+    def time_due(self) -> bool:
+        return self.every_minutes > 0 and time.monotonic() - self._last_save >= 60 * self.every_minutes
 
     def latest_step(self) -> int | None:
         return self.manager.latest_step()
 
-    def save(self, step: int, state, data_iter, force: bool = False) -> bool:
-        args = ocp.args.Composite(state=ocp.args.StandardSave(state),
-                                  data=grain.checkpoint.CheckpointSave(data_iter))
-        return self.manager.save(step, args=args, force=force)
+    def all_steps(self) -> list[int]:
+        return sorted(self.manager.all_steps())
 
-    def restore(self, abstract_state, data_iter):
-        """Restores the newest checkpoint into `abstract_state`'s shardings and `data_iter` in place."""
-        step = self.latest_step()
-        if step is None:
-            raise UserError(f"--resume: no checkpoint in '{self.directory}'; run without --resume to start fresh")
-        args = ocp.args.Composite(state=ocp.args.StandardRestore(abstract_state),
-                                  data=grain.checkpoint.CheckpointRestore(data_iter))
-        restored = self.manager.restore(step, args=args)
-        return restored["state"], step
+    def save(self, step: int, state, data_iter, health: dict | None = None) -> None:
+        """Starts an async save of everything at `step`; returns once the arrays are copied off device."""
+        meta = {"step": int(step), "shapes": _shapes(state), "checksums": checksums(state),
+                "config": self.config, "health": health}
+        args = ocp.args.Composite(state=ocp.args.StandardSave(state), data=grain.checkpoint.CheckpointSave(data_iter),
+                                  meta=ocp.args.JsonSave(meta))
+        with self._reporting(step):
+            self.manager.save(step, args=args, force=True)
+        self._last_save, self._pending_step = time.monotonic(), step
 
     def wait(self) -> None:
-        self.manager.wait_until_finished()
+        with self._reporting(self._pending_step):
+            self.manager.wait_until_finished()
 
     def close(self) -> None:
-        self.manager.wait_until_finished()
+        self.wait()
         self.manager.close()
+
+    @contextlib.contextmanager
+    def _reporting(self, step):
+        """Turns a failed write (disk full, permissions, ...) into one clear line; orbax wrote into
+        a temporary directory, so the checkpoints already there are untouched."""
+        try:
+            yield
+        except UserError:
+            raise
+        except Exception as error:
+            raise UserError(f"saving the checkpoint of step {step} in '{self.directory}' failed "
+                            f"({type(error).__name__}: {_one_line(error)}); the checkpoints already there are "
+                            f"intact (steps {self.all_steps()}); free space or fix permissions, then --resume"
+                            ) from error
+
+    # ---- restoring -------------------------------------------------------------------------
+
+    def restore(self, abstract_state, data_iter=None, step: int | None = None):
+        """Restores the newest intact checkpoint (or `step`) onto `abstract_state`'s shardings, and
+        `data_iter` in place when given. Damaged checkpoints are set aside with a warning.
+
+        Returns (state, step, meta) where meta holds the saved config and fault counters.
+        """
+        steps = [step] if step is not None else sorted(self.manager.all_steps(), reverse=True)
+        if not steps:
+            raise UserError(f"--resume: no checkpoint in '{self.directory}'; run without --resume to start fresh")
+        problems = []
+        for s in steps:
+            try:
+                state, meta = self._restore_checked(s, abstract_state, data_iter)
+            except IncompatibleCheckpoint:
+                raise
+            except Exception as e:  # any damage: missing files, garbage bytes, bad metadata
+                reason = f"{type(e).__name__}: {_one_line(e)}"
+                problems.append(f"step {s}: {reason}")
+                self._reject(s, reason)
+                continue
+            return state, s, meta
+        raise UserError(f"no intact checkpoint in '{self.directory}' (" + "; ".join(problems) + ")")
+
+    def _restore_checked(self, step: int, abstract_state, data_iter):
+        meta = self.manager.restore(step, args=ocp.args.Composite(meta=ocp.args.JsonRestore()))["meta"]
+        if not isinstance(meta, dict) or not {"shapes", "checksums"} <= meta.keys():
+            raise ValueError("meta item lacks shapes/checksums")
+        self._check_compatible(step, meta, abstract_state)
+        self._check_array_metadata(step, meta)
+        items = {"state": ocp.args.StandardRestore(abstract_state)}
+        if data_iter is not None:
+            items["data"] = grain.checkpoint.CheckpointRestore(data_iter)
+        state = self.manager.restore(step, args=ocp.args.Composite(**items))["state"]
+        for path, want, got in zip(leaf_paths(state), meta["checksums"], checksums(state)):
+            if want != got:
+                raise ValueError(f"contents of '{path}' differ from what was saved (checksum {got} != {want})")
+        return state, meta
+
+    def _check_array_metadata(self, step: int, meta: dict) -> None:
+        """Orbax's own tree metadata must be there and agree: exports and other tools read it."""
+        tree = ocp.StandardCheckpointHandler().metadata(self.directory / str(step) / "state")
+        tree = getattr(tree, "tree", tree)
+        listed = {p: [list(m.shape), str(m.dtype)] for p, m in zip(leaf_paths(tree), jax.tree.leaves(tree))}
+        if listed != meta["shapes"]:
+            raise ValueError("the state's array metadata disagrees with the shapes recorded at save time")
+
+    def _check_compatible(self, step: int, meta: dict, abstract_state) -> None:
+        now = _shapes(abstract_state)
+        saved = meta["shapes"]
+        diffs = [f"{p}: saved {saved[p][0]} {saved[p][1]}, now {now[p][0]} {now[p][1]}"
+                 for p in now if p in saved and saved[p] != now[p]]
+        diffs += [f"{p}: missing in the checkpoint" for p in now if p not in saved]
+        diffs += [f"{p}: not in this config" for p in saved if p not in now]
+        if not diffs:
+            return
+        diffs = [d for d in diffs if d.startswith("params/")] or diffs  # the optimizer state mirrors them
+        keys = ""
+        if self.config is not None and meta.get("config"):
+            before, after = _flat(meta["config"].get("model", {})), _flat(self.config.get("model", {}))
+            changed = [f"model.{k}={before.get(k)!r} (checkpoint) vs {after.get(k)!r} (now)"
+                       for k in sorted(before.keys() | after.keys()) if before.get(k) != after.get(k)]
+            keys = f"; config differs in {', '.join(changed)}" if changed else ""
+        shown = "; ".join(diffs[:10]) + (f"; ... ({len(diffs)} in all)" if len(diffs) > 10 else "")
+        raise IncompatibleCheckpoint(f"checkpoint step {step} in '{self.directory}' does not fit this config: "
+                                     f"{shown}{keys}; use the config it was trained with or a new --workdir")
+
+    def _reject(self, step: int, reason: str) -> None:
+        """Moves a damaged step out of the manager's sight (kept for inspection) and says why."""
+        target = self.rejected_dir / str(step)
+        print(f"lm: warning: checkpoint step {step} is damaged ({reason}); moved to '{target}', "
+              "trying the previous one", flush=True)
+        if jax.process_index() == 0:
+            self.rejected_dir.mkdir(parents=True, exist_ok=True)
+            if target.exists():
+                shutil.rmtree(target)
+            shutil.move(str(self.directory / str(step)), str(target))
+        if jax.process_count() > 1:
+            from jax.experimental import multihost_utils
+
+            multihost_utils.sync_global_devices(f"lm_reject_checkpoint_{step}")
+        self.manager.reload()
+
+
+def _one_line(error: BaseException) -> str:
+    text = str(error).strip().splitlines()
+    return (text[0] if text else repr(error))[:300]
+
+
+def read_meta(directory, step: int) -> dict:
+    """The meta item of one step (config, shapes, checksums, counters) as a dict."""
+    path = pathlib.Path(directory) / str(step) / "meta" / "metadata"
+    if not path.is_file():
+        raise UserError(f"'{path.parent}' has no checkpoint metadata; is '{directory}' an `lm train` checkpoint dir?")
+    return json.loads(path.read_text())
+
+
+

@@ -21,7 +21,8 @@ from lm.model.transformer import Transformer
 from lm.perf import measure_matmul_peak
 from lm.sharding import batch_sharding, host_batch_to_global, make_mesh, split_count
 from lm.train.checkpoint import Checkpointer
-from lm.train.loop import LoopSpec, run_loop
+from lm.train.faults import FaultPolicy, StopSignal
+from lm.train.loop import Faults, LoopSpec, run_loop
 from lm.train.losses import pretrain_loss
 from lm.train.metrics import MetricsWriter, plot_curves, truncate_after
 from lm.train.optim import make_optimizer
@@ -29,14 +30,11 @@ from lm.train.state import abstract_state, create_state
 from lm.train.steps import make_eval_step, make_train_step
 
 
-def _load_data(config, workdir: pathlib.Path):
+def _load_data(config, workdir: pathlib.Path, progress: bool):
     d = config.data
     cache = pathlib.Path(d.cache_dir) if d.cache_dir else workdir / "data"
-    data = prepare_pretrain_data(d.corpus, d.tokenizer, d.heldout_fraction, cache, d.max_train_bytes)
-    if data.tokenizer.vocab_size > config.model.vocab_size:
-        raise UserError(f"model.vocab_size={config.model.vocab_size} is smaller than the "
-                        f"'{d.tokenizer}' tokenizer's {data.tokenizer.vocab_size} ids")
-    return data
+    return prepare_pretrain_data(d, cache, vocab_size=config.model.vocab_size, progress=progress,
+                                 curate_cfg=config.curate)
 
 
 def _evaluator(eval_fn, batches, to_device):
@@ -67,10 +65,13 @@ def _check_batch_split(batch_size: int, micro_batches: int, n_proc: int, shardin
 def train(config, workdir, resume: bool = False, show_progress: bool = True) -> dict:
     workdir = pathlib.Path(workdir)
     workdir.mkdir(parents=True, exist_ok=True)
+    # Data first, before JAX starts its runtime threads: curation and tokenization start worker
+    # processes, and forking a process that runs XLA threads can deadlock.
+    data = _load_data(config, workdir, show_progress)
     is_main = jax.process_index() == 0
     if is_main:
         (workdir / "config.json").write_text(config.to_json(indent=2))
-    data = _load_data(config, workdir)
+        (workdir / "data_stats.json").write_text(json.dumps(data.stats, indent=2))
     t, m = config.train, config.model
     print(describe(data.stats))
 
@@ -85,13 +86,14 @@ def train(config, workdir, resume: bool = False, show_progress: bool = True) -> 
 
     n_proc, seq = jax.process_count(), config.data.seq_len
     _check_batch_split(t.batch_size, t.micro_batches, n_proc, b_sharding)
-    eos = data.tokenizer.eos_id
-    data_iter = iter(train_dataset(data.train_tokens, seq_len=seq, batch_size=t.batch_size // n_proc,
-                                   seed=t.seed, eos_id=eos, process_index=jax.process_index(),
-                                   process_count=n_proc))
-    checkpointer = Checkpointer(workdir / "checkpoints", config.checkpoint.every_steps, config.checkpoint.keep)
+    data_iter = iter(train_dataset(data.train, seq_len=seq, global_batch=t.batch_size, seed=t.seed,
+                                   process_index=jax.process_index(), process_count=n_proc))
+    checkpointer = Checkpointer.from_config(workdir / "checkpoints", config)
+    target = abstract_state(model, optimizer, shardings)
+    health = None
     if resume:
-        state, step = checkpointer.restore(abstract_state(model, optimizer, shardings), data_iter)
+        state, step, meta = checkpointer.restore(target, data_iter)
+        health = meta.get("health")
         if is_main:
             truncate_after(workdir / "metrics.jsonl", step)
         print(f"resumed from step {step}")
@@ -104,8 +106,7 @@ def train(config, workdir, resume: bool = False, show_progress: bool = True) -> 
     step_fn = make_train_step(loss_fn, optimizer, schedule, mesh, shardings, b_sharding, t.micro_batches)
     e = config.eval
     _check_batch_split(e.batch_size, 1, n_proc, b_sharding, key="eval.batch_size")
-    batches = eval_batches(data.heldout_tokens, seq_len=seq, batch_size=e.batch_size, n_batches=e.batches,
-                           eos_id=eos)
+    batches = eval_batches(data.heldout, seq_len=seq, batch_size=e.batch_size, n_batches=e.batches)
     evaluate = _evaluator(make_eval_step(loss_fn, mesh, shardings.params, b_sharding), batches, to_device)
 
     flops = plan.flops_per_token(m, seq)
@@ -113,12 +114,18 @@ def train(config, workdir, resume: bool = False, show_progress: bool = True) -> 
     writer = MetricsWriter(workdir, enabled=is_main)
     if not resume:
         writer.write(0, {"unigram_baseline": data.stats["unigram_entropy_nats"], "params": plan.param_count(m),
-                         "flops_per_token": flops, "peak_flops": peak} | evaluate(state))
-    spec_loop = LoopSpec(t.steps, t.log_every, e.every_steps, t.batch_size * seq, flops, peak)
-    state, last = run_loop(spec_loop, state, step_fn, data_iter, to_device, evaluate=evaluate,
-                           writer=writer, checkpointer=checkpointer, show_progress=show_progress and is_main)
-    checkpointer.close()
+                         "flops_per_token": flops, "peak_flops": peak, "train_docs": data.stats["train_docs"],
+                         "split_docs": data.stats["split_docs"]} | evaluate(state))
+    spec_loop = LoopSpec(t.steps, t.log_every, e.every_steps, t.batch_size * seq, flops, peak,
+                         config.checkpoint.agree_every_steps)
+    with StopSignal() as stop:
+        faults = Faults(FaultPolicy.from_config(t), stop, target, health)
+        state, last = run_loop(spec_loop, state, step_fn, data_iter, to_device, evaluate=evaluate, writer=writer,
+                               checkpointer=checkpointer, faults=faults, show_progress=show_progress and is_main)
+        checkpointer.close()  # a signal during the last save still lets it finish
     writer.close()
+    if last["stopped_by"]:
+        return {"step": last["stop_step"], "stopped_by": last["stopped_by"], "eval_loss": None}
     return _finish(config, workdir, model, state, data, last, is_main)
 
 

@@ -1,5 +1,8 @@
 """The one update routine shared by every training flavour, and the eval step.
 
+A step whose loss or gradients are not finite leaves params and optimizer state
+unchanged (the step counter and RNG still advance) and reports `update_skipped`.
+
 Gradient accumulation scans over micro-batches inside the jitted step, summing the
 gradients of loss *sums*, then divides once by the global token count, so the
 update does not depend on how the batch was split.
@@ -57,6 +60,17 @@ def summarize(stats) -> dict:
     return out
 
 
+def is_finite(stats, grad_norm) -> jax.Array:
+    """True when the loss statistics and the gradients hold no NaN/inf (the norm sees every grad)."""
+    finite = [jnp.all(jnp.isfinite(v)) for v in jax.tree.leaves(stats)]
+    return jnp.logical_and(jnp.isfinite(grad_norm), jnp.all(jnp.stack(finite)))
+
+
+def keep_if_bad(ok: jax.Array, new, old):
+    """`new` where the step was finite, else `old` bit for bit: a bad batch leaves no trace."""
+    return jax.tree.map(lambda n, o: jnp.where(ok, n, o), new, old)
+
+
 def make_train_step(loss_fn, optimizer, schedule, mesh, state_shardings, batch_shardings, n_micro: int = 1):
     """Builds the jitted `step(state, batch) -> (state, metrics)`; the state buffer is donated."""
     spec = batch_shardings.spec if isinstance(batch_shardings, NamedSharding) else None
@@ -66,9 +80,13 @@ def make_train_step(loss_fn, optimizer, schedule, mesh, state_shardings, batch_s
         rng, step_rng = jax.random.split(state.rng)
         grads, stats = accumulate(loss_fn, state.params, batch, step_rng, n_micro, micro_sharding)
         grads = jax.tree.map(lambda g: g / jnp.maximum(stats["count"], 1.0), grads)
+        grad_norm = optax.tree.norm(grads)
         updates, opt_state = optimizer.update(grads, state.opt_state, state.params)
         params = optax.apply_updates(state.params, updates)
-        metrics = summarize(stats) | {"grad_norm": optax.tree.norm(grads), "lr": schedule(state.step)}
+        ok = is_finite(stats, grad_norm)
+        params, opt_state = keep_if_bad(ok, (params, opt_state), (state.params, state.opt_state))
+        metrics = summarize(stats) | {"grad_norm": grad_norm, "lr": schedule(state.step),
+                                      "update_skipped": 1.0 - ok.astype(jnp.float32)}
         return TrainState(step=state.step + 1, params=params, opt_state=opt_state, rng=rng), metrics
 
     rep = NamedSharding(mesh, PartitionSpec())

@@ -76,3 +76,19 @@ def test_missing_and_empty(tmp_path):
         resolve_corpus(str(empty))
     with pytest.raises(UserError, match="no text files"):
         resolve_corpus(str(tmp_path / "*.nothing"))
+
+
+def test_jsonl_files_are_documents_not_binary(tmp_path):
+    import gzip
+
+    from lm.data.corpus import iter_documents
+
+    _write(tmp_path, "a.jsonl.gz", gzip.compress(b'{"text": "one"}\n\n{"text": "two"}\n'))
+    _write(tmp_path, "b.txt", b"plain")
+    root, files = resolve_corpus(str(tmp_path))
+    assert [p.name for p in files] == ["a.jsonl.gz", "b.txt"]
+    assert list(iter_documents(files[0])) == [("one", f"{files[0]}:1"), ("two", f"{files[0]}:3")]
+    assert list(iter_documents(files[1])) == [(b"plain", str(files[1]))]
+    _write(tmp_path, "c.jsonl.gz", b"not gzip at all")
+    with pytest.raises(UserError, match="c.jsonl.gz: not a readable gzip file"):
+        list(iter_documents(tmp_path / "c.jsonl.gz"))

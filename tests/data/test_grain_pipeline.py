@@ -1,123 +1,189 @@
+"""The grain loader over in-memory shard sets whose token values are their global positions,
+so every row tells exactly which document and which piece it came from."""
+
+import json
+
 import numpy as np
 import pytest
 
-from lm.data.pipeline import eval_batches, train_dataset, window_example
+from lm.data.pipeline import BATCH_DTYPES, Pieces, Source, eval_batches, train_dataset
+from lm.data.shards import ShardSet
 from lm.errors import UserError
 
-E = 257  # EOS
-NO_EOS = 10**6  # an eos_id that never occurs: window ids stay readable
+
+def make_set(lengths, base=0, n_shards=2):
+    """Documents of the given token counts (EOS included); token value = base + global position."""
+    tokens = np.arange(base, base + sum(lengths), dtype=np.uint32)
+    bounds = np.concatenate([[0], np.cumsum(lengths)])
+    cut = len(lengths) // n_shards or len(lengths)
+    groups = [list(range(i, min(i + cut, len(lengths)))) for i in range(0, len(lengths), cut)]
+    toks, offs = [], []
+    for g in groups:
+        start, stop = bounds[g[0]], bounds[g[-1] + 1]
+        toks.append(tokens[start:stop])
+        offs.append(bounds[g[0] : g[-1] + 2] - start)
+    return ShardSet(None, {}, toks, offs)
 
 
-def test_window_example_two_eos():
-    tokens = np.array([99, 10, 11, E, 20, 21, 22, E, 30, 31, 98], dtype=np.uint16)
-    ex = window_example(tokens, start=1, seq_len=8, eos_id=E)
-    expected = {
-        "inputs":      [10, 11, E, 20, 21, 22, E, 30],
-        "targets":     [11, E, 20, 21, 22, E, 30, 31],
-        "loss_mask":   [1, 1, 0, 1, 1, 1, 0, 1],
-        "segment_ids": [1, 1, 1, 2, 2, 2, 2, 3],
-        "positions":   [0, 1, 2, 0, 1, 2, 3, 0],
-    }
-    dtypes = {"inputs": np.int32, "targets": np.int32, "loss_mask": np.float32,
-              "segment_ids": np.int32, "positions": np.int32}
-    assert set(ex) == set(expected)
-    for k, v in expected.items():
-        assert ex[k].dtype == dtypes[k], k
-        np.testing.assert_array_equal(ex[k], v, err_msg=k)
-
-
-def test_window_example_eos_at_edges():
-    ex = window_example(np.array([E, 1, 2, E]), start=0, seq_len=3, eos_id=E)
-    np.testing.assert_array_equal(ex["inputs"], [E, 1, 2])
-    np.testing.assert_array_equal(ex["targets"], [1, 2, E])
-    np.testing.assert_array_equal(ex["loss_mask"], [0, 1, 1])
-    np.testing.assert_array_equal(ex["segment_ids"], [1, 2, 2])
-    np.testing.assert_array_equal(ex["positions"], [0, 0, 1])
-
-
-def _take(it, n):
+def take(it, n):
     return [next(it) for _ in range(n)]
 
 
-def _window_ids(batches, seq_len):
-    return [int(row[0]) // seq_len for b in batches for row in b["inputs"]]
-
-
-def test_train_dataset_batches_and_determinism():
-    tokens = (np.arange(20 * 8 + 1) % 250).astype(np.uint16)
-    tokens[::13] = E
-    kw = dict(seq_len=8, batch_size=4, eos_id=E)
-    a = _take(iter(train_dataset(tokens, seed=0, **kw)), 7)
-    b = _take(iter(train_dataset(tokens, seed=0, **kw)), 7)
-    c = _take(iter(train_dataset(tokens, seed=1, **kw)), 7)
-    for x, y in zip(a, b):
+def assert_same(xs, ys):
+    assert len(xs) == len(ys)
+    for x, y in zip(xs, ys):
+        assert x.keys() == y.keys()
         for k in x:
-            np.testing.assert_array_equal(x[k], y[k])
-    assert any(not np.array_equal(x["inputs"], z["inputs"]) for x, z in zip(a, c))
-    assert a[0]["inputs"].shape == (4, 8) and a[0]["inputs"].dtype == np.int32
-    assert a[0]["loss_mask"].dtype == np.float32
-    # Every row is exactly one of the non-overlapping windows.
-    windows = {tuple(window_example(tokens, i * 8, 8, E)["inputs"]) for i in range(20)}
-    assert all(tuple(row) in windows for x in a for row in x["inputs"])
+            np.testing.assert_array_equal(x[k], y[k], err_msg=k)
 
 
-def test_train_dataset_resume_exact():
-    tokens = np.arange(30 * 4 + 1, dtype=np.int64)
-    ds = train_dataset(tokens, seq_len=4, batch_size=3, seed=7, eos_id=NO_EOS)
-    it = iter(ds)
-    _take(it, 5)  # 30 windows / 3 = 10 batches per epoch
-    state = it.get_state()
-    rest = _take(it, 9)  # runs into the second, reshuffled epoch
-    it2 = iter(train_dataset(tokens, seq_len=4, batch_size=3, seed=7, eos_id=NO_EOS))
-    it2.set_state(state)
-    for x, y in zip(rest, _take(it2, 9)):
-        for k in x:
-            np.testing.assert_array_equal(x[k], y[k])
+def segments(row):
+    """[(first input token, n predictions)] of each packed piece in a row."""
+    seg = row["segment_ids"]
+    return [(int(row["inputs"][seg == s][0]), int((seg == s).sum())) for s in np.unique(seg[seg > 0])]
 
 
-def test_epochs_reshuffled_and_complete():
-    seq_len, n = 4, 12
-    tokens = np.arange(n * seq_len + 1)
-    it = iter(train_dataset(tokens, seq_len=seq_len, batch_size=3, seed=3, eos_id=NO_EOS))
-    ids = _window_ids(_take(it, 8), seq_len)  # 2 epochs of 12 windows
-    assert sorted(ids[:n]) == list(range(n)) and sorted(ids[n:]) == list(range(n))
-    assert ids[:n] != ids[n:]
+def test_pieces_split_long_documents_exactly():
+    # 4 predictions (fits a row of 4), 8 (two rows), 9 (three rows: 4 + 4 + 1)
+    shards = make_set([5, 9, 10])
+    p = Pieces(shards, seq_len=4)
+    assert len(p) == 6
+    assert p.stats() == {"docs": 3, "pieces": 6, "split_docs": 2, "truncated_docs": 0}
+    expected = [([0, 1, 2, 3], [1, 2, 3, 4]), ([5, 6, 7, 8], [6, 7, 8, 9]), ([9, 10, 11, 12], [10, 11, 12, 13]),
+                ([14, 15, 16, 17], [15, 16, 17, 18]), ([18, 19, 20, 21], [19, 20, 21, 22]), ([22], [23])]
+    for i, (inputs, targets) in enumerate(expected):
+        np.testing.assert_array_equal(p[i]["inputs"], inputs)
+        np.testing.assert_array_equal(p[i]["targets"], targets)
 
 
-def test_host_sharding_disjoint_and_complete():
-    seq_len, n = 4, 12
-    tokens = np.arange(n * seq_len + 1)
-    per_host = []
-    for p in range(2):
-        ds = train_dataset(tokens, seq_len=seq_len, batch_size=2, seed=5, eos_id=NO_EOS,
-                           process_index=p, process_count=2)
-        per_host.append(_window_ids(_take(iter(ds), 6), seq_len))  # 2 epochs of 6 each
-    for epoch in range(2):
-        a, b = (set(h[epoch * 6:(epoch + 1) * 6]) for h in per_host)
-        assert len(a) == len(b) == 6
-        assert not a & b
-        assert a | b == set(range(n))
+def test_packed_rows_follow_the_batch_contract():
+    lengths = [3, 17, 6, 2, 30, 9, 5, 12, 4, 8, 25, 7] * 3
+    shards = make_set(lengths)
+    starts = np.concatenate([[0], np.cumsum(lengths)])
+    doc_of = lambda tok: int(np.searchsorted(starts, tok, side="right")) - 1  # noqa: E731
+    seq = 8
+    batches = take(iter(train_dataset([Source("a", shards, 1.0)], seq_len=seq, global_batch=4, seed=0)), 12)
+    all_pieces = Pieces(shards, seq)
+    pieces = {(int(p["inputs"][0]), len(p["inputs"])) for p in (all_pieces[i] for i in range(len(all_pieces)))}
+    n_pad = 0
+    for b in batches:
+        want = {k: (np.dtype(d), (4, seq)) for k, d in BATCH_DTYPES.items()}
+        assert {k: (v.dtype, v.shape) for k, v in b.items()} == want
+        for i in range(4):
+            row = {k: v[i] for k, v in b.items()}
+            seg = row["segment_ids"]
+            np.testing.assert_array_equal(row["loss_mask"], seg > 0)  # no loss on padding
+            used = seg > 0
+            assert not used[np.argmin(used):].any() or used.all()  # padding only at the end
+            n_pad += int((~used).sum())
+            for s in np.unique(seg[used]):
+                where = np.flatnonzero(seg == s)
+                assert (np.diff(where) == 1).all()  # one contiguous span per segment
+                np.testing.assert_array_equal(row["positions"][where], np.arange(len(where)))
+                x, y = row["inputs"][where], row["targets"][where]
+                np.testing.assert_array_equal(np.diff(x), 1)
+                np.testing.assert_array_equal(y, x + 1)  # next token, same document
+                assert doc_of(x[0]) == doc_of(y[-1])  # never crosses into another document
+                assert (int(x[0]), len(where)) in pieces  # a whole piece: packing never cuts one
+    assert n_pad > 0  # this mix of lengths does need padding
 
 
-def test_train_dataset_too_short():
-    with pytest.raises(UserError, match="fewer than one batch"):
-        train_dataset(np.arange(20), seq_len=8, batch_size=4, seed=0, eos_id=E)
+def test_epochs_cover_every_piece_once_and_reshuffle():
+    # 24 documents of exactly one full row each: each row is one piece, in the stream's order.
+    shards = make_set([5] * 24)
+    it = iter(train_dataset([Source("a", shards, 1.0)], seq_len=4, global_batch=4, seed=3))
+    firsts = [[int(r[0]) for r in b["inputs"]] for b in take(it, 12)]
+    epoch1 = sorted(t for b in firsts[:6] for t in b)
+    epoch2 = sorted(t for b in firsts[6:] for t in b)
+    assert epoch1 == epoch2 == [5 * i for i in range(24)]
+    assert firsts[:6] != firsts[6:]
+    other = iter(train_dataset([Source("a", shards, 1.0)], seq_len=4, global_batch=4, seed=4))
+    assert [[int(r[0]) for r in b["inputs"]] for b in take(other, 6)] != firsts[:6]
 
 
-def test_eval_batches_deterministic_and_padded():
-    tokens = np.arange(5 * 4 + 1)
-    batches = eval_batches(tokens, seq_len=4, batch_size=2, n_batches=10, eos_id=NO_EOS)
-    assert len(batches) == 3  # 5 windows -> 2 full batches + 1 padded
-    inputs = np.concatenate([b["inputs"] for b in batches])
-    np.testing.assert_array_equal(inputs[:5, 0], [0, 4, 8, 12, 16])
-    assert batches[-1]["loss_mask"][1].sum() == 0 and batches[-1]["segment_ids"][1].sum() == 0
-    assert all(b["inputs"].shape == (2, 4) for b in batches)
-    again = eval_batches(tokens, seq_len=4, batch_size=2, n_batches=10, eos_id=NO_EOS)
-    np.testing.assert_array_equal(inputs, np.concatenate([b["inputs"] for b in again]))
-    first = eval_batches(tokens, seq_len=4, batch_size=2, n_batches=1, eos_id=NO_EOS)
-    assert len(first) == 1 and first[0]["inputs"][:, 0].tolist() == [0, 4]
+@pytest.mark.parametrize("process_count", [2, 4])
+def test_processes_read_disjoint_parts_of_the_same_global_batch(process_count):
+    shards = make_set([3, 17, 6, 2, 30, 9, 5, 12, 4, 8, 25, 7] * 8)  # 152 pieces: 19 per stream and epoch
+    kw = dict(seq_len=8, global_batch=8, seed=1)
+    whole = take(iter(train_dataset([Source("a", shards, 1.0)], **kw)), 10)
+    parts = [take(iter(train_dataset([Source("a", shards, 1.0)], process_index=p, process_count=process_count,
+                                     **kw)), 10) for p in range(process_count)]
+    joined = [{k: np.concatenate([p[i][k] for p in parts]) for k in whole[0]} for i in range(10)]
+    assert_same(whole, joined)
+    # Within an epoch no piece is read by two processes (two batches stay well inside the first one).
+    seen = [{s for b in p[:2] for i in range(len(b["inputs"])) for s in segments({k: v[i] for k, v in b.items()})}
+            for p in parts]
+    for a in range(process_count):
+        for b in range(a + 1, process_count):
+            assert not seen[a] & seen[b]
 
 
-def test_eval_batches_too_short():
-    with pytest.raises(UserError, match="has 5 tokens but one eval window needs 9"):
-        eval_batches(np.arange(5), seq_len=8, batch_size=2, n_batches=1, eos_id=E)
+def test_resume_is_exact_across_epochs_with_a_mixture():
+    a = make_set([3, 17, 6, 2, 30, 9, 5, 12])
+    b = make_set([4, 8, 25, 7, 11], base=10**6)
+    sources = [Source("a", a, 2.0), Source("b", b, 1.0)]
+    kw = dict(seq_len=8, global_batch=4, seed=5)
+    straight = take(iter(train_dataset(sources, **kw)), 30)  # source a has 17 pieces: several epochs
+    for n in (0, 1, 7, 13):
+        it = iter(train_dataset(sources, **kw))
+        take(it, n)
+        state = json.loads(json.dumps(it.get_state()))  # as stored in a checkpoint
+        resumed = iter(train_dataset(sources, **kw))
+        resumed.set_state(state)
+        assert_same(take(resumed, 30 - n), straight[n:])
+
+
+def test_mixture_follows_the_weights():
+    a = make_set([5] * 40)
+    b = make_set([5] * 40, base=10**6)
+    it = iter(train_dataset([Source("a", a, 3.0), Source("b", b, 1.0)], seq_len=4, global_batch=4, seed=0))
+    rows = np.concatenate([x["inputs"][:, 0] for x in take(it, 40)])
+    assert (rows < 10**6).sum() == 120 and (rows >= 10**6).sum() == 40  # 3 : 1 exactly
+    only_b = iter(train_dataset([Source("a", a, 0.0), Source("b", b, 1.0)], seq_len=4, global_batch=4, seed=0))
+    assert all((x["inputs"] >= 10**6).all() for x in take(only_b, 5))
+
+
+def test_bad_weights_name_the_source():
+    s = make_set([5, 5])
+    with pytest.raises(UserError, match="weight -1.0 of 'web'"):
+        train_dataset([Source("web", s, -1.0)], seq_len=4, global_batch=2, seed=0)
+    with pytest.raises(UserError, match="must sum to a positive number"):
+        train_dataset([Source("a", s, 0.0), Source("b", s, 0.0)], seq_len=4, global_batch=2, seed=0)
+    with pytest.raises(UserError, match="split evenly over 3 processes"):
+        train_dataset([Source("a", s, 1.0)], seq_len=4, global_batch=4, seed=0, process_count=3)
+
+
+def test_eval_batches_fixed_and_padded():
+    shards = make_set([5, 9, 10, 3])  # pieces of 4, 4, 4, 4, 4, 1, 2 predictions
+    source = [Source("a", shards, 1.0)]
+    batches = eval_batches(source, seq_len=4, batch_size=2, n_batches=10)
+    assert_same(batches, eval_batches(source, seq_len=4, batch_size=2, n_batches=10))
+    rows = np.concatenate([b["inputs"] for b in batches])
+    seg = np.concatenate([b["segment_ids"] for b in batches])
+    # Document order; the two short tail pieces share the last row.
+    assert len(batches) == 3
+    np.testing.assert_array_equal(rows[:5, 0], [0, 5, 9, 14, 18])
+    np.testing.assert_array_equal(rows[5], [22, 24, 25, 0])
+    np.testing.assert_array_equal(seg[5], [1, 2, 2, 0])
+    assert_same(eval_batches(source, seq_len=4, batch_size=2, n_batches=1), batches[:1])
+    padded = eval_batches(source, seq_len=4, batch_size=4, n_batches=10)  # 6 rows + 2 padding rows
+    assert len(padded) == 2
+    np.testing.assert_array_equal(padded[1]["inputs"][:2], rows[4:])
+    assert not padded[1]["loss_mask"][2:].any() and not padded[1]["segment_ids"][2:].any()
+
+
+def test_state_round_trips_through_an_orbax_checkpoint(tmp_path):
+    import grain
+    import orbax.checkpoint as ocp
+
+    sources = [Source("a", make_set([3, 17, 6, 2, 30, 9]), 1.0), Source("b", make_set([4, 8, 25], base=10**6), 0.5)]
+    kw = dict(seq_len=8, global_batch=4, seed=2)
+    straight = take(iter(train_dataset(sources, **kw)), 12)
+    it = iter(train_dataset(sources, **kw))
+    take(it, 5)
+    with ocp.CheckpointManager(tmp_path / "ckpt", item_names=("data",)) as manager:
+        manager.save(5, args=ocp.args.Composite(data=grain.checkpoint.CheckpointSave(it)))
+        manager.wait_until_finished()
+        resumed = iter(train_dataset(sources, **kw))
+        manager.restore(5, args=ocp.args.Composite(data=grain.checkpoint.CheckpointRestore(resumed)))
+    assert_same(take(resumed, 7), straight[5:])

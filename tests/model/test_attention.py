@@ -42,6 +42,17 @@ def np_attention(q, k, v, mask):
 # ---- rope -------------------------------------------------------------------------------
 
 
+def test_rope_tables_are_computed_once_and_match_rope():
+    from lm.model.attention import apply_rope, rope_tables
+
+    rng = np.random.default_rng(4)
+    x = rng.normal(size=(2, 5, 3, 8)).astype(np.float32)
+    pos = np.array([[0, 1, 2, 3, 4], [7, 0, 1, 100, 2]], np.int32)
+    tables = rope_tables(jnp.asarray(pos), 8, 10000.0)
+    assert [t.shape for t in tables] == [(2, 5, 1, 2, 4)] * 2
+    np.testing.assert_allclose(np.asarray(apply_rope(jnp.asarray(x), tables)), np_rope(x, pos, 10000.0), atol=1e-5)
+
+
 def test_rope_matches_numpy():
     rng = np.random.default_rng(0)
     x = rng.normal(size=(2, 5, 3, 8)).astype(np.float32)
@@ -135,8 +146,8 @@ def test_reference_attention_uses_the_mask(qkv):
     assert not np.allclose(got, np_attention(q, k, v, mask), atol=1e-3)
 
 
-def test_xla_attention_equals_reference(qkv):
-    args = tuple(jnp.asarray(a) for a in qkv)
-    xla = np.asarray(attend(*args, "xla"))
-    ref = np.asarray(attend(*args, "reference"))
-    np.testing.assert_allclose(xla, ref, atol=1e-5)
+@pytest.mark.parametrize("implementation", ["xla", "blockwise"])
+def test_attend_equals_numpy(qkv, implementation):
+    q, k, v, mask = qkv
+    got = attend(jnp.asarray(q), jnp.asarray(k), jnp.asarray(v), jnp.asarray(SEGMENTS), implementation)
+    np.testing.assert_allclose(np.asarray(got), np_attention(q, k, v, mask), atol=1e-5)

@@ -100,6 +100,17 @@ def test_remat_policies_give_same_loss_and_grads(base, batch, remat):
     assert float(optax.tree.norm(grads)) > 1e-3  # gradients are not trivially zero
 
 
+@pytest.mark.parametrize("attention", ["reference", "xla"])
+def test_attention_implementations_give_same_loss_and_grads(base, batch, attention):
+    """The default (blockwise, custom backward) against plain softmax attention, through the model."""
+    params, loss, grads = base
+    assert TINY.attention == "blockwise"
+    model = Transformer(dataclasses.replace(TINY, attention=attention))
+    loss_r, grads_r = jax.jit(jax.value_and_grad(lambda p: ce_loss(model, p, *batch)))(params)
+    np.testing.assert_allclose(loss_r, loss, rtol=1e-5, atol=1e-5)
+    jax.tree.map(lambda a, b: np.testing.assert_allclose(a, b, rtol=1e-4, atol=1e-5), grads_r, grads)
+
+
 def test_bfloat16_logits_close_to_float32(base, batch):
     params, inputs = base[0], batch[0]
     seg, pos = jnp.ones_like(inputs), jnp.broadcast_to(jnp.arange(inputs.shape[1]), inputs.shape)

@@ -1,0 +1,139 @@
+"""What the loop does when something goes wrong: signals, non-finite steps, loss spikes.
+
+- SIGTERM/SIGINT set a flag; the loop finishes the step, saves and exits (a second SIGINT
+  interrupts at once).
+- Non-finite steps are already skipped inside the jitted step; `Health` counts them and,
+  after `max_bad_steps` in a row or on a loss spike, asks the loop to roll back or stop.
+- On several processes every decision taken from host-local facts (a signal, the clock)
+  goes through `agree_any`, so all processes stop or save at the same step.
+"""
+
+from __future__ import annotations
+
+import collections
+import dataclasses
+import signal
+
+import jax
+import numpy as np
+
+
+class StopSignal:
+    """Context manager: SIGTERM/SIGINT request a clean stop instead of killing the process."""
+
+    SIGNALS = (signal.SIGTERM, signal.SIGINT)
+
+    def __init__(self):
+        self.received: str | None = None
+        self._previous = {}
+
+    def _handle(self, signum, frame):
+        if self.received is not None and signum == signal.SIGINT:
+            raise KeyboardInterrupt  # a second Ctrl-C: the user really wants out now
+        self.received = signal.Signals(signum).name
+        print(f"lm: {self.received} received; finishing the current step and saving a checkpoint", flush=True)
+
+    def __enter__(self):
+        for sig in self.SIGNALS:
+            self._previous[sig] = signal.signal(sig, self._handle)
+        return self
+
+    def __exit__(self, *exc):
+        for sig, handler in self._previous.items():
+            signal.signal(sig, handler)
+        return False
+
+
+def agree_any(flags: list[bool]) -> list[bool]:
+    """Element-wise OR of `flags` over all processes (one tiny allgather; free on one process)."""
+    if jax.process_count() == 1:
+        return [bool(f) for f in flags]
+    from jax.experimental import multihost_utils
+
+    gathered = multihost_utils.process_allgather(np.asarray(flags, np.int32))
+    return [bool(v) for v in np.asarray(gathered).reshape(-1, len(flags)).max(axis=0)]
+
+
+@dataclasses.dataclass(frozen=True)
+class FaultPolicy:
+    max_bad_steps: int = 5
+    on_bad: str = "restore"  # or "stop"
+    spike_window: int = 0  # 0: no spike detection
+    spike_threshold: float = 8.0
+    max_rollbacks: int = 3
+
+    @classmethod
+    def from_config(cls, train_cfg) -> "FaultPolicy":
+        return cls(**{f.name: train_cfg[f.name] for f in dataclasses.fields(cls)})
+
+
+@dataclasses.dataclass
+class Verdict:
+    """A reason to leave the normal path: `action` is 'restore' or 'stop'."""
+    action: str
+    reason: str
+
+
+def robust_spike(window, loss: float, k: float) -> tuple[bool, float, float]:
+    """loss > median + k * 1.4826 * MAD (the MAD scaled to a normal std), with a floor on the
+    spread so a perfectly flat window does not flag tiny wiggles. Returns (spike, median, std)."""
+    values = np.asarray(window, np.float64)
+    median = float(np.median(values))
+    std = 1.4826 * float(np.median(np.abs(values - median)))
+    std = max(std, 1e-3 * max(abs(median), 1e-6))
+    return loss > median + k * std, median, std
+
+
+class Health:
+    """Host-side counters over the per-step metrics; their state goes into every checkpoint."""
+
+    def __init__(self, policy: FaultPolicy):
+        self.policy = policy
+        self.skipped_steps = 0
+        self.consecutive_bad = 0
+        self.rollbacks = 0
+        self.losses = collections.deque(maxlen=max(policy.spike_window, 1))
+
+    def observe(self, step: int, loss: float, skipped: bool) -> Verdict | None:
+        p = self.policy
+        if skipped:
+            self.skipped_steps += 1
+            self.consecutive_bad += 1
+            if self.consecutive_bad >= p.max_bad_steps:
+                return self._verdict(f"{self.consecutive_bad} consecutive steps with non-finite loss or "
+                                     f"gradients (train.max_bad_steps={p.max_bad_steps}), the last at step {step}")
+            return None
+        self.consecutive_bad = 0
+        if p.spike_window and len(self.losses) == p.spike_window:
+            spike, median, std = robust_spike(self.losses, loss, p.spike_threshold)
+            if spike:
+                return self._verdict(f"loss spike at step {step}: {loss:.4f} > median {median:.4f} + "
+                                     f"{p.spike_threshold:g} x robust std {std:.4f} over the last "
+                                     f"{p.spike_window} steps (train.spike_window, train.spike_threshold)")
+        self.losses.append(loss)
+        return None
+
+    def _verdict(self, reason: str) -> Verdict:
+        if self.policy.on_bad == "restore" and self.rollbacks < self.policy.max_rollbacks:
+            return Verdict("restore", reason)
+        if self.policy.on_bad == "restore":
+            reason += f"; already rolled back {self.rollbacks} times (train.max_rollbacks)"
+        return Verdict("stop", reason)
+
+    def rolled_back(self) -> None:
+        """After a rollback the streak is over; the spike window keeps its history."""
+        self.rollbacks += 1
+        self.consecutive_bad = 0
+
+    def metrics(self) -> dict:
+        return {"skipped_steps": self.skipped_steps, "consecutive_bad": self.consecutive_bad,
+                "rollbacks": self.rollbacks}
+
+    def state_dict(self) -> dict:
+        return self.metrics() | {"losses": list(self.losses)}
+
+    def load_state_dict(self, d: dict) -> None:
+        self.skipped_steps, self.consecutive_bad = d["skipped_steps"], d["consecutive_bad"]
+        self.rollbacks = d["rollbacks"]
+        self.losses.clear()
+        self.losses.extend(d["losses"])

@@ -75,7 +75,7 @@ def base_config() -> ConfigDict:
     )
     c.train = dict(
         steps=500, batch_size=16, micro_batches=1, seed=0, log_every=10,
-        peak_flops=0.0, sample_tokens=200, sample_prompt="def ",
+        peak_flops=0.0, sample_tokens=200, sample_prompt="def",  # no trailing space: BPE attaches it to the next word
         # numerical faults: non-finite steps are skipped; after max_bad_steps in a row, or a loss
         # spike (loss > median + spike_threshold * robust std over spike_window steps; 0 = off),
         # on_bad restores the last good checkpoint and skips ahead in the data, or stops

@@ -43,7 +43,7 @@ def _step_dir(workdir: pathlib.Path, step: int | None) -> tuple[pathlib.Path, in
 
 def read_checkpoint_params(workdir, step: int | None = None) -> tuple[dict, dict, int]:
     """(params as numpy, meta, step) from a training checkpoint; checksums are verified."""
-    step_dir, step = _step_dir(pathlib.Path(workdir), step)
+    step_dir, step = _step_dir(pathlib.Path(workdir).absolute(), step)  # orbax needs absolute paths
     meta = read_meta(step_dir.parent, step)
     ckptr = ocp.PyTreeCheckpointer()
     tree = ckptr.metadata(step_dir / "state").item_metadata.tree["params"]

@@ -71,10 +71,13 @@ def test_safetensors_layout(workdir, tmp_path):
                             for path, _ in jax.tree_util.tree_flatten_with_path(params[6])[0]}
 
 
-def test_cli_export_and_errors(workdir, tmp_path, capsys):
+def test_cli_export_and_errors(workdir, tmp_path, capsys, monkeypatch):
     root, params, _ = workdir
     assert main(["export", "--workdir", str(root), "--out", str(tmp_path / "x.safetensors")]) == 0
     assert "of step 6" in capsys.readouterr().out
+    monkeypatch.chdir(root.parent)  # a relative workdir, as typed on a command line
+    assert main(["export", "--workdir", root.name, "--out", "rel.safetensors"]) == 0
+    assert "of step 6" in capsys.readouterr().out and (root.parent / "rel.safetensors").is_file()
     assert main(["export", "--workdir", str(root), "--step", "4", "--out", str(tmp_path / "y")]) == 2
     assert "--step 4 is not in" in capsys.readouterr().err
     assert main(["export", "--workdir", str(tmp_path), "--out", str(tmp_path / "y")]) == 2

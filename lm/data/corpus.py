@@ -92,6 +92,8 @@ def resolve_corpus(spec: str) -> tuple[Path, list[Path]]:
             )
         if path.is_file():
             root, files = path.parent, [path]
+        elif (path / "report.json").is_file() and list(path.glob("part-*.jsonl.gz")):
+            root, files = path, sorted(path.glob("part-*.jsonl.gz"))  # `lm curate` output: its shards only
         else:
             root = path
             files = _text_files(root, path.rglob("*"))

@@ -92,3 +92,17 @@ def test_jsonl_files_are_documents_not_binary(tmp_path):
     _write(tmp_path, "c.jsonl.gz", b"not gzip at all")
     with pytest.raises(UserError, match="c.jsonl.gz: not a readable gzip file"):
         list(iter_documents(tmp_path / "c.jsonl.gz"))
+
+
+def test_curated_directory_gives_its_shards_not_its_report(tmp_path):
+    import gzip
+
+    for i in range(2):
+        with gzip.open(tmp_path / f"part-{i:05d}.jsonl.gz", "wt") as f:
+            f.write('{"text": "kept"}\n')
+    (tmp_path / "report.json").write_text('{"kept": {"docs": 2}}')
+    (tmp_path / "notes.txt").write_text("not a curated document")
+    root, files = resolve_corpus(str(tmp_path))
+    assert root == tmp_path and [p.name for p in files] == ["part-00000.jsonl.gz", "part-00001.jsonl.gz"]
+    (tmp_path / "report.json").unlink()  # an ordinary directory: every text file
+    assert {p.name for p in resolve_corpus(str(tmp_path))[1]} >= {"notes.txt"}

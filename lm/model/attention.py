@@ -7,7 +7,7 @@ import jax
 import jax.numpy as jnp
 
 from lm.model.blockwise import blockwise_attention
-from lm.model.layers import ModelSpec, Partitioning, matmul, normal, param
+from lm.model.layers import ModelSpec, Partitioning, matmul, matmuls, normal, param
 
 
 def rope_tables(positions: jax.Array, head_dim: int, theta: float) -> tuple[jax.Array, jax.Array]:
@@ -79,23 +79,21 @@ class Attention(nn.Module):
         s, dt, c = self.spec, self.spec.dtype, self.part.constrain
         init, out_init = normal(s.init_std), normal(s.init_std / (2 * s.n_layers) ** 0.5)
 
-        def project(name, heads, head_names, act_names):
-            w = param(self, name, init, (s.d_model, heads, s.head_dim), ("embed", head_names, "head_dim"))
-            y = matmul("btd,dnh->btnh", x, w.astype(dt))
-            if s.use_bias:
-                b = param(self, name + "_bias", nn.initializers.zeros, (heads, s.head_dim), (head_names, "head_dim"))
-                y = y + b.astype(dt)
-            return c(y, ("batch", "length", act_names, None))
-
-        q = project("wq", s.n_heads, "q_heads", "act_heads")
-        k = project("wk", s.n_kv_heads, "kv_heads", "act_kv_heads")
-        v = project("wv", s.n_kv_heads, "kv_heads", "act_kv_heads")
+        heads = {"wq": (s.n_heads, "q_heads"), "wk": (s.n_kv_heads, "kv_heads"), "wv": (s.n_kv_heads, "kv_heads")}
+        ws = [param(self, name, init, (s.d_model, n, s.head_dim), ("embed", axis, "head_dim"))
+              for name, (n, axis) in heads.items()]
+        qkv = matmuls(x, ["btd,dnh->btnh"] * 3, ws)  # x is kept once for the three backward products
+        if s.use_bias:
+            qkv = [y + param(self, name + "_bias", nn.initializers.zeros, (n, s.head_dim), (axis, "head_dim")).astype(dt)
+                   for y, (name, (n, axis)) in zip(qkv, heads.items())]
+        q = c(qkv[0], ("batch", "length", "act_heads", None))
+        k, v = (c(y, ("batch", "length", "act_kv_heads", None)) for y in qkv[1:])
         if rope_cs is not None:
             q, k = apply_rope(q, rope_cs), apply_rope(k, rope_cs)
         y = attend(q, k, v, segment_ids, s.attention)
         y = c(y, ("batch", "length", "act_heads", None))
         wo = param(self, "wo", out_init, (s.n_heads, s.head_dim, s.d_model), ("q_heads", "head_dim", "embed"))
-        out = matmul("btnh,nhd->btd", y, wo.astype(dt))
+        out = matmul("btnh,nhd->btd", y, wo)
         if s.use_bias:
             out = out + param(self, "wo_bias", nn.initializers.zeros, (s.d_model,), ("embed",)).astype(dt)
         return c(out, ("batch", "length", "act_embed"))

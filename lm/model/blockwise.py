@@ -19,6 +19,8 @@ import functools
 import jax
 import jax.numpy as jnp
 
+from lm.model.stash import stash, unstash
+
 F32 = jnp.float32
 MASKED = float(jnp.finfo(F32).min)
 
@@ -87,11 +89,12 @@ def _attention(q, k, v, segment_ids, block):
 
 def _attention_fwd(q, k, v, segment_ids, block):
     out, lse = _forward(q, k, v, segment_ids, block)
-    return out, (q, k, v, segment_ids, out, lse)
+    return out, (stash(q), stash(k), stash(v), segment_ids, stash(out), lse)
 
 
 def _attention_bwd(block, saved, g):
-    q, k, v, segment_ids, out, lse = saved
+    q, k, v, out = (unstash(x, g.dtype) for x in (saved[0], saved[1], saved[2], saved[4]))
+    segment_ids, lse = saved[3], saved[5]
     dq, dk, dv = _backward(q, k, v, segment_ids, out, lse, g, block)
     return dq.astype(q.dtype), dk.astype(k.dtype), dv.astype(v.dtype), None
 

@@ -11,6 +11,8 @@ import jax
 import jax.numpy as jnp
 from jax.sharding import Mesh, NamedSharding
 
+from lm.model.stash import stash, unstash
+
 
 @dataclasses.dataclass(frozen=True)
 class ModelSpec:
@@ -86,45 +88,65 @@ def _weight_grad(a_spec: str, a, g_spec: str, g, out_spec: str, dtype):
 
 
 @functools.lru_cache(maxsize=None)
-def _matmul_fn(spec: str, out_dtype: str | None):
-    """An einsum of two operands with float32 accumulation and an explicit backward pass.
+def _matmuls_fn(x_spec: str, outs: tuple[str, ...], w_specs: tuple[str, ...], x_dtype: str, out_dtype: str):
+    """Products of one activation with several weights, float32 accumulation, explicit backward.
 
     Autodiff of a multi-axis einsum leaves XLA dot_generals with transposed layouts that
-    the CPU backend runs through slow copies and upcasts; spelling the two gradient
-    einsums out (same accumulation) keeps every product on the fast matmul path.
+    the CPU backend runs through slow copies and upcasts; spelling the gradient einsums out
+    keeps every product on the fast matmul path. The activation is kept once for all the
+    products (not once per weight), and the weights stay in their own (float32) dtype as
+    residuals: each is cast to the compute dtype where it is used, and its gradient is
+    accumulated straight into that dtype instead of being rounded to the compute dtype.
     """
-    inputs, out = spec.split("->")
-    a_spec, b_spec = inputs.split(",")
+    dt = jnp.dtype(x_dtype)
 
     @jax.custom_vjp
-    def matmul(a, b):
-        return _product(spec, a, b, out_dtype or a.dtype)
+    def matmuls(x, ws):
+        return tuple(_product(f"{x_spec},{ws_}->{o}", x, w.astype(dt), out_dtype) for o, ws_, w in zip(outs, w_specs, ws))
 
-    def forward(a, b):
-        return matmul(a, b), (a, b)
+    def forward(x, ws):
+        return matmuls(x, ws), (stash(x), ws)
 
-    def backward(saved, g):
-        a, b = saved
-        return (_product(f"{out},{b_spec}->{a_spec}", g, b, a.dtype),
-                _weight_grad(a_spec, a, out, g, b_spec, b.dtype))
+    def backward(saved, gs):
+        x, ws = unstash(saved[0], dt), saved[1]
+        dxs = [_product(f"{o},{ws_}->{x_spec}", g, w.astype(dt), jnp.float32 if len(ws) > 1 else dt)
+               for o, ws_, w, g in zip(outs, w_specs, ws, gs)]
+        dws = tuple(_weight_grad(x_spec, x, o, g, ws_, w.dtype) for o, ws_, w, g in zip(outs, w_specs, ws, gs))
+        return sum(dxs[1:], dxs[0]).astype(dt), dws
 
-    matmul.defvjp(forward, backward)
-    return matmul
+    matmuls.defvjp(forward, backward)
+    return matmuls
 
 
-def matmul(spec: str, a: jax.Array, b: jax.Array, out_dtype: str | None = None) -> jax.Array:
-    """`jnp.einsum(spec, a, b)` with float32 accumulation, returned in out_dtype (default a's)."""
-    return _matmul_fn(spec.replace(" ", ""), out_dtype)(a, b)
+def matmuls(x: jax.Array, specs, weights, out_dtype: str | None = None) -> tuple[jax.Array, ...]:
+    """`jnp.einsum(spec, x, w)` for each (spec, w), computed in x's dtype with float32 accumulation.
+
+    All specs share x's subscripts. Weights may be float32 params: they are cast to x's
+    dtype for the product, and their gradients come back in their own dtype.
+    """
+    specs = [s.replace(" ", "") for s in specs]
+    x_spec = specs[0].split(",")[0]
+    if any(s.split(",")[0] != x_spec for s in specs):
+        raise ValueError(f"matmuls: specs {specs} do not share the activation's subscripts")
+    w_specs = tuple(s.split(",")[1].split("->")[0] for s in specs)
+    outs = tuple(s.split("->")[1] for s in specs)
+    fn = _matmuls_fn(x_spec, outs, w_specs, jnp.dtype(x.dtype).name, jnp.dtype(out_dtype or x.dtype).name)
+    return fn(x, tuple(weights))
+
+
+def matmul(spec: str, x: jax.Array, w: jax.Array, out_dtype: str | None = None) -> jax.Array:
+    """`jnp.einsum(spec, x, w)` in x's dtype with float32 accumulation (see `matmuls`)."""
+    return matmuls(x, [spec], [w], out_dtype)[0]
 
 
 @jax.custom_vjp
 def swiglu_down(gate: jax.Array, up: jax.Array, w: jax.Array) -> jax.Array:
-    """(silu(gate) * up) @ w for [B, T, F] activations and a [F, D] weight.
+    """(silu(gate) * up) @ w for [B, T, F] activations and a [F, D] weight (cast to gate's dtype).
 
     The backward pass recomputes silu(gate) * up from the saved gate and up rather than
     keeping a third [B, T, F] activation per layer until the backward pass.
     """
-    return _product("btf,fd->btd", _swiglu(gate, up).astype(gate.dtype), w, gate.dtype)
+    return _product("btf,fd->btd", _swiglu(gate, up).astype(gate.dtype), w.astype(gate.dtype), gate.dtype)
 
 
 def _swiglu(gate, up):
@@ -133,18 +155,19 @@ def _swiglu(gate, up):
 
 
 def _swiglu_down_fwd(gate, up, w):
-    return swiglu_down(gate, up, w), (gate, up, w)
+    return swiglu_down(gate, up, w), (stash(gate), stash(up), w)
 
 
 def _swiglu_down_bwd(saved, g):
-    gate, up, w = saved
+    dt = g.dtype
+    gate, up, w = unstash(saved[0], dt), unstash(saved[1], dt), saved[2]
     gf, uf = gate.astype(jnp.float32), up.astype(jnp.float32)
     sig = jax.nn.sigmoid(gf)
     silu = gf * sig
-    dh = _product("btd,fd->btf", g, w, jnp.float32)
+    dh = _product("btd,fd->btf", g, w.astype(dt), jnp.float32)
     d_gate = dh * uf * sig * (1 + gf * (1 - sig))
-    d_w = _weight_grad("btf", _swiglu(gate, up).astype(gate.dtype), "btd", g, "fd", w.dtype)
-    return d_gate.astype(gate.dtype), (dh * silu).astype(up.dtype), d_w
+    d_w = _weight_grad("btf", _swiglu(gate, up).astype(dt), "btd", g, "fd", w.dtype)
+    return d_gate.astype(dt), (dh * silu).astype(dt), d_w
 
 
 swiglu_down.defvjp(_swiglu_down_fwd, _swiglu_down_bwd)
@@ -159,6 +182,51 @@ def normal(std: float):
     return nn.initializers.normal(stddev=std)
 
 
+def scale_norm(x: jax.Array, scale: jax.Array, centered: bool, eps: float) -> jax.Array:
+    """x normalised over its last axis, times scale, in float32: RMSNorm, or LayerNorm if centered.
+
+    The backward pass works from the saved input (in its own, usually 16-bit, dtype) and the
+    per-row inverse norm, instead of the float32 intermediates autodiff would keep per layer.
+    """
+    return _scale_norm(x, scale, centered, eps, jnp.dtype(x.dtype).name)
+
+
+@functools.partial(jax.custom_vjp, nondiff_argnums=(2, 3, 4))
+def _scale_norm(x, scale, centered, eps, x_dtype):
+    return _normalized(x, centered, eps)[0] * scale
+
+
+def _normalized(x, centered, eps):
+    """(x_hat, 1/norm): x_hat = (x - mean if centered) / sqrt(mean square + eps), in float32."""
+    xf = x.astype(jnp.float32)
+    if centered:
+        xf = xf - xf.mean(-1, keepdims=True)
+    inv = jax.lax.rsqrt((xf * xf).mean(-1, keepdims=True) + eps)
+    return xf * inv, inv
+
+
+def _scale_norm_fwd(x, scale, centered, eps, x_dtype):
+    x_hat, inv = _normalized(x, centered, eps)
+    return x_hat * scale, (stash(x), scale, inv)
+
+
+def _scale_norm_bwd(centered, eps, x_dtype, saved, g):
+    x, scale, inv = unstash(saved[0], x_dtype), saved[1], saved[2]
+    xf = x.astype(jnp.float32)
+    if centered:
+        xf = xf - xf.mean(-1, keepdims=True)
+    x_hat, g = xf * inv, g.astype(jnp.float32)
+    d_scale = jnp.sum(g * x_hat, axis=tuple(range(g.ndim - 1)))
+    d_hat = g * scale
+    dx = d_hat - x_hat * jnp.mean(d_hat * x_hat, -1, keepdims=True)
+    if centered:
+        dx = dx - jnp.mean(d_hat, -1, keepdims=True)
+    return (inv * dx).astype(x.dtype), d_scale
+
+
+_scale_norm.defvjp(_scale_norm_fwd, _scale_norm_bwd)
+
+
 class Norm(nn.Module):
     """RMSNorm or LayerNorm, computed in float32, returned in the compute dtype."""
 
@@ -168,10 +236,7 @@ class Norm(nn.Module):
     def __call__(self, x: jax.Array) -> jax.Array:
         s = self.spec
         scale = param(self, "scale", nn.initializers.ones, (s.d_model,), ("norm",))
-        xf = x.astype(jnp.float32)
-        if s.norm == "layernorm":
-            xf = xf - xf.mean(-1, keepdims=True)
-        y = xf * jax.lax.rsqrt((xf * xf).mean(-1, keepdims=True) + s.norm_eps) * scale
+        y = scale_norm(x, scale, s.norm == "layernorm", s.norm_eps)
         if s.norm == "layernorm" and s.use_bias:
             y = y + param(self, "bias", nn.initializers.zeros, (s.d_model,), ("norm",))
         return y.astype(s.dtype)
@@ -189,21 +254,20 @@ class Mlp(nn.Module):
         init, out_init = normal(s.init_std), normal(s.init_std / (2 * s.n_layers) ** 0.5)
         names_in, names_out = ("embed", "mlp"), ("mlp", "embed")
 
-        def dense_in(name):
-            w = param(self, name, init, (s.d_model, s.d_ff), names_in)
-            h = matmul("btd,df->btf", x, w.astype(dt))
+        def dense_in(*names):
+            ws = [param(self, n, init, (s.d_model, s.d_ff), names_in) for n in names]
+            hs = matmuls(x, ["btd,df->btf"] * len(names), ws)
             if s.use_bias:
-                h = h + param(self, name + "_bias", nn.initializers.zeros, (s.d_ff,), ("mlp",)).astype(dt)
-            return self.part.constrain(h, ("batch", "length", "act_mlp"))
+                hs = [h + param(self, n + "_bias", nn.initializers.zeros, (s.d_ff,), ("mlp",)).astype(dt)
+                      for n, h in zip(names, hs)]
+            return [self.part.constrain(h, ("batch", "length", "act_mlp")) for h in hs]
 
+        w_out = lambda: param(self, "w_down", out_init, (s.d_ff, s.d_model), names_out)
         if s.mlp == "swiglu":
-            gate, up = dense_in("w_gate"), dense_in("w_up")
-            w_out = param(self, "w_down", out_init, (s.d_ff, s.d_model), names_out)
-            y = swiglu_down(gate, up, w_out.astype(dt))
+            gate, up = dense_in("w_gate", "w_up")
+            y = swiglu_down(gate, up, w_out())
         else:
-            h = nn.gelu(dense_in("w_in"), approximate=True)
-            w_out = param(self, "w_down", out_init, (s.d_ff, s.d_model), names_out)
-            y = matmul("btf,fd->btd", h, w_out.astype(dt))
+            y = matmul("btf,fd->btd", nn.gelu(dense_in("w_in")[0], approximate=True), w_out())
         if s.use_bias:
             y = y + param(self, "w_down_bias", nn.initializers.zeros, (s.d_model,), ("embed",)).astype(dt)
         return self.part.constrain(y, ("batch", "length", "act_embed"))

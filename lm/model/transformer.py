@@ -67,7 +67,7 @@ class Transformer(nn.Module):
             head = embedding.T
         else:
             head = param(self, "head", normal(s.init_std), (s.d_model, s.vocab_size), ("embed", "vocab"))
-        logits = matmul("btd,dv->btv", x, head.astype(s.dtype), out_dtype="float32")
+        logits = matmul("btd,dv->btv", x, head, out_dtype="float32")
         return c(logits, ("batch", "length", "act_vocab"))
 
 

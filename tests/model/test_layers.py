@@ -99,9 +99,85 @@ def test_matmul_value_and_grads_match_einsum(spec, a_shape, b_shape):
     np.testing.assert_allclose(ours(a, b), reference(a, b), rtol=1e-6)
     for g, r in zip(jax.grad(ours, (0, 1))(a, b), jax.grad(reference, (0, 1))(a, b)):
         np.testing.assert_allclose(g, r, rtol=1e-5, atol=1e-6)
-    bf16 = matmul(spec, a.astype(jnp.bfloat16), b.astype(jnp.bfloat16))
+    bf16 = matmul(spec, a.astype(jnp.bfloat16), b)  # a float32 weight is cast to the activation's dtype
     assert bf16.dtype == jnp.bfloat16
-    assert matmul(spec, a.astype(jnp.bfloat16), b.astype(jnp.bfloat16), out_dtype="float32").dtype == jnp.float32
+    np.testing.assert_allclose(bf16.astype(jnp.float32), jnp.einsum(spec, a.astype(jnp.bfloat16),
+                               b.astype(jnp.bfloat16), preferred_element_type=jnp.float32), rtol=1e-2, atol=1e-2)
+    assert matmul(spec, a.astype(jnp.bfloat16), b, out_dtype="float32").dtype == jnp.float32
+
+
+def test_matmuls_share_the_activation_and_sum_its_gradients():
+    from lm.model.layers import matmuls
+
+    rng = np.random.default_rng(3)
+    x = jnp.asarray(rng.normal(size=(2, 3, 4)), jnp.float32)
+    ws = [jnp.asarray(rng.normal(size=(4, 2, 3)), jnp.float32), jnp.asarray(rng.normal(size=(4, 5)), jnp.float32)]
+    specs = ["btd,dnh->btnh", "btd,df->btf"]
+    cots = [jnp.asarray(rng.normal(size=jnp.einsum(s, x, w).shape), jnp.float32) for s, w in zip(specs, ws)]
+
+    def loss(products):
+        return lambda x, ws: sum(jnp.sum(y * c) for y, c in zip(products(x, ws), cots))
+
+    ours = loss(lambda x, ws: matmuls(x, specs, ws))
+    reference = loss(lambda x, ws: [jnp.einsum(s, x, w) for s, w in zip(specs, ws)])
+    np.testing.assert_allclose(ours(x, ws), reference(x, ws), rtol=1e-6)
+    got, want = jax.grad(ours, (0, 1))(x, ws), jax.grad(reference, (0, 1))(x, ws)
+    for g, r in zip(jax.tree.leaves(got), jax.tree.leaves(want)):
+        np.testing.assert_allclose(g, r, rtol=1e-5, atol=1e-6)
+    with pytest.raises(ValueError, match="share the activation"):
+        matmuls(x, ["btd,df->btf", "bsd,df->bsf"], [ws[1], ws[1]])
+
+
+def test_float32_weight_gradient_is_not_rounded_to_the_compute_dtype():
+    """With bfloat16 activations the weight gradient is accumulated and returned in float32."""
+    from lm.model.layers import matmul
+
+    rng = np.random.default_rng(4)
+    x = jnp.asarray(rng.normal(size=(4, 64, 16)), jnp.bfloat16)
+    w = jnp.asarray(rng.normal(size=(16, 8)), jnp.float32)
+    cot = jnp.asarray(rng.normal(size=(4, 64, 8)), jnp.bfloat16)
+    dw = jax.grad(lambda w: jnp.sum((matmul("btd,df->btf", x, w) * cot).astype(jnp.float32)))(w)
+    want = np.einsum("btd,btf->df", np.asarray(x, np.float64), np.asarray(cot, np.float64))
+    assert dw.dtype == jnp.float32
+    np.testing.assert_allclose(dw, want, rtol=1e-5, atol=1e-4)  # bfloat16 rounding would be ~1e-2
+    assert np.abs(np.asarray(dw) - np.asarray(dw.astype(jnp.bfloat16), np.float32)).max() > 1e-3
+
+
+@pytest.mark.parametrize("centered", [False, True])
+@pytest.mark.parametrize("dtype", ["float32", "bfloat16"])
+def test_scale_norm_value_and_grads_match_autodiff(centered, dtype):
+    from lm.model.layers import scale_norm
+
+    rng = np.random.default_rng(5)
+    x = jnp.asarray(rng.normal(size=(2, 3, 8)) * 3 + 1, dtype)
+    scale = jnp.asarray(1 + 0.3 * rng.normal(size=(8,)), jnp.float32)
+    cot = jnp.asarray(rng.normal(size=(2, 3, 8)), jnp.float32)
+
+    def reference(x, scale):
+        xf = x.astype(jnp.float32)
+        if centered:
+            xf = xf - xf.mean(-1, keepdims=True)
+        return jnp.sum(xf * jax.lax.rsqrt((xf * xf).mean(-1, keepdims=True) + 1e-5) * scale * cot)
+
+    ours = lambda x, scale: jnp.sum(scale_norm(x, scale, centered, 1e-5) * cot)
+    np.testing.assert_allclose(ours(x, scale), reference(x, scale), rtol=1e-5)
+    got, want = jax.grad(ours, (0, 1))(x, scale), jax.grad(reference, (0, 1))(x, scale)
+    assert got[0].dtype == x.dtype and got[1].dtype == jnp.float32
+    tol = 1e-5 if dtype == "float32" else 1e-2
+    for g, r in zip(got, want):
+        assert float(jnp.abs(r.astype(jnp.float32)).max()) > 1e-2
+        np.testing.assert_allclose(g.astype(jnp.float32), r.astype(jnp.float32), rtol=tol, atol=tol)
+
+
+def test_stash_round_trips_16_bit_floats_through_uint16_bits():
+    from lm.model.stash import stash, unstash
+
+    x = jnp.asarray(np.random.default_rng(6).normal(size=(3, 5)), jnp.bfloat16)
+    bits = stash(x)
+    assert bits.dtype == jnp.uint16 and bits.shape == x.shape
+    assert bool(jnp.all(unstash(bits, jnp.bfloat16) == x))
+    f = jnp.ones(3, jnp.float32)
+    assert stash(f) is f and unstash(f, jnp.float32) is f
 
 
 def test_swiglu_down_value_and_grads_match_autodiff():

@@ -72,7 +72,8 @@ def _parser() -> argparse.ArgumentParser:
     pl.add_argument("--compile", action="store_true",
                     help="also compile the train step ahead of time on the mesh (nothing is allocated)")
     pl.add_argument("--devices", type=int, default=0,
-                    help="with --compile: simulate this many CPU devices (for meshes larger than this machine)")
+                    help="plan for this many devices (a -1 mesh axis takes what is left); with --compile, "
+                         "simulate them as CPU devices (for meshes larger than this machine)")
     return p
 
 
@@ -112,10 +113,17 @@ def _plan(config, args) -> int:
     from lm import plan
 
     print(plan.summary(config.model, config.data.seq_len))
+    if args.devices:  # must happen before jax is first imported
+        os.environ["JAX_PLATFORMS"] = "cpu"
+        os.environ["XLA_FLAGS"] = f"--xla_force_host_platform_device_count={args.devices}"
+    fsdp, tensor = config.mesh.fsdp, config.mesh.tensor
+    if args.devices:
+        from lm.sharding import mesh_shape
+
+        _, fsdp, tensor = mesh_shape(config.mesh, args.devices)
+    if fsdp > 0 and tensor > 0:  # a -1 among them takes what is left of --devices
+        print(plan.memory_summary(config.model, fsdp=fsdp, tensor=tensor))
     if args.compile:
-        if args.devices:  # must happen before jax is first imported
-            os.environ["JAX_PLATFORMS"] = "cpu"
-            os.environ["XLA_FLAGS"] = f"--xla_force_host_platform_device_count={args.devices}"
         from lm.aot import compile_train_step
 
         for key, value in compile_train_step(config).items():

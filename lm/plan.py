@@ -122,6 +122,13 @@ def _human(x: float) -> str:
     return f"{x:.0f}"
 
 
+def _bytes(x: float) -> str:
+    for unit, scale in (("TB", 1e12), ("GB", 1e9), ("MB", 1e6), ("KB", 1e3)):
+        if x >= scale:
+            return f"{x / scale:.2f}{unit}"
+    return f"{x:.0f}B"
+
+
 def summary(m, seq_len: int) -> str:
     """A small human-readable table of parameters, FLOPs/token and token budget."""
     rows = [(k, f"{v:,}") for k, v in param_breakdown(m).items()]
@@ -133,3 +140,10 @@ def summary(m, seq_len: int) -> str:
     ]
     width = max(len(k) for k, _ in rows)
     return "\n".join(f"{k:<{width}}  {v}" for k, v in rows)
+
+
+def memory_summary(m, *, fsdp: int, tensor: int) -> str:
+    """One line: `memory_per_device` for AdamW in float32, in human units."""
+    mem = memory_per_device(m, fsdp=fsdp, tensor=tensor)
+    parts = ", ".join(f"{k} {_bytes(v)}" for k, v in mem.items())
+    return f"per device at fsdp={fsdp} x tensor={tensor} (params, grads, AdamW; no activations): {parts}"

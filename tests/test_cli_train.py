@@ -88,7 +88,11 @@ def test_empty_corpus_is_a_user_error(tmp_path, capsys):
 
 def test_plan_prints_counts(capsys):
     assert main(["plan", "--config", "configs/llama3_8b.py"]) == 0
-    assert "8,030,261,248" in capsys.readouterr().out
+    out = capsys.readouterr().out
+    assert "8,030,261,248" in out and "per device" not in out  # fsdp=-1 needs a device count
+    assert main(["plan", "--config", "configs/llama3_8b.py", "--devices", "16"]) == 0
+    # 8.03e9 params / 16 devices x (4 + 4 + 8) bytes = 8.03e9 bytes per device
+    assert "fsdp=16 x tensor=1" in (out := capsys.readouterr().out) and "total 8.03GB" in out
 
 
 def test_tokenizer_train_then_pretrain_with_it(tmp_path, capsys, corpus):

@@ -115,18 +115,12 @@ def memory_per_device(m, *, fsdp: int, tensor: int, param_bytes: int = 4,
     return out
 
 
-def _human(x: float) -> str:
-    for unit, scale in (("T", 1e12), ("B", 1e9), ("M", 1e6), ("K", 1e3)):
+def _human(x: float, units=("T", "B", "M", "K", "")) -> str:
+    """x in the largest of 1e12, 1e9, 1e6, 1e3, 1 it reaches, named by `units`."""
+    for unit, scale in zip(units, (1e12, 1e9, 1e6, 1e3)):
         if abs(x) >= scale:
             return f"{x / scale:.2f}{unit}"
-    return f"{x:.0f}"
-
-
-def _bytes(x: float) -> str:
-    for unit, scale in (("TB", 1e12), ("GB", 1e9), ("MB", 1e6), ("KB", 1e3)):
-        if x >= scale:
-            return f"{x / scale:.2f}{unit}"
-    return f"{x:.0f}B"
+    return f"{x:.0f}{units[-1]}"
 
 
 def summary(m, seq_len: int) -> str:
@@ -145,5 +139,5 @@ def summary(m, seq_len: int) -> str:
 def memory_summary(m, *, fsdp: int, tensor: int) -> str:
     """One line: `memory_per_device` for AdamW in float32, in human units."""
     mem = memory_per_device(m, fsdp=fsdp, tensor=tensor)
-    parts = ", ".join(f"{k} {_bytes(v)}" for k, v in mem.items())
+    parts = ", ".join(f"{k} {_human(v, ('TB', 'GB', 'MB', 'KB', 'B'))}" for k, v in mem.items())
     return f"per device at fsdp={fsdp} x tensor={tensor} (params, grads, AdamW; no activations): {parts}"

@@ -107,10 +107,14 @@ def resolve_corpus(spec: str) -> tuple[Path, list[Path]]:
     return root, files
 
 
+def unit_hash(key: bytes) -> float:
+    """A number in [0, 1) from bytes: the same on every machine and Python run."""
+    return int.from_bytes(hashlib.sha256(key).digest()[:8], "big") / 2.0**64
+
+
 def _unit_hash(root: Path, path: Path) -> float:
-    """A number in [0, 1) from the relative path: same on every machine and Python run."""
-    digest = hashlib.sha256(_relkey(root, path).encode("utf-8")).digest()
-    return int.from_bytes(digest[:8], "big") / 2.0**64
+    """`unit_hash` of the path relative to the corpus root."""
+    return unit_hash(_relkey(root, path).encode("utf-8"))
 
 
 def split_files(

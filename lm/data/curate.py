@@ -59,6 +59,7 @@ import shutil
 import time
 from pathlib import Path
 
+from lm.data.tokens import write_json
 from lm.errors import UserError
 
 REPORT = "report.json"
@@ -163,12 +164,6 @@ def _publish(work: Path, out_dir: Path) -> list[str]:
     return names
 
 
-def _write_atomic(path: Path, text: str) -> None:
-    tmp = path.with_name(f".{path.name}.tmp")
-    tmp.write_text(text)
-    os.replace(tmp, path)
-
-
 def curate(inputs: list[str] | str, out_dir: Path, cfg, workers: int = 1, progress: bool = True) -> dict:
     """Curates `inputs` into `out_dir` (shards + report.json) and returns the report."""
     _import_datatrove()
@@ -199,7 +194,7 @@ def curate(inputs: list[str] | str, out_dir: Path, cfg, workers: int = 1, progre
                                  time.perf_counter() - start)
     report["fingerprint"] = fingerprint
     report["shards"] = _publish(work, out_dir)
-    _write_atomic(out_dir / REPORT, json.dumps(report, indent=2) + "\n")
+    write_json(out_dir / REPORT, report)
     shutil.rmtree(work)
     if progress:
         print(curate_report.table(report))

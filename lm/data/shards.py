@@ -30,7 +30,7 @@ from pathlib import Path
 import numpy as np
 from tqdm import tqdm
 
-from lm.data.corpus import is_jsonl, iter_documents, resolve_corpus, split_files
+from lm.data.corpus import is_jsonl, iter_documents, resolve_corpus, split_files, unit_hash
 from lm.data.tokenizer import load_tokenizer
 from lm.data.tokens import atomic_open, token_dtype, write_json
 from lm.errors import UserError
@@ -50,11 +50,6 @@ class Unit:
     files: tuple[str, ...]
     heldout_files: frozenset[str]  # plain files held out; JSONL documents are split by text hash
     heldout_fraction: float
-
-
-def unit_hash(key: bytes) -> float:
-    """A number in [0, 1) from bytes: the same on every machine and Python run."""
-    return int.from_bytes(hashlib.sha256(key).digest()[:8], "big") / 2.0**64
 
 
 class _SplitWriter:

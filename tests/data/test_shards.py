@@ -6,7 +6,8 @@ import pytest
 
 from lm.data import shards as shards_mod
 from lm.data.corpus import split_files
-from lm.data.shards import open_shards, tokenize_corpus, unit_hash
+from lm.data.corpus import unit_hash
+from lm.data.shards import open_shards, tokenize_corpus
 from lm.data.tokenizer import ByteTokenizer
 from lm.data.tokens import token_dtype
 from lm.errors import UserError

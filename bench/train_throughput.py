@@ -7,8 +7,11 @@ RoPE. MFU is against the matmul peak measured in the same run (lm.perf.measure_m
     PYTHONPATH=. python bench/train_throughput.py [--steps 20] [--out figures.json] \
         [--peer-python /tmp/torch-venv/bin/python --nanogpt /tmp/nanoGPT]
 
-With the peer flags, bench/nanogpt_peer.py runs right after our measurement of each dtype
-and the ratio ours/peer is printed. Prints figures only; asserts nothing.
+With the peer flags, bench/nanogpt_peer.py runs right after our measurement of each dtype,
+twice: as it ships (the environment this script was started with) and with the huge-page
+malloc tunable that `lm` sets for itself (lm.hugepages), so the ratio ours/peer is printed
+both for each as shipped and for the same process environment. Prints figures only;
+asserts nothing.
 """
 
 from __future__ import annotations
@@ -40,6 +43,7 @@ import numpy as np  # noqa: E402
 from lm import plan  # noqa: E402
 from lm.aot import compile_train_step  # noqa: E402
 from lm.config import base_config, rules_table, validate  # noqa: E402
+from lm.hugepages import with_hugepages  # noqa: E402
 from lm.model.layers import ModelSpec, Partitioning  # noqa: E402
 from lm.model.transformer import Transformer  # noqa: E402
 from lm.perf import measure_matmul_peak, mfu  # noqa: E402
@@ -114,7 +118,7 @@ def measure_ours(dtype: str, steps: int, warmup: int, peak: float) -> dict:
             "params": plan.param_count(config.model), "loss": float(metrics["loss"])}
 
 
-def measure_peer(args, dtype: str) -> dict | None:
+def measure_peer(args, dtype: str, env: dict) -> dict | None:
     script = REPO / "bench" / "nanogpt_peer.py"
     if not (args.peer_python and args.nanogpt):
         return None
@@ -123,7 +127,7 @@ def measure_peer(args, dtype: str) -> dict | None:
         return None
     cmd = [args.peer_python, str(script), "--nanogpt", args.nanogpt, "--dtype", dtype,
            "--steps", str(args.peer_steps), "--warmup", str(args.warmup)]
-    proc = subprocess.run(cmd, capture_output=True, text=True)
+    proc = subprocess.run(cmd, capture_output=True, text=True, env=env)
     if proc.returncode != 0:
         print(f"note: peer failed ({proc.returncode}): {proc.stderr.strip().splitlines()[-1:]}")
         return None
@@ -150,7 +154,8 @@ def run_worker(args) -> dict:
 def spawn_worker(args, what: str) -> dict:
     cmd = [sys.executable, __file__, "--worker", what, "--steps", str(args.steps), "--warmup", str(args.warmup),
            "--depths", args.depths]
-    proc = subprocess.run(cmd, stdout=subprocess.PIPE, text=True, check=True)
+    # The environment `lm train` gives itself (lm.cli.run): huge-page malloc where it applies.
+    proc = subprocess.run(cmd, stdout=subprocess.PIPE, text=True, check=True, env=with_hugepages())
     return json.loads(proc.stdout.strip().splitlines()[-1])
 
 
@@ -177,7 +182,10 @@ def main(argv=None):
           f"load average {os.getloadavg()[0]:.1f}", flush=True)
     shape = dict(make_config("float32").model.to_dict(), seq_len=SEQ, batch_size=BATCH)
     out = {"load_average_start": os.getloadavg()[0], "shape": shape, "xla_flags": {}, "peaks": {}, "ours": {},
-           "peer": {}, "ratio_tokens_per_s": {}, "compile_s_by_depth": {}}
+           "peer": {}, "peer_hugepages": {}, "ratio_tokens_per_s": {}, "ratio_tokens_per_s_same_env": {},
+           "compile_s_by_depth": {}}
+    # The peer as shipped (this script's environment) and in the environment our workers get.
+    peer_envs = {"peer": dict(os.environ), "peer_hugepages": with_hugepages()}
     for dtype in args.dtypes.split(","):
         w = spawn_worker(args, dtype)
         peak, ours = w["peak"], w["ours"]
@@ -185,27 +193,33 @@ def main(argv=None):
         print(f"[{dtype}] XLA_FLAGS={w['xla_flags']!r}; matmul peak {peak / 1e9:.0f} GFLOP/s", flush=True)
         print(f"[{dtype}] ours: {ours['tokens_per_s']:.0f} tok/s, {ours['ms_per_step']:.1f} ms/step, "
               f"MFU {ours['mfu']:.1%}, compile {ours['compile_s']:.1f}s", flush=True)
-        peer = measure_peer(args, dtype)
-        if peer is not None:
-            out["peer"][dtype] = peer
-            ratio = out["ratio_tokens_per_s"][dtype] = ours["tokens_per_s"] / peer["tokens_per_s"]
-            print(f"[{dtype}] nanoGPT: {peer['tokens_per_s']:.0f} tok/s, {peer['ms_per_step']:.1f} ms/step; "
-                  f"ours/peer {ratio:.2f}x", flush=True)
+        for key, ratio_key in (("peer", "ratio_tokens_per_s"), ("peer_hugepages", "ratio_tokens_per_s_same_env")):
+            peer = measure_peer(args, dtype, peer_envs[key])
+            if peer is not None:
+                out[key][dtype] = peer
+                ratio = out[ratio_key][dtype] = ours["tokens_per_s"] / peer["tokens_per_s"]
+                print(f"[{dtype}] nanoGPT ({'huge-page malloc' if key == 'peer_hugepages' else 'as shipped'}): "
+                      f"{peer['tokens_per_s']:.0f} tok/s, {peer['ms_per_step']:.1f} ms/step; ours/peer {ratio:.2f}x",
+                      flush=True)
     if args.depths:
         out["compile_s_by_depth"] = spawn_worker(args, "compile")["compile_s_by_depth"]
         for depth, s in out["compile_s_by_depth"].items():
             print(f"compile (float32, {depth} layers): {s:.1f}s", flush=True)
 
+    def cell(key, dtype, fmt):
+        return fmt(out[key][dtype]) if dtype in out[key] else "-"
+
     rows = []
     for dtype, o in out["ours"].items():
-        peer = out["peer"].get(dtype)
         rows.append([dtype, f"{out['peaks'][dtype] / 1e9:.0f}", f"{o['tokens_per_s']:.0f}", f"{o['ms_per_step']:.1f}",
                      f"{o['mfu']:.1%}", f"{o['compile_s']:.1f}",
-                     f"{peer['tokens_per_s']:.0f}" if peer else "-", f"{peer['ms_per_step']:.1f}" if peer else "-",
-                     f"{out['ratio_tokens_per_s'][dtype]:.2f}" if peer else "-"])
+                     cell("peer", dtype, lambda p: f"{p['ms_per_step']:.1f}"),
+                     cell("ratio_tokens_per_s", dtype, lambda r: f"{r:.2f}"),
+                     cell("peer_hugepages", dtype, lambda p: f"{p['ms_per_step']:.1f}"),
+                     cell("ratio_tokens_per_s_same_env", dtype, lambda r: f"{r:.2f}")])
     print()
     print(table(rows, ["dtype", "peak GF/s", "tok/s", "ms/step", "MFU", "compile s",
-                       "peer tok/s", "peer ms/step", "ours/peer"]))
+                       "peer ms/step", "ours/peer", "peer ms/step (huge pages)", "ours/peer (same env)"]))
     print("compile s by depth (float32): " + ", ".join(f"{d} layers {s:.1f}" for d, s in
                                                        out["compile_s_by_depth"].items()))
     out["load_average_end"] = os.getloadavg()[0]

@@ -192,5 +192,13 @@ def main(argv: list[str] | None = None) -> int:
         return 130
 
 
-if __name__ == "__main__":
+def run() -> None:
+    """The `lm` console script: huge-page malloc for the step's temporaries (lm.hugepages), then main."""
+    from lm.hugepages import reexec_with_hugepages
+
+    reexec_with_hugepages()
     sys.exit(main())
+
+
+if __name__ == "__main__":
+    run()

@@ -6,7 +6,7 @@ import numpy as np
 import pytest
 
 from lm.model.attention import reference_attention, segment_causal_mask
-from lm.model.blockwise import blockwise_attention, query_blocks
+from lm.model.blockwise import blockwise_attention, keeps_probs, query_blocks
 
 
 def inputs(b, t, n, k, h, seed=0, dtype=jnp.float32):
@@ -40,13 +40,25 @@ SHAPES = [(2, 16, 4, 4, 8, 4), (2, 24, 4, 2, 16, 8), (1, 20, 4, 1, 8, 6), (2, 12
           (1, 7, 2, 2, 4, 1)]
 
 
+def test_probabilities_are_kept_only_for_short_sequences():
+    # T=256, 6 heads of 64, blocks of 64: 6*64*(64+128+192+256) = 245,760 probabilities
+    # against (6+6+6+6)*256*64 = 393,216 elements of q, k, v and output.
+    assert keeps_probs(256, 6, 6, 64, 64)
+    # T=2048: 6*64*64*(1+...+32) = 13.0M against 24*2048*64 = 3.1M.
+    assert not keeps_probs(2048, 6, 6, 64, 64)
+    # Fewer kv-heads shrink k and v: 4*8*(8+16+24+32) = 2,560 probabilities against
+    # (8+8)*32*6 = 3,072 with 4 kv-heads, but (8+2)*32*6 = 1,920 with one.
+    assert keeps_probs(32, 4, 4, 6, 8) and not keeps_probs(32, 4, 1, 6, 8)
+
+
+@pytest.mark.parametrize("keep_probs", [False, True])
 @pytest.mark.parametrize("b, t, n, k, h, block", SHAPES)
-def test_blockwise_matches_reference_with_segments_and_gqa(b, t, n, k, h, block):
+def test_blockwise_matches_reference_with_segments_and_gqa(b, t, n, k, h, block, keep_probs):
     q, kk, v, cot = inputs(b, t, n, k, h)
     seg = packed_segments(b, t)
     mask = segment_causal_mask(seg)
-    out, grads = jax.jit(lambda *a: value_and_grads(lambda q, k, v: blockwise_attention(q, k, v, seg, block), *a))(
-        q, kk, v, cot)
+    attention = lambda q, k, v: blockwise_attention(q, k, v, seg, block, keep_probs)
+    out, grads = jax.jit(lambda *a: value_and_grads(attention, *a))(q, kk, v, cot)
     ref_out, ref_grads = value_and_grads(lambda q, k, v: reference_attention(q, k, v, mask), q, kk, v, cot)
     np.testing.assert_allclose(out, ref_out, atol=2e-6, rtol=1e-5)
     for name, g, r in zip("qkv", grads, ref_grads):
@@ -67,10 +79,11 @@ def test_packed_documents_get_no_gradient_from_each_other():
         assert float(jnp.abs(g[:, 5:]).max()) > 1e-3
 
 
-def test_bfloat16_close_to_float32():
+@pytest.mark.parametrize("keep_probs", [False, True])
+def test_bfloat16_close_to_float32(keep_probs):
     q, k, v, cot = inputs(2, 32, 4, 2, 16, seed=6)
     seg = packed_segments(2, 32)
-    attention = lambda q, k, v: blockwise_attention(q, k, v, seg, 8)
+    attention = lambda q, k, v: blockwise_attention(q, k, v, seg, 8, keep_probs)
     run = jax.jit(lambda *a: value_and_grads(attention, *a))
     out, grads = run(q, k, v, cot)
     out16, grads16 = run(*(a.astype(jnp.bfloat16) for a in (q, k, v)), cot)

@@ -79,6 +79,20 @@ def test_user_errors_are_one_line(tmp_path, capsys, corpus):
         assert code == 2 and err.startswith("lm: error:") and words in err and "\n" not in err, err
 
 
+def test_checkpoint_presence_is_checked_before_any_data_work(tmp_path, capsys, corpus):
+    """--resume without a checkpoint, or a fresh run over one, fails before data is prepared."""
+    work = tmp_path / "w"
+    assert main(["train", "--workdir", str(work), f"--config.data.corpus={corpus}", *BYTES, "--resume"]) == 2
+    assert "no checkpoint" in capsys.readouterr().err and not (work / "data").exists()
+    (work / "checkpoints" / "40").mkdir(parents=True)
+    (work / "checkpoints" / "80").mkdir()
+    (work / "checkpoints" / "120.orbax-checkpoint-tmp-1").mkdir()  # an unfinished save is not a step
+    assert main(["train", "--workdir", str(work), f"--config.data.corpus={corpus}", *BYTES]) == 2
+    err = capsys.readouterr().err
+    assert "already holds checkpoints (steps 40..80)" in err and "--resume" in err
+    assert not (work / "data").exists()
+
+
 def test_empty_corpus_is_a_user_error(tmp_path, capsys):
     (tmp_path / "empty").mkdir()
     (tmp_path / "empty" / "a.txt").write_text("")

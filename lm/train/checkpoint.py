@@ -236,6 +236,16 @@ def _one_line(error: BaseException) -> str:
     return (text[0] if text else repr(error))[:300]
 
 
+def saved_steps(directory) -> list[int]:
+    """The steps that have a checkpoint directory under `directory`, from the file system alone.
+
+    Cheap and free of orbax, so a run can check --resume against the workdir before it
+    spends minutes preparing data; `Checkpointer.restore` still vets each checkpoint.
+    """
+    d = pathlib.Path(directory)
+    return sorted(int(p.name) for p in d.iterdir() if p.is_dir() and p.name.isdigit()) if d.is_dir() else []
+
+
 def read_meta(directory, step: int) -> dict:
     """The meta item of one step (config, shapes, checksums, counters) as a dict."""
     path = pathlib.Path(directory) / str(step) / "meta" / "metadata"

@@ -20,7 +20,7 @@ from lm.model.layers import ModelSpec, Partitioning
 from lm.model.transformer import Transformer
 from lm.perf import measure_matmul_peak
 from lm.sharding import batch_sharding, host_batch_to_global, make_mesh, split_count
-from lm.train.checkpoint import Checkpointer
+from lm.train.checkpoint import Checkpointer, saved_steps
 from lm.train.faults import FaultPolicy, StopSignal
 from lm.train.loop import Faults, LoopSpec, run_loop
 from lm.train.losses import pretrain_loss
@@ -62,8 +62,19 @@ def _check_batch_split(batch_size: int, micro_batches: int, n_proc: int, shardin
                         f"the {n_shards} batch shards of the mesh and {n_proc} processes")
 
 
+def _check_resume(directory: pathlib.Path, resume: bool) -> None:
+    """--resume needs a checkpoint and a fresh run must not find one: checked before any data work."""
+    steps = saved_steps(directory)
+    if resume and not steps:
+        raise UserError(f"--resume: no checkpoint in '{directory}'; run without --resume to start fresh")
+    if not resume and steps:
+        raise UserError(f"'{directory.parent}' already holds checkpoints (steps {steps[0]}..{steps[-1]}); "
+                        "pass --resume to continue, or use a new --workdir")
+
+
 def train(config, workdir, resume: bool = False, show_progress: bool = True) -> dict:
     workdir = pathlib.Path(workdir)
+    _check_resume(workdir / "checkpoints", resume)
     workdir.mkdir(parents=True, exist_ok=True)
     # Data first, before JAX starts its runtime threads: curation and tokenization start worker
     # processes, and forking a process that runs XLA threads can deadlock.
@@ -97,8 +108,6 @@ def train(config, workdir, resume: bool = False, show_progress: bool = True) -> 
         if is_main:
             truncate_after(workdir / "metrics.jsonl", step)
         print(f"resumed from step {step}")
-    elif checkpointer.latest_step() is not None:
-        raise UserError(f"'{workdir}' already holds checkpoints; pass --resume to continue, or use a new --workdir")
     elif is_main and (workdir / "metrics.jsonl").exists():  # a run that died before its first checkpoint
         (workdir / "metrics.jsonl").replace(workdir / "metrics.jsonl.prev")
 

@@ -21,6 +21,7 @@ import json
 import os
 import pathlib
 import re
+import statistics
 import subprocess
 import sys
 import time
@@ -159,6 +160,34 @@ def spawn_worker(args, what: str) -> dict:
     return json.loads(proc.stdout.strip().splitlines()[-1])
 
 
+PEERS = (("peer", "ratio_tokens_per_s"), ("peer_hugepages", "ratio_tokens_per_s_same_env"))
+LABELS = {"peer": "as shipped", "peer_hugepages": "huge-page malloc"}
+
+
+def median_by_speed(results: list[dict], speed=lambda r: r["tokens_per_s"]) -> dict:
+    """The result with the median speed (the slower middle one for an even count)."""
+    return sorted(results, key=speed)[(len(results) - 1) // 2]
+
+
+def measure_round(args, dtype: str, peer_envs: dict, index: int) -> dict:
+    """Ours, then the peer as shipped and with huge-page malloc, back to back; prints as it goes."""
+    tag = f"[{dtype}]" if args.rounds == 1 else f"[{dtype} round {index + 1}]"
+    w = spawn_worker(args, dtype)
+    ours = w["ours"]
+    result = {"peak": w["peak"], "ours": ours, "xla_flags": w["xla_flags"]}
+    print(f"{tag} XLA_FLAGS={w['xla_flags']!r}; matmul peak {w['peak'] / 1e9:.0f} GFLOP/s", flush=True)
+    print(f"{tag} ours: {ours['tokens_per_s']:.0f} tok/s, {ours['ms_per_step']:.1f} ms/step, "
+          f"MFU {ours['mfu']:.1%}, compile {ours['compile_s']:.1f}s", flush=True)
+    for key, ratio_key in PEERS:
+        peer = measure_peer(args, dtype, peer_envs[key])
+        if peer is not None:
+            result[key] = peer
+            ratio = result[ratio_key] = ours["tokens_per_s"] / peer["tokens_per_s"]
+            print(f"{tag} nanoGPT ({LABELS[key]}): {peer['tokens_per_s']:.0f} tok/s, {peer['ms_per_step']:.1f} "
+                  f"ms/step; ours/peer {ratio:.2f}x", flush=True)
+    return result
+
+
 def main(argv=None):
     p = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     p.add_argument("--steps", type=int, default=20, help="timed steps per dtype")
@@ -168,6 +197,8 @@ def main(argv=None):
     p.add_argument("--peer-python", help="a Python with torch, e.g. /tmp/torch-venv/bin/python")
     p.add_argument("--nanogpt", help="a nanoGPT checkout, e.g. /tmp/nanoGPT")
     p.add_argument("--peer-steps", type=int, default=10, help="timed peer steps")
+    p.add_argument("--rounds", type=int, default=1,
+                   help="measure each dtype this many times, ours and the peer alternating; the median is reported")
     p.add_argument("--out", help="write the figures as JSON here")
     p.add_argument("--worker", help=argparse.SUPPRESS)  # internal: measure one dtype, print JSON
     args = p.parse_args(argv)
@@ -183,24 +214,23 @@ def main(argv=None):
     shape = dict(make_config("float32").model.to_dict(), seq_len=SEQ, batch_size=BATCH)
     out = {"load_average_start": os.getloadavg()[0], "shape": shape, "xla_flags": {}, "peaks": {}, "ours": {},
            "peer": {}, "peer_hugepages": {}, "ratio_tokens_per_s": {}, "ratio_tokens_per_s_same_env": {},
-           "compile_s_by_depth": {}}
+           "compile_s_by_depth": {}, "rounds": {}}
     # The peer as shipped (this script's environment) and in the environment our workers get.
     peer_envs = {"peer": dict(os.environ), "peer_hugepages": with_hugepages()}
     for dtype in args.dtypes.split(","):
-        w = spawn_worker(args, dtype)
-        peak, ours = w["peak"], w["ours"]
-        out["peaks"][dtype], out["ours"][dtype], out["xla_flags"][dtype] = peak, ours, w["xla_flags"]
-        print(f"[{dtype}] XLA_FLAGS={w['xla_flags']!r}; matmul peak {peak / 1e9:.0f} GFLOP/s", flush=True)
-        print(f"[{dtype}] ours: {ours['tokens_per_s']:.0f} tok/s, {ours['ms_per_step']:.1f} ms/step, "
-              f"MFU {ours['mfu']:.1%}, compile {ours['compile_s']:.1f}s", flush=True)
-        for key, ratio_key in (("peer", "ratio_tokens_per_s"), ("peer_hugepages", "ratio_tokens_per_s_same_env")):
-            peer = measure_peer(args, dtype, peer_envs[key])
-            if peer is not None:
-                out[key][dtype] = peer
-                ratio = out[ratio_key][dtype] = ours["tokens_per_s"] / peer["tokens_per_s"]
-                print(f"[{dtype}] nanoGPT ({'huge-page malloc' if key == 'peer_hugepages' else 'as shipped'}): "
-                      f"{peer['tokens_per_s']:.0f} tok/s, {peer['ms_per_step']:.1f} ms/step; ours/peer {ratio:.2f}x",
-                      flush=True)
+        rounds = [measure_round(args, dtype, peer_envs, r) for r in range(args.rounds)]
+        out["rounds"][dtype] = rounds
+        middle = median_by_speed(rounds, lambda r: r["ours"]["tokens_per_s"])
+        ours = out["ours"][dtype] = middle["ours"]
+        out["peaks"][dtype], out["xla_flags"][dtype] = middle["peak"], middle["xla_flags"]
+        for key, ratio_key in PEERS:
+            if all(key in r for r in rounds):
+                out[key][dtype] = median_by_speed([r[key] for r in rounds])
+                out[ratio_key][dtype] = statistics.median(r[ratio_key] for r in rounds)
+        if args.rounds > 1:
+            print(f"[{dtype}] median of {args.rounds} rounds: ours {ours['ms_per_step']:.1f} ms/step; ours/peer "
+                  + ", ".join(f"{out[rk][dtype]:.2f}x ({LABELS[k]})" for k, rk in PEERS if dtype in out[rk]),
+                  flush=True)
     if args.depths:
         out["compile_s_by_depth"] = spawn_worker(args, "compile")["compile_s_by_depth"]
         for depth, s in out["compile_s_by_depth"].items():

@@ -4,14 +4,15 @@ Shape (nanoGPT's "baby GPT" scale): 6 layers, 6 heads, d_model 384, SwiGLU d_ff 
 parameter count of a 4x GELU MLP), seq_len 256, batch 16, byte vocabulary, tied embeddings,
 RoPE. MFU is against the matmul peak measured in the same run (lm.perf.measure_matmul_peak).
 
-    PYTHONPATH=. python bench/train_throughput.py [--steps 20] [--out figures.json] \
+    PYTHONPATH=. python bench/train_throughput.py [--steps 20] [--rounds 1] [--out figures.json] \
         [--peer-python /tmp/torch-venv/bin/python --nanogpt /tmp/nanoGPT]
 
 With the peer flags, bench/nanogpt_peer.py runs right after our measurement of each dtype,
 twice: as it ships (the environment this script was started with) and with the huge-page
 malloc tunable that `lm` sets for itself (lm.hugepages), so the ratio ours/peer is printed
-both for each as shipped and for the same process environment. Prints figures only;
-asserts nothing.
+both for each as shipped and for the same process environment. With --rounds N the
+measurement alternates N times and medians are reported. Prints figures only; asserts
+nothing.
 """
 
 from __future__ import annotations

@@ -12,37 +12,23 @@ import time
 
 import jax
 
-from lm.config import rules_table
-from lm.data.pipeline import BATCH_DTYPES
-from lm.model.layers import ModelSpec, Partitioning
-from lm.model.transformer import Transformer
-from lm.sharding import batch_sharding, make_mesh
-from lm.train.losses import pretrain_loss
-from lm.train.optim import make_optimizer
-from lm.train.state import abstract_state, state_shardings
-from lm.train.steps import make_train_step
+from lm.model.layers import ModelSpec
+from lm.train.setup import build_run
 
 
 def compile_train_step(config, devices=None) -> dict:
     """Lowers and compiles the pretrain step for config on `devices`; returns figures."""
-    mesh = make_mesh(config.mesh, devices)
-    rules = rules_table(config)
     spec = ModelSpec.from_config(config.model)
     if jax.default_backend() != "gpu" and spec.attention == "cudnn":
         spec = dataclasses.replace(spec, attention="xla")  # cuDNN kernels lower only for GPUs
-    model = Transformer(spec, Partitioning(mesh, rules))
-    optimizer, schedule = make_optimizer(config.optim, config.train.steps)
-    shardings = state_shardings(model, optimizer, mesh, rules)
-    state = abstract_state(model, optimizer, shardings)
-    b_sharding = batch_sharding(mesh, rules)
-    shape = (config.train.batch_size, config.data.seq_len)
-    batch = {k: jax.ShapeDtypeStruct(shape, dt, sharding=b_sharding) for k, dt in BATCH_DTYPES.items()}
-    step = make_train_step(pretrain_loss(model, config.optim.z_loss), optimizer, schedule, mesh, shardings,
-                           b_sharding, config.train.micro_batches)
+    run = build_run(config, devices=devices, spec=spec)
+    signature = run.signature()
+    shardings = run.batch_shardings(signature)
+    batch = {k: jax.ShapeDtypeStruct(s.shape, s.dtype, sharding=shardings[k]) for k, s in signature.items()}
+    step = run.train_step(signature)
     start = time.perf_counter()
-    lowered = step.lower(state, batch)
-    compiled = lowered.compile()
-    figures = {"backend": jax.default_backend(), "devices": mesh.size, "mesh": dict(mesh.shape),
+    compiled = step.lower(run.abstract_state(), batch).compile()
+    figures = {"backend": jax.default_backend(), "devices": run.mesh.size, "mesh": dict(run.mesh.shape),
                "attention": spec.attention, "compile_s": time.perf_counter() - start}
     memory = compiled.memory_analysis()
     if memory is not None:

@@ -180,6 +180,11 @@ def main(argv: list[str] | None = None) -> int:
         summary = train(config, args.workdir, resume=args.resume, show_progress=not args.no_progress)
         if summary.get("stopped_by"):
             return _stopped(summary, argv)
+        if summary.get("nothing_to_do"):
+            print(f"lm: {args.workdir} already finished at step {summary['step']} (train.steps="
+                  f"{config.train.steps}); nothing left to do, no file was changed. To train further, "
+                  "raise --config.train.steps", file=sys.stderr)
+            return 0
         if summary["eval_loss"] is not None:
             print(f"done: step {summary['step']}, held-out loss {summary['eval_loss']:.4f} "
                   f"(unigram baseline {summary['unigram_baseline']:.4f}); see {args.workdir}/loss.png")

@@ -30,7 +30,9 @@ def mesh_shape(mesh_cfg, n_devices: int) -> tuple[int, int, int]:
         sizes[sizes.index(-1)] = n_devices // known
     if math.prod(sizes) != n_devices:
         raise UserError(f"mesh {dict(zip(AXES, sizes))} needs {math.prod(sizes)} devices but "
-                        f"{n_devices} are available; set mesh.data/fsdp/tensor (one may be -1)")
+                        f"{n_devices} are available; set mesh.data/fsdp/tensor to multiply to {n_devices} "
+                        "(one may be -1). On a CPU, simulate N devices with "
+                        "XLA_FLAGS=--xla_force_host_platform_device_count=N")
     return tuple(sizes)
 
 
@@ -48,9 +50,21 @@ def replicated(mesh: Mesh) -> NamedSharding:
     return NamedSharding(mesh, PartitionSpec())
 
 
+def field_sharding(mesh: Mesh, rules, ndim: int) -> NamedSharding:
+    """A batch field of rank `ndim`: rows over the batch axes; a [B, T] text field's second
+    axis follows the `length` rule; any further axes are replicated."""
+    names = ("batch", "length") if ndim == 2 else ("batch",) + (None,) * (ndim - 1)
+    return logical_sharding(mesh, rules, names)
+
+
 def batch_sharding(mesh: Mesh, rules) -> NamedSharding:
     """[B, T] text arrays: rows split over the batch axes (data, fsdp by default)."""
-    return logical_sharding(mesh, rules, BATCH_AXES)
+    return field_sharding(mesh, rules, 2)
+
+
+def batch_shardings(mesh: Mesh, rules, signature: dict) -> dict:
+    """One sharding per batch field, from its rank; `signature` maps names to arrays or shapes."""
+    return {k: field_sharding(mesh, rules, len(getattr(v, "shape", v))) for k, v in signature.items()}
 
 
 def param_shardings(boxed_abstract_params, mesh: Mesh, rules):
@@ -86,6 +100,52 @@ def per_device_bytes(tree) -> int:
     return total
 
 
-def host_batch_to_global(batch: dict, sharding: NamedSharding) -> dict:
-    """Each process passes its local rows; the result is one global array per field."""
-    return {k: jax.make_array_from_process_local_data(sharding, v) for k, v in batch.items()}
+def process_rows(sharding: NamedSharding, global_rows: int, process: int | None = None) -> np.ndarray:
+    """The global batch rows that `process` (default: this one) must feed, sorted.
+
+    A process feeds the rows of every batch shard its devices hold. When a non-batch mesh axis
+    (e.g. `tensor`) spans processes, several processes hold the same shard and so feed the same
+    rows: deriving rows from the devices, not from the process index, keeps them identical.
+    """
+    process = jax.process_index() if process is None else process
+    rows = set()
+    for device, index in sharding.devices_indices_map((global_rows,)).items():
+        if device.process_index == process:
+            rows.update(range(*index[0].indices(global_rows)))
+    return np.asarray(sorted(rows), np.int64)
+
+
+class BatchPlacer:
+    """Host rows -> global arrays, one sharding per field (any rank, batch axis first).
+
+    `rows` are the global rows this process feeds (`process_rows`); a host batch holds them in
+    that order. Each device's shard is cut from them by its global row range.
+    """
+
+    def __init__(self, shardings: dict, global_rows: int):
+        self.shardings, self.global_rows = shardings, global_rows
+        first = next(iter(shardings.values()))
+        self.rows = process_rows(first, global_rows)
+        for name, sh in shardings.items():
+            if not np.array_equal(process_rows(sh, global_rows), self.rows):
+                raise ValueError(f"batch field '{name}' is split over other mesh axes than the batch")
+        self._local = {int(r): i for i, r in enumerate(self.rows)}
+
+    def __call__(self, host_batch: dict) -> dict:
+        """host_batch: this process's rows (len(self.rows) of them) of every field."""
+        return {k: self._put(k, np.asarray(v)) for k, v in host_batch.items()}
+
+    def from_global(self, batch: dict) -> dict:
+        """A batch that every process holds whole (e.g. fixed held-out rows)."""
+        return self({k: np.asarray(v)[self.rows] for k, v in batch.items()})
+
+    def _put(self, name: str, x: np.ndarray) -> jax.Array:
+        if x.shape[0] != len(self.rows):
+            raise ValueError(f"batch field '{name}' has {x.shape[0]} rows; this process feeds {len(self.rows)}")
+
+        def shard(index):
+            start, stop, _ = index[0].indices(self.global_rows)
+            first = self._local[start]  # a shard's rows are consecutive, and so are they locally
+            return x[(slice(first, first + stop - start), *index[1:])]
+
+        return jax.make_array_from_callback((self.global_rows, *x.shape[1:]), self.shardings[name], shard)

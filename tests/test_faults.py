@@ -8,18 +8,12 @@ import jax
 import numpy as np
 import pytest
 
-from lm.config import base_config, rules_table
+from lm.config import base_config
 from lm.errors import UserError
-from lm.model.layers import ModelSpec, Partitioning
-from lm.model.transformer import Transformer
-from lm.sharding import batch_sharding, make_mesh
 from lm.train.checkpoint import Checkpointer
 from lm.train.faults import FaultPolicy, Health, robust_spike
 from lm.train.loop import Faults, LoopSpec, run_loop
-from lm.train.losses import pretrain_loss
-from lm.train.optim import make_optimizer
-from lm.train.state import abstract_state, create_state
-from lm.train.steps import make_train_step
+from lm.train.setup import build_run
 
 B, T, V = 4, 8, 32
 
@@ -40,21 +34,20 @@ class Setup:
         c = base_config()
         c.model.update(vocab_size=V, d_model=32, n_layers=2, n_heads=2, n_kv_heads=1, d_ff=64, max_seq_len=T)
         c.optim.update(lr=1e-2, warmup_steps=0)
-        rules = rules_table(c)
-        self.mesh = make_mesh(dict(data=1, fsdp=1, tensor=1), jax.devices()[:1])
-        model = Transformer(ModelSpec.from_config(c.model), Partitioning(self.mesh, rules))
-        optimizer, schedule = make_optimizer(c.optim, 100)
-        state, self.shardings = create_state(model, optimizer, self.mesh, rules, seed=0)
-        self.host_state = jax.device_get(state)
-        self.abstract = abstract_state(model, optimizer, self.shardings)
-        self.bs = batch_sharding(self.mesh, rules)
-        self.step_fn = make_train_step(pretrain_loss(model), optimizer, schedule, self.mesh, self.shardings, self.bs)
+        c.train.update(batch_size=B, steps=100)
+        c.data.seq_len = T
+        run = build_run(c, devices=jax.devices()[:1])
+        self.mesh, self.shardings = run.mesh, run.state_shardings
+        self.host_state = jax.device_get(run.init_state(0))
+        self.abstract = run.abstract_state()
+        self.bs = run.batch_shardings()
+        self.step_fn = run.train_step()
 
     def state(self):
         return jax.device_put(self.host_state, self.shardings)
 
     def put(self, batch):
-        return {k: jax.device_put(v, self.bs) for k, v in batch.items()}
+        return {k: jax.device_put(v, self.bs[k]) for k, v in batch.items()}
 
 
 @pytest.fixture(scope="module")

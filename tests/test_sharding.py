@@ -9,6 +9,7 @@ import functools
 
 import flax.linen as nn
 import jax
+import jax.numpy as jnp
 import numpy as np
 import optax
 import pytest
@@ -17,11 +18,11 @@ from lm.config import base_config, rules_table
 from lm.errors import UserError
 from lm.model.layers import ModelSpec, Partitioning
 from lm.model.transformer import Transformer, init_params
-from lm.sharding import batch_sharding, make_mesh, param_shardings, per_device_bytes
-from lm.train.losses import pretrain_loss
+from lm.sharding import make_mesh, param_shardings, per_device_bytes
+from lm.train.losses import masked_cross_entropy, logits_of
 from lm.train.optim import make_optimizer
-from lm.train.state import create_state, state_shardings
-from lm.train.steps import make_train_step
+from lm.train.setup import build_run
+from lm.train.state import create_state
 
 B, T, V = 16, 16, 128  # 16 rows: each of the 2 micro-batches still splits over 8 devices
 N_MICRO = 2
@@ -37,6 +38,8 @@ def config(**model_kw):
     # Adam's first update is g / (|g| + eps): with eps=1e-8, float rounding in gradients of
     # size ~eps would be amplified by lr/eps; a larger eps keeps the comparison at float tolerance.
     c.optim.update(lr=1e-3, warmup_steps=0, eps=1e-6)
+    c.train.update(batch_size=B, micro_batches=N_MICRO, steps=100)
+    c.data.seq_len = T
     return c
 
 
@@ -58,25 +61,29 @@ def mesh_of(shape):
     return make_mesh(dict(zip(("data", "fsdp", "tensor"), shape)), jax.devices()[:n])
 
 
+def build(shape, loss=None):
+    c = config()
+    c.mesh.update(dict(zip(("data", "fsdp", "tensor"), shape)))
+    return build_run(c, loss, devices=jax.devices()[: int(np.prod(shape))])
+
+
+def put(run_, batch):
+    return run_.placer(run_.signature(extra={k: (v.shape[1:], v.dtype) for k, v in batch.items()
+                                              if v.ndim != 2}))(batch)
+
+
 @functools.cache
 def run(shape):
     """One train step on a mesh of `shape`; returns host copies and sharding facts."""
-    c = config()
-    rules = rules_table(c)
-    mesh = mesh_of(shape)
-    model = Transformer(ModelSpec.from_config(c.model), Partitioning(mesh, rules))
-    opt, schedule = make_optimizer(c.optim, 100)
+    r = build(shape)
     if shape in CREATED:
-        state, shardings = create_state(model, opt, mesh, rules, seed=0)
+        state = r.init_state(0)
     else:
-        shardings = state_shardings(model, opt, mesh, rules)
-        state = jax.device_put(run((1, 1, 1))["init"], shardings)
+        state = jax.device_put(run((1, 1, 1))["init"], r.state_shardings)
     out = {"init": jax.device_get(state)}
     emb = state.params["embedding"]
     out["embedding_shards"] = [(s.index, s.device, s.data.shape) for s in emb.addressable_shards]
-    bs = batch_sharding(mesh, rules)
-    step = make_train_step(pretrain_loss(model), opt, schedule, mesh, shardings, bs, n_micro=N_MICRO)
-    state, metrics = step(state, {k: jax.device_put(v, bs) for k, v in make_batch().items()})
+    state, metrics = r.train_step()(state, put(r, make_batch()))
     out["param_bytes"] = per_device_bytes(state.params)
     out["opt_bytes"] = per_device_bytes(state.opt_state)
     out["state"] = jax.device_get(state)
@@ -179,3 +186,40 @@ def test_param_shardings_error_names_the_param():
     shardings = param_shardings(boxed, mesh_of((1, 4, 2)), rules)
     assert nn.unbox(boxed)["blocks"]["attn"]["wk"].shape == (2, 64, 2, 8)
     assert shardings["blocks"]["attn"]["wk"].spec[2] == "tensor"
+
+
+def weighted_loss(model):
+    """Cross-entropy with a per-example weight: a [B] batch field (like rewards or advantages)."""
+
+    def loss_fn(params, batch, rng):
+        del rng
+        mask = batch["loss_mask"] * batch["row_weight"][:, None]
+        nll, _, _ = masked_cross_entropy(logits_of(model, params, batch), batch["targets"], mask)
+        return nll, {"loss_sum": nll, "count": jnp.sum(batch["loss_mask"])}
+
+    return loss_fn
+
+
+@functools.cache
+def weighted_step(shape):
+    r = build(shape, weighted_loss)
+    batch = make_batch() | {"row_weight": np.linspace(0.0, 2.0, B).astype(np.float32)}
+    extra = {"row_weight": ((), np.float32)}
+    step = r.train_step(r.signature(extra=extra))
+    state = jax.device_put(run((1, 1, 1))["init"], r.state_shardings)
+    device_batch = put(r, batch)
+    assert device_batch["row_weight"].shape == (B,)
+    state, metrics = step(state, device_batch)
+    return jax.device_get(state.params), jax.device_get(metrics), device_batch["row_weight"].sharding
+
+
+@pytest.mark.parametrize("shape", [(2, 2, 2), (8, 1, 1)], ids=lambda s: "x".join(map(str, s)))
+def test_per_example_field_is_sharded_and_split_into_micro_batches(shape):
+    ref_params, ref_metrics, _ = weighted_step((1, 1, 1))
+    params, metrics, sharding = weighted_step(shape)
+    assert sharding.spec[0] == ("data", "fsdp")  # the [B] field is split over the batch axes
+    np.testing.assert_allclose(metrics["loss"], ref_metrics["loss"], rtol=1e-5)
+    for a, b in zip(jax.tree.leaves(params), jax.tree.leaves(ref_params)):
+        np.testing.assert_allclose(a, b, rtol=1e-5, atol=1e-5)
+    # the weights matter: an unweighted step lands elsewhere
+    assert float(metrics["loss"]) != pytest.approx(float(run(shape)["metrics"]["loss"]), rel=1e-3)

@@ -10,7 +10,7 @@ comes from stream r, which reads every B-th piece (B = global batch size) of eac
 source's per-epoch shuffle, mixes the sources by weight (grain `MapDataset.mix`)
 and packs pieces first-fit into rows (grain `FirstFitPackIterDataset`): padding
 where a piece does not fit, `segment_ids` so attention never crosses documents.
-A process builds only the streams of its own rows, so it reads only its share,
+A process builds only the streams of the rows it feeds, so it reads only its share,
 and the global batch is the same whatever the number of processes.
 Everything before packing is index arithmetic, so the iterator state is a few
 integers per stream and resuming reproduces the exact batches.
@@ -105,13 +105,14 @@ def _stream_seed(seed: int, source: int) -> int:
 
 
 def train_dataset(sources: list[Source], *, seq_len: int, global_batch: int, seed: int,
-                  process_index: int = 0, process_count: int = 1) -> grain.IterDataset:
-    """An endless stream of this process's [global_batch / process_count, seq_len] batches."""
+                  rows=None) -> grain.IterDataset:
+    """An endless stream of batches holding rows `rows` (global row indices, default all) of
+    every [global_batch, seq_len] global batch, in that order (see lm.sharding.process_rows)."""
     if seq_len < 1 or global_batch < 1:
         raise UserError(f"data: seq_len ({seq_len}) and batch size ({global_batch}) must be >= 1")
-    if not 0 <= process_index < process_count or global_batch % process_count:
-        raise UserError(f"data: batch size {global_batch} must split evenly over {process_count} processes "
-                        f"(process {process_index})")
+    rows = list(range(global_batch)) if rows is None else [int(r) for r in rows]
+    if not rows or not all(0 <= r < global_batch for r in rows):
+        raise UserError(f"data: rows {rows} must be non-empty and within a global batch of {global_batch}")
     check_weights(sources)
     sources = [s for s in sources if s.weight > 0]
     pieces = [Pieces(s.shards, seq_len) for s in sources]
@@ -121,14 +122,13 @@ def train_dataset(sources: list[Source], *, seq_len: int, global_batch: int, see
     # Each source is shuffled afresh every epoch (repeat reseeds the shuffle).
     epochs = [grain.MapDataset.source(p).shuffle(seed=_stream_seed(seed, i)).repeat()
               for i, p in enumerate(pieces)]
-    rows = global_batch // process_count
     streams = []
-    for r in range(process_index * rows, (process_index + 1) * rows):
+    for r in rows:
         mixed = _mixed([e[r::global_batch] for e in epochs], [s.weight for s in sources])
         streams.append(_pack(mixed.to_iter_dataset(_READ), seq_len, PACK_BINS))
     # Equal weights: grain's mix takes the streams round-robin, so batch row i is stream i.
     merged = streams[0] if len(streams) == 1 else grain.IterDataset.mix(streams)
-    return merged.batch(rows, drop_remainder=True).map(to_contract)
+    return merged.batch(len(rows), drop_remainder=True).map(to_contract)
 
 
 def eval_batches(sources: list[Source], *, seq_len: int, batch_size: int, n_batches: int) -> list[dict]:

@@ -53,6 +53,7 @@ class _Logger:
         self.spec, self.writer = spec, writer
         self.bar = tqdm(total=spec.total_steps, initial=start, disable=not show, unit="step", dynamic_ncols=True)
         self.window_start, self.window_steps, self.compile_s, self.logged = None, 0, None, {}
+        self.run_steps, self.run_seconds = 0, 0.0  # every timed window of the run, for its summary
 
     def stepped(self, t0: float, metrics) -> None:
         if self.window_start is None:  # the first step compiles: time it apart
@@ -68,7 +69,7 @@ class _Logger:
         if self.window_steps:
             row["tokens_per_s"] = self.window_steps * self.spec.tokens_per_step / (now - self.window_start)
             row["mfu"] = mfu(row["tokens_per_s"], self.spec.flops_per_token, self.spec.peak_flops)
-        self.window_start, self.window_steps = now, 0
+        self._close_window(now)
         self.logged = row | {"compile_s": self.compile_s}
         self.write(step, self.logged)
         self.bar.set_postfix(_postfix(row), refresh=False)
@@ -78,8 +79,25 @@ class _Logger:
             self.writer.write(step, row)
 
     def pause(self) -> None:
-        """Eval or checkpoint time is not training time."""
+        """Eval or checkpoint time is not training time: the next window starts now."""
         self.window_start, self.window_steps = time.perf_counter(), 0
+
+    def close_window(self) -> None:
+        self._close_window(time.perf_counter())
+
+    def _close_window(self, now: float) -> None:
+        if self.window_steps:
+            self.run_steps += self.window_steps
+            self.run_seconds += now - self.window_start
+        self.window_start, self.window_steps = now, 0
+
+    def run_figures(self) -> dict:
+        """Throughput over every timed step of the run (all but the compiling first step)."""
+        if not self.run_steps:
+            return {}
+        tps = self.run_steps * self.spec.tokens_per_step / self.run_seconds
+        return {"run_tokens_per_s": tps, "run_mfu": mfu(tps, self.spec.flops_per_token, self.spec.peak_flops),
+                "run_train_seconds": self.run_seconds, "run_timed_steps": self.run_steps}
 
 
 def run_loop(spec: LoopSpec, state, step_fn: Callable, data_iter: Iterator, to_device: Callable, *,
@@ -111,6 +129,8 @@ def run_loop(spec: LoopSpec, state, step_fn: Callable, data_iter: Iterator, to_d
             state, step = _handle(verdict, state, step, checkpointer, faults, health, log)
             pending.clear()
             continue
+        if must_check:  # the device finished this step: close the timed window before other work
+            log.close_window()
         if evaluate is not None and _due(step, spec.eval_every, spec.total_steps):
             last_eval = evaluate(state)
             log.write(step, last_eval)
@@ -123,7 +143,8 @@ def run_loop(spec: LoopSpec, state, step_fn: Callable, data_iter: Iterator, to_d
             stopped_by = faults.stop.received or "a signal on another process"
             break
     log.bar.close()
-    return state, log.logged | last_eval | {"stopped_by": stopped_by, "stop_step": step} | health.metrics()
+    return state, (log.logged | last_eval | log.run_figures() | {"stopped_by": stopped_by, "stop_step": step}
+                   | health.metrics())
 
 
 def _agreed_flags(spec: LoopSpec, step: int, stop: StopSignal | None, checkpointer) -> tuple[bool, bool]:

@@ -1,4 +1,11 @@
-"""AdamW with warmup + cosine decay, global-norm clipping and a weight-decay mask."""
+"""AdamW's update direction, the warmup + cosine schedule, clipping and a weight-decay mask.
+
+The learning rate is not inside the optax chain: the train step multiplies the direction by
+`schedule(state.step)`. One counter (the state's step) then drives both the applied and the
+logged learning rate, and a skipped (non-finite) step still advances the schedule, so a run
+with skipped steps ends its schedule on time. Adam's own count (bias correction) counts the
+moment updates actually made, which is what the correction is for.
+"""
 
 from __future__ import annotations
 
@@ -30,8 +37,17 @@ def decay_mask(params, o):
 
 
 def make_optimizer(o, total_steps: int) -> tuple[optax.GradientTransformation, optax.Schedule]:
-    schedule = make_schedule(o, total_steps)
-    adamw = optax.adamw(schedule, b1=o.b1, b2=o.b2, eps=o.eps, weight_decay=o.weight_decay,
-                        mask=lambda p: decay_mask(p, o))
+    """(direction, schedule): the step applies `-schedule(step) * direction(grads)`.
+
+    The direction is AdamW's (clipped gradients -> Adam -> + weight_decay * param), so the
+    result is exactly optax.adamw with that schedule.
+    """
     parts = [optax.clip_by_global_norm(o.grad_clip)] if o.grad_clip > 0 else []
-    return optax.chain(*parts, adamw), schedule
+    parts += [optax.scale_by_adam(b1=o.b1, b2=o.b2, eps=o.eps),
+              optax.add_decayed_weights(o.weight_decay, mask=lambda p: decay_mask(p, o))]
+    return optax.chain(*parts), make_schedule(o, total_steps)
+
+
+def apply_update(params, direction, lr):
+    """params - lr * direction, in each param's dtype."""
+    return jax.tree.map(lambda p, d: (p - lr * d).astype(p.dtype), params, direction)

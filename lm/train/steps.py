@@ -1,7 +1,11 @@
 """The one update routine shared by every training flavour, and the eval step.
 
 A step whose loss or gradients are not finite leaves params and optimizer state
-unchanged (the step counter and RNG still advance) and reports `update_skipped`.
+unchanged (the step counter and RNG still advance) and reports `update_skipped`. The
+learning rate is `schedule(state.step)`, both applied and logged (see lm.train.optim).
+
+Batches are dicts of arrays of any rank with the batch axis first ([B, T] text fields,
+[B] per-example values, ...); `batch_shardings` holds one sharding per field.
 
 Gradient accumulation scans over micro-batches inside the jitted step, summing the
 gradients of loss *sums*, then divides once by the global token count, so the
@@ -15,6 +19,7 @@ import jax.numpy as jnp
 import optax
 from jax.sharding import NamedSharding, PartitionSpec
 
+from lm.train.optim import apply_update
 from lm.train.state import TrainState
 
 
@@ -30,15 +35,18 @@ def _tree_add(a, b):
     return jax.tree.map(jnp.add, a, b)
 
 
-def accumulate(loss_fn, params, batch, rng, n_micro: int, micro_sharding=None):
-    """Sums (grads, stats) of loss_fn over n_micro interleaved micro-batches."""
+def accumulate(loss_fn, params, batch, rng, n_micro: int, micro_shardings=None):
+    """Sums (grads, stats) of loss_fn over n_micro interleaved micro-batches.
+
+    micro_shardings: per field, the sharding of its [n_micro, B / n_micro, ...] split.
+    """
     grad_fn = jax.value_and_grad(loss_fn, has_aux=True)
     if n_micro == 1:  # no loop: spares the accumulator buffers
         (_, stats), grads = grad_fn(params, batch, jax.random.fold_in(rng, 0))
         return grads, stats
     micro = jax.tree.map(lambda x: split_micro(x, n_micro), batch)
-    if micro_sharding is not None:
-        micro = jax.tree.map(lambda x: jax.lax.with_sharding_constraint(x, micro_sharding), micro)
+    if micro_shardings is not None:
+        micro = jax.tree.map(jax.lax.with_sharding_constraint, micro, micro_shardings)
     first = jax.tree.map(lambda x: x[0], micro)
     _, stats_shape = jax.eval_shape(loss_fn, params, first, rng)
     init = (jax.tree.map(jnp.zeros_like, params), jax.tree.map(lambda s: jnp.zeros(s.shape, s.dtype), stats_shape))
@@ -71,21 +79,30 @@ def keep_if_bad(ok: jax.Array, new, old):
     return jax.tree.map(lambda n, o: jnp.where(ok, n, o), new, old)
 
 
+def _micro_shardings(batch_shardings):
+    """[B, ...] field shardings -> the shardings of their [n, B/n, ...] micro-batch splits."""
+    return jax.tree.map(lambda sh: NamedSharding(sh.mesh, PartitionSpec(None, *sh.spec)), batch_shardings)
+
+
 def make_train_step(loss_fn, optimizer, schedule, mesh, state_shardings, batch_shardings, n_micro: int = 1):
-    """Builds the jitted `step(state, batch) -> (state, metrics)`; the state buffer is donated."""
-    spec = batch_shardings.spec if isinstance(batch_shardings, NamedSharding) else None
-    micro_sharding = NamedSharding(mesh, PartitionSpec(None, *spec)) if spec is not None else None
+    """Builds the jitted `step(state, batch) -> (state, metrics)`; the state buffer is donated.
+
+    optimizer gives the update direction and schedule the learning rate (lm.train.optim);
+    batch_shardings is a dict of NamedShardings, one per batch field.
+    """
+    micro_shardings = _micro_shardings(batch_shardings)
 
     def step(state: TrainState, batch):
         rng, step_rng = jax.random.split(state.rng)
-        grads, stats = accumulate(loss_fn, state.params, batch, step_rng, n_micro, micro_sharding)
+        grads, stats = accumulate(loss_fn, state.params, batch, step_rng, n_micro, micro_shardings)
         grads = jax.tree.map(lambda g: g / jnp.maximum(stats["count"], 1.0), grads)
         grad_norm = optax.tree.norm(grads)
-        updates, opt_state = optimizer.update(grads, state.opt_state, state.params)
-        params = optax.apply_updates(state.params, updates)
+        lr = schedule(state.step)
+        direction, opt_state = optimizer.update(grads, state.opt_state, state.params)
+        params = apply_update(state.params, direction, lr)
         ok = is_finite(stats, grad_norm)
         params, opt_state = keep_if_bad(ok, (params, opt_state), (state.params, state.opt_state))
-        metrics = summarize(stats) | {"grad_norm": grad_norm, "lr": schedule(state.step),
+        metrics = summarize(stats) | {"grad_norm": grad_norm, "lr": lr,
                                       "update_skipped": 1.0 - ok.astype(jnp.float32)}
         return TrainState(step=state.step + 1, params=params, opt_state=opt_state, rng=rng), metrics
 

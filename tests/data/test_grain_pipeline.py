@@ -103,13 +103,20 @@ def test_epochs_cover_every_piece_once_and_reshuffle():
 
 @pytest.mark.parametrize("process_count", [2, 4])
 def test_processes_read_disjoint_parts_of_the_same_global_batch(process_count):
+    """Rows fed by different processes, joined, are the global batch; replicas (the same rows on
+    two processes) get identical data."""
     shards = make_set([3, 17, 6, 2, 30, 9, 5, 12, 4, 8, 25, 7] * 8)  # 152 pieces: 19 per stream and epoch
     kw = dict(seq_len=8, global_batch=8, seed=1)
     whole = take(iter(train_dataset([Source("a", shards, 1.0)], **kw)), 10)
-    parts = [take(iter(train_dataset([Source("a", shards, 1.0)], process_index=p, process_count=process_count,
-                                     **kw)), 10) for p in range(process_count)]
+    share = 8 // process_count
+    parts = [take(iter(train_dataset([Source("a", shards, 1.0)], rows=range(p * share, (p + 1) * share), **kw)), 10)
+             for p in range(process_count)]
     joined = [{k: np.concatenate([p[i][k] for p in parts]) for k in whole[0]} for i in range(10)]
     assert_same(whole, joined)
+    replica = take(iter(train_dataset([Source("a", shards, 1.0)], rows=range(share), **kw)), 10)
+    assert_same(replica, parts[0])
+    odd = take(iter(train_dataset([Source("a", shards, 1.0)], rows=[5, 2], **kw)), 3)
+    assert_same(odd, [{k: v[[5, 2]] for k, v in b.items()} for b in whole[:3]])
     # Within an epoch no piece is read by two processes (two batches stay well inside the first one).
     seen = [{s for b in p[:2] for i in range(len(b["inputs"])) for s in segments({k: v[i] for k, v in b.items()})}
             for p in parts]
@@ -149,8 +156,8 @@ def test_bad_weights_name_the_source():
         train_dataset([Source("web", s, -1.0)], seq_len=4, global_batch=2, seed=0)
     with pytest.raises(UserError, match="must sum to a positive number"):
         train_dataset([Source("a", s, 0.0), Source("b", s, 0.0)], seq_len=4, global_batch=2, seed=0)
-    with pytest.raises(UserError, match="split evenly over 3 processes"):
-        train_dataset([Source("a", s, 1.0)], seq_len=4, global_batch=4, seed=0, process_count=3)
+    with pytest.raises(UserError, match="within a global batch of 4"):
+        train_dataset([Source("a", s, 1.0)], seq_len=4, global_batch=4, seed=0, rows=[1, 4])
 
 
 def test_eval_batches_fixed_and_padded():

@@ -1,6 +1,7 @@
 """Checkpoints: restore onto other meshes, one layout for every remat policy, retention,
 damaged checkpoints set aside, incompatible configs refused, failed saves harmless."""
 
+import copy
 import json
 import pathlib
 import time
@@ -10,14 +11,10 @@ import jax
 import numpy as np
 import pytest
 
-from lm.config import base_config, rules_table
+from lm.config import base_config
 from lm.errors import UserError
-from lm.model.layers import ModelSpec, Partitioning
-from lm.model.transformer import Transformer
-from lm.sharding import make_mesh
 from lm.train.checkpoint import Checkpointer, IncompatibleCheckpoint
-from lm.train.optim import make_optimizer
-from lm.train.state import abstract_state, create_state, state_shardings
+from lm.train.setup import build_run
 
 
 def config(d_model=64, remat="none"):
@@ -28,18 +25,15 @@ def config(d_model=64, remat="none"):
 
 
 def build(c, mesh_shape, devices=None):
-    """(model, optimizer, mesh, rules) for config c on a (data, fsdp, tensor) mesh."""
-    rules = rules_table(c)
-    mesh = make_mesh(dict(zip(("data", "fsdp", "tensor"), mesh_shape)), devices)
-    model = Transformer(ModelSpec.from_config(c.model), Partitioning(mesh, rules))
-    optimizer, _ = make_optimizer(c.optim, 10)
-    return model, optimizer, mesh, rules
+    """The run of config c on a (data, fsdp, tensor) mesh."""
+    c = copy.deepcopy(c)
+    c.mesh.update(dict(zip(("data", "fsdp", "tensor"), mesh_shape)))
+    return build_run(c, devices=devices)
 
 
 def target(c, mesh_shape, devices=None):
-    model, optimizer, mesh, rules = build(c, mesh_shape, devices)
-    shardings = state_shardings(model, optimizer, mesh, rules)
-    return abstract_state(model, optimizer, shardings), shardings
+    run = build(c, mesh_shape, devices)
+    return run.abstract_state(), run.state_shardings
 
 
 def data_iter():
@@ -58,8 +52,7 @@ def saved(tmp_path_factory):
     """A state created on 8 devices with fsdp=8, saved at steps 1 and 2, plus its host copy."""
     root = tmp_path_factory.mktemp("ckpt")
     c = config()
-    model, optimizer, mesh, rules = build(c, (1, 8, 1))
-    state, _ = create_state(model, optimizer, mesh, rules, seed=3)
+    state = build(c, (1, 8, 1), jax.devices()[:8]).init_state(3)
     assert len(state.params["embedding"].sharding.device_set) == 8
     ckpt = Checkpointer(root / "checkpoints", 1, keep=5, config=c)
     it = data_iter()
@@ -96,8 +89,7 @@ def test_remat_policies_share_one_layout(tmp_path):
     assert jax.tree.structure(a_none) == jax.tree.structure(a_full)
     assert shapes(a_none) == shapes(a_full)
     c = config(remat="none")
-    model, optimizer, mesh, rules = build(c, (1, 1, 1), jax.devices()[:1])
-    state, _ = create_state(model, optimizer, mesh, rules, seed=5)
+    state = build(c, (1, 1, 1), jax.devices()[:1]).init_state(5)
     host = jax.device_get(state)
     assert host.params["blocks"]["attn"]["wq"].shape[0] == c.model.n_layers  # scanned: layers stacked
     for save_remat, into in (("none", a_full), ("full", a_none)):

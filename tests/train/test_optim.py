@@ -12,7 +12,7 @@ import pytest
 from lm.config import base_config
 from lm.model.layers import ModelSpec
 from lm.model.transformer import Transformer, init_params
-from lm.train.optim import decay_mask, make_optimizer, make_schedule
+from lm.train.optim import apply_update, decay_mask, make_optimizer, make_schedule
 
 # Every param name the model can produce, classified by hand (a new kind must be added here).
 MATRICES = {"wq", "wk", "wv", "wo", "w_gate", "w_up", "w_down", "w_in", "head"}
@@ -159,13 +159,13 @@ def test_adamw_with_clipping_matches_numpy(steps, warmup):
     total = 10
     params0 = {"kernel": np.array([[0.5, 0.1, -0.3], [0.2, -0.4, 0.6]], np.float32),
                "scale": np.array([1.0, 1.0, 1.0], np.float32)}
-    opt, _ = make_optimizer(o, total)
+    opt, schedule = make_optimizer(o, total)
     params = jax.tree.map(jnp.asarray, params0)
     state = opt.init(params)
-    for _ in range(steps):
+    for t in range(steps):
         grads = jax.tree.map(jnp.asarray, quadratic_grads(jax.tree.map(np.asarray, params)))
-        updates, state = opt.update(grads, state, params)
-        params = optax.apply_updates(params, updates)
+        direction, state = opt.update(grads, state, params)
+        params = apply_update(params, direction, schedule(t))
 
     # "kernel" is a matrix (decayed), "scale" a norm (not decayed) by the default mask
     ref_p, ref_m, ref_v, norms = np_adamw(params0, quadratic_grads, steps, o, total,

@@ -11,13 +11,10 @@ import numpy as np
 import optax
 import pytest
 
-from lm.config import base_config, rules_table
-from lm.model.layers import ModelSpec, Partitioning
+from lm.config import base_config
 from lm.model.transformer import Transformer
-from lm.sharding import batch_sharding, make_mesh
-from lm.train.losses import pretrain_loss
-from lm.train.optim import make_optimizer
-from lm.train.state import TrainState, create_state, state_shardings
+from lm.train.setup import build_run
+from lm.train.state import TrainState, state_shardings
 from lm.train.steps import make_train_step
 
 B, T, V = 8, 16, 64
@@ -28,6 +25,8 @@ def config():
     c = base_config()
     c.model.update(vocab_size=V, d_model=64, n_layers=2, n_heads=4, n_kv_heads=2, d_ff=128, max_seq_len=T)
     c.optim.update(lr=1e-2, warmup_steps=10, min_lr_ratio=0.1)
+    c.train.update(batch_size=B, steps=OVERFIT_STEPS, micro_batches=2)
+    c.data.seq_len = T
     return c
 
 
@@ -51,20 +50,17 @@ class Setup:
     def __init__(self):
         c = config()
         self.config = c
-        self.rules = rules_table(c)
-        self.mesh = make_mesh(dict(data=1, fsdp=1, tensor=1), jax.devices()[:1])
-        self.model = Transformer(ModelSpec.from_config(c.model), Partitioning(self.mesh, self.rules))
-        self.plain_model = Transformer(ModelSpec.from_config(c.model))  # no mesh: the reference
-        self.bs = batch_sharding(self.mesh, self.rules)
-        self.adamw, self.schedule = make_optimizer(c.optim, OVERFIT_STEPS)
-        state, self.adamw_shardings = create_state(self.model, self.adamw, self.mesh, self.rules, seed=0)
-        self.host_state = jax.device_get(state)  # a host copy: the step donates device states
-        self.loss_fn = pretrain_loss(self.model)
-        self.adamw_step = make_train_step(self.loss_fn, self.adamw, self.schedule, self.mesh,
-                                          self.adamw_shardings, self.bs, n_micro=2)
-        # Plain SGD with lr 1: the update *is* minus the (normalised) gradient, so comparing
+        run = build_run(c, devices=jax.devices()[:1])
+        self.run, self.mesh, self.rules, self.model = run, run.mesh, run.rules, run.model
+        self.plain_model = Transformer(run.spec)  # no mesh: the reference
+        self.bs = run.batch_shardings()
+        self.adamw, self.schedule, self.adamw_shardings = run.optimizer, run.schedule, run.state_shardings
+        self.host_state = jax.device_get(run.init_state(0))  # a host copy: the step donates device states
+        self.loss_fn = run.loss_fn
+        self.adamw_step = run.train_step()
+        # Plain gradient descent with lr 1: the update *is* minus the (normalised) gradient, so comparing
         # params compares gradients (Adam's first step is ~sign(g) and would hide scale errors).
-        self.sgd = optax.sgd(1.0)
+        self.sgd = optax.identity()
         self.sgd_shardings = state_shardings(self.model, self.sgd, self.mesh, self.rules)
         self.sgd_steps = {n: make_train_step(self.loss_fn, self.sgd, optax.constant_schedule(1.0), self.mesh,
                                              self.sgd_shardings, self.bs, n_micro=n) for n in (1, 4)}
@@ -82,7 +78,7 @@ class Setup:
         return jax.device_put(self.host_state, self.adamw_shardings)
 
     def put(self, batch):
-        return {k: jax.device_put(v, self.bs) for k, v in batch.items()}
+        return {k: jax.device_put(v, self.bs[k]) for k, v in batch.items()}
 
     def sgd_update(self, batch, n_micro):
         state, metrics = self.sgd_steps[n_micro](self.sgd_state(), self.put(batch))
@@ -225,3 +221,27 @@ def test_metrics_lr_follows_the_schedule_and_step_increments(setup, overfit_run)
     assert history[0]["lr"] == 0.0
     # the reported lr is the one applied: at step 0 it is 0, so the params did not move
     assert max_abs_diff(params_after_first, setup.params0) == 0.0
+
+
+def test_skipped_step_keeps_one_counter_for_applied_and_logged_lr(setup):
+    """After a non-finite (skipped) step the schedule still advances with state.step, and the
+    logged lr is the one applied: the next update is exactly -schedule(2) * gradient."""
+    schedule = lambda s: 0.05 * (s + 1.0)  # noqa: E731  a different lr at every step
+    step = make_train_step(setup.loss_fn, setup.sgd, schedule, setup.mesh, setup.sgd_shardings, setup.bs)
+    good, bad = make_batch(seed=8), make_batch(seed=9)
+    bad["loss_mask"][2, 5] = np.nan
+    state, m0 = step(setup.sgd_state(), setup.put(good))
+    state, m1 = step(state, setup.put(bad))
+    assert float(m1["update_skipped"]) == 1.0 and int(state.step) == 2
+    before = jax.device_get(state.params)
+    state, m2 = step(state, setup.put(good))
+    after = jax.device_get(state.params)
+    assert float(m2["update_skipped"]) == 0.0
+    np.testing.assert_allclose(m2["lr"], schedule(2), rtol=1e-6)  # not schedule(1): the skip counted
+    g = jax.device_get(_mean_nll_grad(setup.plain_model)(jax.tree.map(jnp.asarray, before),
+                                                          {k: jnp.asarray(v) for k, v in good.items()}))
+    applied = jax.tree.map(lambda b, a, gi: (b - a) / np.where(gi == 0, 1, gi), before, after, g)
+    big = [(x, gi) for x, gi in zip(jax.tree.leaves(applied), jax.tree.leaves(g))]
+    ratios = np.concatenate([x[np.abs(gi) > 1e-3].ravel() for x, gi in big])
+    assert ratios.size > 100
+    np.testing.assert_allclose(ratios, float(m2["lr"]), rtol=2e-3)

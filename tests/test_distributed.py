@@ -1,4 +1,4 @@
-"""Two processes x 4 CPU devices train like one process x 8 devices (jax.distributed on localhost)."""
+"""Several processes train like one process with all the devices (jax.distributed on localhost)."""
 
 import json
 import os
@@ -20,11 +20,11 @@ def free_port() -> int:
         return s.getsockname()[1]
 
 
-def run(workdir, corpus, n_proc: int, devices_per_proc: int):
+def run(workdir, corpus, n_proc: int, devices_per_proc: int, args=ARGS):
     env = os.environ | {"XLA_FLAGS": f"--xla_force_host_platform_device_count={devices_per_proc}",
                         "JAX_PLATFORMS": "cpu"}
     base = [sys.executable, "-m", "lm.cli", "train", "--workdir", str(workdir),
-            f"--config.data.corpus={corpus}", *ARGS]
+            f"--config.data.corpus={corpus}", *args]
     if n_proc > 1:
         port = free_port()
         cmds = [base + ["--distributed", "--coordinator", f"127.0.0.1:{port}", "--num-processes", str(n_proc),
@@ -51,3 +51,22 @@ def test_two_processes_match_one(tmp_path, corpus):
     assert [t for _, t in evals_two] == [t for _, t in evals_one]
     assert [v for v, _ in evals_two] == pytest.approx([v for v, _ in evals_one], rel=1e-5)
     assert (tmp_path / "two" / "checkpoints" / "6").is_dir()
+
+
+# tensor=2 spans processes: processes 0 and 1 hold the same batch shard (and 2 and 3 the other),
+# so each pair must feed identical rows.
+TENSOR_ARGS = SMALL + ["--config.train.steps=4", "--config.train.log_every=1", "--config.eval.every_steps=0",
+                       "--config.checkpoint.every_steps=4", "--config.mesh.data=1", "--config.mesh.fsdp=2",
+                       "--config.mesh.tensor=2", "--config.model.n_kv_heads=2", "--config.train.batch_size=8"]
+
+
+@pytest.mark.slow
+def test_four_processes_with_tensor_across_processes_match_one(tmp_path, corpus):
+    one = run(tmp_path / "one", corpus, 1, 4, TENSOR_ARGS)
+    four = run(tmp_path / "four", corpus, 4, 1, TENSOR_ARGS)
+    losses_one = [r["loss"] for r in one if "loss" in r]
+    losses_four = [r["loss"] for r in four if "loss" in r]
+    assert len(losses_one) == 4
+    assert losses_four == pytest.approx(losses_one, rel=1e-5)
+    tokens = [r["tokens"] for r in one if "tokens" in r]
+    assert [r["tokens"] for r in four if "tokens" in r] == tokens

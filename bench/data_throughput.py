@@ -55,22 +55,11 @@ def train_step_tokens_per_s(config, batch: dict, steps: int) -> dict:
     """The tiny config's real train step on this machine's devices, fed a real packed batch."""
     import jax
 
-    from lm.config import rules_table
-    from lm.model.layers import ModelSpec, Partitioning
-    from lm.model.transformer import Transformer
-    from lm.sharding import batch_sharding, host_batch_to_global, make_mesh
-    from lm.train.losses import pretrain_loss
-    from lm.train.optim import make_optimizer
-    from lm.train.state import create_state
-    from lm.train.steps import make_train_step
+    from lm.train.setup import build_run
 
-    mesh, rules = make_mesh(config.mesh), rules_table(config)
-    model = Transformer(ModelSpec.from_config(config.model), Partitioning(mesh, rules))
-    optimizer, schedule = make_optimizer(config.optim, config.train.steps)
-    state, shardings = create_state(model, optimizer, mesh, rules, config.train.seed)
-    b_sh = batch_sharding(mesh, rules)
-    step = make_train_step(pretrain_loss(model), optimizer, schedule, mesh, shardings, b_sh)
-    device_batch = host_batch_to_global(batch, b_sh)
+    run = build_run(config)
+    state, step = run.init_state(), run.train_step()
+    device_batch = run.placer()(batch)
     state, metrics = step(state, device_batch)  # compile
     jax.block_until_ready(metrics)
     t0 = time.perf_counter()

@@ -44,16 +44,10 @@ import numpy as np  # noqa: E402
 
 from lm import plan  # noqa: E402
 from lm.aot import compile_train_step  # noqa: E402
-from lm.config import base_config, rules_table, validate  # noqa: E402
+from lm.config import base_config, validate  # noqa: E402
 from lm.hugepages import with_hugepages  # noqa: E402
-from lm.model.layers import ModelSpec, Partitioning  # noqa: E402
-from lm.model.transformer import Transformer  # noqa: E402
 from lm.perf import measure_matmul_peak, mfu  # noqa: E402
-from lm.sharding import batch_sharding, make_mesh  # noqa: E402
-from lm.train.losses import pretrain_loss  # noqa: E402
-from lm.train.optim import make_optimizer  # noqa: E402
-from lm.train.state import create_state  # noqa: E402
-from lm.train.steps import make_train_step  # noqa: E402
+from lm.train.setup import build_run, host_batch  # noqa: E402
 
 REPO = pathlib.Path(__file__).resolve().parent.parent
 SEQ, BATCH = 256, 16
@@ -69,24 +63,6 @@ def make_config(dtype: str, n_layers: int = 6):
     return c
 
 
-def build(config):
-    """(model, optimizer, step, mesh, rules) on a (1,1,1) mesh of the first device."""
-    mesh = make_mesh(dict(data=1, fsdp=1, tensor=1), jax.devices()[:1])
-    rules = rules_table(config)
-    model = Transformer(ModelSpec.from_config(config.model), Partitioning(mesh, rules))
-    optimizer, schedule = make_optimizer(config.optim, config.train.steps)
-    return model, optimizer, schedule, mesh, rules
-
-
-def make_batch(sharding, seed: int = 0) -> dict:
-    rng = np.random.default_rng(seed)
-    tokens = rng.integers(0, 256, (BATCH, SEQ + 1), dtype=np.int32)
-    batch = {"inputs": tokens[:, :-1], "targets": tokens[:, 1:],
-             "loss_mask": np.ones((BATCH, SEQ), np.float32), "segment_ids": np.ones((BATCH, SEQ), np.int32),
-             "positions": np.broadcast_to(np.arange(SEQ, dtype=np.int32), (BATCH, SEQ)).copy()}
-    return {k: jax.device_put(v, sharding) for k, v in batch.items()}
-
-
 def compile_seconds(dtype: str, n_layers: int) -> float:
     """Ahead-of-time compile of the full train step on abstract inputs (nothing is allocated)."""
     return compile_train_step(make_config(dtype, n_layers), jax.devices()[:1])["compile_s"]
@@ -94,11 +70,9 @@ def compile_seconds(dtype: str, n_layers: int) -> float:
 
 def measure_ours(dtype: str, steps: int, warmup: int, peak: float) -> dict:
     config = make_config(dtype)
-    model, optimizer, schedule, mesh, rules = build(config)
-    state, shardings = create_state(model, optimizer, mesh, rules, seed=0)
-    b_sh = batch_sharding(mesh, rules)
-    step = make_train_step(pretrain_loss(model), optimizer, schedule, mesh, shardings, b_sh)
-    batch = make_batch(b_sh)
+    run = build_run(config, devices=jax.devices()[:1])
+    state, step = run.init_state(0), run.train_step()
+    batch = run.placer()(host_batch(run.signature(), vocab_size=256))
     t0 = time.perf_counter()
     compiled = step.lower(state, batch).compile()
     compile_s = time.perf_counter() - t0

@@ -30,6 +30,7 @@ from pathlib import Path
 import numpy as np
 from tqdm import tqdm
 
+from lm.data import progress as shown
 from lm.data.corpus import is_jsonl, iter_documents, resolve_corpus, split_files, unit_hash
 from lm.data.tokenizer import load_tokenizer
 from lm.data.tokens import atomic_open, token_dtype, write_json
@@ -165,7 +166,8 @@ def plan_units(root: Path, files: list[Path], heldout: set[Path], heldout_fracti
 def _run_units(units: list[Unit], tokenizer_name, out_dir: Path, workers: int, progress: bool):
     tasks = [(u, tokenizer_name, str(out_dir)) for u in units]
     total = sum(Path(f).stat().st_size for u in units for f in u.files)
-    bar = tqdm(total=total, unit="B", unit_scale=True, desc="tokenize", disable=not progress, delay=2.0)
+    bar = tqdm(total=total, unit="B", unit_scale=True, desc="tokenize", disable=not shown.bars(progress), delay=2.0)
+    lines = shown.StageLines("tokenize", 1, shown.lines(progress))
     workers = min(workers or os.cpu_count() or 1, len(units))
     with contextlib.ExitStack() as stack:
         if workers > 1:
@@ -179,6 +181,7 @@ def _run_units(units: list[Unit], tokenizer_name, out_dir: Path, workers: int, p
             results.append(result)
             bar.update(sum(Path(f).stat().st_size for f in unit.files))
     bar.close()
+    lines.finished(f"{total / 1e6:,.1f} MB in {len(units)} unit(s) with {workers} worker(s)")
     return results
 
 

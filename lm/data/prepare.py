@@ -31,7 +31,8 @@ from lm.config import data_sources
 from lm.data.cache import cached_dir, data_cache_dir, locked
 from lm.data.corpus import resolve_corpus
 from lm.data.pipeline import Pieces, Source, check_weights
-from lm.data.shards import SPLITS, input_key, open_shards, tokenize_corpus, train_documents
+from lm.data.checks import source_label, spm_vocab
+from lm.data.shards import input_key, is_shard_dir, open_shards, tokenize_corpus, train_documents
 from lm.data.tokenizer import Tokenizer, load_tokenizer
 from lm.errors import UserError
 
@@ -49,17 +50,8 @@ class PretrainData:
     stats: dict
 
 
-def is_shard_dir(spec: str) -> bool:
-    return all((Path(spec) / s / "manifest.json").is_file() for s in SPLITS)
-
-
 def _digest(obj) -> str:
     return hashlib.sha256(json.dumps(obj, sort_keys=True).encode()).hexdigest()[:16]
-
-
-def source_label(d, i: int) -> str:
-    """The config key of the i-th source, for messages."""
-    return f"data.sources[{i}]" if d.sources else "data.corpus"
 
 
 def _files_key(corpus: str) -> list:
@@ -90,14 +82,6 @@ def resolve_tokenizer(name: str, corpus: str | None, heldout_fraction: float, ca
         return train_corpus_tokenizer(corpus, heldout_fraction, prefix, vocab)
 
 
-def spm_vocab(name: str) -> int:
-    """The vocabulary size of a 'spm:VOCAB' tokenizer name."""
-    try:
-        return int(name[len("spm:"):])
-    except ValueError:
-        raise UserError(f"data.tokenizer: '{name}': expected spm:VOCAB_SIZE, e.g. spm:8192") from None
-
-
 def _workers(d) -> int:
     return d.workers or os.cpu_count() or 1
 
@@ -121,10 +105,11 @@ def curated_corpus(corpus: str, d, curate_cfg, cache: Path, progress: bool, labe
     return str(out / "*.jsonl.gz")
 
 
-def corpus_shards(corpus: str, d, tok: Tokenizer, tokenizer_name: str, cache: Path, progress: bool) -> Path:
+def corpus_shards(corpus: str, d, tok: Tokenizer, tokenizer_name: str, cache: Path, progress: bool,
+                  label: str = "data.corpus") -> Path:
     """Tokenizes a corpus into the cache, or reuses the entry of the same files, tokenizer and
     split settings; returns the shard directory."""
-    resolved = resolve_corpus(corpus)
+    resolved = resolve_corpus(corpus, label)
     key = input_key(*resolved, tok, d.heldout_fraction, d.max_train_bytes)
     out, built = cached_dir(cache, f"shards-{tok.name}-{key[:16]}", lambda staging: tokenize_corpus(
         corpus, staging, tokenizer_name, d.heldout_fraction, max_train_bytes=d.max_train_bytes,
@@ -153,9 +138,9 @@ def prepare_pretrain_data(d, cache: Path | None = None, vocab_size: int | None =
                         f"{tok.vocab_size} ids")
     tokenizer_name = str(tok.path) if hasattr(tok, "path") else d.tokenizer
     train, heldout = [], []
-    for spec, weight in specs:
-        directory = (corpus_shards(corpora[spec], d, tok, tokenizer_name, cache, progress) if spec in corpora
-                     else Path(spec))
+    for i, (spec, weight) in enumerate(specs):
+        directory = (corpus_shards(corpora[spec], d, tok, tokenizer_name, cache, progress, source_label(d, i))
+                     if spec in corpora else Path(spec))
         train.append(Source(spec, open_shards(directory / "train", tok, vocab_size), weight))
         heldout.append(Source(spec, open_shards(directory / "heldout", tok, vocab_size), weight))
     check_weights(train)

@@ -249,7 +249,7 @@ def tokenize_corpus(corpus: str, out_dir: Path, tokenizer_name, heldout_fraction
     root, files = resolved or resolve_corpus(corpus)
     key = input_key(root, files, tok, heldout_fraction, max_train_bytes)
     out_dir = Path(out_dir)
-    existing = {s: _read_manifest(out_dir / s) for s in SPLITS}
+    existing = {s: read_manifest(out_dir / s) for s in SPLITS}
     if all(m is not None and m.get("key") == key for m in existing.values()):
         return existing
     if any(m is not None and m.get("key") != key for m in existing.values()):
@@ -281,7 +281,12 @@ def train_documents(corpus: str, heldout_fraction: float):
                 yield doc
 
 
-def _read_manifest(directory: Path) -> dict | None:
+def is_shard_dir(spec: str) -> bool:
+    """True for a directory written by `lm tokenize` (both splits complete)."""
+    return all((Path(spec) / s / "manifest.json").is_file() for s in SPLITS)
+
+
+def read_manifest(directory: Path) -> dict | None:
     path = Path(directory) / "manifest.json"
     if not path.exists():
         return None
@@ -340,7 +345,7 @@ def open_shards(directory: Path, tokenizer, vocab_size: int | None = None) -> Sh
     `vocab_size` is the model's: ids must lie below it and below the tokenizer's.
     """
     directory = Path(directory)
-    manifest = _read_manifest(directory)
+    manifest = read_manifest(directory)
     if manifest is None:
         raise UserError(f"'{directory}' holds no complete shard set (no manifest.json); "
                         "run `lm tokenize` (again) to build it")

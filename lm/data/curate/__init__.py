@@ -26,11 +26,11 @@ dedup, PII and a lenient language id, which keeps ~97% of the standard library:
 Crash safety and re-runs: all work happens under `<out>/.work-<fingerprint>`;
 shards move into `<out>` by atomic rename only once every pass is done, and
 `report.json` (written last, also by rename) marks the output complete. The
-fingerprint covers the input files (path, size, mtime), the config and the number
-of tasks: a re-run with the same ones returns the saved report without doing any
+fingerprint covers the input files (path, size, mtime), the config, the number
+of tasks and the datatrove version: a re-run with the same ones returns the saved report without doing any
 work, and a re-run after a crash resumes at the first unfinished datatrove task.
 
-Beyond one machine: the passes are plain datatrove pipelines (`build_passes`), so they
+Beyond one machine: the passes are plain datatrove pipelines (`plan.build_passes`), so they
 run unchanged under datatrove's Slurm or Ray executors, one job per pass, each
 starting when the one before has finished. Our readers use local paths, so the
 inputs and `out_dir` must be on a filesystem every node mounts:
@@ -44,9 +44,9 @@ inputs and `out_dir` must be on a filesystem every node mounts:
     previous.run()  # submits the whole chain
 
 (`RayPipelineExecutor(p.steps, tasks=p.tasks, logging_dir=...).run()` per pass, in
-order, does the same on a Ray cluster.) Afterwards `collect_stats` over those
+order, does the same on a Ray cluster.) Afterwards `run.collect_stats` over those
 logging dirs, `report.build` and the publish step of `run.curate` finish the job
-exactly as `curate` does; only `run_passes` is specific to the local executor.
+exactly as `curate` does; only `run.run_passes` is specific to the local executor.
 """
 
 from lm.data.curate.run import REPORT, curate, curate_key

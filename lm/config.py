@@ -291,16 +291,25 @@ def validate(c: ConfigDict) -> None:
 
 
 def data_sources(d) -> list[tuple[str, float]]:
-    """data.sources entries 'SPEC' or 'SPEC:WEIGHT' -> [(spec, weight)]; empty means data.corpus alone."""
+    """data.sources entries 'SPEC' or 'SPEC:WEIGHT' -> [(spec, weight)]; empty means data.corpus alone.
+
+    Text after the last ':' is a weight if it is a number; otherwise the whole entry must be an
+    existing path (one with a ':' in its name), else it is a mistyped weight."""
     if not d.sources:
         return [(d.corpus, 1.0)]
     out = []
-    for entry in d.sources:
+    for i, entry in enumerate(d.sources):
         spec, sep, weight = entry.rpartition(":")
+        if not (sep and spec):
+            out.append((entry, 1.0))
+            continue
         try:
-            out.append((spec, float(weight)) if sep and spec else (entry, 1.0))
+            out.append((spec, float(weight)))
         except ValueError:
-            out.append((entry, 1.0))  # a ':' that belongs to the path, not a weight
+            if not pathlib.Path(entry).exists():
+                raise UserError(f"data.sources[{i}] = {entry!r}: the weight after ':' must be a number "
+                                "(SPEC or SPEC:WEIGHT)") from None
+            out.append((entry, 1.0))  # the ':' belongs to the path
     return out
 
 

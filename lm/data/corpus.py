@@ -77,8 +77,8 @@ def _text_files(root: Path, candidates) -> list[Path]:
     return sorted(files, key=lambda p: _relkey(root, p))
 
 
-def resolve_corpus(spec: str) -> tuple[Path, list[Path]]:
-    """Return (root, files) for a corpus spec; raise UserError if it names no text."""
+def resolve_corpus(spec: str, label: str = "data.corpus") -> tuple[Path, list[Path]]:
+    """Return (root, files) for a corpus spec; raise UserError (naming the config key `label`) if it names no text."""
     if spec == "stdlib":
         return Path(sysconfig.get_paths()["stdlib"]), stdlib_files()
     if _GLOB_CHARS & set(spec):
@@ -88,7 +88,7 @@ def resolve_corpus(spec: str) -> tuple[Path, list[Path]]:
         path = Path(spec)
         if not path.exists():
             raise UserError(
-                f"data.corpus: '{spec}' does not exist; give a directory, a glob, or 'stdlib'"
+                f"{label}: '{spec}' does not exist; give a directory, a glob, or 'stdlib'"
             )
         if path.is_file():
             root, files = path.parent, [path]
@@ -99,11 +99,11 @@ def resolve_corpus(spec: str) -> tuple[Path, list[Path]]:
             files = _text_files(root, path.rglob("*"))
     if not files:
         raise UserError(
-            f"data.corpus: '{spec}' contains no text files (hidden and binary files are skipped); "
+            f"{label}: '{spec}' contains no text files (hidden and binary files are skipped); "
             "point it at a directory or glob with text"
         )
     if all(p.stat().st_size == 0 for p in files):
-        raise UserError(f"data.corpus: all {len(files)} files of '{spec}' are empty")
+        raise UserError(f"{label}: all {len(files)} files of '{spec}' are empty")
     return root, files
 
 

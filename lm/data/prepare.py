@@ -5,14 +5,21 @@
 A source is either a corpus spec ('stdlib', a directory or a glob of plain or
 JSONL files), optionally curated (`data.curate`, settings in the `curate` section)
 and tokenized into the cache, or a directory written by `lm tokenize` (used as it
-is). Every cached step is named or fingerprinted by its inputs, so a second run
-reuses it and any change redoes it.
+is). The cache (`lm.data.cache`, shared by all runs) names each entry by a
+fingerprint of what shapes it, so a second run reuses it and a change redoes
+exactly the steps it affects:
+
+  curated-<key>          input files (paths, sizes, mtimes), the `curate` section, task count
+  tokenizer-spm<N>-<key> the (curated) corpus files, heldout_fraction, N, training settings
+  shards-<tok>-<key>     the (curated) corpus files, the tokenizer's fingerprint,
+                         heldout_fraction, max_train_bytes
 """
 
 from __future__ import annotations
 
 import dataclasses
 import hashlib
+import importlib.metadata
 import json
 import math
 import os
@@ -21,14 +28,18 @@ from pathlib import Path
 import numpy as np
 
 from lm.config import data_sources
+from lm.data.cache import cached_dir, data_cache_dir, locked
 from lm.data.corpus import resolve_corpus
 from lm.data.pipeline import Pieces, Source, check_weights
-from lm.data.shards import SPLITS, input_key, open_shards, tokenize_corpus, train_documents
+from lm.data.checks import source_label, spm_vocab
+from lm.data.shards import input_key, is_shard_dir, open_shards, tokenize_corpus, train_documents
 from lm.data.tokenizer import Tokenizer, load_tokenizer
 from lm.errors import UserError
 
 _CHUNK = 1 << 24  # tokens per pass when counting, to bound memory
 _ENTROPY_TOKENS = 1 << 26  # the unigram baseline is estimated from at most this many tokens per source
+SPM_MAX_BYTES = 50_000_000  # a trained tokenizer sees at most this much of the train split
+_SPM_KEY_VERSION = 1  # bump when training a tokenizer changes for the same inputs
 
 
 @dataclasses.dataclass
@@ -39,84 +50,97 @@ class PretrainData:
     stats: dict
 
 
-def is_shard_dir(spec: str) -> bool:
-    return all((Path(spec) / s / "manifest.json").is_file() for s in SPLITS)
-
-
 def _digest(obj) -> str:
     return hashlib.sha256(json.dumps(obj, sort_keys=True).encode()).hexdigest()[:16]
 
 
+def _files_key(corpus: str) -> list:
+    root, files = resolve_corpus(corpus)
+    return [str(root.resolve()), [[str(p), p.stat().st_size, p.stat().st_mtime_ns] for p in files]]
+
+
 def resolve_tokenizer(name: str, corpus: str | None, heldout_fraction: float, cache: Path) -> Tokenizer:
-    """'byte', a sentencepiece .model path, or 'spm:VOCAB': a BPE trained here on the
-    train split of `corpus` (cached by its files and the vocabulary size)."""
+    """'byte', a sentencepiece .model path, or 'spm:VOCAB': a BPE trained here on the train split
+    of `corpus`, cached by its files (paths, sizes, mtimes), the split, the vocabulary size, the
+    training settings and the sentencepiece version."""
     if not name.startswith("spm:"):
         return load_tokenizer(name)
-    try:
-        vocab = int(name[len("spm:"):])
-    except ValueError:
-        raise UserError(f"data.tokenizer: '{name}': expected spm:VOCAB_SIZE, e.g. spm:8192") from None
+    vocab = spm_vocab(name)
     if corpus is None:
         raise UserError(f"data.tokenizer: '{name}' trains on a corpus, but data.sources holds only "
                         "tokenized directories; give their tokenizer's .model instead")
-    root, files = resolve_corpus(corpus)
-    key = _digest([str(root.resolve()), [[str(p), p.stat().st_size, p.stat().st_mtime_ns] for p in files],
-                   heldout_fraction, vocab])
+    key = _digest({"version": _SPM_KEY_VERSION, "sentencepiece": importlib.metadata.version("sentencepiece"),
+                   "corpus": _files_key(corpus), "heldout_fraction": heldout_fraction, "vocab": vocab,
+                   "max_bytes": SPM_MAX_BYTES})
     prefix = cache / f"tokenizer-spm{vocab}-{key}"
-    if Path(str(prefix) + ".model").is_file():
-        return load_tokenizer(str(prefix) + ".model")
-    print(f"training a {vocab}-piece sentencepiece tokenizer on '{corpus}' -> {prefix}.model")
-    return train_corpus_tokenizer(corpus, heldout_fraction, prefix, vocab)
+    model = Path(str(prefix) + ".model")
+    with locked(cache, prefix.name):  # the .model appears whole (atomic rename) when training is done
+        if model.is_file():
+            print(f"tokenizer: reusing {model}")
+            return load_tokenizer(str(model))
+        print(f"training a {vocab}-piece sentencepiece tokenizer on '{corpus}' -> {model}")
+        return train_corpus_tokenizer(corpus, heldout_fraction, prefix, vocab)
 
 
 def _workers(d) -> int:
     return d.workers or os.cpu_count() or 1
 
 
-def curated_corpus(corpus: str, d, curate_cfg, cache: Path, progress: bool) -> str:
-    """Curates a corpus into the cache (curate itself skips work already done) and
-    returns the corpus spec of its output shards."""
-    from lm.data.curate import curate  # lazy: needs the curation extras
+def curated_corpus(corpus: str, d, curate_cfg, cache: Path, progress: bool, label: str = "data.corpus") -> str:
+    """Curates a corpus into the cache, or reuses the entry of the same input files and `curate`
+    settings; returns the corpus spec of its output shards."""
+    from lm.data.curate import REPORT, curate, curate_key
 
     if curate_cfg is None:
         raise UserError("data.curate=true needs the config's curate section")
-    out = cache / f"curated-{_digest(corpus)}"
-    curate(corpus, out, curate_cfg, workers=_workers(d), progress=progress)
-    if not list(out.glob("*.jsonl.gz")):
-        raise UserError(f"data.curate: curation kept no documents of '{corpus}'; see {out / 'report.json'}")
+    name = f"curated-{curate_key([corpus], curate_cfg, [label])}"
+    out, built = cached_dir(cache, name, lambda staging: curate(
+        corpus, staging, curate_cfg, workers=_workers(d), progress=progress, labels=[label]))
+    report = json.loads((out / REPORT).read_text())
+    if not built:
+        print(f"curated corpus: reusing {out} (kept {report['kept']['docs']:,} of {report['in']['docs']:,} "
+              "documents)")
+    if not report["shards"]:
+        raise UserError(f"data.curate: curation kept no documents of {label} = '{corpus}'; see {out / REPORT}")
     return str(out / "*.jsonl.gz")
 
 
-def corpus_shards(corpus: str, d, tok: Tokenizer, tokenizer_name: str, cache: Path, progress: bool) -> Path:
-    """Tokenizes a corpus into the cache (a no-op when done before); returns the shard directory."""
-    resolved = resolve_corpus(corpus)
+def corpus_shards(corpus: str, d, tok: Tokenizer, tokenizer_name: str, cache: Path, progress: bool,
+                  label: str = "data.corpus") -> Path:
+    """Tokenizes a corpus into the cache, or reuses the entry of the same files, tokenizer and
+    split settings; returns the shard directory."""
+    resolved = resolve_corpus(corpus, label)
     key = input_key(*resolved, tok, d.heldout_fraction, d.max_train_bytes)
-    out = cache / f"shards-{tok.name}-{key[:16]}"
-    tokenize_corpus(corpus, out, tokenizer_name, d.heldout_fraction, max_train_bytes=d.max_train_bytes,
-                    workers=d.workers, progress=progress, resolved=resolved)
+    out, built = cached_dir(cache, f"shards-{tok.name}-{key[:16]}", lambda staging: tokenize_corpus(
+        corpus, staging, tokenizer_name, d.heldout_fraction, max_train_bytes=d.max_train_bytes,
+        workers=d.workers, progress=progress, resolved=resolved))
+    if not built:
+        print(f"token shards: reusing {out}")
     return out
 
 
-def prepare_pretrain_data(d, cache: Path, vocab_size: int | None = None, progress: bool = True,
+def prepare_pretrain_data(d, cache: Path | None = None, vocab_size: int | None = None, progress: bool = True,
                           curate_cfg=None) -> PretrainData:
     """Sources of the `data` config section, curated if asked, tokenized (or reused) and opened.
 
-    `vocab_size` is the model's: every token id must be below it. `curate_cfg` is the
-    config's `curate` section, used when `d.curate` is set.
+    `cache` is the cache root (None: `data_cache_dir(d)`, shared by runs). `vocab_size` is the
+    model's: every token id must be below it. `curate_cfg` is the config's `curate` section,
+    used when `d.curate` is set.
     """
-    cache = Path(cache)
+    cache = Path(cache) if cache is not None else data_cache_dir(d)
     specs = data_sources(d)
-    corpora = {spec: (curated_corpus(spec, d, curate_cfg, cache, progress) if d.curate else spec)
-               for spec, _ in specs if not is_shard_dir(spec)}
+    corpora = {spec: (curated_corpus(spec, d, curate_cfg, cache, progress, source_label(d, i)) if d.curate
+                      else spec)
+               for i, (spec, _) in enumerate(specs) if not is_shard_dir(spec)}
     tok = resolve_tokenizer(d.tokenizer, next(iter(corpora.values()), None), d.heldout_fraction, cache)
     if vocab_size is not None and tok.vocab_size > vocab_size:
         raise UserError(f"model.vocab_size={vocab_size} is smaller than the '{d.tokenizer}' tokenizer's "
                         f"{tok.vocab_size} ids")
     tokenizer_name = str(tok.path) if hasattr(tok, "path") else d.tokenizer
     train, heldout = [], []
-    for spec, weight in specs:
-        directory = (corpus_shards(corpora[spec], d, tok, tokenizer_name, cache, progress) if spec in corpora
-                     else Path(spec))
+    for i, (spec, weight) in enumerate(specs):
+        directory = (corpus_shards(corpora[spec], d, tok, tokenizer_name, cache, progress, source_label(d, i))
+                     if spec in corpora else Path(spec))
         train.append(Source(spec, open_shards(directory / "train", tok, vocab_size), weight))
         heldout.append(Source(spec, open_shards(directory / "heldout", tok, vocab_size), weight))
     check_weights(train)
@@ -178,7 +202,7 @@ def describe(stats: dict) -> str:
 
 
 def train_corpus_tokenizer(corpus: str, heldout_fraction: float, out_prefix: Path, vocab_size: int,
-                           max_bytes: int = 50_000_000):
+                           max_bytes: int = SPM_MAX_BYTES):
     """Trains a sentencepiece BPE on the *train* split of a corpus (held-out documents never seen)."""
     from lm.data.spm import train_sentencepiece  # lazy: needs sentencepiece
 

@@ -30,6 +30,7 @@ from pathlib import Path
 import numpy as np
 from tqdm import tqdm
 
+from lm.data import progress as shown
 from lm.data.corpus import is_jsonl, iter_documents, resolve_corpus, split_files, unit_hash
 from lm.data.tokenizer import load_tokenizer
 from lm.data.tokens import atomic_open, token_dtype, write_json
@@ -165,7 +166,8 @@ def plan_units(root: Path, files: list[Path], heldout: set[Path], heldout_fracti
 def _run_units(units: list[Unit], tokenizer_name, out_dir: Path, workers: int, progress: bool):
     tasks = [(u, tokenizer_name, str(out_dir)) for u in units]
     total = sum(Path(f).stat().st_size for u in units for f in u.files)
-    bar = tqdm(total=total, unit="B", unit_scale=True, desc="tokenize", disable=not progress, delay=2.0)
+    bar = tqdm(total=total, unit="B", unit_scale=True, desc="tokenize", disable=not shown.bars(progress), delay=2.0)
+    lines = shown.StageLines("tokenize", 1, shown.lines(progress))
     workers = min(workers or os.cpu_count() or 1, len(units))
     with contextlib.ExitStack() as stack:
         if workers > 1:
@@ -179,6 +181,7 @@ def _run_units(units: list[Unit], tokenizer_name, out_dir: Path, workers: int, p
             results.append(result)
             bar.update(sum(Path(f).stat().st_size for f in unit.files))
     bar.close()
+    lines.finished(f"{total / 1e6:,.1f} MB in {len(units)} unit(s) with {workers} worker(s)")
     return results
 
 
@@ -246,7 +249,7 @@ def tokenize_corpus(corpus: str, out_dir: Path, tokenizer_name, heldout_fraction
     root, files = resolved or resolve_corpus(corpus)
     key = input_key(root, files, tok, heldout_fraction, max_train_bytes)
     out_dir = Path(out_dir)
-    existing = {s: _read_manifest(out_dir / s) for s in SPLITS}
+    existing = {s: read_manifest(out_dir / s) for s in SPLITS}
     if all(m is not None and m.get("key") == key for m in existing.values()):
         return existing
     if any(m is not None and m.get("key") != key for m in existing.values()):
@@ -278,7 +281,12 @@ def train_documents(corpus: str, heldout_fraction: float):
                 yield doc
 
 
-def _read_manifest(directory: Path) -> dict | None:
+def is_shard_dir(spec: str) -> bool:
+    """True for a directory written by `lm tokenize` (both splits complete)."""
+    return all((Path(spec) / s / "manifest.json").is_file() for s in SPLITS)
+
+
+def read_manifest(directory: Path) -> dict | None:
     path = Path(directory) / "manifest.json"
     if not path.exists():
         return None
@@ -337,7 +345,7 @@ def open_shards(directory: Path, tokenizer, vocab_size: int | None = None) -> Sh
     `vocab_size` is the model's: ids must lie below it and below the tokenizer's.
     """
     directory = Path(directory)
-    manifest = _read_manifest(directory)
+    manifest = read_manifest(directory)
     if manifest is None:
         raise UserError(f"'{directory}' holds no complete shard set (no manifest.json); "
                         "run `lm tokenize` (again) to build it")

@@ -1,4 +1,4 @@
-"""Sentencepiece BPE tokenizer: training and loading (DESIGN.md §6, pitfalls in §10).
+"""Sentencepiece BPE tokenizer: training and loading.
 
 Settings chosen for code: byte fallback (no unknown tokens), identity normalisation
 and no whitespace collapsing or dummy prefix (so decode(encode(x)) == x), digits

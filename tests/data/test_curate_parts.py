@@ -12,9 +12,9 @@ pytest.importorskip("datatrove")
 from lm import cli  # noqa: E402
 from lm.config import load_config  # noqa: E402
 from lm.data.curate import REPORT, curate  # noqa: E402
-from lm.data.curate_blocks import PIIRedactor, ShippedFT176LID  # noqa: E402
-from lm.data.curate_plan import check_config  # noqa: E402
-from lm.data.curate_read import InputFile, discover, read_records  # noqa: E402
+from lm.data.curate.blocks import PIIRedactor, ShippedFT176LID  # noqa: E402
+from lm.data.curate.settings import check_config  # noqa: E402
+from lm.data.curate.read import InputFile, discover, read_records  # noqa: E402
 from lm.errors import UserError  # noqa: E402
 
 

@@ -20,9 +20,13 @@ def test_tokenize_verb_writes_shards_and_reruns_as_noop(tmp_path, capsys, corpus
     assert bad == 2 and "does not exist" in capsys.readouterr().err
 
 
-def test_data_sources_config():
-    c = load_config("configs/tiny.py", ["data.sources=stdlib:3,/data/web:1.5,/data/x:y"])
-    assert data_sources(c.data) == [("stdlib", 3.0), ("/data/web", 1.5), ("/data/x:y", 1.0)]
+def test_data_sources_config(tmp_path):
+    colon = tmp_path / "x:y"
+    colon.mkdir()
+    c = load_config("configs/tiny.py", [f"data.sources=stdlib:3,/data/web:1.5,{colon}"])
+    assert data_sources(c.data) == [("stdlib", 3.0), ("/data/web", 1.5), (str(colon), 1.0)]
+    with pytest.raises(UserError, match=r"^data.sources\[0\] = 'stdlib:x': the weight after ':' must be a number"):
+        load_config(None, ["data.sources=stdlib:x"])
     assert data_sources(load_config("configs/tiny.py").data) == [("stdlib", 1.0)]  # data.corpus alone
     with pytest.raises(UserError, match=r"data.sources\[1\]' = '/data/web:-2'.*weight >= 0"):
         load_config(None, ["data.sources=stdlib:1,/data/web:-2"])

@@ -44,30 +44,37 @@ def _is_data_file(path: Path) -> bool:
     return path.name.endswith(DATA_SUFFIXES)
 
 
-def _candidates(spec: str) -> tuple[Path, list[Path]]:
+def input_name(label: str, spec: str) -> str:
+    """How messages name an input: "--input 'x'" for the command line, "data.corpus = 'x'" for a config key."""
+    return f"{label} '{spec}'" if label.startswith("-") else f"{label} = '{spec}'"
+
+
+def _candidates(spec: str, label: str) -> tuple[Path, list[Path]]:
     if set("*?[") & set(spec):
         return _glob_root(spec), [Path(p) for p in glob.glob(spec, recursive=True)]
     path = Path(spec)
     if not path.exists():
-        raise UserError(f"--input '{spec}' does not exist; give a file, a directory, a glob, or 'stdlib'")
+        raise UserError(f"{input_name(label, spec)} does not exist; give a file, a directory, a glob, or 'stdlib'")
     if path.is_file():
         return path.parent, [path]
     return path, list(path.rglob("*"))
 
 
-def discover(specs: list[str]) -> tuple[list[InputFile], list[str]]:
-    """All input files of the specs, sorted per spec, and the binary files that were skipped."""
+def discover(specs: list[str], labels: list[str] | None = None) -> tuple[list[InputFile], list[str]]:
+    """All input files of the specs, sorted per spec, and the binary files that were skipped.
+
+    `labels` name each spec in messages (default '--input'; e.g. 'data.sources[1]')."""
     files, skipped = [], []
-    for spec in specs:
+    for spec, label in zip(specs, labels or ["--input"] * len(specs)):
         if spec == "stdlib":
             root, paths = resolve_corpus(spec)
         else:
-            root, paths = _candidates(spec)
+            root, paths = _candidates(spec, label)
             paths = [p for p in paths if p.is_file() and not _is_hidden(p.relative_to(root))]
             skipped += [str(p) for p in paths if not _is_data_file(p) and _looks_binary(p)]
             paths = [p for p in paths if _is_data_file(p) or not _looks_binary(p)]
         if not paths:
-            raise UserError(f"--input '{spec}' names no readable files (hidden and binary files are skipped)")
+            raise UserError(f"{input_name(label, spec)} names no readable files (hidden and binary files are skipped)")
         files += [InputFile(str(p), p.relative_to(root).as_posix()) for p in sorted(paths)]
     return files, sorted(skipped)
 

@@ -9,7 +9,7 @@
   wheel), a word-list filter and a PII redactor that also handles phone numbers.
 
 Counts go into each block's datatrove stats (`drop_docs/<reason>`,
-`drop_bytes/<reason>`), which the executor saves per task; `curate.py` adds them up.
+`drop_bytes/<reason>`), which the executor saves per task; `run.collect_stats` adds them up.
 """
 
 from __future__ import annotations
@@ -42,7 +42,7 @@ from datatrove.utils.logging import logger
 from datatrove.utils.word_tokenizers import WordTokenizer
 from tqdm import tqdm
 
-from lm.data.curate_read import InputFile, read_records
+from lm.data.curate.read import InputFile, read_records
 from lm.errors import UserError
 
 BYTES_IN = "bytes_in"  # metadata key: UTF-8 size of the text as read, before any edit

@@ -25,12 +25,10 @@ from datatrove.pipeline.dedup.minhash import (
 )
 from datatrove.pipeline.writers import JsonlWriter
 
-from lm.data import curate_blocks as blocks
-from lm.data.curate_read import InputFile
-from lm.errors import UserError
+from lm.data.curate import blocks
+from lm.data.curate.read import InputFile
+from lm.data.curate.settings import DEDUP_STAGES, n_gram_fracs
 
-FILTER_STAGES = ("language", "gopher_repetition", "gopher_quality", "c4", "fineweb", "word_list")
-DEDUP_STAGES = ("exact_dedup", "near_dedup")
 SHARD_PATTERN = "part-${rank}.jsonl.gz"
 
 
@@ -39,18 +37,6 @@ class Pass:
     name: str
     steps: list
     tasks: int
-
-
-def _n_gram_fracs(key: str, items) -> tuple[tuple[int, float], ...]:
-    out = []
-    for item in items:
-        n, _, frac = item.partition(":")
-        try:
-            out.append((int(n), float(frac)))
-        except ValueError:
-            raise UserError(f"config key 'curate.gopher_repetition.{key}': '{item}' is not N:FRACTION, "
-                            "e.g. '2:0.20'") from None
-    return tuple(out)
 
 
 def _options(section, drop=("enabled",)) -> dict:
@@ -66,8 +52,8 @@ def filter_blocks(cfg) -> list:
         g = cfg.gopher_repetition
         out.append(blocks.GopherRepetition(
             **_options(g, ("enabled", "top_n_grams", "dup_n_grams")),
-            top_n_grams=_n_gram_fracs("top_n_grams", g.top_n_grams),
-            dup_n_grams=_n_gram_fracs("dup_n_grams", g.dup_n_grams)))
+            top_n_grams=n_gram_fracs("top_n_grams", g.top_n_grams),
+            dup_n_grams=n_gram_fracs("dup_n_grams", g.dup_n_grams)))
     if cfg.gopher_quality.enabled:
         out.append(blocks.GopherQuality(**_options(cfg.gopher_quality)))
     if cfg.c4.enabled:
@@ -132,25 +118,3 @@ def _near_passes(cfg, source: Path, work: Path, tasks: int):
         Pass("near_dedup: buckets", [MinhashDedupBuckets(str(sigs), str(buckets), config=config)], n.bands),
         Pass("near_dedup: clusters", [MinhashDedupCluster(str(buckets), str(clusters), config=config)], 1),
     ], blocks.NearDuplicates(str(clusters))
-
-
-def check_config(cfg) -> None:
-    """Value checks beyond types; each error names the key."""
-    def require(ok, key, value, expected):
-        if not ok:
-            raise UserError(f"config key 'curate.{key}' = {value!r}: {expected}")
-
-    require(cfg.tasks >= 0, "tasks", cfg.tasks, "expected >= 0 (0 = automatic)")
-    n = cfg.near_dedup
-    for key in ("ngrams", "bands", "rows"):
-        require(n[key] > 0, f"near_dedup.{key}", n[key], "expected a positive integer")
-    require(0.0 <= cfg.language.threshold < 1.0, "language.threshold", cfg.language.threshold,
-            "expected a score in [0, 1)")
-    require(len(cfg.language.keep) > 0, "language.keep", cfg.language.keep,
-            "expected language codes such as en,fr (or curate.language.enabled=false)")
-    w = cfg.word_list
-    require(not w.enabled or Path(w.path).is_file(), "word_list.path", w.path,
-            "expected an existing file with one word per line when curate.word_list.enabled")
-    require(w.max_hits >= 0, "word_list.max_hits", w.max_hits, "expected >= 0")
-    for key in ("top_n_grams", "dup_n_grams"):
-        _n_gram_fracs(key, cfg.gopher_repetition[key])

@@ -1,6 +1,6 @@
 """The curation report: what came in, what was kept, what each stage dropped and why.
 
-Counts come from the blocks' datatrove stats (see curate_blocks). Bytes are the UTF-8
+Counts come from the blocks' datatrove stats (see `blocks`). Bytes are the UTF-8
 size of a document's text as read, so that `bytes in = kept + dropped` holds even
 though C4 line removal and PII redaction edit the kept text (`kept.bytes_out` is the
 size actually written).
@@ -8,7 +8,7 @@ size actually written).
 
 from __future__ import annotations
 
-from lm.data.curate_plan import DEDUP_STAGES, FILTER_STAGES
+from lm.data.curate.settings import DEDUP_STAGES, FILTER_STAGES
 
 STAGES = ("read",) + FILTER_STAGES + DEDUP_STAGES
 

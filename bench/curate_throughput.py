@@ -53,7 +53,7 @@ def measure(inputs: Path, work: Path, enabled: dict[str, bool], workers: int) ->
     for stage, on in enabled.items():
         cfg[stage].enabled = on
     start = time.perf_counter()
-    report = curate([str(inputs)], work, cfg, workers=workers, progress=False)
+    report = curate([str(inputs)], work, cfg, workers=workers, progress=False, show_report=False)
     seconds = time.perf_counter() - start
     return {"seconds": round(seconds, 2), "mb_per_s": round(report["in"]["bytes"] / 1e6 / seconds, 3),
             "kept_bytes_frac": round(report["kept"]["bytes"] / max(1, report["in"]["bytes"]), 3)}

@@ -63,7 +63,8 @@ def base_config() -> ConfigDict:
     # sources: ("SPEC:WEIGHT", ...) mixed by weight; SPEC is a corpus ('stdlib', dir, glob) or an
     # `lm tokenize` output dir; empty = data.corpus alone. tokenizer: 'byte', a .model, or 'spm:VOCAB'
     # (trained on the first corpus). curate: run each corpus through `curate` (section below) first.
-    # workers: processes for curating and tokenizing (0 = all cores)
+    # workers: processes for curating and tokenizing (0 = all cores). cache_dir: prepared data shared
+    # by runs ('' = $LM_CACHE_DIR, else $XDG_CACHE_HOME/lm or ~/.cache/lm)
     c.data = dict(
         corpus="stdlib", sources=(), tokenizer="byte", seq_len=256, heldout_fraction=0.02,
         max_train_bytes=0, cache_dir="", curate=False, workers=0,
@@ -93,7 +94,7 @@ def base_config() -> ConfigDict:
 def curate_defaults() -> dict:
     """`lm curate`: every stage on, with the thresholds published with each rule set
     (Gopher: Rae et al. 2021; C4: Raffel et al. 2020; FineWeb: Penedo et al. 2024). These suit
-    web prose; for source code turn the prose rules off (see lm/data/curate.py)."""
+    web prose; for source code turn the prose rules off (see lm/data/curate/__init__.py)."""
     return dict(
         on_bad_record="error",  # "error": stop, naming file and line; "skip": count and skip
         text_key="text",  # the text field of .jsonl / .parquet inputs

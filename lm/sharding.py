@@ -16,6 +16,7 @@ from jax.sharding import Mesh, NamedSharding, PartitionSpec
 from lm.errors import UserError
 
 AXES = ("data", "fsdp", "tensor")
+SIMULATE_HINT = "On a CPU, simulate N devices with XLA_FLAGS=--xla_force_host_platform_device_count=N"
 BATCH_AXES = ("batch", "length")
 
 
@@ -26,13 +27,12 @@ def mesh_shape(mesh_cfg, n_devices: int) -> tuple[int, int, int]:
     if -1 in sizes:
         if n_devices % known:
             raise UserError(f"mesh {dict(zip(AXES, sizes))}: the fixed axes ({known}) do not divide "
-                            f"the {n_devices} devices")
+                            f"the {n_devices} devices; {SIMULATE_HINT}")
         sizes[sizes.index(-1)] = n_devices // known
     if math.prod(sizes) != n_devices:
         raise UserError(f"mesh {dict(zip(AXES, sizes))} needs {math.prod(sizes)} devices but "
                         f"{n_devices} are available; set mesh.data/fsdp/tensor to multiply to {n_devices} "
-                        "(one may be -1). On a CPU, simulate N devices with "
-                        "XLA_FLAGS=--xla_force_host_platform_device_count=N")
+                        f"(one may be -1). {SIMULATE_HINT}")
     return tuple(sizes)
 
 

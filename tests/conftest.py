@@ -20,3 +20,9 @@ def corpus(tmp_path_factory):
                  "numbers.py", "operator.py", "queue.py", "shlex.py", "textwrap.py"]:
         shutil.copy(stdlib / name, root / name)
     return root
+
+
+@pytest.fixture(autouse=True, scope="session")
+def _data_cache(tmp_path_factory):
+    """Prepared data goes to a cache shared by the session's runs, never to ~/.cache/lm."""
+    os.environ["LM_CACHE_DIR"] = str(tmp_path_factory.mktemp("lm-cache"))

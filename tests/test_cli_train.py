@@ -2,6 +2,7 @@
 
 import json
 import math
+import os
 import pathlib
 import shutil
 
@@ -34,7 +35,7 @@ def final_params(workdir, step):
 
 
 @pytest.mark.slow
-def test_train_writes_everything_and_resume_is_exact(tmp_path, corpus):
+def test_train_writes_everything_and_resume_is_exact(tmp_path, corpus, capsys):
     straight, split = tmp_path / "straight", tmp_path / "split"
     assert train(straight, corpus, 20) == 0
     rows = [json.loads(line) for line in (straight / "metrics.jsonl").read_text().splitlines()]
@@ -58,6 +59,18 @@ def test_train_writes_everything_and_resume_is_exact(tmp_path, corpus):
     rows_b = [json.loads(line) for line in (split / "metrics.jsonl").read_text().splitlines()]
     assert [r["loss"] for r in rows_b if "loss" in r] == [r["loss"] for r in steps]
 
+    summary = json.loads((straight / "summary.json").read_text())
+    assert summary["run_tokens_per_s"] > 0 and summary["peak_flops"] == 1e11
+    assert summary["peak_flops_source"].startswith("train.peak_flops")
+    assert summary["run_mfu"] == pytest.approx(summary["run_tokens_per_s"] * rows[0]["flops_per_token"] / 1e11)
+
+    # --resume on a finished run: says so, changes no file
+    files = {p: p.read_bytes() for p in split.rglob("*") if p.is_file()}
+    capsys.readouterr()
+    assert train(split, corpus, 20, "--resume") == 0
+    assert "nothing left to do" in capsys.readouterr().err
+    assert {p: p.read_bytes() for p in split.rglob("*") if p.is_file()} == files
+
 
 def jax_leaves(tree):
     import jax
@@ -72,11 +85,15 @@ def test_user_errors_are_one_line(tmp_path, capsys, corpus):
         (["--resume"], "no checkpoint"),
         (["--config.model.n_kv_heads=3"], "model.n_kv_heads"),
         (["--config.train.batch_size=12"], "8 batch shards"),
+        (["--config.mesh.fsdp=3"], "xla_force_host_platform_device_count"),
+        (["--config.data.tokenizer=" + str(tmp_path / "none.model")], "data.tokenizer"),
     ]
     for args, words in cases:
         code = main(["train", "--workdir", str(tmp_path / "w"), f"--config.data.corpus={corpus}", *BYTES, *args])
         err = capsys.readouterr().err.strip()
         assert code == 2 and err.startswith("lm: error:") and words in err and "\n" not in err, err
+    # every check ran before any data work: nothing was prepared
+    assert not any(pathlib.Path(os.environ["LM_CACHE_DIR"]).glob("shards-*/**/*corpus*"))
 
 
 def test_checkpoint_presence_is_checked_before_any_data_work(tmp_path, capsys, corpus):
@@ -116,7 +133,7 @@ def test_tokenizer_train_then_pretrain_with_it(tmp_path, capsys, corpus):
     assert model.is_file() and "512 pieces" in capsys.readouterr().out
     too_small = main(["train", "--workdir", str(tmp_path / "a"), f"--config.data.corpus={corpus}", *BYTES,
                       f"--config.data.tokenizer={model}"])
-    assert too_small == 2 and "model.vocab_size=264" in capsys.readouterr().err
+    assert too_small == 2 and "model.vocab_size is 264" in capsys.readouterr().err
     assert train(tmp_path / "b", corpus, 4, f"--config.data.tokenizer={model}", "--config.model.vocab_size=512") == 0
     rows = [json.loads(line) for line in (tmp_path / "b" / "metrics.jsonl").read_text().splitlines()]
     assert rows[0]["unigram_baseline"] > 0 and rows[-1]["step"] == 4
@@ -129,13 +146,16 @@ def test_default_config_curates_trains_a_tokenizer_then_pretrains(tmp_path, corp
     shutil.copy(corpus / "abc.py", src / "abc_copy.py")  # an exact duplicate for curation to drop
     args = [a for a in SMALL if a not in BYTES] + ["--config.model.vocab_size=512", "--config.data.tokenizer=spm:512",
                                                    "--config.data.heldout_fraction=0.3", "--config.data.workers=1"]
+    cache = tmp_path / "cache"
     assert main(["train", "--workdir", str(tmp_path / "w"), f"--config.data.corpus={src}",
-                 "--config.train.steps=2", "--config.eval.every_steps=2", *args]) == 0
-    (report,) = (tmp_path / "w" / "data").glob("curated-*/report.json")
+                 f"--config.data.cache_dir={cache}", "--config.train.steps=2", "--config.eval.every_steps=2",
+                 *args]) == 0
+    (report,) = cache.glob("curated-*/report.json")
     report = json.loads(report.read_text())
     assert report["in"]["docs"] == 13 and report["stages"]["exact_dedup"]["reasons"]["exact_duplicate"]["docs"] == 1
     stats = json.loads((tmp_path / "w" / "data_stats.json").read_text())
     assert stats["train_docs"] + stats["heldout_docs"] == report["kept"]["docs"]
-    assert list((tmp_path / "w" / "data").glob("tokenizer-spm512-*.model"))
+    assert list(cache.glob("tokenizer-spm512-*.model"))
+    assert (tmp_path / "w" / "tokenizer.model").read_bytes() == next(cache.glob("tokenizer-spm512-*.model")).read_bytes()
     rows = [json.loads(line) for line in (tmp_path / "w" / "metrics.jsonl").read_text().splitlines()]
     assert rows[-1]["step"] == 2 and rows[-1]["eval_loss"] < 1.5 * math.log(512)

@@ -1,4 +1,5 @@
-"""From token shard sets to batches (the batch contract of DESIGN.md section 4), with grain.
+"""From token shard sets to batches (the batch contract: inputs, targets, loss_mask, segment_ids,
+positions), with grain.
 
 A document of n+1 tokens (its EOS included) holds n next-token predictions. It is
 cut into pieces of at most seq_len predictions; consecutive pieces share one token

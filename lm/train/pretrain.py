@@ -13,6 +13,8 @@ import shutil
 import jax
 
 from lm import plan
+from lm.data.cache import data_cache_dir
+from lm.data.checks import check_data_config
 from lm.data.pipeline import eval_batches, train_dataset
 from lm.data.prepare import describe, prepare_pretrain_data
 from lm.errors import UserError
@@ -26,10 +28,9 @@ from lm.train.metrics import MetricsWriter, plot_curves, truncate_after
 from lm.train.setup import build_run
 
 
-def _load_data(config, workdir: pathlib.Path, progress: bool):
+def _load_data(config, progress: bool):
     d = config.data
-    cache = pathlib.Path(d.cache_dir) if d.cache_dir else workdir / "data"
-    return prepare_pretrain_data(d, cache, vocab_size=config.model.vocab_size, progress=progress,
+    return prepare_pretrain_data(d, data_cache_dir(d), vocab_size=config.model.vocab_size, progress=progress,
                                  curate_cfg=config.curate)
 
 
@@ -74,12 +75,13 @@ def train(config, workdir, resume: bool = False, show_progress: bool = True) -> 
     if finished is not None:
         return {"step": finished, "nothing_to_do": True, "stopped_by": None, "eval_loss": None}
     # Everything that can fail without data is checked before curation and tokenization.
+    check_data_config(config)
     run = build_run(config)
     signature = run.signature()
     run.check_batch(t.batch_size, t.micro_batches)
     run.check_batch(e.batch_size, 1, key="eval.batch_size")
     workdir.mkdir(parents=True, exist_ok=True)
-    data = _load_data(config, workdir, show_progress)
+    data = _load_data(config, show_progress)
     is_main = jax.process_index() == 0
     if is_main:
         (workdir / "config.json").write_text(config.to_json(indent=2))

@@ -22,6 +22,7 @@ DEFAULT_RULES = {
     # activations
     "batch": ("data", "fsdp"),
     "length": (),
+    "cache_length": (),
     "act_embed": (),
     "act_heads": ("tensor",),
     "act_kv_heads": ("tensor",),
@@ -46,6 +47,9 @@ CHOICES = {
     "model.compute_dtype": ("float32", "bfloat16"),
     "model.attention": ("xla", "cudnn", "reference", "blockwise"),
     "model.remat": ("none", "full", "dots_saveable", "dots_with_no_batch_dims_saveable"),
+    # "cpu": lm.model.cpu_kernels (hand-written backward passes for XLA:CPU); "plain": einsum +
+    # autodiff, which XLA fuses on GPU/TPU; "auto": cpu on the CPU backend, plain elsewhere
+    "model.kernels": ("auto", "cpu", "plain"),
     "train.on_bad": ("restore", "stop"),
     "curate.on_bad_record": ("error", "skip"),
 }
@@ -58,7 +62,7 @@ def base_config() -> ConfigDict:
         vocab_size=320, d_model=128, n_layers=4, n_heads=4, n_kv_heads=2, head_dim=0,
         d_ff=384, mlp="swiglu", norm="rmsnorm", use_bias=False, position="rope",
         max_seq_len=256, rope_theta=10000.0, norm_eps=1e-5, tie_embeddings=True,
-        compute_dtype="float32", attention="blockwise", remat="none", init_std=0.02,
+        compute_dtype="float32", attention="blockwise", remat="none", init_std=0.02, kernels="auto",
     )
     # sources: ("SPEC:WEIGHT", ...) mixed by weight; SPEC is a corpus ('stdlib', dir, glob) or an
     # `lm tokenize` output dir; empty = data.corpus alone. tokenizer: 'byte', a .model, or 'spm:VOCAB'

@@ -1,4 +1,11 @@
-"""Grouped-query attention with RoPE and a packed-document (segment) causal mask."""
+"""Grouped-query attention with RoPE and a packed-document (segment) causal mask.
+
+Two modes over the same params. Training: queries and keys are the same tokens. Decoding
+(prefill and decode steps): the new tokens' keys and values are written into a preallocated
+cache (the "cache" collection: [batch, kv_heads, max_len, head_dim], only kv heads) at slot =
+position, per row, and the queries attend to the whole cache under a mask built by the
+decoder from positions and segment ids (`lm.model.cache`).
+"""
 
 from __future__ import annotations
 
@@ -8,6 +15,9 @@ import jax.numpy as jnp
 
 from lm.model.blockwise import blockwise_attention
 from lm.model.layers import ModelSpec, Partitioning, matmul, matmuls, normal, param
+
+MASKED = float(jnp.finfo(jnp.float32).min)
+CACHE_AXES = ("batch", "kv_heads", "cache_length", "head_dim")
 
 
 def rope_tables(positions: jax.Array, head_dim: int, theta: float) -> tuple[jax.Array, jax.Array]:
@@ -69,20 +79,44 @@ def attend(q, k, v, segment_ids, implementation: str) -> jax.Array:
     return jax.nn.dot_product_attention(q, k, v, mask=mask, implementation=implementation)
 
 
+def cached_attention(q, k_cache, v_cache, mask) -> jax.Array:
+    """q [B,t,N,H] against the whole cache [B,K,S,H]; mask [B,t,S] bool -> [B,t,N,H].
+
+    Keys stay in the cache's layout (batch and kv-head axes first), so no step copies the cache.
+    """
+    b, t, n, h = q.shape
+    kv = k_cache.shape[1]
+    qg = (q * jnp.asarray(h ** -0.5, q.dtype)).reshape(b, t, kv, n // kv, h)
+    logits = jnp.einsum("btkgh,bksh->bkgts", qg, k_cache, preferred_element_type=jnp.float32)
+    logits = jnp.where(mask[:, None, None], logits, MASKED)
+    probs = jax.nn.softmax(logits, axis=-1).astype(v_cache.dtype)
+    out = jnp.einsum("bkgts,bksh->btkgh", probs, v_cache, preferred_element_type=jnp.float32)
+    return out.astype(q.dtype).reshape(b, t, n, h)
+
+
+def write_cache(cache: jax.Array, new: jax.Array, slots: jax.Array) -> jax.Array:
+    """cache [B,K,S,H] with new [B,t,K,H] written at slots [B,t]; slots >= S are dropped."""
+    rows = jnp.arange(cache.shape[0])[:, None]
+    return cache.at[rows, :, slots].set(new.astype(cache.dtype), mode="drop")
+
+
 class Attention(nn.Module):
     spec: ModelSpec
     part: Partitioning
+    decode: bool = False
 
     @nn.compact
-    def __call__(self, x, segment_ids, rope_cs):
-        """rope_cs: `rope_tables` of the positions, or None without RoPE."""
+    def __call__(self, x, segment_ids, rope_cs, cache_slots=None, cache_mask=None):
+        """rope_cs: `rope_tables` of the positions, or None without RoPE. In decode mode,
+        cache_slots [B,t] (where each token's key goes; >= max_len: nowhere) and cache_mask
+        [B,t,S] (which slots each query sees) come from the decoder."""
         s, dt, c = self.spec, self.spec.dtype, self.part.constrain
         init, out_init = normal(s.init_std), normal(s.init_std / (2 * s.n_layers) ** 0.5)
 
         heads = {"wq": (s.n_heads, "q_heads"), "wk": (s.n_kv_heads, "kv_heads"), "wv": (s.n_kv_heads, "kv_heads")}
         ws = [param(self, name, init, (s.d_model, n, s.head_dim), ("embed", axis, "head_dim"))
               for name, (n, axis) in heads.items()]
-        qkv = matmuls(x, ["btd,dnh->btnh"] * 3, ws)  # x is kept once for the three backward products
+        qkv = matmuls(s, x, ["btd,dnh->btnh"] * 3, ws)  # x is kept once for the three backward products
         if s.use_bias:
             qkv = [y + param(self, name + "_bias", nn.initializers.zeros, (n, s.head_dim), (axis, "head_dim")).astype(dt)
                    for y, (name, (n, axis)) in zip(qkv, heads.items())]
@@ -90,10 +124,27 @@ class Attention(nn.Module):
         k, v = (c(y, ("batch", "length", "act_kv_heads", None)) for y in qkv[1:])
         if rope_cs is not None:
             q, k = apply_rope(q, rope_cs), apply_rope(k, rope_cs)
-        y = attend(q, k, v, segment_ids, s.attention)
+        if self.decode:
+            y = self._attend_cache(q, k, v, cache_slots, cache_mask)
+        else:
+            y = attend(q, k, v, segment_ids, s.attention)
         y = c(y, ("batch", "length", "act_heads", None))
         wo = param(self, "wo", out_init, (s.n_heads, s.head_dim, s.d_model), ("q_heads", "head_dim", "embed"))
-        out = matmul("btnh,nhd->btd", y, wo)
+        out = matmul(s, "btnh,nhd->btd", y, wo)
         if s.use_bias:
             out = out + param(self, "wo_bias", nn.initializers.zeros, (s.d_model,), ("embed",)).astype(dt)
         return c(out, ("batch", "length", "act_embed"))
+
+    def _attend_cache(self, q, k, v, slots, mask):
+        """Writes this step's keys and values into the cache, then attends to all of it.
+
+        The cache's length is the token count of the call that creates it (`init_cache`).
+        """
+        s = self.spec
+        shape = (k.shape[0], s.n_kv_heads, k.shape[1], s.head_dim)
+        zeros = nn.with_logical_partitioning(jnp.zeros, CACHE_AXES)
+        k_cache = self.variable("cache", "k", zeros, shape, s.dtype)
+        v_cache = self.variable("cache", "v", zeros, shape, s.dtype)
+        k_cache.value = write_cache(k_cache.value, k, slots)
+        v_cache.value = write_cache(v_cache.value, v, slots)
+        return cached_attention(q, k_cache.value, v_cache.value, mask)

@@ -1,17 +1,16 @@
-"""Building blocks: logically-partitioned params, norms, MLPs, sharding constraints."""
+"""Building blocks: logically-partitioned params, norms, MLPs, sharding constraints, and the
+matmul / norm kernels of the two paths (plain einsum + autodiff, or `lm.model.cpu_kernels`)."""
 
 from __future__ import annotations
 
 import dataclasses
-import functools
-import math
 
 import flax.linen as nn
 import jax
 import jax.numpy as jnp
 from jax.sharding import Mesh, NamedSharding
 
-from lm.model.stash import stash, unstash
+from lm.model import cpu_kernels
 
 
 @dataclasses.dataclass(frozen=True)
@@ -37,6 +36,7 @@ class ModelSpec:
     attention: str = "blockwise"
     remat: str = "none"
     init_std: float = 0.02
+    kernels: str = "auto"  # "cpu": lm.model.cpu_kernels; "plain": einsum + autodiff; "auto": cpu on CPU
 
     @classmethod
     def from_config(cls, m) -> "ModelSpec":
@@ -47,6 +47,13 @@ class ModelSpec:
     @property
     def dtype(self):
         return jnp.dtype(self.compute_dtype)
+
+    @property
+    def cpu_kernels(self) -> bool:
+        """Whether matmuls and norms use lm.model.cpu_kernels (resolved when traced)."""
+        if self.kernels == "auto":
+            return jax.default_backend() == "cpu"
+        return self.kernels == "cpu"
 
 
 @dataclasses.dataclass(frozen=True)
@@ -63,114 +70,37 @@ class Partitioning:
         return jax.lax.with_sharding_constraint(x, NamedSharding(self.mesh, spec))
 
 
-def _product(spec: str, a, b, dtype):
-    return jnp.einsum(spec, a, b, preferred_element_type=jnp.float32).astype(dtype)
+def matmuls(spec: ModelSpec, x: jax.Array, specs, weights, out_dtype: str | None = None) -> tuple[jax.Array, ...]:
+    """`jnp.einsum(s, x, w)` for each (s, w) in x's dtype with float32 accumulation; float32
+    weights are cast to x's dtype for the product and get their gradients in float32."""
+    if spec.cpu_kernels:
+        return cpu_kernels.matmuls(x, specs, weights, out_dtype)
+    out = jnp.dtype(out_dtype or x.dtype)
+    return tuple(jnp.einsum(s, x, w.astype(x.dtype), preferred_element_type=jnp.float32).astype(out)
+                 for s, w in zip(specs, weights))
 
 
-def _weight_grad(a_spec: str, a, g_spec: str, g, out_spec: str, dtype):
-    """einsum(a, g -> out) contracting the activation axes, with the narrower operand as the lhs.
-
-    The CPU backend copies the lhs of such a product into a transposed layout, so the operand
-    with fewer free elements goes first and the small result is transposed instead.
-    """
-    def free_size(x_spec, x):
-        return math.prod(n for c, n in zip(x_spec, x.shape) if c in out_spec)
-
-    if free_size(a_spec, a) > free_size(g_spec, g):
-        a_spec, a, g_spec, g = g_spec, g, a_spec, a
-    lhs_free = "".join(c for c in a_spec if c in out_spec)
-    order = lhs_free + "".join(c for c in g_spec if c in out_spec and c not in lhs_free)
-    y = _product(f"{a_spec},{g_spec}->{order}", a, g, dtype)
-    if order == out_spec:
-        return y
-    # The barrier stops XLA from folding the transpose back into the product's operands.
-    return jnp.transpose(jax.lax.optimization_barrier(y), [order.index(c) for c in out_spec])
+def matmul(spec: ModelSpec, s: str, x: jax.Array, w: jax.Array, out_dtype: str | None = None) -> jax.Array:
+    return matmuls(spec, x, [s], [w], out_dtype)[0]
 
 
-@functools.lru_cache(maxsize=None)
-def _matmuls_fn(x_spec: str, outs: tuple[str, ...], w_specs: tuple[str, ...], x_dtype: str, out_dtype: str):
-    """Products of one activation with several weights, float32 accumulation, explicit backward.
-
-    Autodiff of a multi-axis einsum leaves XLA dot_generals with transposed layouts that
-    the CPU backend runs through slow copies and upcasts; spelling the gradient einsums out
-    keeps every product on the fast matmul path. The activation is kept once for all the
-    products (not once per weight), and the weights stay in their own (float32) dtype as
-    residuals: each is cast to the compute dtype where it is used, and its gradient is
-    accumulated straight into that dtype instead of being rounded to the compute dtype.
-    """
-    dt = jnp.dtype(x_dtype)
-
-    @jax.custom_vjp
-    def matmuls(x, ws):
-        return tuple(_product(f"{x_spec},{ws_}->{o}", x, w.astype(dt), out_dtype) for o, ws_, w in zip(outs, w_specs, ws))
-
-    def forward(x, ws):
-        return matmuls(x, ws), (stash(x), ws)
-
-    def backward(saved, gs):
-        x, ws = unstash(saved[0], dt), saved[1]
-        dxs = [_product(f"{o},{ws_}->{x_spec}", g, w.astype(dt), jnp.float32 if len(ws) > 1 else dt)
-               for o, ws_, w, g in zip(outs, w_specs, ws, gs)]
-        dws = tuple(_weight_grad(x_spec, x, o, g, ws_, w.dtype) for o, ws_, w, g in zip(outs, w_specs, ws, gs))
-        return sum(dxs[1:], dxs[0]).astype(dt), dws
-
-    matmuls.defvjp(forward, backward)
-    return matmuls
+def swiglu_down(spec: ModelSpec, gate: jax.Array, up: jax.Array, w: jax.Array) -> jax.Array:
+    """(silu(gate) * up) @ w, the product in float32 rounded once to the compute dtype."""
+    if spec.cpu_kernels:
+        return cpu_kernels.swiglu_down(gate, up, w)
+    h = (nn.silu(gate.astype(jnp.float32)) * up.astype(jnp.float32)).astype(gate.dtype)
+    return jnp.einsum("btf,fd->btd", h, w.astype(gate.dtype), preferred_element_type=jnp.float32).astype(gate.dtype)
 
 
-def matmuls(x: jax.Array, specs, weights, out_dtype: str | None = None) -> tuple[jax.Array, ...]:
-    """`jnp.einsum(spec, x, w)` for each (spec, w), computed in x's dtype with float32 accumulation.
-
-    All specs share x's subscripts. Weights may be float32 params: they are cast to x's
-    dtype for the product, and their gradients come back in their own dtype.
-    """
-    specs = [s.replace(" ", "") for s in specs]
-    x_spec = specs[0].split(",")[0]
-    if any(s.split(",")[0] != x_spec for s in specs):
-        raise ValueError(f"matmuls: specs {specs} do not share the activation's subscripts")
-    w_specs = tuple(s.split(",")[1].split("->")[0] for s in specs)
-    outs = tuple(s.split("->")[1] for s in specs)
-    fn = _matmuls_fn(x_spec, outs, w_specs, jnp.dtype(x.dtype).name, jnp.dtype(out_dtype or x.dtype).name)
-    return fn(x, tuple(weights))
-
-
-def matmul(spec: str, x: jax.Array, w: jax.Array, out_dtype: str | None = None) -> jax.Array:
-    """`jnp.einsum(spec, x, w)` in x's dtype with float32 accumulation (see `matmuls`)."""
-    return matmuls(x, [spec], [w], out_dtype)[0]
-
-
-@jax.custom_vjp
-def swiglu_down(gate: jax.Array, up: jax.Array, w: jax.Array) -> jax.Array:
-    """(silu(gate) * up) @ w for [B, T, F] activations and a [F, D] weight (cast to gate's dtype).
-
-    The backward pass recomputes silu(gate) * up from the saved gate and up rather than
-    keeping a third [B, T, F] activation per layer until the backward pass.
-    """
-    return _product("btf,fd->btd", _swiglu(gate, up).astype(gate.dtype), w.astype(gate.dtype), gate.dtype)
-
-
-def _swiglu(gate, up):
-    """silu(gate) * up in float32 (one rounding to the compute dtype, by the caller)."""
-    return nn.silu(gate.astype(jnp.float32)) * up.astype(jnp.float32)
-
-
-def _swiglu_down_fwd(gate, up, w):
-    return swiglu_down(gate, up, w), (stash(gate), stash(up), w)
-
-
-def _swiglu_down_bwd(saved, g):
-    dt = g.dtype
-    gate, up, w = unstash(saved[0], dt), unstash(saved[1], dt), saved[2]
-    gf, uf = gate.astype(jnp.float32), up.astype(jnp.float32)
-    sig = jax.nn.sigmoid(gf)
-    silu = gf * sig
-    dh = _product("btd,fd->btf", g, w.astype(dt), jnp.float32)
-    d_gate = dh * uf * sig * (1 + gf * (1 - sig))
-    d_w = _weight_grad("btf", _swiglu(gate, up).astype(dt), "btd", g, "fd", w.dtype)
-    return d_gate.astype(dt), (dh * silu).astype(dt), d_w
-
-
-swiglu_down.defvjp(_swiglu_down_fwd, _swiglu_down_bwd)
+def scale_norm(spec: ModelSpec, x: jax.Array, scale: jax.Array) -> jax.Array:
+    """x normalised over its last axis (RMSNorm, or LayerNorm's centring) times scale, in float32."""
+    centered = spec.norm == "layernorm"
+    if spec.cpu_kernels:
+        return cpu_kernels.scale_norm(x, scale, centered, spec.norm_eps)
+    xf = x.astype(jnp.float32)
+    if centered:
+        xf = xf - xf.mean(-1, keepdims=True)
+    return xf * jax.lax.rsqrt((xf * xf).mean(-1, keepdims=True) + spec.norm_eps) * scale
 
 
 def param(module: nn.Module, name: str, init, shape, names) -> jax.Array:
@@ -182,51 +112,6 @@ def normal(std: float):
     return nn.initializers.normal(stddev=std)
 
 
-def scale_norm(x: jax.Array, scale: jax.Array, centered: bool, eps: float) -> jax.Array:
-    """x normalised over its last axis, times scale, in float32: RMSNorm, or LayerNorm if centered.
-
-    The backward pass works from the saved input (in its own, usually 16-bit, dtype) and the
-    per-row inverse norm, instead of the float32 intermediates autodiff would keep per layer.
-    """
-    return _scale_norm(x, scale, centered, eps, jnp.dtype(x.dtype).name)
-
-
-@functools.partial(jax.custom_vjp, nondiff_argnums=(2, 3, 4))
-def _scale_norm(x, scale, centered, eps, x_dtype):
-    return _normalized(x, centered, eps)[0] * scale
-
-
-def _normalized(x, centered, eps):
-    """(x_hat, 1/norm): x_hat = (x - mean if centered) / sqrt(mean square + eps), in float32."""
-    xf = x.astype(jnp.float32)
-    if centered:
-        xf = xf - xf.mean(-1, keepdims=True)
-    inv = jax.lax.rsqrt((xf * xf).mean(-1, keepdims=True) + eps)
-    return xf * inv, inv
-
-
-def _scale_norm_fwd(x, scale, centered, eps, x_dtype):
-    x_hat, inv = _normalized(x, centered, eps)
-    return x_hat * scale, (stash(x), scale, inv)
-
-
-def _scale_norm_bwd(centered, eps, x_dtype, saved, g):
-    x, scale, inv = unstash(saved[0], x_dtype), saved[1], saved[2]
-    xf = x.astype(jnp.float32)
-    if centered:
-        xf = xf - xf.mean(-1, keepdims=True)
-    x_hat, g = xf * inv, g.astype(jnp.float32)
-    d_scale = jnp.sum(g * x_hat, axis=tuple(range(g.ndim - 1)))
-    d_hat = g * scale
-    dx = d_hat - x_hat * jnp.mean(d_hat * x_hat, -1, keepdims=True)
-    if centered:
-        dx = dx - jnp.mean(d_hat, -1, keepdims=True)
-    return (inv * dx).astype(x.dtype), d_scale
-
-
-_scale_norm.defvjp(_scale_norm_fwd, _scale_norm_bwd)
-
-
 class Norm(nn.Module):
     """RMSNorm or LayerNorm, computed in float32, returned in the compute dtype."""
 
@@ -236,7 +121,7 @@ class Norm(nn.Module):
     def __call__(self, x: jax.Array) -> jax.Array:
         s = self.spec
         scale = param(self, "scale", nn.initializers.ones, (s.d_model,), ("norm",))
-        y = scale_norm(x, scale, s.norm == "layernorm", s.norm_eps)
+        y = scale_norm(s, x, scale)
         if s.norm == "layernorm" and s.use_bias:
             y = y + param(self, "bias", nn.initializers.zeros, (s.d_model,), ("norm",))
         return y.astype(s.dtype)
@@ -256,7 +141,7 @@ class Mlp(nn.Module):
 
         def dense_in(*names):
             ws = [param(self, n, init, (s.d_model, s.d_ff), names_in) for n in names]
-            hs = matmuls(x, ["btd,df->btf"] * len(names), ws)
+            hs = matmuls(s, x, ["btd,df->btf"] * len(names), ws)
             if s.use_bias:
                 hs = [h + param(self, n + "_bias", nn.initializers.zeros, (s.d_ff,), ("mlp",)).astype(dt)
                       for n, h in zip(names, hs)]
@@ -265,9 +150,9 @@ class Mlp(nn.Module):
         w_out = lambda: param(self, "w_down", out_init, (s.d_ff, s.d_model), names_out)
         if s.mlp == "swiglu":
             gate, up = dense_in("w_gate", "w_up")
-            y = swiglu_down(gate, up, w_out())
+            y = swiglu_down(s, gate, up, w_out())
         else:
-            y = matmul("btf,fd->btd", nn.gelu(dense_in("w_in")[0], approximate=True), w_out())
+            y = matmul(s, "btf,fd->btd", nn.gelu(dense_in("w_in")[0], approximate=True), w_out())
         if s.use_bias:
             y = y + param(self, "w_down_bias", nn.initializers.zeros, (s.d_model,), ("embed",)).astype(dt)
         return self.part.constrain(y, ("batch", "length", "act_embed"))

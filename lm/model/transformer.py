@@ -1,4 +1,10 @@
-"""The decoder: embed -> N scanned (remat'd) blocks -> final norm -> head."""
+"""The decoder: embed -> N scanned (remat'd) blocks -> final norm -> head.
+
+Modes over one set of params: training (`decode=False`: the tokens attend to each other) and
+decoding (`decode=True`: prefill and decode steps against the KV cache, see lm.model.cache).
+`output="hidden"` returns the final-normed hidden states instead of logits, so other heads
+(a scalar reward or value head, lm.model.heads) sit on the same trunk.
+"""
 
 from __future__ import annotations
 
@@ -7,6 +13,7 @@ import jax
 import jax.numpy as jnp
 
 from lm.model.attention import Attention, rope_tables
+from lm.model.heads import ScalarHead
 from lm.model.layers import Mlp, ModelSpec, Norm, Partitioning, matmul, normal, param
 
 REMAT_POLICIES = {
@@ -14,6 +21,7 @@ REMAT_POLICIES = {
     "dots_saveable": jax.checkpoint_policies.dots_saveable,
     "dots_with_no_batch_dims_saveable": jax.checkpoint_policies.dots_with_no_batch_dims_saveable,
 }
+OUTPUTS = ("logits", "hidden", "scalar")
 
 
 class Block(nn.Module):
@@ -21,24 +29,27 @@ class Block(nn.Module):
 
     spec: ModelSpec
     part: Partitioning
+    decode: bool = False
 
     @nn.compact
-    def __call__(self, x, segment_ids, rope_cs):
-        x = x + Attention(self.spec, self.part, name="attn")(Norm(self.spec, name="attn_norm")(x), segment_ids, rope_cs)
+    def __call__(self, x, segment_ids, rope_cs, cache_slots=None, cache_mask=None):
+        attn = Attention(self.spec, self.part, self.decode, name="attn")
+        x = x + attn(Norm(self.spec, name="attn_norm")(x), segment_ids, rope_cs, cache_slots, cache_mask)
         x = x + Mlp(self.spec, self.part, name="mlp")(Norm(self.spec, name="mlp_norm")(x))
         return x, None
 
 
-def scanned_blocks(spec: ModelSpec):
-    """Blocks stacked along a leading 'layers' axis: compile time does not grow with depth."""
+def scanned_blocks(spec: ModelSpec, decode: bool = False):
+    """Blocks stacked along a leading 'layers' axis, the KV cache too: compile time does not
+    grow with depth. Decoding keeps no residuals for a backward pass, so it is never remat'd."""
     block = Block
-    if spec.remat != "none":
+    if spec.remat != "none" and not decode:
         block = nn.remat(Block, policy=REMAT_POLICIES[spec.remat], prevent_cse=False)
     return nn.scan(
         block,
-        variable_axes={"params": 0},
+        variable_axes={"params": 0, "cache": 0},
         split_rngs={"params": True},
-        in_axes=(nn.broadcast, nn.broadcast),
+        in_axes=(nn.broadcast,) * 4,
         length=spec.n_layers,
         metadata_params={nn.PARTITION_NAME: "layers"},
     )
@@ -47,10 +58,12 @@ def scanned_blocks(spec: ModelSpec):
 class Transformer(nn.Module):
     spec: ModelSpec
     part: Partitioning = Partitioning()
+    scalar_head: bool = False  # a reward / value head beside the LM head (params: 'scalar_head')
 
     @nn.compact
-    def __call__(self, inputs, segment_ids, positions):
-        """inputs/segment_ids/positions: [B, T] int32 -> float32 logits [B, T, vocab]."""
+    def __call__(self, inputs, segment_ids, positions, decode: bool = False, output: str = "logits"):
+        """inputs/segment_ids/positions: [B, T] int32 -> float32 logits [B, T, vocab]
+        (output="hidden": [B, T, d_model] in the compute dtype; "scalar": float32 [B, T])."""
         s, c = self.spec, self.part.constrain
         embedding = param(self, "embedding", normal(s.init_std), (s.vocab_size, s.d_model), ("vocab", "embed"))
         # Gather the fsdp-split table first (as FSDP does for every weight); a vocab-split
@@ -61,14 +74,34 @@ class Transformer(nn.Module):
             x = x + jnp.take(table, positions, axis=0).astype(s.dtype)
         x = c(x, ("batch", "length", "act_embed"))
         rope_cs = rope_tables(positions, s.head_dim, s.rope_theta) if s.position == "rope" else None
-        x, _ = scanned_blocks(s)(s, self.part, name="blocks")(x, segment_ids, rope_cs)
+        slots, mask = self._cache_slots_and_mask(segment_ids, positions) if decode else (None, None)
+        x, _ = scanned_blocks(s, decode)(s, self.part, decode, name="blocks")(x, segment_ids, rope_cs, slots, mask)
         x = Norm(s, name="final_norm")(x)
-        if s.tie_embeddings:
-            head = embedding.T
-        else:
-            head = param(self, "head", normal(s.init_std), (s.d_model, s.vocab_size), ("embed", "vocab"))
-        logits = matmul("btd,dv->btv", x, head, out_dtype="float32")
+        if self.scalar_head and (output == "scalar" or self.is_initializing()):
+            scalar = ScalarHead(s, name="scalar_head")(x)
+            if output == "scalar":
+                return scalar
+        if output == "hidden":
+            return x
+        if output != "logits":
+            raise ValueError(f"output={output!r}: expected one of {OUTPUTS}")
+        head = embedding.T if s.tie_embeddings else \
+            param(self, "head", normal(s.init_std), (s.d_model, s.vocab_size), ("embed", "vocab"))
+        logits = matmul(s, "btd,dv->btv", x, head, out_dtype="float32")
         return c(logits, ("batch", "length", "act_vocab"))
+
+    def _cache_slots_and_mask(self, segment_ids, positions):
+        """Each token's cache slot (its position; max_len for padding, i.e. nowhere) and which
+        slots each query sees: slots at or before its position holding its own segment."""
+        seg_cache = self.variable("cache", "segment_ids", nn.with_logical_partitioning(jnp.zeros, ("batch", "cache_length")),
+                                  segment_ids.shape, jnp.int32)
+        max_len = seg_cache.value.shape[1]
+        slots = jnp.where(segment_ids != 0, positions, max_len)
+        rows = jnp.arange(segment_ids.shape[0])[:, None]
+        seg_cache.value = seg_cache.value.at[rows, slots].set(segment_ids, mode="drop")
+        visible = jnp.arange(max_len)[None, None, :] <= positions[:, :, None]
+        same = seg_cache.value[:, None, :] == segment_ids[:, :, None]
+        return slots, visible & same & (segment_ids != 0)[:, :, None]
 
 
 def init_params(model: Transformer, rng: jax.Array, seq_len: int = 8):

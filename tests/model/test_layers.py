@@ -83,7 +83,7 @@ def test_gelu_mlp_with_bias(x):
     ("btnh,nhd->btd", (2, 3, 2, 3), (2, 3, 4)),
 ])
 def test_matmul_value_and_grads_match_einsum(spec, a_shape, b_shape):
-    from lm.model.layers import matmul
+    from lm.model.cpu_kernels import matmul
 
     rng = np.random.default_rng(0)
     a = jnp.asarray(rng.normal(size=a_shape), jnp.float32)
@@ -107,7 +107,7 @@ def test_matmul_value_and_grads_match_einsum(spec, a_shape, b_shape):
 
 
 def test_matmuls_share_the_activation_and_sum_its_gradients():
-    from lm.model.layers import matmuls
+    from lm.model.cpu_kernels import matmuls
 
     rng = np.random.default_rng(3)
     x = jnp.asarray(rng.normal(size=(2, 3, 4)), jnp.float32)
@@ -130,7 +130,7 @@ def test_matmuls_share_the_activation_and_sum_its_gradients():
 
 def test_float32_weight_gradient_is_not_rounded_to_the_compute_dtype():
     """With bfloat16 activations the weight gradient is accumulated and returned in float32."""
-    from lm.model.layers import matmul
+    from lm.model.cpu_kernels import matmul
 
     rng = np.random.default_rng(4)
     x = jnp.asarray(rng.normal(size=(4, 64, 16)), jnp.bfloat16)
@@ -146,7 +146,7 @@ def test_float32_weight_gradient_is_not_rounded_to_the_compute_dtype():
 @pytest.mark.parametrize("centered", [False, True])
 @pytest.mark.parametrize("dtype", ["float32", "bfloat16"])
 def test_scale_norm_value_and_grads_match_autodiff(centered, dtype):
-    from lm.model.layers import scale_norm
+    from lm.model.cpu_kernels import scale_norm
 
     rng = np.random.default_rng(5)
     x = jnp.asarray(rng.normal(size=(2, 3, 8)) * 3 + 1, dtype)
@@ -182,7 +182,7 @@ def test_stash_round_trips_16_bit_floats_through_uint16_bits():
 
 def test_swiglu_down_value_and_grads_match_autodiff():
     """The hand-written backward (which recomputes silu(gate) * up) against autodiff."""
-    from lm.model.layers import swiglu_down
+    from lm.model.cpu_kernels import swiglu_down
 
     rng = np.random.default_rng(1)
     gate, up = (jnp.asarray(rng.normal(size=(2, 3, 6)), jnp.float32) for _ in range(2))
@@ -199,7 +199,7 @@ def test_swiglu_down_value_and_grads_match_autodiff():
 @pytest.mark.parametrize("a_shape, g_shape", [((2, 3, 8), (2, 3, 5)), ((2, 3, 5), (2, 3, 8))])
 def test_weight_grad_either_operand_order(a_shape, g_shape):
     """Whichever operand is narrower goes first; the result is the same contraction."""
-    from lm.model.layers import _weight_grad
+    from lm.model.cpu_kernels import _weight_grad
 
     rng = np.random.default_rng(2)
     a = jnp.asarray(rng.normal(size=a_shape), jnp.float32)

@@ -1,0 +1,53 @@
+"""The KV cache: creation, shardings, and one prefill / decode step.
+
+The cache is the decoder's "cache" collection: per layer (stacked on a leading `layers` axis,
+like the params) keys and values [batch, kv_heads, max_len, head_dim] in the compute dtype,
+and the segment id held by each slot [batch, max_len]. A token's slot is its position, per
+row, so a batch of prompts of different lengths needs no left padding: prompts are
+right-padded with segment id 0, and padding writes nothing.
+"""
+
+from __future__ import annotations
+
+import flax.linen as nn
+import jax
+import jax.numpy as jnp
+
+from lm.sharding import logical_sharding
+
+
+def _abstract_cache(model, batch_size: int, max_len: int):
+    """Boxed ShapeDtypeStructs of the cache (nothing is computed or allocated)."""
+    ids = jnp.zeros((batch_size, max_len), jnp.int32)
+
+    def init(rng):
+        return model.init(rng, ids, ids, ids, decode=True)["cache"]
+
+    return jax.eval_shape(init, jax.random.PRNGKey(0))
+
+
+def init_cache(model, batch_size: int, max_len: int, shardings=None):
+    """A zero cache for `batch_size` rows of up to `max_len` positions (placed with `shardings`)."""
+    abstract = nn.unbox(_abstract_cache(model, batch_size, max_len))
+    if shardings is None:
+        return jax.tree.map(lambda a: jnp.zeros(a.shape, a.dtype), abstract)
+    make = jax.jit(lambda: jax.tree.map(lambda a: jnp.zeros(a.shape, a.dtype), abstract), out_shardings=shardings)
+    return make()
+
+
+def cache_shardings(model, batch_size: int, max_len: int, mesh, rules):
+    """NamedShardings of the cache from its logical axes (batch, kv_heads, ... ) and the rule table."""
+    specs = nn.get_partition_spec(_abstract_cache(model, batch_size, max_len))
+    return jax.tree.map(lambda spec: logical_sharding(mesh, rules, tuple(spec)), specs,
+                        is_leaf=lambda x: isinstance(x, jax.sharding.PartitionSpec))
+
+
+def decode_step(model, params, cache, inputs, segment_ids, positions):
+    """Prefill (t = prompt length) or decode (t = 1 or a few) -> (float32 logits [B, t, V], new cache).
+
+    Each token's key and value go to its slot (= position, per row; padding, segment 0, goes
+    nowhere); each query sees the slots at or before its position that hold its segment.
+    """
+    logits, updated = model.apply({"params": params, "cache": cache}, inputs, segment_ids, positions,
+                                  decode=True, mutable=["cache"])
+    return logits, updated["cache"]

@@ -1,0 +1,24 @@
+"""Heads other than the LM head, on the trunk's final hidden states."""
+
+from __future__ import annotations
+
+import flax.linen as nn
+import jax
+import jax.numpy as jnp
+
+from lm.model.layers import ModelSpec, param
+
+
+class ScalarHead(nn.Module):
+    """d_model -> one float32 value per position: a reward model's score or PPO's value.
+
+    Starts at zero output (zero weights), so a head added to a trained trunk begins neutral.
+    """
+
+    spec: ModelSpec
+
+    @nn.compact
+    def __call__(self, hidden: jax.Array) -> jax.Array:
+        w = param(self, "kernel", nn.initializers.zeros, (self.spec.d_model,), ("embed",))
+        b = param(self, "bias", nn.initializers.zeros, (), ())
+        return jnp.einsum("btd,d->bt", hidden.astype(jnp.float32), w) + b

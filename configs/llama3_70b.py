@@ -1,6 +1,10 @@
 """Llama-3-70B shapes (80 layers, width 8192, 64 heads / 8 KV heads, SwiGLU 28672, RoPE θ=500k).
 
 For pods: bfloat16 matmuls, full remat, fsdp across hosts and 8-way tensor parallelism.
+
+Attention is "xla" (jax.nn.dot_product_attention's XLA path, tested against the reference
+implementation). "cudnn" (the fused cuDNN kernel) stays selectable with
+--config.model.attention=cudnn but is unverified until a GPU test compares it with the reference.
 """
 
 from lm.config import base_config
@@ -10,7 +14,7 @@ def get_config():
     c = base_config()
     c.model.update(vocab_size=128256, d_model=8192, n_layers=80, n_heads=64, n_kv_heads=8, d_ff=28672,
                    rope_theta=500000.0, max_seq_len=8192, norm_eps=1e-5, tie_embeddings=False,
-                   compute_dtype="bfloat16", attention="cudnn", remat="full")
+                   compute_dtype="bfloat16", attention="xla", remat="full")
     c.data.update(seq_len=8192)
     c.optim.update(lr=1.5e-4, warmup_steps=2000, min_lr_ratio=0.1, weight_decay=0.1, grad_clip=1.0)
     c.train.update(steps=100000, batch_size=1024, micro_batches=4, log_every=10)

@@ -74,6 +74,9 @@ def _parser() -> argparse.ArgumentParser:
     pl.add_argument("--devices", type=int, default=0,
                     help="plan for this many devices (a -1 mesh axis takes what is left); with --compile, "
                          "simulate them as CPU devices (for meshes larger than this machine)")
+    from lm.infer.cli import add_parser as add_sample_parser
+
+    add_sample_parser(sub)
     return p
 
 
@@ -161,6 +164,10 @@ def main(argv: list[str] | None = None) -> int:
             return _tokenize(args)
         if args.verb == "export":
             return _export(args)
+        if args.verb == "sample":
+            from lm.infer.cli import run as sample
+
+            return sample(args)
         from lm.config import load_config
 
         config = load_config(args.config, overrides)

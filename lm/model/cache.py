@@ -42,12 +42,14 @@ def cache_shardings(model, batch_size: int, max_len: int, mesh, rules):
                         is_leaf=lambda x: isinstance(x, jax.sharding.PartitionSpec))
 
 
-def decode_step(model, params, cache, inputs, segment_ids, positions):
+def decode_step(model, params, cache, inputs, segment_ids, positions, logits_at=None):
     """Prefill (t = prompt length) or decode (t = 1 or a few) -> (float32 logits [B, t, V], new cache).
+
+    logits_at [B]: return only the logits at that index of each row ([B, 1, V]).
 
     Each token's key and value go to its slot (= position, per row; padding, segment 0, goes
     nowhere); each query sees the slots at or before its position that hold its segment.
     """
     logits, updated = model.apply({"params": params, "cache": cache}, inputs, segment_ids, positions,
-                                  decode=True, mutable=["cache"])
+                                  decode=True, logits_at=logits_at, mutable=["cache"])
     return logits, updated["cache"]

@@ -61,9 +61,12 @@ class Transformer(nn.Module):
     scalar_head: bool = False  # a reward / value head beside the LM head (params: 'scalar_head')
 
     @nn.compact
-    def __call__(self, inputs, segment_ids, positions, decode: bool = False, output: str = "logits"):
+    def __call__(self, inputs, segment_ids, positions, decode: bool = False, output: str = "logits",
+                 logits_at=None):
         """inputs/segment_ids/positions: [B, T] int32 -> float32 logits [B, T, vocab]
-        (output="hidden": [B, T, d_model] in the compute dtype; "scalar": float32 [B, T])."""
+        (output="hidden": [B, T, d_model] in the compute dtype; "scalar": float32 [B, T]).
+        logits_at [B] int32: only the logits of that position of each row, [B, 1, vocab]
+        (a prefill needs the last prompt position's, not a [B, T, vocab] array)."""
         s, c = self.spec, self.part.constrain
         embedding = param(self, "embedding", normal(s.init_std), (s.vocab_size, s.d_model), ("vocab", "embed"))
         # Gather the fsdp-split table first (as FSDP does for every weight); a vocab-split
@@ -83,6 +86,8 @@ class Transformer(nn.Module):
                 return scalar
         if output == "hidden":
             return x
+        if logits_at is not None:
+            x = jnp.take_along_axis(x, logits_at[:, None, None], axis=1)
         if output != "logits":
             raise ValueError(f"output={output!r}: expected one of {OUTPUTS}")
         head = embedding.T if s.tie_embeddings else \

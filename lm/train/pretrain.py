@@ -18,8 +18,9 @@ from lm.data.checks import check_data_config
 from lm.data.pipeline import eval_batches, train_dataset
 from lm.data.prepare import describe, prepare_pretrain_data
 from lm.errors import UserError
-from lm.infer.sample import generate
-from lm.model.transformer import Transformer
+from lm.infer.generate import Generator
+from lm.infer.sampling import SamplingParams
+from lm.infer.text import complete
 from lm.perf import measure_matmul_peak
 from lm.train.checkpoint import Checkpointer, saved_steps
 from lm.train.faults import FaultPolicy, StopSignal
@@ -130,7 +131,7 @@ def train(config, workdir, resume: bool = False, show_progress: bool = True) -> 
     if last["stopped_by"]:
         return {"step": last["stop_step"], "stopped_by": last["stopped_by"], "eval_loss": None}
     last |= {"peak_flops": peak, "peak_flops_source": peak_source}
-    return _finish(config, workdir, run.model, state, data, last, is_main)
+    return _finish(config, workdir, run, state, data, last, is_main)
 
 
 def _peak(config) -> tuple[float, str]:
@@ -148,14 +149,18 @@ SUMMARY_KEYS = ("loss", "eval_loss", "tokens_per_s", "mfu", "run_tokens_per_s", 
                 "peak_flops", "peak_flops_source", "compile_s")
 
 
-def _finish(config, workdir, model, state, data, last: dict, is_main: bool) -> dict:
+def _sample(config, run, params, tok) -> str:
+    """What the trained model writes after `train.sample_prompt` (the KV-cache sampler, on the run's mesh)."""
+    prompt, t = config.train.sample_prompt, config.train
+    room = run.spec.max_seq_len - len(tok.encode(prompt))
+    sampling = SamplingParams(max_new_tokens=max(1, min(t.sample_tokens, room)), temperature=0.8, seed=t.seed)
+    generator = Generator(run.model, params, sampling, eos_id=tok.eos_id, mesh=run.mesh, rules=run.rules)
+    return prompt + complete(generator, tok, [prompt])[0]["text"]
+
+
+def _finish(config, workdir, run, state, data, last: dict, is_main: bool) -> dict:
     """Plot, sample and a summary; only process 0 writes files."""
-    tok = data.tokenizer
-    prompt = tok.encode(config.train.sample_prompt)
-    sample_model = Transformer(model.spec)  # unconstrained: batch of one
-    ids = generate(sample_model, state.params, prompt, config.train.sample_tokens, config.data.seq_len,
-                   seed=config.train.seed)
-    text = tok.decode(ids)
+    text = _sample(config, run, state.params, data.tokenizer)
     summary = {"step": int(jax.device_get(state.step)), "unigram_baseline": data.stats["unigram_entropy_nats"]}
     summary |= {k: last.get(k) for k in SUMMARY_KEYS}
     if is_main:

@@ -1,0 +1,89 @@
+"""`lm sample`: completions from a trained run or an export, one prompt (streamed) or a JSONL file."""
+
+from __future__ import annotations
+
+import json
+import pathlib
+import sys
+
+from lm.errors import UserError
+
+BATCH = 16  # prompts decoded together from a --prompts file
+
+
+def add_parser(sub) -> None:
+    p = sub.add_parser("sample", help="generate text with the KV cache from a run or an export",
+                       description="Generate from `lm train`'s newest checkpoint (--workdir) or an `lm export` "
+                                   "(--params). One --prompt streams its completion to stdout; --prompts reads "
+                                   'JSONL lines {"prompt": TEXT, ...} and writes each line back with its completion.')
+    src = p.add_mutually_exclusive_group(required=True)
+    src.add_argument("--workdir", help="an `lm train` workdir (its newest checkpoint)")
+    src.add_argument("--params", help="an `lm export` output: a directory or a .safetensors file")
+    what = p.add_mutually_exclusive_group(required=True)
+    what.add_argument("--prompt", help="one prompt; the completion streams as it is generated")
+    what.add_argument("--prompts", help="a JSONL file of {\"prompt\": ...} objects")
+    p.add_argument("--out", help="with --prompts: where to write the JSONL results (default: stdout)")
+    p.add_argument("--max-new-tokens", type=int, default=128)
+    p.add_argument("--temperature", type=float, default=0.8, help="0 = greedy")
+    p.add_argument("--top-k", type=int, default=0, help="0 = off")
+    p.add_argument("--top-p", type=float, default=1.0, help="1 = off")
+    p.add_argument("--min-p", type=float, default=0.0, help="0 = off")
+    p.add_argument("--seed", type=int, default=0)
+    p.add_argument("--stop", action="append", default=[], help="stop at this string (repeatable)")
+    p.add_argument("--tokenizer", help="a sentencepiece .model (default: the one the run was trained with)")
+    p.add_argument("--batch-size", type=int, default=BATCH, help="prompts decoded together")
+
+
+def read_prompts(path: str) -> list[dict]:
+    file = pathlib.Path(path)
+    if not file.is_file():
+        raise UserError(f"--prompts {path}: no such file")
+    rows = []
+    for n, line in enumerate(file.read_text(encoding="utf-8").splitlines(), 1):
+        if not line.strip():
+            continue
+        try:
+            row = json.loads(line)
+        except json.JSONDecodeError as e:
+            raise UserError(f"{path}:{n}: not valid JSON ({e.msg}); expected {{\"prompt\": TEXT}}") from None
+        if not isinstance(row, dict) or not isinstance(row.get("prompt"), str):
+            raise UserError(f"{path}:{n}: expected an object with a string \"prompt\" field")
+        if not row["prompt"]:
+            raise UserError(f"{path}:{n}: the prompt is empty")
+        rows.append(row)
+    if not rows:
+        raise UserError(f"{path}: no prompts")
+    return rows
+
+
+def run(args) -> int:
+    from lm.infer.sampling import SamplingParams
+    from lm.infer.load import load_trained
+    from lm.infer.session import Session
+
+    sampling = SamplingParams(max_new_tokens=args.max_new_tokens, temperature=args.temperature, top_k=args.top_k,
+                              top_p=args.top_p, min_p=args.min_p, seed=args.seed)
+    if args.prompt is not None and not args.prompt:
+        raise UserError("--prompt is empty; give at least one character of text")
+    rows = read_prompts(args.prompts) if args.prompts else None
+    session = Session(load_trained(args.workdir, args.params, args.tokenizer))
+    stop = tuple(args.stop)
+    if rows is None:
+        sys.stdout.write(args.prompt)
+        result = session.complete([args.prompt], sampling, stop=stop,
+                                  stream=lambda piece: (sys.stdout.write(piece), sys.stdout.flush()))[0]
+        print(f"\n[{result['finish_reason']}: {len(result['ids'])} tokens]", file=sys.stderr)
+        return 0
+    out = open(args.out, "w", encoding="utf-8") if args.out else sys.stdout
+    try:
+        for start in range(0, len(rows), args.batch_size):
+            batch = rows[start: start + args.batch_size]
+            for row, result in zip(batch, session.complete([r["prompt"] for r in batch], sampling, stop=stop)):
+                out.write(json.dumps(row | {"completion": result["text"], "finish_reason": result["finish_reason"],
+                                            "tokens": result["ids"], "logprobs": result["logprobs"]}) + "\n")
+    finally:
+        if args.out:
+            out.close()
+    if args.out:
+        print(f"wrote {len(rows)} completions to {args.out}", file=sys.stderr)
+    return 0

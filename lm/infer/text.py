@@ -60,4 +60,6 @@ def complete(generator: Generator, tokenizer, prompts: list[str], stop: tuple[st
         text, kept, hit = _cut_at_stop(tokenizer, ids, stop) if stop else (tokenizer.decode(ids), ids, False)
         out.append({"text": text, "ids": kept.tolist(), "logprobs": logp[: len(kept)].tolist(),
                     "finish_reason": "stop" if hit else finish})
+    if stream is not None and len(out[0]["text"]) > shown[0]:  # what was held back at a chunk's edge
+        stream(out[0]["text"][shown[0]:])
     return out

@@ -3,7 +3,9 @@
 PYTHON ?= python3
 VENV ?= .venv
 PY := $(VENV)/bin/python
-WORKDIR ?= runs/tiny-$(shell date +%Y%m%d-%H%M%S)
+ifndef WORKDIR
+WORKDIR := runs/tiny-$(shell date +%Y%m%d-%H%M%S)
+endif
 
 $(VENV)/.installed: pyproject.toml
 	$(PYTHON) -m venv $(VENV)
@@ -15,6 +17,7 @@ install: $(VENV)/.installed
 
 demo: $(VENV)/.installed
 	$(VENV)/bin/lm train --config configs/tiny.py --workdir $(WORKDIR)
+	$(VENV)/bin/lm sample --workdir $(WORKDIR) --prompt "def " --max-new-tokens 120 --temperature 0.7 --top-p 0.95
 
 test: $(VENV)/.installed
 	$(PY) -m pytest -q

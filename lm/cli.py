@@ -27,10 +27,21 @@ def _split_overrides(argv: list[str]) -> tuple[list[str], list[str]]:
     return rest, overrides
 
 
+OVERRIDES_HELP = """config overrides:
+  any key of the config can be set after the other arguments as --config.SECTION.KEY=VALUE
+  (or --config.SECTION.KEY VALUE), e.g. --config.optim.lr=1e-3 --config.mesh.fsdp=2
+  --config.data.corpus=/path/to/texts; every key, its default and type: lm/config.py base_config().
+  Unknown keys and wrong types stop with the dotted key and what was expected."""
+
+
+def _with_overrides(sub, name: str, **kw):
+    return sub.add_parser(name, epilog=OVERRIDES_HELP, formatter_class=argparse.RawDescriptionHelpFormatter, **kw)
+
+
 def _parser() -> argparse.ArgumentParser:
     p = argparse.ArgumentParser(prog="lm", description="Train language models end to end.")
     sub = p.add_subparsers(dest="verb", required=True)
-    t = sub.add_parser("train", help="pretrain a model (default: tiny model on the Python standard library)")
+    t = _with_overrides(sub, "train", help="pretrain a model (default: tiny model on the Python standard library)")
     t.add_argument("--config", default="configs/tiny.py", help="a Python config file with get_config()")
     t.add_argument("--workdir", required=True, help="directory for checkpoints, metrics, plots")
     t.add_argument("--resume", action="store_true", help="continue from the newest checkpoint in --workdir")
@@ -60,14 +71,14 @@ def _parser() -> argparse.ArgumentParser:
     tz.add_argument("--max-bytes", type=int, default=0, help="cap on train input (whole files; 0 = all)")
     tz.add_argument("--workers", type=int, default=0, help="tokenizing processes (0 = all cores)")
     tz.add_argument("--no-progress", action="store_true", help="no progress bar")
-    cu = sub.add_parser("curate", help="dedup, filter, language-id and redact raw text into JSONL.gz shards")
+    cu = _with_overrides(sub, "curate", help="dedup, filter, language-id and redact raw text into JSONL.gz shards")
     cu.add_argument("--input", action="append", required=True,
                     help="a file, directory or glob (.txt/.py/any text, .jsonl[.gz|.zst], .parquet) or 'stdlib'; repeatable")
     cu.add_argument("--out", required=True, help="output directory: part-*.jsonl.gz shards and report.json")
     cu.add_argument("--config", default="configs/tiny.py", help="a config file; its `curate` section is used")
     cu.add_argument("--workers", type=int, default=1, help="parallel processes")
     cu.add_argument("--no-progress", action="store_true", help="no progress bar")
-    pl = sub.add_parser("plan", help="params, FLOPs and memory of a config")
+    pl = _with_overrides(sub, "plan", help="params, FLOPs and memory of a config")
     pl.add_argument("--config", default="configs/tiny.py")
     pl.add_argument("--compile", action="store_true",
                     help="also compile the train step ahead of time on the mesh (nothing is allocated)")
@@ -129,8 +140,10 @@ def _plan(config, args) -> int:
     if args.compile:
         from lm.aot import compile_train_step
 
-        for key, value in compile_train_step(config).items():
-            print(f"{key:32s} {value:,}" if isinstance(value, int) else f"{key:32s} {value}")
+        figures = compile_train_step(config)
+        micro_rows = config.train.batch_size // config.train.micro_batches
+        rows = max(1, micro_rows // (figures["mesh"]["data"] * figures["mesh"]["fsdp"]))
+        print(plan.compile_report(figures, config.model, config.data.seq_len, rows))
     return 0
 
 

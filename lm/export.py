@@ -12,12 +12,17 @@ leading axis of size n_layers because the blocks are scanned, whatever the remat
   path joined with '/', e.g. 'blocks/attn/wq'; the header metadata holds 'lm_config' (the
   config as JSON) and 'lm_step'.
 
+A run trained with a sentencepiece tokenizer also gets its tokenizer beside the params:
+PATH/tokenizer.model, or NAME.tokenizer.model beside NAME.safetensors (`lm sample` reads it).
+
 `load_params(path)` reads either back as a nested dict of numpy arrays.
 """
 
 from __future__ import annotations
 
+import contextlib
 import json
+import logging
 import pathlib
 import shutil
 
@@ -41,16 +46,36 @@ def _step_dir(workdir: pathlib.Path, step: int | None) -> tuple[pathlib.Path, in
     return root / str(step), step
 
 
+class _DropStepMetadataWarning(logging.Filter):
+    """A training checkpoint keeps orbax's step metadata beside its items (STEP/), not inside
+    them: reading one item (STEP/state) on its own makes orbax look for it in the item and log
+    a warning about a file that was never meant to be there."""
+
+    def filter(self, record: logging.LogRecord) -> bool:
+        return not str(record.msg).startswith("Metadata file does not exist")
+
+
+@contextlib.contextmanager
+def _reading_one_item():
+    logger, quiet = logging.getLogger("absl"), _DropStepMetadataWarning()
+    logger.addFilter(quiet)
+    try:
+        yield
+    finally:
+        logger.removeFilter(quiet)
+
+
 def read_checkpoint_params(workdir, step: int | None = None) -> tuple[dict, dict, int]:
     """(params as numpy, meta, step) from a training checkpoint; checksums are verified."""
     step_dir, step = _step_dir(pathlib.Path(workdir).absolute(), step)  # orbax needs absolute paths
     meta = read_meta(step_dir.parent, step)
     ckptr = ocp.PyTreeCheckpointer()
-    tree = ckptr.metadata(step_dir / "state").item_metadata.tree["params"]
-    target = jax.tree.map(lambda m: np.zeros(m.shape, m.dtype), tree)
-    args = ocp.args.PyTreeRestore(item={"params": target}, partial_restore=True, restore_args={
-        "params": jax.tree.map(lambda _: ocp.RestoreArgs(restore_type=np.ndarray), tree)})
-    params = ckptr.restore(step_dir / "state", args=args)["params"]
+    with _reading_one_item():
+        tree = ckptr.metadata(step_dir / "state").item_metadata.tree["params"]
+        target = jax.tree.map(lambda m: np.zeros(m.shape, m.dtype), tree)
+        args = ocp.args.PyTreeRestore(item={"params": target}, partial_restore=True, restore_args={
+            "params": jax.tree.map(lambda _: ocp.RestoreArgs(restore_type=np.ndarray), tree)})
+        params = ckptr.restore(step_dir / "state", args=args)["params"]
     saved = dict(zip(meta["shapes"], meta["checksums"]))
     for path, got in zip(leaf_paths({"params": params}), checksums(params)):
         if saved.get(path) != got:
@@ -62,6 +87,9 @@ def read_checkpoint_params(workdir, step: int | None = None) -> tuple[dict, dict
 def export_params(workdir, out, step: int | None = None, fmt: str | None = None) -> dict:
     """Writes the params of `step` (default: newest) to `out`; returns a short summary."""
     out = pathlib.Path(out)
+    if fmt is None and out.suffix not in ("", ".safetensors"):
+        raise UserError(f"lm export: --out {out}: a '{out.suffix}' file is neither form lm writes; give a file "
+                        "ending in .safetensors, or a directory path without a suffix (orbax layout)")
     fmt = fmt or ("safetensors" if out.suffix == ".safetensors" else "orbax")
     if fmt not in ("orbax", "safetensors"):
         raise UserError(f"lm export: --format {fmt!r}: expected 'orbax' or 'safetensors'")
@@ -73,6 +101,7 @@ def export_params(workdir, out, step: int | None = None, fmt: str | None = None)
         out.parent.mkdir(parents=True, exist_ok=True)
         flat = {p: np.ascontiguousarray(x) for p, x in zip(leaf_paths(params), jax.tree.leaves(params))}
         save_file(flat, str(out), metadata={"lm_config": config, "lm_step": str(step)})
+        tokenizer_out = out.with_name(out.stem + ".tokenizer.model")
     else:
         if out.exists():
             shutil.rmtree(out)
@@ -82,6 +111,10 @@ def export_params(workdir, out, step: int | None = None, fmt: str | None = None)
         ckptr.close()
         (out / "config.json").write_text(config)
         (out / "export.json").write_text(json.dumps({"step": step, "checkpoint": str(pathlib.Path(workdir).absolute())}))
+        tokenizer_out = out / "tokenizer.model"
+    tokenizer = pathlib.Path(workdir) / "tokenizer.model"  # a sentencepiece run's; byte runs have none
+    if tokenizer.is_file():
+        shutil.copyfile(tokenizer, tokenizer_out)
     n = sum(int(np.prod(x.shape)) for x in jax.tree.leaves(params))
     return {"step": step, "format": fmt, "params": n, "out": str(out)}
 

@@ -159,3 +159,11 @@ def test_default_config_curates_trains_a_tokenizer_then_pretrains(tmp_path, corp
     assert (tmp_path / "w" / "tokenizer.model").read_bytes() == next(cache.glob("tokenizer-spm512-*.model")).read_bytes()
     rows = [json.loads(line) for line in (tmp_path / "w" / "metrics.jsonl").read_text().splitlines()]
     assert rows[-1]["step"] == 2 and rows[-1]["eval_loss"] < 1.5 * math.log(512)
+
+
+def test_help_mentions_config_overrides(capsys):
+    for verb in ("train", "plan", "curate"):
+        with pytest.raises(SystemExit):
+            main([verb, "--help"])
+        out = capsys.readouterr().out
+        assert "--config.SECTION.KEY=VALUE" in out and "--config.optim.lr=1e-3" in out, verb

@@ -1,6 +1,7 @@
 """`lm export`: params only, in orbax and safetensors layouts, read back by load_params."""
 
 import json
+import logging
 
 import grain
 import jax
@@ -97,3 +98,20 @@ def test_export_refuses_a_damaged_checkpoint(workdir, tmp_path):
     meta_path.write_text(json.dumps(meta))
     with pytest.raises(UserError, match="does not match its saved checksum"):
         export_params(copy, tmp_path / "z.safetensors")
+
+
+def test_export_carries_the_tokenizer_refuses_other_suffixes_and_logs_no_orbax_warning(workdir, tmp_path, caplog):
+    root, _, _ = workdir
+    (root / "tokenizer.model").write_bytes(b"a sentencepiece model")
+    try:
+        with caplog.at_level(logging.INFO):
+            export_params(root, tmp_path / "p.safetensors")
+            export_params(root, tmp_path / "dir")
+    finally:
+        (root / "tokenizer.model").unlink()
+    assert (tmp_path / "p.tokenizer.model").read_bytes() == b"a sentencepiece model"
+    assert (tmp_path / "dir" / "tokenizer.model").read_bytes() == b"a sentencepiece model"
+    assert not [r for r in caplog.records if "Metadata file does not exist" in r.getMessage()]
+    with pytest.raises(UserError, match=r"'\.pt' file.*\.safetensors.*without a suffix"):
+        export_params(root, tmp_path / "x.pt")
+    assert not (tmp_path / "x.pt").exists()

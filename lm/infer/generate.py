@@ -22,6 +22,7 @@ from jax.sharding import NamedSharding, PartitionSpec
 from lm.errors import UserError
 from lm.infer.sampling import SamplingParams, choose
 from lm.model.cache import cache_shardings, decode_step, init_cache
+from lm.model.transformer import unstack_layers
 from lm.sharding import batch_sharding, split_count
 
 NO_TOKEN = -1
@@ -73,11 +74,18 @@ class Generator:
     """Compiled generation for one model and sampling setting, on a mesh or one device.
 
     max_len: the cache length (prompt + new tokens must fit; at most the model's max_seq_len).
+    unstack: decode with the layers as separate buffers (`Transformer.unstacked`); default: on
+    the CPU kernel path, where slicing stacked layers on every step copies them. It costs one
+    copy of the params per call.
     """
 
     def __init__(self, model, params, sampling: SamplingParams, *, eos_id: int, max_len: int | None = None,
-                 mesh=None, rules=()):
-        self.model, self.sampling, self.eos_id = model, sampling, eos_id
+                 mesh=None, rules=(), unstack: bool | None = None):
+        self.sampling, self.eos_id = sampling, eos_id
+        self.unstack = model.spec.cpu_kernels if unstack is None else unstack
+        self.model = model.clone(unstacked=True) if self.unstack else model
+        model = self.model
+        self._prepare = jax.jit(unstack_layers) if self.unstack else (lambda p: p)
         self.max_len = max_len or model.spec.max_seq_len
         if self.max_len > model.spec.max_seq_len:
             raise UserError(f"generation: max_len {self.max_len} exceeds the model's context "
@@ -140,16 +148,17 @@ class Generator:
         self.check(prompts)
         cache, (ids, seg, pos), lengths, true_lengths = self._inputs([list(p) for p in prompts])
         rng = jax.random.PRNGKey(self.sampling.seed)
+        params = self._prepare(self.params)
         n = len(prompts)
         stopped = np.zeros(len(true_lengths), bool)
         if chunk <= 0:
-            state = self._whole(self.params, cache, ids, seg, pos, lengths, rng)
+            state = self._whole(params, cache, ids, seg, pos, lengths, rng)
         else:
-            state = self._init(self.params, cache, ids, seg, pos, lengths, rng)
+            state = self._init(params, cache, ids, seg, pos, lengths, rng)
             limit, seen = 0, 0
             while True:
                 limit = min(limit + chunk, self.sampling.max_new_tokens)
-                state = self._run(self.params, state, limit)
+                state = self._run(params, state, limit)
                 out = np.asarray(state["out"])
                 stop_rows = on_chunk([row[seen:limit][row[seen:limit] != NO_TOKEN] for row in out[:n]]) or ()
                 seen = limit

@@ -82,16 +82,23 @@ def attend(q, k, v, segment_ids, implementation: str) -> jax.Array:
 def cached_attention(q, k_cache, v_cache, mask) -> jax.Array:
     """q [B,t,N,H] against the whole cache [B,K,S,H]; mask [B,t,S] bool -> [B,t,N,H].
 
-    Keys stay in the cache's layout (batch and kv-head axes first), so no step copies the cache.
+    Batch and kv-head axes are folded into one batch axis, and a kv head's query heads and
+    query positions into the rows of one product: the cache is read in its own layout (no step
+    copies it), and XLA:CPU runs a dot with a single batch axis several times faster than the
+    same einsum with two.
     """
     b, t, n, h = q.shape
-    kv = k_cache.shape[1]
-    qg = (q * jnp.asarray(h ** -0.5, q.dtype)).reshape(b, t, kv, n // kv, h)
-    logits = jnp.einsum("btkgh,bksh->bkgts", qg, k_cache, preferred_element_type=jnp.float32)
-    logits = jnp.where(mask[:, None, None], logits, MASKED)
-    probs = jax.nn.softmax(logits, axis=-1).astype(v_cache.dtype)
-    out = jnp.einsum("bkgts,bksh->btkgh", probs, v_cache, preferred_element_type=jnp.float32)
-    return out.astype(q.dtype).reshape(b, t, n, h)
+    kv, s = k_cache.shape[1], k_cache.shape[2]
+    g = n // kv
+    qg = (q * jnp.asarray(h ** -0.5, q.dtype)).reshape(b, t, kv, g, h).transpose(0, 2, 1, 3, 4).reshape(b * kv, t * g, h)
+    batched = ((0,), (0,))
+    logits = jax.lax.dot_general(qg, k_cache.reshape(b * kv, s, h), (((2,), (2,)), batched),
+                                 preferred_element_type=jnp.float32).reshape(b, kv, t, g, s)
+    logits = jnp.where(mask[:, None, :, None, :], logits, MASKED)
+    probs = jax.nn.softmax(logits, axis=-1).astype(v_cache.dtype).reshape(b * kv, t * g, s)
+    out = jax.lax.dot_general(probs, v_cache.reshape(b * kv, s, h), (((2,), (1,)), batched),
+                              preferred_element_type=jnp.float32)
+    return out.astype(q.dtype).reshape(b, kv, t, g, h).transpose(0, 2, 1, 3, 4).reshape(b, t, n, h)
 
 
 def write_cache(cache: jax.Array, new: jax.Array, slots: jax.Array) -> jax.Array:

@@ -9,6 +9,8 @@ right-padded with segment id 0, and padding writes nothing.
 
 from __future__ import annotations
 
+import functools
+
 import flax.linen as nn
 import jax
 import jax.numpy as jnp
@@ -16,8 +18,9 @@ import jax.numpy as jnp
 from lm.sharding import logical_sharding
 
 
+@functools.lru_cache(maxsize=64)
 def _abstract_cache(model, batch_size: int, max_len: int):
-    """Boxed ShapeDtypeStructs of the cache (nothing is computed or allocated)."""
+    """Boxed ShapeDtypeStructs of the cache (nothing is computed or allocated; traced once per shape)."""
     ids = jnp.zeros((batch_size, max_len), jnp.int32)
 
     def init(rng):
@@ -28,11 +31,15 @@ def _abstract_cache(model, batch_size: int, max_len: int):
 
 def init_cache(model, batch_size: int, max_len: int, shardings=None):
     """A zero cache for `batch_size` rows of up to `max_len` positions (placed with `shardings`)."""
+    leaves, tree = jax.tree.flatten(shardings)
+    return _zeros_fn(model, batch_size, max_len, tree, tuple(leaves))()
+
+
+@functools.lru_cache(maxsize=64)
+def _zeros_fn(model, batch_size: int, max_len: int, tree, leaves):
     abstract = nn.unbox(_abstract_cache(model, batch_size, max_len))
-    if shardings is None:
-        return jax.tree.map(lambda a: jnp.zeros(a.shape, a.dtype), abstract)
-    make = jax.jit(lambda: jax.tree.map(lambda a: jnp.zeros(a.shape, a.dtype), abstract), out_shardings=shardings)
-    return make()
+    shardings = None if not leaves else jax.tree.unflatten(tree, leaves)
+    return jax.jit(lambda: jax.tree.map(lambda a: jnp.zeros(a.shape, a.dtype), abstract), out_shardings=shardings)
 
 
 def cache_shardings(model, batch_size: int, max_len: int, mesh, rules):

@@ -59,6 +59,11 @@ class Transformer(nn.Module):
     spec: ModelSpec
     part: Partitioning = Partitioning()
     scalar_head: bool = False  # a reward / value head beside the LM head (params: 'scalar_head')
+    # Decoding only: layers as separate param and cache entries ('layer_0', ...; see
+    # `unstack_layers`) run by a Python loop, instead of one stacked entry run by a scan.
+    # Slicing a stacked layer out on every decode step copies it on XLA:CPU; separate
+    # buffers are read where they are, and each layer's cache is updated in place.
+    unstacked: bool = False
 
     @nn.compact
     def __call__(self, inputs, segment_ids, positions, decode: bool = False, output: str = "logits",
@@ -78,7 +83,11 @@ class Transformer(nn.Module):
         x = c(x, ("batch", "length", "act_embed"))
         rope_cs = rope_tables(positions, s.head_dim, s.rope_theta) if s.position == "rope" else None
         slots, mask = self._cache_slots_and_mask(segment_ids, positions) if decode else (None, None)
-        x, _ = scanned_blocks(s, decode)(s, self.part, decode, name="blocks")(x, segment_ids, rope_cs, slots, mask)
+        if self.unstacked:
+            for i in range(s.n_layers):
+                x, _ = Block(s, self.part, decode, name=f"layer_{i}")(x, segment_ids, rope_cs, slots, mask)
+        else:
+            x, _ = scanned_blocks(s, decode)(s, self.part, decode, name="blocks")(x, segment_ids, rope_cs, slots, mask)
         x = Norm(s, name="final_norm")(x)
         if self.scalar_head and (output == "scalar" or self.is_initializing()):
             scalar = ScalarHead(s, name="scalar_head")(x)
@@ -107,6 +116,15 @@ class Transformer(nn.Module):
         visible = jnp.arange(max_len)[None, None, :] <= positions[:, :, None]
         same = seg_cache.value[:, None, :] == segment_ids[:, :, None]
         return slots, visible & same & (segment_ids != 0)[:, :, None]
+
+
+def unstack_layers(params: dict) -> dict:
+    """Params with the stacked 'blocks' entry split into 'layer_0', 'layer_1', ... (for a
+    Transformer with unstacked=True); everything else is shared as it is."""
+    blocks = params["blocks"]
+    n = jax.tree.leaves(blocks)[0].shape[0]
+    rest = {k: v for k, v in params.items() if k != "blocks"}
+    return rest | {f"layer_{i}": jax.tree.map(lambda x: x[i], blocks) for i in range(n)}
 
 
 def init_params(model: Transformer, rng: jax.Array, seq_len: int = 8):

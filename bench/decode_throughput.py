@@ -1,0 +1,146 @@
+"""Decode throughput: new tokens/s with the KV cache, against recomputing the whole forward pass
+per token and against Hugging Face transformers `generate` on the same CPU.
+
+Shape: a small Llama (6 layers, d_model 384, 6 heads over 2 kv heads, SwiGLU 1024, RoPE, tied
+embeddings, vocabulary 2048), float32, random weights, greedy, 16-token prompts, at batch 1 and
+16 and for 256 and 1024 new tokens. Ours and the peer alternate in rounds (the machine's speed
+drifts); medians of the rounds are reported.
+
+    PYTHONPATH=. python bench/decode_throughput.py [--rounds 2] [--peer-python /tmp/hf-venv/bin/python]
+
+The recompute baseline is one jitted full forward pass over a fixed buffer of prompt + new
+tokens per new token (one compile, as lm's sampler did before the cache): its cost per token is
+the same at every step, so it is timed over a few steps and reported per token. Prints
+figures only; asserts nothing.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import os
+import pathlib
+import re
+import statistics
+import subprocess
+import sys
+import time
+
+os.environ["XLA_FLAGS"] = re.sub(r"--xla_force_host_platform_device_count=\S+", "",
+                                 os.environ.get("XLA_FLAGS", "")).strip()
+sys.path.insert(0, str(pathlib.Path(__file__).resolve().parent.parent))
+# No lm.cpu_flags defaults, as in `lm sample`: they pick XLA:CPU's Eigen matmuls, faster for
+# training's large float32 products, while XLA's own default (YNNPACK) is faster for decoding's
+# few rows (1,850 vs 1,400 tokens/s at batch 16 in one run).
+import jax  # noqa: E402
+import flax.linen as nn  # noqa: E402
+import jax.numpy as jnp  # noqa: E402
+import numpy as np  # noqa: E402
+
+from lm.infer.generate import Generator  # noqa: E402
+from lm.infer.sampling import SamplingParams  # noqa: E402
+from lm.model.layers import ModelSpec  # noqa: E402
+from lm.model.transformer import Transformer, init_params  # noqa: E402
+
+SHAPE = dict(vocab=2048, d_model=384, layers=6, heads=6, kv_heads=2, d_ff=1024)
+PROMPT = 16
+PEER = pathlib.Path(__file__).resolve().parent / "hf_generate_peer.py"
+
+
+def spec(max_len: int) -> ModelSpec:
+    s = SHAPE
+    return ModelSpec(vocab_size=s["vocab"], d_model=s["d_model"], n_layers=s["layers"], n_heads=s["heads"],
+                     n_kv_heads=s["kv_heads"], head_dim=s["d_model"] // s["heads"], d_ff=s["d_ff"],
+                     max_seq_len=max_len, attention="reference")
+
+
+def prompts(batch: int) -> list[list[int]]:
+    rng = np.random.default_rng(0)
+    return rng.integers(3, SHAPE["vocab"], (batch, PROMPT)).tolist()
+
+
+class Ours:
+    """Compiled once per (batch, new tokens); each call is a whole generation."""
+
+    def __init__(self, batch: int, new: int):
+        self.model = Transformer(spec(PROMPT + new))
+        self.params = jax.jit(lambda k: nn.unbox(init_params(self.model, k)))(jax.random.PRNGKey(0))
+        self.gen = Generator(self.model, self.params, SamplingParams(max_new_tokens=new, temperature=0), eos_id=-1)
+        self.prompts, self.tokens = prompts(batch), batch * new
+        out = self.gen(self.prompts)  # compile
+        assert all(len(r) == new for r in out.ids)
+
+    def tokens_per_s(self) -> float:
+        start = time.perf_counter()
+        self.gen(self.prompts)
+        return self.tokens / (time.perf_counter() - start)
+
+    def recompute_tokens_per_s(self, steps: int = 8) -> float:
+        """One full forward pass over the [batch, prompt + new] buffer per new token."""
+        b, total = len(self.prompts), self.model.spec.max_seq_len
+        buf = jnp.zeros((b, total), jnp.int32).at[:, :PROMPT].set(jnp.asarray(self.prompts, jnp.int32))
+        seg, pos = jnp.ones((b, total), jnp.int32), jnp.broadcast_to(jnp.arange(total), (b, total))
+
+        @jax.jit
+        def step(params, buf, t):
+            logits = self.model.apply({"params": params}, buf, seg, pos)
+            nxt = jnp.argmax(jax.lax.dynamic_index_in_dim(logits, t - 1, axis=1, keepdims=False), -1)
+            return jax.lax.dynamic_update_index_in_dim(buf, nxt.astype(jnp.int32)[:, None], t, axis=1)
+
+        buf = step(self.params, buf, PROMPT).block_until_ready()  # compile
+        start = time.perf_counter()
+        for t in range(PROMPT + 1, PROMPT + 1 + steps):
+            buf = step(self.params, buf, t)
+        buf.block_until_ready()
+        return b * steps / (time.perf_counter() - start)
+
+
+def peer(python: str, batch: int, new: int) -> float | None:
+    flags = [f"--{k.replace('_', '-')}={v}" for k, v in SHAPE.items()]
+    cmd = [python, str(PEER), "--batch", str(batch), "--new-tokens", str(new), "--prompt-len", str(PROMPT),
+           "--repeats", "1", *flags]
+    done = subprocess.run(cmd, capture_output=True, text=True, env={k: v for k, v in os.environ.items()
+                                                                     if k != "XLA_FLAGS"})
+    if done.returncode:
+        print(f"peer failed: {done.stderr[-2000:]}", file=sys.stderr)
+        return None
+    return json.loads(done.stdout.strip().splitlines()[-1])["tokens_per_s"]
+
+
+def main():
+    p = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    p.add_argument("--rounds", type=int, default=2)
+    p.add_argument("--peer-python", help="a Python with torch and transformers (e.g. /tmp/hf-venv/bin/python)")
+    p.add_argument("--batches", default="1,16")
+    p.add_argument("--new-tokens", default="256,1024")
+    p.add_argument("--out", help="write the figures as JSON here")
+    args = p.parse_args()
+    rows = []
+    for batch in [int(x) for x in args.batches.split(",")]:
+        for new in [int(x) for x in args.new_tokens.split(",")]:
+            ours = Ours(batch, new)
+            mine, theirs = [], []
+            for _ in range(args.rounds):
+                mine.append(ours.tokens_per_s())
+                if args.peer_python:
+                    theirs.append(peer(args.peer_python, batch, new))
+            recompute = ours.recompute_tokens_per_s()
+            row = {"batch": batch, "new_tokens": new, "ours_tokens_per_s": statistics.median(mine),
+                   "recompute_tokens_per_s": recompute, "rounds": mine}
+            row["cache_vs_recompute"] = row["ours_tokens_per_s"] / recompute
+            if theirs and None not in theirs:
+                row |= {"peer_tokens_per_s": statistics.median(theirs), "peer_rounds": theirs,
+                        "ours_vs_peer": statistics.median(m / t for m, t in zip(mine, theirs))}
+            rows.append(row)
+            print(json.dumps(row), flush=True)
+    print(f"\n{'batch':>5} {'new':>5} {'ours tok/s':>11} {'recompute':>10} {'cache x':>8} {'HF tok/s':>9} {'ours/HF':>8}")
+    for r in rows:
+        print(f"{r['batch']:>5} {r['new_tokens']:>5} {r['ours_tokens_per_s']:>11.0f} {r['recompute_tokens_per_s']:>10.1f} "
+              f"{r['cache_vs_recompute']:>8.1f} {r.get('peer_tokens_per_s', float('nan')):>9.0f} "
+              f"{r.get('ours_vs_peer', float('nan')):>8.2f}")
+    if args.out:
+        pathlib.Path(args.out).write_text(json.dumps(rows, indent=2))
+
+
+if __name__ == "__main__":
+    main()

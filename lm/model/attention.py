@@ -137,7 +137,11 @@ class Attention(nn.Module):
             y = attend(q, k, v, segment_ids, s.attention)
         y = c(y, ("batch", "length", "act_heads", None))
         wo = param(self, "wo", out_init, (s.n_heads, s.head_dim, s.d_model), ("q_heads", "head_dim", "embed"))
-        out = matmul(s, "btnh,nhd->btd", y, wo)
+        if self.decode:  # heads flattened on both sides: XLA:CPU would otherwise re-lay-out wo every step
+            b, t = y.shape[:2]
+            out = matmul(s, "btf,fd->btd", y.reshape(b, t, -1), wo.reshape(-1, s.d_model))
+        else:
+            out = matmul(s, "btnh,nhd->btd", y, wo)
         if s.use_bias:
             out = out + param(self, "wo_bias", nn.initializers.zeros, (s.d_model,), ("embed",)).astype(dt)
         return c(out, ("batch", "length", "act_embed"))

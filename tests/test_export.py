@@ -10,15 +10,11 @@ import pytest
 from safetensors.numpy import load_file
 
 from lm.cli import main
-from lm.config import base_config, rules_table
+from lm.config import base_config
 from lm.errors import UserError
 from lm.export import export_params, load_config, load_params
-from lm.model.layers import ModelSpec, Partitioning
-from lm.model.transformer import Transformer
-from lm.sharding import make_mesh
 from lm.train.checkpoint import Checkpointer
-from lm.train.optim import make_optimizer
-from lm.train.state import create_state
+from lm.train.setup import build_run
 
 
 @pytest.fixture(scope="module")
@@ -27,15 +23,13 @@ def workdir(tmp_path_factory):
     root = tmp_path_factory.mktemp("run")
     c = base_config()
     c.model.update(vocab_size=64, d_model=32, n_layers=2, n_heads=2, n_kv_heads=1, d_ff=64, max_seq_len=16)
-    rules = rules_table(c)
-    mesh = make_mesh(dict(data=1, fsdp=8, tensor=1))
-    model = Transformer(ModelSpec.from_config(c.model), Partitioning(mesh, rules))
-    optimizer, _ = make_optimizer(c.optim, 10)
+    c.mesh.update(data=1, fsdp=8, tensor=1)
+    run = build_run(c)
     it = iter(grain.MapDataset.range(10).repeat().to_iter_dataset())
     ckpt = Checkpointer(root / "checkpoints", 3, keep=2, config=c)
     params = {}
     for step, seed in ((3, 1), (6, 2)):
-        state, _ = create_state(model, optimizer, mesh, rules, seed=seed)
+        state = run.init_state(seed)
         ckpt.save(step, state, it)
         params[step] = jax.device_get(state.params)
     ckpt.close()

@@ -70,6 +70,15 @@ def _decode_until(model, params, state, limit, eos_id: int, sampling: SamplingPa
     return jax.lax.while_loop(cond, body, state)
 
 
+def _host(x: jax.Array) -> np.ndarray:
+    """The whole array on this host (with several processes, each holds only its shards)."""
+    if x.is_fully_addressable:
+        return np.asarray(x)
+    from jax.experimental import multihost_utils
+
+    return np.asarray(multihost_utils.process_allgather(x, tiled=True))
+
+
 class Generator:
     """Compiled generation for one model and sampling setting, on a mesh or one device.
 
@@ -159,19 +168,19 @@ class Generator:
             while True:
                 limit = min(limit + chunk, self.sampling.max_new_tokens)
                 state = self._run(params, state, limit)
-                out = np.asarray(state["out"])
+                out = _host(state["out"])
                 stop_rows = on_chunk([row[seen:limit][row[seen:limit] != NO_TOKEN] for row in out[:n]]) or ()
                 seen = limit
                 for r in stop_rows:
                     stopped[r] = True
                 if stop_rows:
                     state["done"] = state["done"] | jnp.asarray(stopped)
-                if limit >= self.sampling.max_new_tokens or bool(np.all(np.asarray(state["done"])[:n])):
+                if limit >= self.sampling.max_new_tokens or bool(np.all(_host(state["done"])[:n])):
                     break
         return self._result(state, n, stopped)
 
     def _result(self, state, n: int, stopped) -> Generation:
-        out, logp = np.asarray(state["out"]), np.asarray(state["out_logp"])
+        out, logp = _host(state["out"]), _host(state["out_logp"])
         ids, logps, finish = [], [], []
         for r in range(n):
             keep = out[r] != NO_TOKEN

@@ -17,7 +17,7 @@ install: $(VENV)/.installed
 
 demo: $(VENV)/.installed
 	$(VENV)/bin/lm train --config configs/tiny.py --workdir $(WORKDIR)
-	$(VENV)/bin/lm sample --workdir $(WORKDIR) --prompt "def " --max-new-tokens 120 --temperature 0.7 --top-p 0.95
+	$(VENV)/bin/lm sample --workdir $(WORKDIR) --prompt "def" --max-new-tokens 120 --temperature 0.7 --top-p 0.95
 
 test: $(VENV)/.installed
 	$(PY) -m pytest -q

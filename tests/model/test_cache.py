@@ -9,7 +9,6 @@ import numpy as np
 import pytest
 
 from lm.model.cache import cache_shardings, decode_step, init_cache
-from lm.model.layers import ModelSpec
 from lm.model.transformer import Transformer
 from tests.model.test_transformer import TINY, random_params
 

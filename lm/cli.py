@@ -51,6 +51,16 @@ def _parser() -> argparse.ArgumentParser:
     t.add_argument("--coordinator", help="with --distributed: host:port of process 0 (else auto-detected)")
     t.add_argument("--num-processes", type=int, help="with --distributed: number of processes")
     t.add_argument("--process-id", type=int, help="with --distributed: this process's index")
+    ft = _with_overrides(sub, "sft", help="fine-tune a trained model on conversations (JSONL), fully or with LoRA",
+                         description="Supervised fine-tuning on the assistant turns of chat or instruction JSONL, "
+                                     "starting from a run or an export. LoRA: --config.model.lora_rank=8.")
+    ft.add_argument("--init", required=True, help="an `lm train`/`lm sft` workdir or an `lm export` to start from")
+    ft.add_argument("--data", required=True, help="JSONL: {\"messages\": [...]} or {\"instruction\", \"output\"} lines")
+    ft.add_argument("--eval-data", help="held-out JSONL: response loss during training, exact match at the end")
+    ft.add_argument("--workdir", required=True, help="directory for checkpoints, metrics, plots")
+    ft.add_argument("--config", help="a config file whose get_config() sets SFT keys (default: built-in SFT defaults)")
+    ft.add_argument("--resume", action="store_true", help="continue from the newest checkpoint in --workdir")
+    ft.add_argument("--no-progress", action="store_true", help="no progress bar (logs only)")
     tk = sub.add_parser("tokenizer", help="train a sentencepiece BPE tokenizer on a corpus")
     tk.add_argument("action", choices=["train"])
     tk.add_argument("--corpus", default="stdlib", help="'stdlib', a directory or a glob (train split only)")
@@ -156,6 +166,30 @@ def _export(args) -> int:
     return 0
 
 
+def _sft(args, overrides: list[str], argv: list[str]) -> int:
+    from pathlib import Path
+
+    from lm.config import sft_config
+    from lm.infer.load import init_config
+
+    init = str(Path(args.init).absolute())  # the run records where its base lives
+    config = sft_config(init_config(init), args.config, overrides, init=init, data=args.data,
+                        eval_data=args.eval_data)
+    from lm.cpu_flags import apply_cpu_defaults
+
+    apply_cpu_defaults(config.model.compute_dtype)  # before anything imports jax
+    from lm.train.sft import sft
+
+    summary = sft(config, args.workdir, resume=args.resume, show_progress=not args.no_progress)
+    if summary.get("stopped_by"):
+        return _stopped(summary, argv)
+    if summary.get("nothing_to_do"):
+        print(f"lm: {args.workdir} already finished at step {summary['step']}; nothing left to do", file=sys.stderr)
+        return 0
+    print(f"done: step {summary['step']}; see {args.workdir}/summary.json and loss.png")
+    return 0
+
+
 def _stopped(summary: dict, argv: list[str]) -> int:
     """A signal ended the run after a checkpoint: say how to continue; exit 0 (nothing was lost)."""
     import shlex
@@ -181,6 +215,8 @@ def main(argv: list[str] | None = None) -> int:
             from lm.infer.cli import run as sample
 
             return sample(args)
+        if args.verb == "sft":
+            return _sft(args, overrides, argv)
         from lm.config import load_config
 
         config = load_config(args.config, overrides)

@@ -36,9 +36,13 @@ DEFAULT_RULES = {
     "head_dim": (),
     "mlp": ("tensor",),
     "layers": (),
+    "lora_rank": (),
     "position": (),
     "norm": (),
 }
+
+# The projections LoRA can adapt (lm.model.lora), by param name.
+LORA_TARGETS = ("wq", "wk", "wv", "wo", "w_gate", "w_up", "w_down", "w_in")
 
 CHOICES = {
     "model.mlp": ("swiglu", "gelu"),
@@ -52,6 +56,9 @@ CHOICES = {
     "model.kernels": ("auto", "cpu", "plain"),
     "train.on_bad": ("restore", "stop"),
     "curate.on_bad_record": ("error", "skip"),
+    "sft.truncation": ("drop", "cut_prompt_left", "cut_response"),
+    "sft.train_on": ("all", "last"),
+    "sft.on_bad_record": ("error", "skip"),
 }
 
 
@@ -63,6 +70,9 @@ def base_config() -> ConfigDict:
         d_ff=384, mlp="swiglu", norm="rmsnorm", use_bias=False, position="rope",
         max_seq_len=256, rope_theta=10000.0, norm_eps=1e-5, tie_embeddings=True,
         compute_dtype="float32", attention="blockwise", remat="none", init_std=0.02, kernels="auto",
+        # LoRA (lm.model.lora): rank 0 = off; targets among wq wk wv wo w_gate w_up w_down w_in
+        lora_rank=0, lora_alpha=16.0, lora_dropout=0.0,
+        lora_targets=LORA_TARGETS,
     )
     # sources: ("SPEC:WEIGHT", ...) mixed by weight; SPEC is a corpus ('stdlib', dir, glob) or an
     # `lm tokenize` output dir; empty = data.corpus alone. tokenizer: 'byte', a .model, or 'spm:VOCAB'
@@ -91,6 +101,13 @@ def base_config() -> ConfigDict:
     # adds timed saves (0 = off); processes agree on signals and timed saves every agree_every_steps
     c.checkpoint = dict(every_steps=100, every_minutes=0.0, keep=3, keep_period=0, agree_every_steps=5)
     c.mesh = dict(data=-1, fsdp=1, tensor=1, rules=dict(DEFAULT_RULES))
+    # `lm sft`: init is the run or export to start from; data / eval_data JSONL conversations (chat
+    # or instruction lines). epochs > 0 sets train.steps (0: train.steps as given). truncation of
+    # over-long examples: drop | cut_prompt_left | cut_response; train_on: all | last assistant
+    # turns; an example left with no assistant token is skipped, more than max_skipped_fraction of
+    # them stops the run. eval_examples held-out conversations are answered greedily at the end.
+    c.sft = dict(init="", data="", eval_data="", epochs=3.0, truncation="drop", train_on="all",
+                 on_bad_record="error", max_skipped_fraction=0.05, eval_examples=256, eval_max_new_tokens=64)
     c.curate = curate_defaults()
     return c
 
@@ -217,13 +234,13 @@ def load_config(path: str | None, overrides: list[str] = ()) -> ConfigDict:
     """Loads a config file's get_config(), merges it over the schema, applies overrides, validates."""
     config = base_config()
     if path:
-        merge(config, _load_file(path))
+        merge(config, load_file(path))
     apply_overrides(config, list(overrides))
     validate(config)
     return config
 
 
-def _load_file(path: str) -> ConfigDict:
+def load_file(path: str) -> ConfigDict:
     p = pathlib.Path(path)
     if not p.is_file():
         raise UserError(f"config file '{path}' does not exist; pass e.g. --config configs/tiny.py")
@@ -256,6 +273,11 @@ def validate(c: ConfigDict) -> None:
         _require(m[key] > 0, f"model.{key}", m[key], "expected a positive integer")
     _require(m.head_dim > 0 or m.d_model % m.n_heads == 0, "model.n_heads", m.n_heads,
              f"must divide model.d_model={m.d_model} (or set model.head_dim)")
+    _require(m.lora_rank >= 0, "model.lora_rank", m.lora_rank, "expected >= 0 (0 = no adapters)")
+    _require(m.lora_alpha > 0, "model.lora_alpha", m.lora_alpha, "expected > 0")
+    _require(0.0 <= m.lora_dropout < 1.0, "model.lora_dropout", m.lora_dropout, "expected a rate in [0, 1)")
+    _require(set(m.lora_targets) <= set(LORA_TARGETS) and m.lora_targets, "model.lora_targets", m.lora_targets,
+             f"expected names among {LORA_TARGETS}")
     _require(m.n_heads % m.n_kv_heads == 0, "model.n_kv_heads", m.n_kv_heads,
              f"must divide model.n_heads={m.n_heads}")
     _require(m.position != "rope" or _head_dim(m) % 2 == 0, "model.head_dim", _head_dim(m),
@@ -283,6 +305,11 @@ def validate(c: ConfigDict) -> None:
     _require(k.agree_every_steps >= 1, "checkpoint.agree_every_steps", k.agree_every_steps,
              "expected a positive integer")
     _require(c.optim.lr > 0, "optim.lr", c.optim.lr, "expected a positive learning rate")
+    _require(c.sft.epochs >= 0, "sft.epochs", c.sft.epochs, "expected >= 0 (0 = use train.steps)")
+    _require(0.0 <= c.sft.max_skipped_fraction <= 1.0, "sft.max_skipped_fraction", c.sft.max_skipped_fraction,
+             "expected a fraction in [0, 1]")
+    for key in ("eval_examples", "eval_max_new_tokens"):
+        _require(c.sft[key] >= 1, f"sft.{key}", c.sft[key], "expected a positive integer")
     _require(0 <= c.optim.warmup_steps, "optim.warmup_steps", c.optim.warmup_steps, "expected >= 0")
     for axis in ("data", "fsdp", "tensor"):
         _require(c.mesh[axis] == -1 or c.mesh[axis] > 0, f"mesh.{axis}", c.mesh[axis],
@@ -337,3 +364,27 @@ def _head_dim(m) -> int:
 def rules_table(c: ConfigDict) -> tuple[tuple[str, tuple[str, ...]], ...]:
     """The logical-axis rule table as the hashable sequence flax expects."""
     return tuple((name, tuple(axes) if axes else None) for name, axes in sorted(c.mesh.rules.items()))
+
+
+# `lm sft` settings that differ from pretraining's (a config file or overrides may change each):
+# a tenth of the pretraining peak learning rate, a short warmup, decay to 0, no weight decay.
+SFT_DEFAULTS = {"optim.warmup_steps": 10, "optim.min_lr_ratio": 0.0, "optim.weight_decay": 0.0,
+                "eval.every_steps": 50, "checkpoint.every_steps": 100, "train.log_every": 10}
+SFT_LR_FRACTION = 0.1
+
+
+def sft_config(init: ConfigDict, path: str | None = None, overrides=(), **sft_keys) -> ConfigDict:
+    """The config of a fine-tuning run: the schema, the SFT defaults, the model and sequence length
+    of the run it starts from (`init`, its config), then `path` (only the keys its get_config()
+    sets), `sft_keys` (sft.* values from the command line) and the overrides; validated."""
+    c = base_config()
+    c.model = ConfigDict(init.model.to_dict())
+    c.data.update(seq_len=init.data.seq_len, cache_dir=init.data.cache_dir)
+    c.optim.lr = init.optim.lr * SFT_LR_FRACTION
+    apply_overrides(c, [f"{k}={v}" for k, v in SFT_DEFAULTS.items()])
+    if path:
+        merge(c, load_file(path))
+    c.sft.update({k: v for k, v in sft_keys.items() if v is not None})
+    apply_overrides(c, list(overrides))
+    validate(c)
+    return c

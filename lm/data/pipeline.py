@@ -15,6 +15,12 @@ A process builds only the streams of the rows it feeds, so it reads only its sha
 and the global batch is the same whatever the number of processes.
 Everything before packing is index arithmetic, so the iterator state is a few
 integers per stream and resuming reproduces the exact batches.
+
+A source may instead hold ready examples (e.g. `lm.data.sft.SftExamples`: random
+access to {'inputs', 'targets', 'loss_mask'} of at most seq_len predictions). They
+go through the same streams as pieces; packing carries their `loss_mask`, and
+first-fit packing places each example whole in one row. Mixed with token shards,
+the shards' pieces get a loss mask of ones.
 """
 
 from __future__ import annotations
@@ -44,7 +50,7 @@ _READ = grain.ReadOptions(num_threads=0, prefetch_buffer_size=0)
 @dataclasses.dataclass(frozen=True)
 class Source:
     name: str  # for messages and stats, e.g. the corpus spec
-    shards: ShardSet
+    shards: ShardSet  # or ready examples with a loss mask (see the module doc)
     weight: float
 
 
@@ -80,22 +86,54 @@ def check_weights(sources: list[Source], key: str = "data.sources") -> None:
         raise UserError(f"{key}: the weights {[s.weight for s in sources]} must sum to a positive number")
 
 
+def _items(sources: list[Source], seq_len: int) -> list:
+    """Random access to each source's rows-to-be: a shard set's pieces, or its ready examples
+    as they are (with a loss mask of ones added to pieces when the two kinds are mixed)."""
+    items = []
+    for s in sources:
+        if not isinstance(s.shards, ShardSet):
+            longest = getattr(s.shards, "seq_len", seq_len)
+            if longest > seq_len:
+                raise UserError(f"data: source '{s.name}' holds examples of up to {longest} predictions, "
+                                f"more than a row of data.seq_len={seq_len}; prepare it with the same seq_len")
+            items.append(grain.MapDataset.source(s.shards))
+        else:
+            pieces = grain.MapDataset.source(Pieces(s.shards, seq_len))
+            items.append(pieces.map(_ones_mask) if _masked(sources) else pieces)
+    return items
+
+
+def _masked(sources: list[Source]) -> bool:
+    """Whether rows carry a loss mask of their own: some source holds ready examples."""
+    return not all(isinstance(s.shards, ShardSet) for s in sources)
+
+
+def _ones_mask(piece: dict) -> dict:
+    return piece | {"loss_mask": np.ones(len(piece["inputs"]), np.float32)}
+
+
 def _mixed(parts: list, weights: list[float]):
     return parts[0] if len(parts) == 1 else grain.MapDataset.mix(parts, weights)
 
 
-def _pack(ds: grain.IterDataset, seq_len: int, bins: int) -> grain.IterDataset:
+def _pack(ds: grain.IterDataset, seq_len: int, bins: int, masked: bool = False) -> grain.IterDataset:
+    # A loss mask is packed beside the tokens, as a meta feature: no segment ids or positions of its own.
+    extra = ("loss_mask",) if masked else ()
     return grain.experimental.FirstFitPackIterDataset(
-        ds, length_struct={"inputs": seq_len, "targets": seq_len}, num_packing_bins=bins, shuffle_bins=False)
+        ds, length_struct={"inputs": seq_len, "targets": seq_len} | dict.fromkeys(extra, seq_len),
+        num_packing_bins=bins, shuffle_bins=False, meta_features=extra)
 
 
 def to_contract(rows: dict) -> dict:
     """grain's packed fields -> the batch contract (works on one row or a batch of rows)."""
     segments = rows["inputs_segment_ids"].astype(np.int32)
+    mask = (segments > 0).astype(np.float32)  # no loss on padding
+    if "loss_mask" in rows:  # and none where the examples say so (prompts)
+        mask = mask * rows["loss_mask"].astype(np.float32)
     return {
         "inputs": rows["inputs"].astype(np.int32),
         "targets": rows["targets"].astype(np.int32),
-        "loss_mask": (segments > 0).astype(np.float32),  # no loss on padding
+        "loss_mask": mask,
         "segment_ids": segments,
         "positions": rows["inputs_positions"].astype(np.int32),
     }
@@ -116,17 +154,16 @@ def train_dataset(sources: list[Source], *, seq_len: int, global_batch: int, see
         raise UserError(f"data: rows {rows} must be non-empty and within a global batch of {global_batch}")
     check_weights(sources)
     sources = [s for s in sources if s.weight > 0]
-    pieces = [Pieces(s.shards, seq_len) for s in sources]
+    pieces = _items(sources, seq_len)
     for s, p in zip(sources, pieces):
         if len(p) == 0:
             raise UserError(f"data: source '{s.name}' has no tokens to train on")
     # Each source is shuffled afresh every epoch (repeat reseeds the shuffle).
-    epochs = [grain.MapDataset.source(p).shuffle(seed=_stream_seed(seed, i)).repeat()
-              for i, p in enumerate(pieces)]
+    epochs = [p.shuffle(seed=_stream_seed(seed, i)).repeat() for i, p in enumerate(pieces)]
     streams = []
     for r in rows:
         mixed = _mixed([e[r::global_batch] for e in epochs], [s.weight for s in sources])
-        streams.append(_pack(mixed.to_iter_dataset(_READ), seq_len, PACK_BINS))
+        streams.append(_pack(mixed.to_iter_dataset(_READ), seq_len, PACK_BINS, _masked(sources)))
     # Equal weights: grain's mix takes the streams round-robin, so batch row i is stream i.
     merged = streams[0] if len(streams) == 1 else grain.IterDataset.mix(streams)
     return merged.batch(len(rows), drop_remainder=True).map(to_contract)
@@ -138,10 +175,11 @@ def eval_batches(sources: list[Source], *, seq_len: int, batch_size: int, n_batc
     padding rows (segment_ids 0, loss_mask 0) so every batch has the same shape."""
     check_weights(sources)
     sources = [s for s in sources if s.weight > 0]
-    parts = [grain.MapDataset.source(Pieces(s.shards, seq_len)) for s in sources]
+    parts = _items(sources, seq_len)
     if any(len(p) == 0 for p in parts):
         raise UserError("data: a held-out source has no tokens; use a larger heldout_fraction or corpus")
-    packed = iter(_pack(_mixed(parts, [s.weight for s in sources]).to_iter_dataset(_READ), seq_len, batch_size))
+    mixed = _mixed(parts, [s.weight for s in sources]).to_iter_dataset(_READ)
+    packed = iter(_pack(mixed, seq_len, batch_size, _masked(sources)))
     rows = [to_contract(row) for _, row in zip(range(n_batches * batch_size), packed)]
     pad = {k: np.zeros_like(v) for k, v in rows[0].items()}
     rows += [pad] * (-len(rows) % batch_size)

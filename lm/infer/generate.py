@@ -48,7 +48,7 @@ def _state_init(model, params, cache, ids, seg, pos, lengths, rng, sampling: Sam
                 out=jnp.full((b, n), NO_TOKEN, jnp.int32), out_logp=jnp.zeros((b, n), jnp.float32), rng=rng)
 
 
-def _decode_until(model, params, state, limit, eos_id: int, sampling: SamplingParams):
+def _decode_until(model, params, state, limit, eos_id: tuple[int, ...], sampling: SamplingParams):
     """Records the pending token of every live row, feeds it, chooses the next; until `limit`
     tokens per row or every row is done."""
 
@@ -59,7 +59,7 @@ def _decode_until(model, params, state, limit, eos_id: int, sampling: SamplingPa
         live = ~s["done"]
         out = s["out"].at[:, s["i"]].set(jnp.where(live, s["tokens"], NO_TOKEN))
         out_logp = s["out_logp"].at[:, s["i"]].set(jnp.where(live, s["logp"], 0.0))
-        done = s["done"] | (s["tokens"] == eos_id) | (s["i"] + 1 >= sampling.max_new_tokens)
+        done = s["done"] | jnp.isin(s["tokens"], jnp.asarray(eos_id, jnp.int32)) | (s["i"] + 1 >= sampling.max_new_tokens)
         feed = (~done).astype(jnp.int32)[:, None]  # finished rows write nothing
         logits, cache = decode_step(model, params, s["cache"], s["tokens"][:, None], feed, s["pos"][:, None])
         rng, key = jax.random.split(s["rng"])
@@ -88,8 +88,9 @@ class Generator:
     copy of the params per call.
     """
 
-    def __init__(self, model, params, sampling: SamplingParams, *, eos_id: int, max_len: int | None = None,
-                 mesh=None, rules=(), unstack: bool | None = None):
+    def __init__(self, model, params, sampling: SamplingParams, *, eos_id: int | tuple[int, ...],
+                 max_len: int | None = None, mesh=None, rules=(), unstack: bool | None = None):
+        eos_id = tuple(int(i) for i in eos_id) if isinstance(eos_id, (tuple, list)) else (int(eos_id),)
         self.sampling, self.eos_id = sampling, eos_id
         self.unstack = model.spec.cpu_kernels if unstack is None else unstack
         self.model = model.clone(unstacked=True) if self.unstack else model
@@ -188,7 +189,7 @@ class Generator:
             logps.append(logp[r][keep])
             if stopped[r]:
                 finish.append("stop")
-            elif len(ids[-1]) and ids[-1][-1] == self.eos_id:
+            elif len(ids[-1]) and ids[-1][-1] in self.eos_id:
                 finish.append("eos")
             else:
                 finish.append("length")

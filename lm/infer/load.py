@@ -4,8 +4,9 @@ from __future__ import annotations
 
 import dataclasses
 import pathlib
+import shutil
 
-from lm.config import base_config, merge
+from lm.config import ConfigDict, base_config, merge
 from lm.data.tokenizer import load_tokenizer
 from lm.errors import UserError
 
@@ -23,6 +24,15 @@ def tokenizer_beside(path: pathlib.Path) -> pathlib.Path | None:
     (EXPORT/tokenizer.model, or NAME.tokenizer.model beside NAME.safetensors)."""
     candidates = [path / "tokenizer.model", path.with_name(path.stem + ".tokenizer.model")]
     return next((p for p in candidates if p.is_file()), None)
+
+
+def save_tokenizer(tok, workdir: pathlib.Path) -> None:
+    """A sentencepiece run keeps its model beside the checkpoints (sampling and export read it)."""
+    path = getattr(tok, "path", None)
+    if path is not None and pathlib.Path(path).suffix == ".model":
+        target = pathlib.Path(workdir) / "tokenizer.model"
+        if pathlib.Path(path).resolve() != target.resolve():
+            shutil.copyfile(path, target)
 
 
 def _tokenizer(config, saved: pathlib.Path | None, given: str | None, source: str):
@@ -59,6 +69,25 @@ def _config(saved: dict, source: str):
     return config
 
 
+def init_config(path: str):
+    """The config a run or an export was trained with, read without loading params (or jax)."""
+    p = pathlib.Path(path)
+    if p.suffix == ".safetensors" and p.is_file():
+        import json
+
+        from safetensors import safe_open
+
+        with safe_open(str(p), framework="numpy") as f:
+            saved = json.loads((f.metadata() or {}).get("lm_config", "null"))
+    elif (p / "config.json").is_file():
+        import json
+
+        saved = json.loads((p / "config.json").read_text())
+    else:
+        raise UserError(f"'{path}' is neither an `lm train`/`lm sft` workdir nor an `lm export` (no config.json)")
+    return _config(saved, f"'{path}'")
+
+
 def load_trained(workdir: str | None = None, params: str | None = None, tokenizer: str | None = None,
                  step: int | None = None) -> Loaded:
     """From an `lm train` workdir (its newest checkpoint, or `step`) or an `lm export` (dir or .safetensors)."""
@@ -76,4 +105,28 @@ def load_trained(workdir: str | None = None, params: str | None = None, tokenize
             raise UserError(f"--params {params}: no such file or directory (an `lm export` output)")
         values, source = export.load_params(path), f"export '{params}'"
         config = _config(export.load_config(path), source)
-    return Loaded(config, values, _tokenizer(config, tokenizer_beside(path), tokenizer, source), source)
+    tok = _tokenizer(config, tokenizer_beside(path), tokenizer, source)
+    if config.model.lora_rank > 0:
+        config, values = with_base(config, values, source)
+    return Loaded(config, values, tok, source)
+
+
+def with_base(config, params: dict, source: str):
+    """A LoRA run's params are its adapters alone: fold them into the base it was trained from
+    (config.sft.init) -> (the config without adapters, plain params as numpy)."""
+    import jax
+    import numpy as np
+
+    from lm.model.lora import merge_lora
+    from lm.train.sft import load_init  # lazy: the SFT stage imports this module
+    from lm.train.state import merge_trees
+
+    if "embedding" not in params:
+        if not config.sft.init:
+            raise UserError(f"{source} holds LoRA adapters but names no base model (sft.init is empty)")
+        params = merge_trees(params, load_init(config.sft.init).params)
+    m = config.model
+    merged = jax.tree.map(np.asarray, merge_lora(params, m.lora_alpha, m.lora_rank))
+    plain = ConfigDict(config.to_dict())
+    plain.model.lora_rank = 0
+    return plain, merged

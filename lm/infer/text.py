@@ -36,7 +36,13 @@ def complete(generator: Generator, tokenizer, prompts: list[str], stop: tuple[st
         if not p:
             raise UserError(f"prompt {i}: empty; give at least one character of text")
         encoded.append([int(t) for t in tokenizer.encode(p)])
-    so_far = [np.zeros(0, np.int32) for _ in prompts]
+    return complete_ids(generator, tokenizer, encoded, stop, stream)
+
+
+def complete_ids(generator: Generator, tokenizer, encoded: list, stop: tuple[str, ...] = (),
+                 stream: Callable[[str], None] | None = None) -> list[dict]:
+    """`complete` for prompts already tokenized (e.g. rendered by the chat template)."""
+    so_far = [np.zeros(0, np.int32) for _ in encoded]
     shown = [0]
 
     def on_chunk(new_ids):

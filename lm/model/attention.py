@@ -15,6 +15,7 @@ import jax.numpy as jnp
 
 from lm.model.blockwise import blockwise_attention
 from lm.model.layers import ModelSpec, Partitioning, matmul, matmuls, normal, param
+from lm.model.lora import lora_delta, targeted
 
 MASKED = float(jnp.finfo(jnp.float32).min)
 CACHE_AXES = ("batch", "kv_heads", "cache_length", "head_dim")
@@ -124,6 +125,9 @@ class Attention(nn.Module):
         ws = [param(self, name, init, (s.d_model, n, s.head_dim), ("embed", axis, "head_dim"))
               for name, (n, axis) in heads.items()]
         qkv = matmuls(s, x, ["btd,dnh->btnh"] * 3, ws)  # x is kept once for the three backward products
+        qkv = [y + lora_delta(self, s, name, x, "btd,dnh->btnh", (s.d_model, n, s.head_dim),
+                              ("embed", axis, "head_dim")) if targeted(s, name) else y
+               for y, (name, (n, axis)) in zip(qkv, heads.items())]
         if s.use_bias:
             qkv = [y + param(self, name + "_bias", nn.initializers.zeros, (n, s.head_dim), (axis, "head_dim")).astype(dt)
                    for y, (name, (n, axis)) in zip(qkv, heads.items())]
@@ -142,6 +146,9 @@ class Attention(nn.Module):
             out = matmul(s, "btf,fd->btd", y.reshape(b, t, -1), wo.reshape(-1, s.d_model))
         else:
             out = matmul(s, "btnh,nhd->btd", y, wo)
+        if targeted(s, "wo"):
+            out = out + lora_delta(self, s, "wo", y, "btnh,nhd->btd", (s.n_heads, s.head_dim, s.d_model),
+                                   ("q_heads", "head_dim", "embed"))
         if s.use_bias:
             out = out + param(self, "wo_bias", nn.initializers.zeros, (s.d_model,), ("embed",)).astype(dt)
         return c(out, ("batch", "length", "act_embed"))

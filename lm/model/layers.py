@@ -10,7 +10,9 @@ import jax
 import jax.numpy as jnp
 from jax.sharding import Mesh, NamedSharding
 
+from lm.config import LORA_TARGETS
 from lm.model import cpu_kernels
+from lm.model.lora import lora_delta, targeted
 
 
 @dataclasses.dataclass(frozen=True)
@@ -37,6 +39,11 @@ class ModelSpec:
     remat: str = "none"
     init_std: float = 0.02
     kernels: str = "auto"  # "cpu": lm.model.cpu_kernels; "plain": einsum + autodiff; "auto": cpu on CPU
+    # low-rank adapters (lm.model.lora) on the projections named in lora_targets; 0 = none
+    lora_rank: int = 0
+    lora_alpha: float = 16.0
+    lora_dropout: float = 0.0
+    lora_targets: tuple = LORA_TARGETS
 
     @classmethod
     def from_config(cls, m) -> "ModelSpec":
@@ -142,6 +149,8 @@ class Mlp(nn.Module):
         def dense_in(*names):
             ws = [param(self, n, init, (s.d_model, s.d_ff), names_in) for n in names]
             hs = matmuls(s, x, ["btd,df->btf"] * len(names), ws)
+            hs = [h + lora_delta(self, s, n, x, "btd,df->btf", (s.d_model, s.d_ff), names_in) if targeted(s, n)
+                  else h for n, h in zip(names, hs)]
             if s.use_bias:
                 hs = [h + param(self, n + "_bias", nn.initializers.zeros, (s.d_ff,), ("mlp",)).astype(dt)
                       for n, h in zip(names, hs)]
@@ -151,8 +160,13 @@ class Mlp(nn.Module):
         if s.mlp == "swiglu":
             gate, up = dense_in("w_gate", "w_up")
             y = swiglu_down(s, gate, up, w_out())
+            hidden = lambda: (nn.silu(gate.astype(jnp.float32)) * up.astype(jnp.float32)).astype(dt)
         else:
-            y = matmul(s, "btf,fd->btd", nn.gelu(dense_in("w_in")[0], approximate=True), w_out())
+            h = nn.gelu(dense_in("w_in")[0], approximate=True)
+            y = matmul(s, "btf,fd->btd", h, w_out())
+            hidden = lambda: h
+        if targeted(s, "w_down"):
+            y = y + lora_delta(self, s, "w_down", hidden(), "btf,fd->btd", (s.d_ff, s.d_model), names_out)
         if s.use_bias:
             y = y + param(self, "w_down_bias", nn.initializers.zeros, (s.d_model,), ("embed",)).astype(dt)
         return self.part.constrain(y, ("batch", "length", "act_embed"))

@@ -48,7 +48,7 @@ def scanned_blocks(spec: ModelSpec, decode: bool = False):
     return nn.scan(
         block,
         variable_axes={"params": 0, "cache": 0},
-        split_rngs={"params": True},
+        split_rngs={"params": True, "dropout": True},
         in_axes=(nn.broadcast,) * 4,
         length=spec.n_layers,
         metadata_params={nn.PARTITION_NAME: "layers"},

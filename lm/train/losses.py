@@ -1,6 +1,7 @@
 """Losses as (sum, count) pairs so that averages over micro-batches and devices are exact.
 
-A LossFn is `(params, batch, rng) -> (objective_sum, sums)`: the gradient is taken of
+A LossFn is `(params, batch, rng) -> (objective_sum, sums)` (rng is None when evaluating):
+the gradient is taken of
 `objective_sum`, and `sums` holds additive statistics including the token `count`.
 The train step divides by the global count once, after all micro-batches.
 """
@@ -25,16 +26,31 @@ def masked_cross_entropy(logits, targets, mask):
     return nll_sum, jnp.sum(mask), jnp.sum(jnp.square(log_z) * mask)
 
 
-def logits_of(model, params, batch):
-    return model.apply({"params": params}, batch["inputs"], batch["segment_ids"], batch["positions"])
+def logits_of(model, params, batch, rng=None):
+    """The model's logits for a batch; rng (training only) feeds dropout where the model has any."""
+    dropout = rng is not None and getattr(getattr(model, "spec", None), "lora_dropout", 0) > 0
+    kw = {"rngs": {"dropout": rng}} if dropout else {}
+    return model.apply({"params": params}, batch["inputs"], batch["segment_ids"], batch["positions"], **kw)
 
 
 def pretrain_loss(model, z_loss: float = 0.0):
     """Next-token cross-entropy on every position whose loss_mask is 1, plus optional z-loss."""
 
     def loss_fn(params, batch, rng):
-        del rng  # no dropout
-        nll, count, z = masked_cross_entropy(logits_of(model, params, batch), batch["targets"], batch["loss_mask"])
+        nll, count, z = masked_cross_entropy(logits_of(model, params, batch, rng), batch["targets"],
+                                             batch["loss_mask"])
         return nll + z_loss * z, {"loss_sum": nll, "log_z_sq_sum": z, "count": count}
+
+    return loss_fn
+
+
+def sft_loss(model):
+    """Cross-entropy on the assistant tokens the data marked (loss_mask), normalised by their
+    global count; also counts every real token, for the share the mask leaves out."""
+    base = pretrain_loss(model)
+
+    def loss_fn(params, batch, rng):
+        objective, stats = base(params, batch, rng)
+        return objective, stats | {"input_tokens_total": jnp.sum(batch["segment_ids"] > 0).astype(jnp.float32)}
 
     return loss_fn

@@ -43,17 +43,28 @@ class Run:
     schedule: optax.Schedule
     state_shardings: train_state.TrainState
     loss_fn: Callable
+    trainable: Callable | None = None  # params-tree path -> trained? (None: all; see lm.train.state)
+    frozen_shardings: dict | None = None
 
     # ---- state -----------------------------------------------------------------------------
 
-    def init_state(self, seed: int | None = None) -> train_state.TrainState:
-        """A fresh state, created on its devices already sharded."""
+    def init(self, seed: int | None = None, base: dict | None = None):
+        """(state, frozen params or None), created on their devices already sharded. base:
+        params (e.g. pretrained) replacing the fresh ones where present; checked against the model."""
         seed = self.config.train.seed if seed is None else seed
-        return train_state.create_state(self.model, self.optimizer, self.mesh, self.rules, seed)[0]
+        if base is not None:
+            train_state.check_base(self.model, base, "the initial params")
+        state, frozen, _ = train_state.create_state(self.model, self.optimizer, self.mesh, self.rules, seed,
+                                                    self.trainable, base)
+        return state, frozen
+
+    def init_state(self, seed: int | None = None) -> train_state.TrainState:
+        """A fresh state of a run that trains every param."""
+        return self.init(seed)[0]
 
     def abstract_state(self) -> train_state.TrainState:
         """ShapeDtypeStructs with their shardings: the restore target and the AOT input."""
-        return train_state.abstract_state(self.model, self.optimizer, self.state_shardings)
+        return train_state.abstract_state(self.model, self.optimizer, self.state_shardings, self.trainable)
 
     # ---- batches ---------------------------------------------------------------------------
 
@@ -87,36 +98,44 @@ class Run:
     # ---- steps -----------------------------------------------------------------------------
 
     def train_step(self, signature: dict | None = None, loss_fn: Callable | None = None):
-        """The jitted `step(state, batch) -> (state, metrics)` with the state donated."""
+        """The jitted `step(state, batch) -> (state, metrics)` with the state donated
+        (`step(state, batch, frozen)` when the run has frozen params: see `bind`)."""
         t = self.config.train
         self.check_batch(next(iter((signature or self.signature()).values())).shape[0], t.micro_batches)
         return make_train_step(loss_fn or self.loss_fn, self.optimizer, self.schedule, self.mesh,
-                               self.state_shardings, self.batch_shardings(signature), t.micro_batches)
+                               self.state_shardings, self.batch_shardings(signature), t.micro_batches,
+                               self.frozen_shardings)
 
     def eval_step(self, signature: dict | None = None, loss_fn: Callable | None = None):
-        """The jitted `eval(params, batch) -> summed statistics`."""
+        """The jitted `eval(params, batch[, frozen]) -> summed statistics`."""
         return make_eval_step(loss_fn or self.loss_fn, self.mesh, self.state_shardings.params,
-                              self.batch_shardings(signature))
+                              self.batch_shardings(signature), self.frozen_shardings)
+
+    @staticmethod
+    def bind(fn: Callable, frozen) -> Callable:
+        """`fn(x, batch)` of a jitted step or eval that takes the frozen params as a third argument."""
+        return fn if frozen is None else (lambda x, batch: fn(x, batch, frozen))
 
 
 def build_run(config, loss: LossFactory | None = None, *, devices=None,
               model_fn: Callable[[ModelSpec, Partitioning], nn.Module] = Transformer,
-              spec: ModelSpec | None = None) -> Run:
+              spec: ModelSpec | None = None, trainable: Callable | None = None) -> Run:
     """Builds a run from a validated config.
 
     loss: model -> LossFn (default: pretraining's next-token loss with the config's z-loss).
     devices: the devices of the mesh (default: all). model_fn: the module for a spec and its
     partitioning (default: the decoder; a stage may put another head on the trunk). spec:
-    overrides the spec built from config.model.
+    overrides the spec built from config.model. trainable: path -> bool picking the params
+    that train (default: all; with LoRA, `lm.model.lora.is_adapter`); the others are frozen.
     """
     mesh = make_mesh(config.mesh, devices)
     rules = rules_table(config)
     spec = spec or ModelSpec.from_config(config.model)
     model = model_fn(spec, Partitioning(mesh, rules))
     optimizer, schedule = make_optimizer(config.optim, config.train.steps)
-    shardings = train_state.state_shardings(model, optimizer, mesh, rules)
+    shardings, frozen = train_state.state_shardings(model, optimizer, mesh, rules, trainable)
     loss = loss or (lambda m: pretrain_loss(m, config.optim.z_loss))
-    return Run(config, mesh, rules, spec, model, optimizer, schedule, shardings, loss(model))
+    return Run(config, mesh, rules, spec, model, optimizer, schedule, shardings, loss(model), trainable, frozen)
 
 
 def host_batch(signature: dict, seed: int = 0, vocab_size: int = 256) -> dict:

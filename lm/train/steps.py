@@ -20,7 +20,7 @@ import optax
 from jax.sharding import NamedSharding, PartitionSpec
 
 from lm.train.optim import apply_update
-from lm.train.state import TrainState
+from lm.train.state import TrainState, merge_trees
 
 
 def split_micro(x: jax.Array, n: int) -> jax.Array:
@@ -61,10 +61,14 @@ def accumulate(loss_fn, params, batch, rng, n_micro: int, micro_shardings=None):
 
 
 def summarize(stats) -> dict:
-    """Turns summed statistics into per-token means (keys ending in _sum) plus the count."""
+    """Summed statistics -> per-token means (keys ending in _sum), totals per step (keys ending
+    in _total) and the count as `tokens`; with `input_tokens`, the share of them left out of the loss."""
     count = jnp.maximum(stats["count"], 1.0)
     out = {k[: -len("_sum")]: v / count for k, v in stats.items() if k.endswith("_sum")}
+    out |= {k[: -len("_total")]: v for k, v in stats.items() if k.endswith("_total")}
     out["tokens"] = stats["count"]
+    if "input_tokens" in out:
+        out["masked_fraction"] = 1.0 - stats["count"] / jnp.maximum(out["input_tokens"], 1.0)
     return out
 
 
@@ -84,17 +88,21 @@ def _micro_shardings(batch_shardings):
     return jax.tree.map(lambda sh: NamedSharding(sh.mesh, PartitionSpec(None, *sh.spec)), batch_shardings)
 
 
-def make_train_step(loss_fn, optimizer, schedule, mesh, state_shardings, batch_shardings, n_micro: int = 1):
+def make_train_step(loss_fn, optimizer, schedule, mesh, state_shardings, batch_shardings, n_micro: int = 1,
+                    frozen_shardings=None):
     """Builds the jitted `step(state, batch) -> (state, metrics)`; the state buffer is donated.
 
     optimizer gives the update direction and schedule the learning rate (lm.train.optim);
-    batch_shardings is a dict of NamedShardings, one per batch field.
+    batch_shardings is a dict of NamedShardings, one per batch field. With frozen_shardings the
+    step is `step(state, batch, frozen)`: loss_fn sees the trained and frozen params merged,
+    and only the trained ones are differentiated (no gradient is ever formed for the others).
     """
     micro_shardings = _micro_shardings(batch_shardings)
 
-    def step(state: TrainState, batch):
+    def step(state: TrainState, batch, frozen=None):
         rng, step_rng = jax.random.split(state.rng)
-        grads, stats = accumulate(loss_fn, state.params, batch, step_rng, n_micro, micro_shardings)
+        loss = loss_fn if frozen is None else (lambda p, b, r: loss_fn(merge_trees(p, frozen), b, r))
+        grads, stats = accumulate(loss, state.params, batch, step_rng, n_micro, micro_shardings)
         grads = jax.tree.map(lambda g: g / jnp.maximum(stats["count"], 1.0), grads)
         grad_norm = optax.tree.norm(grads)
         lr = schedule(state.step)
@@ -107,16 +115,18 @@ def make_train_step(loss_fn, optimizer, schedule, mesh, state_shardings, batch_s
         return TrainState(step=state.step + 1, params=params, opt_state=opt_state, rng=rng), metrics
 
     rep = NamedSharding(mesh, PartitionSpec())
-    return jax.jit(step, in_shardings=(state_shardings, batch_shardings),
-                   out_shardings=(state_shardings, rep), donate_argnums=0)
+    in_shardings = (state_shardings, batch_shardings) + ((frozen_shardings,) if frozen_shardings is not None else ())
+    return jax.jit(step, in_shardings=in_shardings, out_shardings=(state_shardings, rep), donate_argnums=0)
 
 
-def make_eval_step(loss_fn, mesh, param_shardings, batch_shardings):
-    """Jitted `eval(params, batch) -> stats` returning sums, so callers can average exactly."""
+def make_eval_step(loss_fn, mesh, param_shardings, batch_shardings, frozen_shardings=None):
+    """Jitted `eval(params, batch[, frozen]) -> stats` returning sums, so callers can average
+    exactly. The loss gets rng=None: evaluation is deterministic (no dropout)."""
 
-    def evaluate(params, batch):
-        _, stats = loss_fn(params, batch, jax.random.PRNGKey(0))
+    def evaluate(params, batch, frozen=None):
+        _, stats = loss_fn(merge_trees(params, frozen), batch, None)
         return stats
 
     rep = NamedSharding(mesh, PartitionSpec())
-    return jax.jit(evaluate, in_shardings=(param_shardings, batch_shardings), out_shardings=rep)
+    in_shardings = (param_shardings, batch_shardings) + ((frozen_shardings,) if frozen_shardings is not None else ())
+    return jax.jit(evaluate, in_shardings=in_shardings, out_shardings=rep)

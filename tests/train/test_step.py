@@ -61,7 +61,7 @@ class Setup:
         # Plain gradient descent with lr 1: the update *is* minus the (normalised) gradient, so comparing
         # params compares gradients (Adam's first step is ~sign(g) and would hide scale errors).
         self.sgd = optax.identity()
-        self.sgd_shardings = state_shardings(self.model, self.sgd, self.mesh, self.rules)
+        self.sgd_shardings = state_shardings(self.model, self.sgd, self.mesh, self.rules)[0]
         self.sgd_steps = {n: make_train_step(self.loss_fn, self.sgd, optax.constant_schedule(1.0), self.mesh,
                                              self.sgd_shardings, self.bs, n_micro=n) for n in (1, 4)}
 

@@ -61,6 +61,12 @@ def _parser() -> argparse.ArgumentParser:
     ft.add_argument("--config", help="a config file whose get_config() sets SFT keys (default: built-in SFT defaults)")
     ft.add_argument("--resume", action="store_true", help="continue from the newest checkpoint in --workdir")
     ft.add_argument("--no-progress", action="store_true", help="no progress bar (logs only)")
+    dm = _with_overrides(sub, "demo", help="the whole pipeline on the tiny model, printing what each stage gained",
+                         description="Pretrains the tiny model on the Python standard library, then fine-tunes it "
+                                     "(fully and with LoRA) on a generated sort task; prints one evidence table. "
+                                     "Overrides apply to the pretraining config.")
+    dm.add_argument("--workdir", required=True, help="directory for every stage's run")
+    dm.add_argument("--no-progress", action="store_true", help="no progress bars (logs only)")
     tk = sub.add_parser("tokenizer", help="train a sentencepiece BPE tokenizer on a corpus")
     tk.add_argument("action", choices=["train"])
     tk.add_argument("--corpus", default="stdlib", help="'stdlib', a directory or a glob (train split only)")
@@ -73,6 +79,9 @@ def _parser() -> argparse.ArgumentParser:
     ex.add_argument("--step", type=int, help="which checkpoint (default: the newest)")
     ex.add_argument("--out", required=True, help="a directory (orbax) or a file ending in .safetensors")
     ex.add_argument("--format", choices=["orbax", "safetensors"], help="default: from the --out suffix")
+    ex.add_argument("--merge", action="store_true",
+                    help="a LoRA run: fold the adapters into their base and export a plain model (default: the "
+                         "adapters alone, which `lm sample` folds into the base named in their config)")
     tz = sub.add_parser("tokenize", help="tokenize a corpus into train / held-out token shards")
     tz.add_argument("--corpus", default="stdlib", help="'stdlib', a directory or a glob of text or JSONL(.gz) files")
     tz.add_argument("--out", required=True, help="output directory: writes OUT/train and OUT/heldout")
@@ -160,7 +169,7 @@ def _plan(config, args) -> int:
 def _export(args) -> int:
     from lm.export import export_params
 
-    done = export_params(args.workdir, args.out, args.step, args.format)
+    done = export_params(args.workdir, args.out, args.step, args.format, merge=args.merge)
     print(f"wrote {done['params']:,} params of step {done['step']} to {done['out']} ({done['format']}); "
           "read them with lm.export.load_params")
     return 0
@@ -217,6 +226,13 @@ def main(argv: list[str] | None = None) -> int:
             return sample(args)
         if args.verb == "sft":
             return _sft(args, overrides, argv)
+        if args.verb == "demo":
+            from lm.cpu_flags import apply_cpu_defaults
+            from lm.demo import run_demo
+
+            apply_cpu_defaults("float32")  # before anything imports jax (the tiny model is float32)
+            run_demo(args.workdir, show_progress=not args.no_progress, pretrain_overrides=overrides)
+            return 0
         from lm.config import load_config
 
         config = load_config(args.config, overrides)

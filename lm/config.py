@@ -373,14 +373,14 @@ SFT_DEFAULTS = {"optim.warmup_steps": 10, "optim.min_lr_ratio": 0.0, "optim.weig
 SFT_LR_FRACTION = 0.1
 
 
-def sft_config(init: ConfigDict, path: str | None = None, overrides=(), **sft_keys) -> ConfigDict:
+def sft_config(start: ConfigDict, path: str | None = None, overrides=(), **sft_keys) -> ConfigDict:
     """The config of a fine-tuning run: the schema, the SFT defaults, the model and sequence length
-    of the run it starts from (`init`, its config), then `path` (only the keys its get_config()
+    of the run it starts from (`start`, its config), then `path` (only the keys its get_config()
     sets), `sft_keys` (sft.* values from the command line) and the overrides; validated."""
     c = base_config()
-    c.model = ConfigDict(init.model.to_dict())
-    c.data.update(seq_len=init.data.seq_len, cache_dir=init.data.cache_dir)
-    c.optim.lr = init.optim.lr * SFT_LR_FRACTION
+    c.model = ConfigDict(start.model.to_dict())
+    c.data.update(seq_len=start.data.seq_len, cache_dir=start.data.cache_dir)
+    c.optim.lr = start.optim.lr * SFT_LR_FRACTION
     apply_overrides(c, [f"{k}={v}" for k, v in SFT_DEFAULTS.items()])
     if path:
         merge(c, load_file(path))

@@ -84,8 +84,11 @@ def read_checkpoint_params(workdir, step: int | None = None) -> tuple[dict, dict
     return params, meta, step
 
 
-def export_params(workdir, out, step: int | None = None, fmt: str | None = None) -> dict:
-    """Writes the params of `step` (default: newest) to `out`; returns a short summary."""
+def export_params(workdir, out, step: int | None = None, fmt: str | None = None, merge: bool = False) -> dict:
+    """Writes the params of `step` (default: newest) to `out`; returns a short summary.
+
+    A LoRA run's checkpoints hold its adapters alone: they are exported alone (with the config
+    naming their base, sft.init), or with merge=True folded into the base as a plain model."""
     out = pathlib.Path(out)
     if fmt is None and out.suffix not in ("", ".safetensors"):
         raise UserError(f"lm export: --out {out}: a '{out.suffix}' file is neither form lm writes; give a file "
@@ -94,7 +97,18 @@ def export_params(workdir, out, step: int | None = None, fmt: str | None = None)
     if fmt not in ("orbax", "safetensors"):
         raise UserError(f"lm export: --format {fmt!r}: expected 'orbax' or 'safetensors'")
     params, meta, step = read_checkpoint_params(workdir, step)
-    config = json.dumps(meta.get("config"))
+    saved = meta.get("config") or {}
+    if merge:
+        if not saved.get("model", {}).get("lora_rank"):
+            raise UserError(f"lm export --merge: '{workdir}' has no LoRA adapters to merge (model.lora_rank=0)")
+        from lm.config import base_config, merge as merge_config
+        from lm.infer.load import with_base
+
+        full = base_config()
+        merge_config(full, saved)
+        plain, params = with_base(full, params, f"run '{workdir}'")
+        saved = plain.to_dict()
+    config = json.dumps(saved)
     if fmt == "safetensors":
         from safetensors.numpy import save_file
 

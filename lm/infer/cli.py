@@ -32,9 +32,12 @@ def add_parser(sub) -> None:
     p.add_argument("--stop", action="append", default=[], help="stop at this string (repeatable)")
     p.add_argument("--tokenizer", help="a sentencepiece .model (default: the one the run was trained with)")
     p.add_argument("--batch-size", type=int, default=BATCH, help="prompts decoded together")
+    p.add_argument("--chat", action="store_true",
+                   help="answer as the assistant with the chat template: --prompt is a user turn; --prompts lines "
+                        "may hold {\"messages\": [...]} (ending with a user turn) instead of a prompt")
 
 
-def read_prompts(path: str) -> list[dict]:
+def read_prompts(path: str, chat: bool = False) -> list[dict]:
     file = pathlib.Path(path)
     if not file.is_file():
         raise UserError(f"--prompts {path}: no such file")
@@ -46,8 +49,12 @@ def read_prompts(path: str) -> list[dict]:
             row = json.loads(line)
         except json.JSONDecodeError as e:
             raise UserError(f"{path}:{n}: not valid JSON ({e.msg}); expected {{\"prompt\": TEXT}}") from None
+        if chat and isinstance(row, dict) and isinstance(row.get("messages"), list):
+            rows.append(row)
+            continue
         if not isinstance(row, dict) or not isinstance(row.get("prompt"), str):
-            raise UserError(f"{path}:{n}: expected an object with a string \"prompt\" field")
+            expected = '"prompt" string or a "messages" list' if chat else 'string "prompt"'
+            raise UserError(f"{path}:{n}: expected an object with a {expected} field")
         if not row["prompt"]:
             raise UserError(f"{path}:{n}: the prompt is empty")
         rows.append(row)
@@ -65,20 +72,27 @@ def run(args) -> int:
                               top_p=args.top_p, min_p=args.min_p, seed=args.seed)
     if args.prompt is not None and not args.prompt:
         raise UserError("--prompt is empty; give at least one character of text")
-    rows = read_prompts(args.prompts) if args.prompts else None
+    rows = read_prompts(args.prompts, args.chat) if args.prompts else None
     session = Session(load_trained(args.workdir, args.params, args.tokenizer))
     stop = tuple(args.stop)
+
+    def generate(prompts: list, **kw):
+        if not args.chat:
+            return session.complete(prompts, sampling, stop=stop, **kw)
+        turns = [p if isinstance(p, list) else [{"role": "user", "content": p}] for p in prompts]
+        return session.chat(turns, sampling, stop=stop, **kw)
+
     if rows is None:
-        sys.stdout.write(args.prompt)
-        result = session.complete([args.prompt], sampling, stop=stop,
-                                  stream=lambda piece: (sys.stdout.write(piece), sys.stdout.flush()))[0]
+        if not args.chat:
+            sys.stdout.write(args.prompt)
+        result = generate([args.prompt], stream=lambda piece: (sys.stdout.write(piece), sys.stdout.flush()))[0]
         print(f"\n[{result['finish_reason']}: {len(result['ids'])} tokens]", file=sys.stderr)
         return 0
     out = open(args.out, "w", encoding="utf-8") if args.out else sys.stdout
     try:
         for start in range(0, len(rows), args.batch_size):
             batch = rows[start: start + args.batch_size]
-            for row, result in zip(batch, session.complete([r["prompt"] for r in batch], sampling, stop=stop)):
+            for row, result in zip(batch, generate([r.get("messages") or r["prompt"] for r in batch])):
                 out.write(json.dumps(row | {"completion": result["text"], "finish_reason": result["finish_reason"],
                                             "tokens": result["ids"], "logprobs": result["logprobs"]}) + "\n")
     finally:

@@ -1,5 +1,5 @@
-# The two entry points: `make demo` (install + train the tiny model on the Python
-# standard library) and `make test` (install + run the test suite).
+# The two entry points: `make demo` (install + pretrain the tiny model on the Python
+# standard library, then fine-tune it) and `make test` (install + run the test suite).
 PYTHON ?= python3
 VENV ?= .venv
 PY := $(VENV)/bin/python
@@ -16,8 +16,8 @@ $(VENV)/.installed: pyproject.toml
 install: $(VENV)/.installed
 
 demo: $(VENV)/.installed
-	$(VENV)/bin/lm train --config configs/tiny.py --workdir $(WORKDIR)
-	$(VENV)/bin/lm sample --workdir $(WORKDIR) --prompt "def" --max-new-tokens 120 --temperature 0.7 --top-p 0.95
+	$(VENV)/bin/lm demo --workdir $(WORKDIR)
+	$(VENV)/bin/lm sample --workdir $(WORKDIR)/sft --chat --prompt "sort 9071" --temperature 0
 
 test: $(VENV)/.installed
 	$(PY) -m pytest -q

@@ -181,6 +181,9 @@ def _sft(args, overrides: list[str], argv: list[str]) -> int:
     from lm.config import sft_config
     from lm.infer.load import init_config
 
+    if not Path(args.init).exists():
+        raise UserError(f"--init {args.init}: no such file or directory; expected an `lm train`/`lm sft` "
+                        "workdir or an `lm export`")
     init = str(Path(args.init).absolute())  # the run records where its base lives
     config = sft_config(init_config(init), args.config, overrides, init=init, data=args.data,
                         eval_data=args.eval_data)

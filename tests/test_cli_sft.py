@@ -2,7 +2,6 @@
 adapter-only checkpoints and exact resume, export --merge, chat sampling, one-line errors."""
 
 import json
-import pathlib
 
 import jax
 import numpy as np
@@ -87,6 +86,7 @@ def test_bad_data_is_one_line_naming_file_and_line(base_run, tmp_path, capsys):
                    "\"content\": \"x\"}]}\n")
     assert main(["sft", "--init", str(root / "base"), "--data", str(bad), "--workdir", str(tmp_path / "w"), *SFT]) == 2
     err = capsys.readouterr().err
-    assert f"{bad}:2" in err and "robot" in err and len(err.strip().splitlines()) == 1
+    errors = [line for line in err.splitlines() if line.startswith("lm: error:")]
+    assert len(errors) == 1 and f"{bad}:2" in errors[0] and "robot" in errors[0]
     assert main(["sft", "--init", str(tmp_path / "nope"), "--data", str(bad), "--workdir", str(tmp_path / "w")]) == 2
     assert "--init" in capsys.readouterr().err

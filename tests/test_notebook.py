@@ -24,3 +24,4 @@ def test_quickstart_notebook_runs():
     assert any("image/png" in o.get("data", {}) for o in outputs)  # the loss plot, inline
     text = "".join(o.get("text", "") for o in outputs if o.output_type == "stream")
     assert "eval_loss" in text and "--- sample" in text
+    assert "exact_match_init" in text  # the SFT cell ran to its report

@@ -118,7 +118,6 @@ def with_base(config, params: dict, source: str):
     import numpy as np
 
     from lm.model.lora import merge_lora
-    from lm.train.sft import load_init  # lazy: the SFT stage imports this module
     from lm.train.state import merge_trees
 
     if "embedding" not in params:
@@ -130,3 +129,16 @@ def with_base(config, params: dict, source: str):
     plain = ConfigDict(config.to_dict())
     plain.model.lora_rank = 0
     return plain, merged
+
+
+def load_init(init: str) -> Loaded:
+    """The model a fine-tuning run starts from: an `lm train`/`lm sft` workdir (its newest
+    checkpoint) or an `lm export`."""
+    if not init:
+        raise UserError("sft.init is empty; give --init RUN_OR_EXPORT (an `lm train` workdir or an `lm export`)")
+    path = pathlib.Path(init)
+    if not path.exists():
+        raise UserError(f"--init {init}: no such file or directory; expected an `lm train` workdir or an `lm export`")
+    if (path / "checkpoints").is_dir():
+        return load_trained(workdir=init)
+    return load_trained(params=init)

@@ -10,7 +10,6 @@ template by the initial and the tuned model, and their exact-match accuracies ar
 
 from __future__ import annotations
 
-import dataclasses
 import json
 import math
 import pathlib
@@ -20,12 +19,11 @@ import jax
 from lm import plan
 from lm.config import ConfigDict
 from lm.data.cache import data_cache_dir
-from lm.data.chat import ChatTemplate
 from lm.data.pipeline import Source, eval_batches, train_dataset
 from lm.data.sft import SftSettings, describe, prepare_sft
 from lm.errors import UserError
 from lm.eval.answers import exact_match, read_conversations
-from lm.infer.load import load_trained, save_tokenizer
+from lm.infer.load import load_init, save_tokenizer
 from lm.model.lora import is_adapter
 from lm.train.fit import check_resume, evaluator, fit
 from lm.train.losses import sft_loss
@@ -34,18 +32,6 @@ from lm.train.setup import build_run
 from lm.train.state import merge_trees
 
 PACK_FILL = 0.9  # share of a packed row's positions that hold tokens, for steps from epochs
-
-
-def load_init(init: str):
-    """The model to start from: an `lm train`/`lm sft` workdir (its newest checkpoint) or an export."""
-    if not init:
-        raise UserError("sft.init is empty; give --init RUN_OR_EXPORT (an `lm train` workdir or an `lm export`)")
-    path = pathlib.Path(init)
-    if not path.exists():
-        raise UserError(f"--init {init}: no such file or directory; expected an `lm train` workdir or an `lm export`")
-    if (path / "checkpoints").is_dir():
-        return load_trained(workdir=init)
-    return load_trained(params=init)
 
 
 def _settings(config) -> SftSettings:
@@ -63,6 +49,7 @@ def sft(config, workdir, resume: bool = False, show_progress: bool = True) -> di
     workdir, s, t, e = pathlib.Path(workdir), config.sft, config.train, config.eval
     if not s.data:
         raise UserError("sft.data is empty; give --data train.jsonl (chat or instruction JSONL)")
+    check_resume(workdir / "checkpoints", resume, total_steps=2**62)  # before any data work
     loaded = load_init(s.init)
     tok = loaded.tokenizer
     cache = data_cache_dir(config.data)

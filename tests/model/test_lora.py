@@ -1,7 +1,6 @@
 """LoRA: adapter shapes and counts, a zero B starts at the base, merging equals the adapted
 model, and training adapters leaves the base bit for bit with optimizer state for adapters only."""
 
-import dataclasses
 
 import flax.linen as nn
 import jax

@@ -14,6 +14,7 @@ from lm.model.lora import is_adapter, merge_lora
 from lm.model.transformer import Transformer, init_params
 from lm.train.checkpoint import leaf_paths
 from lm.train.setup import build_run, host_batch
+from lm.train.state import merge_trees
 
 R = 4
 
@@ -29,7 +30,8 @@ def config(rank=R, **model):
 
 
 def params_of(c, seed=0):
-    return nn.unbox(init_params(Transformer(ModelSpec.from_config(c.model)), jax.random.PRNGKey(seed)))
+    model = Transformer(ModelSpec.from_config(c.model))
+    return nn.unbox(jax.jit(lambda r: init_params(model, r))(jax.random.PRNGKey(seed)))
 
 
 def shapes_of(c):
@@ -66,17 +68,19 @@ def test_zero_b_starts_at_the_base_and_merging_equals_the_adapted_model():
         lambda path, x: x if is_adapter(path) else _at(base, path), adapted)
     ids, seg, pos = tokens()
     base_model, lora_model = Transformer(ModelSpec.from_config(base_c.model)), Transformer(ModelSpec.from_config(c.model))
-    want = base_model.apply({"params": base}, ids, seg, pos)
-    np.testing.assert_array_equal(lora_model.apply({"params": with_base}, ids, seg, pos), want)
+    base_apply = jax.jit(lambda p: base_model.apply({"params": p}, ids, seg, pos))
+    lora_apply = jax.jit(lambda p: lora_model.apply({"params": p}, ids, seg, pos))
+    want = base_apply(base)
+    np.testing.assert_array_equal(lora_apply(with_base), want)
     # with trained-looking adapters (B != 0) the output moves, and the merged plain model equals it
     rng = np.random.default_rng(3)
     moved = jax.tree_util.tree_map_with_path(
         lambda path, x: x + 0.05 * rng.standard_normal(x.shape).astype(x.dtype) if is_adapter(path) else x, with_base)
-    got = lora_model.apply({"params": moved}, ids, seg, pos)
+    got = lora_apply(moved)
     assert float(jnp.max(jnp.abs(got - want))) > 1e-3
     merged = merge_lora(moved, c.model.lora_alpha, R)
     assert jax.tree.structure(merged) == jax.tree.structure(base)
-    np.testing.assert_allclose(base_model.apply({"params": merged}, ids, seg, pos), got, atol=2e-5, rtol=1e-5)
+    np.testing.assert_allclose(base_apply(merged), got, atol=2e-5, rtol=1e-5)
 
 
 def _at(tree, path):
@@ -123,10 +127,8 @@ def test_adapter_step_equals_full_step_restricted_to_adapters():
                                               state.params))
     batch = host_batch(split.signature(), vocab_size=64)
     loss = lambda p: split.loss_fn(p, split.placer().from_global(batch), None)[0]
-    full_params = jax.tree_util.tree_map_with_path(lambda path, x: x, {**jax.device_get(frozen)})
-    from lm.train.state import merge_trees
     full_params = merge_trees(jax.device_get(state.params), jax.device_get(frozen))
-    grads_full = jax.grad(loss)(full_params)
-    grads_split = jax.grad(lambda p: loss(merge_trees(p, frozen)))(state.params)
+    grads_full = jax.jit(jax.grad(loss))(full_params)
+    grads_split = jax.jit(jax.grad(lambda p, f: loss(merge_trees(p, f))))(state.params, frozen)
     for path, g in jax.tree_util.tree_flatten_with_path(grads_split)[0]:
         np.testing.assert_allclose(g, _at(grads_full, path), rtol=1e-5, atol=1e-8)

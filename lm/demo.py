@@ -17,7 +17,7 @@ from lm.data.synthetic import write_sort_task
 from lm.infer.load import init_config
 
 PRETRAIN_CONFIG, SFT_CONFIG = "configs/tiny.py", "configs/sft_tiny.py"
-LORA = ["model.lora_rank=8", "model.lora_alpha=16.0", "optim.lr=1e-2", "sft.epochs=2"]
+LORA = ["model.lora_rank=8", "model.lora_alpha=16.0", "optim.lr=1e-2", "sft.epochs=1.5"]
 
 
 def _stage(title: str) -> None:

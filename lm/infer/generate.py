@@ -79,6 +79,20 @@ def _host(x: jax.Array) -> np.ndarray:
     return np.asarray(multihost_utils.process_allgather(x, tiled=True))
 
 
+@functools.lru_cache(maxsize=16)
+def _compiled(model, sampling: SamplingParams, eos_id: tuple[int, ...]):
+    """The jitted prefill, decode-until and whole-generation functions of one model and setting,
+    shared by every Generator of them (e.g. a base and a fine-tuned model: compiled once)."""
+    init = jax.jit(functools.partial(_state_init, model, sampling=sampling))
+    run = jax.jit(functools.partial(_decode_until, model, eos_id=eos_id, sampling=sampling), donate_argnums=1)
+
+    def whole(params, cache, ids, seg, pos, lengths, rng):
+        state = _state_init(model, params, cache, ids, seg, pos, lengths, rng, sampling)
+        return _decode_until(model, params, state, sampling.max_new_tokens, eos_id, sampling)
+
+    return init, run, jax.jit(whole)
+
+
 class Generator:
     """Compiled generation for one model and sampling setting, on a mesh or one device.
 
@@ -102,15 +116,7 @@ class Generator:
                             f"({model.spec.max_seq_len} positions)")
         self.mesh, self.rules = mesh, rules
         self.params = params
-        kw = dict(sampling=sampling)
-        self._init = jax.jit(functools.partial(_state_init, model, **kw))
-        self._run = jax.jit(functools.partial(_decode_until, model, eos_id=eos_id, **kw), donate_argnums=1)
-
-        def whole(params, cache, ids, seg, pos, lengths, rng):
-            state = _state_init(model, params, cache, ids, seg, pos, lengths, rng, sampling)
-            return _decode_until(model, params, state, sampling.max_new_tokens, eos_id, sampling)
-
-        self._whole = jax.jit(whole)
+        self._init, self._run, self._whole = _compiled(model, sampling, eos_id)
 
     # ---- batches ---------------------------------------------------------------------------
 

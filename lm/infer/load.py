@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import dataclasses
+import json
 import pathlib
 import shutil
 
@@ -73,15 +74,11 @@ def init_config(path: str):
     """The config a run or an export was trained with, read without loading params (or jax)."""
     p = pathlib.Path(path)
     if p.suffix == ".safetensors" and p.is_file():
-        import json
-
         from safetensors import safe_open
 
         with safe_open(str(p), framework="numpy") as f:
             saved = json.loads((f.metadata() or {}).get("lm_config", "null"))
     elif (p / "config.json").is_file():
-        import json
-
         saved = json.loads((p / "config.json").read_text())
     else:
         raise UserError(f"'{path}' is neither an `lm train`/`lm sft` workdir nor an `lm export` (no config.json)")

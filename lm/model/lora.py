@@ -16,8 +16,6 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 
-from lm.config import LORA_TARGETS as TARGETS  # noqa: F401  (the names adapters can target)
-
 SUFFIX_A, SUFFIX_B = "_lora_a", "_lora_b"
 
 

@@ -34,6 +34,17 @@ OVERRIDES_HELP = """config overrides:
   Unknown keys and wrong types stop with the dotted key and what was expected."""
 
 
+def _finetune_args(p, data: str, eval_data: str) -> None:
+    p.add_argument("--init", required=True, help="an `lm train`/`lm sft` workdir or an `lm export` to start from")
+    p.add_argument("--data", required=True, help=data)
+    p.add_argument("--eval-data", help=eval_data)
+    p.add_argument("--workdir", required=True, help="directory for checkpoints, metrics, plots")
+    p.add_argument("--config", help="a config file whose get_config() sets some keys (default: built-in "
+                                    "fine-tuning defaults, lm/config.py FINETUNE_DEFAULTS)")
+    p.add_argument("--resume", action="store_true", help="continue from the newest checkpoint in --workdir")
+    p.add_argument("--no-progress", action="store_true", help="no progress bar (logs only)")
+
+
 def _with_overrides(sub, name: str, **kw):
     return sub.add_parser(name, epilog=OVERRIDES_HELP, formatter_class=argparse.RawDescriptionHelpFormatter, **kw)
 
@@ -54,13 +65,21 @@ def _parser() -> argparse.ArgumentParser:
     ft = _with_overrides(sub, "sft", help="fine-tune a trained model on conversations (JSONL), fully or with LoRA",
                          description="Supervised fine-tuning on the assistant turns of chat or instruction JSONL, "
                                      "starting from a run or an export. LoRA: --config.model.lora_rank=8.")
-    ft.add_argument("--init", required=True, help="an `lm train`/`lm sft` workdir or an `lm export` to start from")
-    ft.add_argument("--data", required=True, help="JSONL: {\"messages\": [...]} or {\"instruction\", \"output\"} lines")
-    ft.add_argument("--eval-data", help="held-out JSONL: response loss during training, exact match at the end")
-    ft.add_argument("--workdir", required=True, help="directory for checkpoints, metrics, plots")
-    ft.add_argument("--config", help="a config file whose get_config() sets SFT keys (default: built-in SFT defaults)")
-    ft.add_argument("--resume", action="store_true", help="continue from the newest checkpoint in --workdir")
-    ft.add_argument("--no-progress", action="store_true", help="no progress bar (logs only)")
+    _finetune_args(ft, data='JSONL: {"messages": [...]} or {"instruction", "output"} lines',
+                   eval_data="held-out JSONL: response loss during training, exact match at the end")
+    po = _with_overrides(sub, "dpo", help="preference-tune a trained model on pairs (DPO, IPO, SimPO), fully or with LoRA",
+                         description="Direct preference optimisation from a run or an export (usually an `lm sft` "
+                                     "run). Loss: --config.dpo.loss=sigmoid|ipo|simpo, --config.dpo.beta; reference "
+                                     "held live or precomputed: --config.dpo.reference=live|precomputed.")
+    _finetune_args(po, data='JSONL pairs: {"prompt": TEXT or MESSAGES, "chosen": TEXT, "rejected": TEXT}',
+                   eval_data="held-out pairs: DPO metrics (rewards/accuracies, margins, ...) at every eval")
+    po.add_argument("--eval-answers", help="held-out conversations (chat JSONL) answered greedily at the end: "
+                                           "exact match of the init and the tuned model")
+    rw = _with_overrides(sub, "reward", help="train a Bradley-Terry reward model on pairs; `lm reward score` scores texts",
+                         description="A scalar head on a trained model's trunk, trained on preference pairs. "
+                                     "Score with: lm reward score --workdir RUN (--pairs FILE | --texts FILE).")
+    _finetune_args(rw, data='JSONL pairs: {"prompt", "chosen", "rejected"[, "margin"]}',
+                   eval_data="held-out pairs: accuracy and mean margin at every eval")
     dm = _with_overrides(sub, "demo", help="the whole pipeline on the tiny model, printing what each stage gained",
                          description="Pretrains the tiny model on the Python standard library, then fine-tunes it "
                                      "(fully and with LoRA) on a generated sort task; prints one evidence table. "
@@ -105,8 +124,10 @@ def _parser() -> argparse.ArgumentParser:
                     help="plan for this many devices (a -1 mesh axis takes what is left); with --compile, "
                          "simulate them as CPU devices (for meshes larger than this machine)")
     from lm.infer.cli import add_parser as add_sample_parser
+    from lm.infer.score_cli import add_parser as add_score_parser
 
     add_sample_parser(sub)
+    add_score_parser(sub)
     return p
 
 
@@ -175,24 +196,33 @@ def _export(args) -> int:
     return 0
 
 
-def _sft(args, overrides: list[str], argv: list[str]) -> int:
+SECTIONS = {"sft": "sft", "dpo": "pairs", "reward": "pairs"}  # verb -> config section of its init/data
+
+
+def _finetune(args, overrides: list[str], argv: list[str]) -> int:
     from pathlib import Path
 
-    from lm.config import sft_config
+    from lm.config import finetune_config
     from lm.infer.load import init_config
 
     if not Path(args.init).exists():
         raise UserError(f"--init {args.init}: no such file or directory; expected an `lm train`/`lm sft` "
                         "workdir or an `lm export`")
     init = str(Path(args.init).absolute())  # the run records where its base lives
-    config = sft_config(init_config(init), args.config, overrides, init=init, data=args.data,
-                        eval_data=args.eval_data)
+    keys = {"init": init, "data": args.data, "eval_data": args.eval_data}
+    if getattr(args, "eval_answers", None):
+        keys["eval_answers"] = args.eval_answers
+    config = finetune_config(init_config(init), args.config, overrides, SECTIONS[args.verb], **keys)
     from lm.cpu_flags import apply_cpu_defaults
 
     apply_cpu_defaults(config.model.compute_dtype)  # before anything imports jax
-    from lm.train.sft import sft
-
-    summary = sft(config, args.workdir, resume=args.resume, show_progress=not args.no_progress)
+    if args.verb == "sft":
+        from lm.train.sft import sft as stage
+    elif args.verb == "dpo":
+        from lm.train.dpo import dpo as stage
+    else:
+        from lm.train.reward import reward as stage
+    summary = stage(config, args.workdir, resume=args.resume, show_progress=not args.no_progress)
     if summary.get("stopped_by"):
         return _stopped(summary, argv)
     if summary.get("nothing_to_do"):
@@ -216,6 +246,8 @@ def main(argv: list[str] | None = None) -> int:
     argv = sys.argv[1:] if argv is None else argv
     try:
         rest, overrides = _split_overrides(argv)
+        if rest[:2] == ["reward", "score"]:  # `lm reward score`: its own parser
+            rest = ["reward-score", *rest[2:]]
         args = _parser().parse_args(rest)
         if args.verb == "tokenizer":
             return _tokenizer(args)
@@ -227,8 +259,12 @@ def main(argv: list[str] | None = None) -> int:
             from lm.infer.cli import run as sample
 
             return sample(args)
-        if args.verb == "sft":
-            return _sft(args, overrides, argv)
+        if args.verb == "reward-score":
+            from lm.infer.score_cli import run as score
+
+            return score(args)
+        if args.verb in SECTIONS:
+            return _finetune(args, overrides, argv)
         if args.verb == "demo":
             from lm.cpu_flags import apply_cpu_defaults
             from lm.demo import run_demo

@@ -59,6 +59,10 @@ CHOICES = {
     "sft.truncation": ("drop", "cut_prompt_left", "cut_response"),
     "sft.train_on": ("all", "last"),
     "sft.on_bad_record": ("error", "skip"),
+    "pairs.truncation": ("drop", "cut_prompt_left", "cut_response"),
+    "pairs.on_bad_record": ("error", "skip"),
+    "dpo.loss": ("sigmoid", "ipo", "simpo"),
+    "dpo.reference": ("live", "precomputed"),
 }
 
 
@@ -108,6 +112,21 @@ def base_config() -> ConfigDict:
     # them stops the run. eval_examples held-out conversations are answered greedily at the end.
     c.sft = dict(init="", data="", eval_data="", epochs=3.0, truncation="drop", train_on="all",
                  on_bad_record="error", max_skipped_fraction=0.05, eval_examples=256, eval_max_new_tokens=64)
+    # `lm dpo` and `lm reward`: preference pairs {"prompt", "chosen", "rejected"[, "margin"]} in JSONL.
+    # init, epochs, truncation, on_bad_record, max_skipped_fraction as for sft; eval_pairs held-out
+    # pairs are scored at every eval; eval_answers: held-out conversations (chat JSONL) answered
+    # greedily by the initial and the tuned model at the end ('' = none)
+    c.pairs = dict(init="", data="", eval_data="", epochs=1.0, truncation="drop", on_bad_record="error",
+                   max_skipped_fraction=0.05, eval_pairs=256, eval_answers="", eval_examples=256,
+                   eval_max_new_tokens=64)
+    # `lm dpo`: loss sigmoid (DPO; label_smoothing > 0: conservative DPO) | ipo | simpo (no reference,
+    # length-normalised, margin simpo_gamma); rpo_alpha: weight of an NLL term on the chosen response;
+    # reference: live (the init model runs beside the policy, frozen, in the compute dtype; with LoRA:
+    # the base with adapters off) | precomputed (its log-probs, computed once before training)
+    c.dpo = dict(loss="sigmoid", beta=0.1, label_smoothing=0.0, simpo_gamma=0.5, rpo_alpha=0.0, reference="live")
+    # `lm reward`: Bradley-Terry loss -log sigmoid(r_chosen - r_rejected - margin) + center_coef *
+    # (r_chosen + r_rejected)^2 (keeps scores centred at 0); margin is the pair's "margin" field
+    c.reward = dict(center_coef=0.0)
     c.curate = curate_defaults()
     return c
 
@@ -308,8 +327,21 @@ def validate(c: ConfigDict) -> None:
     _require(c.sft.epochs >= 0, "sft.epochs", c.sft.epochs, "expected >= 0 (0 = use train.steps)")
     _require(0.0 <= c.sft.max_skipped_fraction <= 1.0, "sft.max_skipped_fraction", c.sft.max_skipped_fraction,
              "expected a fraction in [0, 1]")
-    for key in ("eval_examples", "eval_max_new_tokens"):
-        _require(c.sft[key] >= 1, f"sft.{key}", c.sft[key], "expected a positive integer")
+    for section in ("sft", "pairs"):
+        for key in ("eval_examples", "eval_max_new_tokens"):
+            _require(c[section][key] >= 1, f"{section}.{key}", c[section][key], "expected a positive integer")
+    _require(c.pairs.epochs >= 0, "pairs.epochs", c.pairs.epochs, "expected >= 0 (0 = use train.steps)")
+    _require(0.0 <= c.pairs.max_skipped_fraction <= 1.0, "pairs.max_skipped_fraction", c.pairs.max_skipped_fraction,
+             "expected a fraction in [0, 1]")
+    _require(c.pairs.eval_pairs >= 1, "pairs.eval_pairs", c.pairs.eval_pairs, "expected a positive integer")
+    _require(c.dpo.beta > 0, "dpo.beta", c.dpo.beta, "expected > 0")
+    _require(0.0 <= c.dpo.label_smoothing < 0.5, "dpo.label_smoothing", c.dpo.label_smoothing,
+             "expected a fraction in [0, 0.5)")
+    _require(c.dpo.label_smoothing == 0.0 or c.dpo.loss == "sigmoid", "dpo.label_smoothing",
+             c.dpo.label_smoothing, f"applies to dpo.loss='sigmoid' only (dpo.loss is '{c.dpo.loss}')")
+    for key in ("rpo_alpha", "simpo_gamma"):
+        _require(c.dpo[key] >= 0, f"dpo.{key}", c.dpo[key], "expected >= 0")
+    _require(c.reward.center_coef >= 0, "reward.center_coef", c.reward.center_coef, "expected >= 0")
     _require(0 <= c.optim.warmup_steps, "optim.warmup_steps", c.optim.warmup_steps, "expected >= 0")
     for axis in ("data", "fsdp", "tensor"):
         _require(c.mesh[axis] == -1 or c.mesh[axis] > 0, f"mesh.{axis}", c.mesh[axis],
@@ -366,25 +398,33 @@ def rules_table(c: ConfigDict) -> tuple[tuple[str, tuple[str, ...]], ...]:
     return tuple((name, tuple(axes) if axes else None) for name, axes in sorted(c.mesh.rules.items()))
 
 
-# `lm sft` settings that differ from pretraining's (a config file or overrides may change each):
-# a tenth of the pretraining peak learning rate, a short warmup, decay to 0, no weight decay.
-SFT_DEFAULTS = {"optim.warmup_steps": 10, "optim.min_lr_ratio": 0.0, "optim.weight_decay": 0.0,
-                "eval.every_steps": 50, "checkpoint.every_steps": 100, "train.log_every": 10}
-SFT_LR_FRACTION = 0.1
+# Fine-tuning settings (`lm sft`, `lm dpo`, `lm reward`) that differ from pretraining's (a config
+# file or overrides may change each): a tenth of the pretraining peak learning rate, a short warmup,
+# decay to 0, no weight decay.
+FINETUNE_DEFAULTS = {"optim.warmup_steps": 10, "optim.min_lr_ratio": 0.0, "optim.weight_decay": 0.0,
+                     "eval.every_steps": 50, "checkpoint.every_steps": 100, "train.log_every": 10}
+FINETUNE_LR_FRACTION = 0.1
 
 
-def sft_config(start: ConfigDict, path: str | None = None, overrides=(), **sft_keys) -> ConfigDict:
-    """The config of a fine-tuning run: the schema, the SFT defaults, the model and sequence length
-    of the run it starts from (`start`, its config), then `path` (only the keys its get_config()
-    sets), `sft_keys` (sft.* values from the command line) and the overrides; validated."""
+def finetune_config(start: ConfigDict, path: str | None = None, overrides=(), section: str = "sft",
+                    **keys) -> ConfigDict:
+    """The config of a fine-tuning run: the schema, the fine-tuning defaults, the model and sequence
+    length of the run it starts from (`start`, its config), then `path` (only the keys its
+    get_config() sets), `keys` (values of `section`, e.g. sft.init, from the command line) and the
+    overrides; validated."""
     c = base_config()
     c.model = ConfigDict(start.model.to_dict())
     c.data.update(seq_len=start.data.seq_len, cache_dir=start.data.cache_dir)
-    c.optim.lr = start.optim.lr * SFT_LR_FRACTION
-    apply_overrides(c, [f"{k}={v}" for k, v in SFT_DEFAULTS.items()])
+    c.optim.lr = start.optim.lr * FINETUNE_LR_FRACTION
+    apply_overrides(c, [f"{k}={v}" for k, v in FINETUNE_DEFAULTS.items()])
     if path:
         merge(c, load_file(path))
-    c.sft.update({k: v for k, v in sft_keys.items() if v is not None})
+    c[section].update({k: v for k, v in keys.items() if v is not None})
     apply_overrides(c, list(overrides))
     validate(c)
     return c
+
+
+def init_of(config) -> str:
+    """The model a fine-tuning run started from (its base, for LoRA adapters): '' for pretraining."""
+    return config.sft.init or config.pairs.init

@@ -3,8 +3,11 @@
 1. pretraining on the Python standard library (held-out loss against the unigram baseline);
 2. the sort task (lm.data.synthetic) as chat JSONL, with a held-out split;
 3. supervised fine-tuning from the pretrained model, fully and with LoRA adapters;
-4. one table: held-out response loss and exact-match accuracy of greedy answers, base vs SFT
-   vs SFT-LoRA; written to WORKDIR/demo_summary.json as well.
+4. preference pairs of the task (the answer vs a plausible wrong one), DPO from the SFT model,
+   and a reward model trained on the same pairs;
+5. one table: held-out response loss and exact-match accuracy of greedy answers, base vs SFT
+   vs SFT-LoRA vs DPO, then the preference evidence on held-out pairs; written to
+   WORKDIR/demo_summary.json as well.
 """
 
 from __future__ import annotations
@@ -12,11 +15,12 @@ from __future__ import annotations
 import json
 import pathlib
 
-from lm.config import load_config, sft_config
-from lm.data.synthetic import write_sort_task
+from lm.config import finetune_config, load_config
+from lm.data.synthetic import write_sort_pairs, write_sort_task
 from lm.infer.load import init_config
 
-PRETRAIN_CONFIG, SFT_CONFIG = "configs/tiny.py", "configs/sft_tiny.py"
+PRETRAIN_CONFIG, SFT_CONFIG, PAIRS_CONFIG = "configs/tiny.py", "configs/sft_tiny.py", "configs/pairs_tiny.py"
+REWARD = ["optim.lr=1e-3"]
 LORA = ["model.lora_rank=8", "model.lora_alpha=16.0", "optim.lr=1e-2", "sft.epochs=1.5"]
 
 
@@ -24,9 +28,11 @@ def _stage(title: str) -> None:
     print(f"\n=== {title} ===", flush=True)
 
 
-def run_demo(workdir, show_progress: bool = True, pretrain_overrides=(), sft_overrides=(),
-             n_train: int = 20000, n_heldout: int = 256) -> dict:
-    from lm.train.pretrain import train  # lazy: jax after the CPU flags are set
+def run_demo(workdir, show_progress: bool = True, pretrain_overrides=(), sft_overrides=(), pair_overrides=(),
+             n_train: int = 20000, n_heldout: int = 256, n_pairs: int = 4000) -> dict:
+    from lm.train.dpo import dpo  # lazy: jax after the CPU flags are set
+    from lm.train.pretrain import train
+    from lm.train.reward import reward
     from lm.train.sft import sft
 
     root = pathlib.Path(workdir)
@@ -39,13 +45,30 @@ def run_demo(workdir, show_progress: bool = True, pretrain_overrides=(), sft_ove
     runs = {}
     for name, extra in (("sft", []), ("sft-lora", LORA)):
         _stage(f"3. supervised fine-tuning ({name})")
-        config = sft_config(init_config(str(base_dir.absolute())), SFT_CONFIG, [*extra, *sft_overrides],
+        config = finetune_config(init_config(str(base_dir.absolute())), SFT_CONFIG, [*extra, *sft_overrides],
                             init=str(base_dir.absolute()), data=str(paths["train"]), eval_data=str(paths["heldout"]))
         runs[name] = sft(config, root / name, show_progress=show_progress)
+    _stage("4. preference pairs: the answer vs a plausible wrong one")
+    pair_paths = write_sort_pairs(task_dir, n_train=n_pairs, n_heldout=n_heldout)
+    sft_dir = str((root / "sft").absolute())
+    keys = dict(init=sft_dir, data=str(pair_paths["train"]), eval_data=str(pair_paths["heldout"]))
+    _stage("5. DPO from the SFT model")
+    config = finetune_config(init_config(sft_dir), PAIRS_CONFIG, list(pair_overrides), "pairs",
+                             eval_answers=str(paths["heldout"]), **keys)
+    preference = {"dpo": dpo(config, root / "dpo", show_progress=show_progress)}
+    _stage("6. a reward model from the SFT model")
+    config = finetune_config(init_config(sft_dir), PAIRS_CONFIG, [*REWARD, *pair_overrides], "pairs", **keys)
+    preference["reward"] = reward(config, root / "reward", show_progress=show_progress)
     summary = {"pretrain": {k: base.get(k) for k in ("eval_loss", "unigram_baseline", "run_tokens_per_s")},
                "sft": {name: _row(r) for name, r in runs.items()}}
     summary["sft"] = {"base": {"response_loss": runs["sft"].get("eval_loss_init"),
                                "exact_match": runs["sft"].get("exact_match_init")}} | summary["sft"]
+    d = preference["dpo"]
+    summary["sft"]["dpo"] = {"response_loss": None, "exact_match": d.get("exact_match"), "steps": d.get("step"),
+                             "tokens_per_s": d.get("run_tokens_per_s")}
+    summary["preference"] = {"dpo": {"init": d.get("eval_init"), "tuned": d.get("eval")},
+                             "reward": {"init": preference["reward"].get("eval_init"),
+                                        "tuned": preference["reward"].get("eval")}}
     text = evidence(summary, n_heldout)
     print("\n" + text)
     (root / "demo_summary.json").write_text(json.dumps(summary, indent=2))
@@ -69,4 +92,23 @@ def evidence(summary: dict, n_heldout: int) -> str:
         loss = f"{row['response_loss']:.4f}" if row["response_loss"] is not None else "-"
         acc = f"{row['exact_match']:.1%}" if row["exact_match"] is not None else "-"
         lines.append(f"  {name:<10} {loss:>14} {acc:>12}")
+    if "preference" in summary:
+        lines += _preference_lines(summary["preference"], n_heldout)
     return "\n".join(lines)
+
+
+def _preference_lines(pref: dict, n: int) -> list[str]:
+    d, r = pref["dpo"], pref["reward"]
+    get = lambda row, key: (row or {}).get(f"eval_{key}", float("nan"))
+    return [f"preference, {n} held-out pairs (answer vs a plausible wrong one):",
+            f"  {'':<28} {'SFT model':>10} {'after DPO':>10}",
+            f"  {'log p(chosen) > log p(rejected)':<28} {get(d['init'], 'logps/accuracies'):>10.1%} "
+            f"{get(d['tuned'], 'logps/accuracies'):>10.1%}",
+            f"  {'mean log p(chosen)':<28} {get(d['init'], 'logps/chosen'):>10.3f} {get(d['tuned'], 'logps/chosen'):>10.3f}",
+            f"  {'mean log p(rejected)':<28} {get(d['init'], 'logps/rejected'):>10.3f} "
+            f"{get(d['tuned'], 'logps/rejected'):>10.3f}",
+            f"  {'implicit reward accuracy':<28} {'-':>10} {get(d['tuned'], 'rewards/accuracies'):>10.1%}",
+            f"  {'implicit reward margin':<28} {get(d['init'], 'rewards/margins'):>10.3f} "
+            f"{get(d['tuned'], 'rewards/margins'):>10.3f}",
+            f"reward model (Bradley-Terry, from the SFT model): held-out accuracy {get(r['tuned'], 'accuracy'):.1%}, "
+            f"mean margin {get(r['tuned'], 'margin'):.3f} (untrained head: {get(r['init'], 'accuracy'):.1%})"]

@@ -26,3 +26,15 @@ def corpus(tmp_path_factory):
 def _data_cache(tmp_path_factory):
     """Prepared data goes to a cache shared by the session's runs, never to ~/.cache/lm."""
     os.environ["LM_CACHE_DIR"] = str(tmp_path_factory.mktemp("lm-cache"))
+
+
+@pytest.fixture(scope="session")
+def small_base(tmp_path_factory, corpus):
+    """A small byte-level model pretrained for 10 steps at seq_len 64: what fine-tuning tests start from."""
+    from lm.cli import main
+    from tests.test_cli_train import SMALL
+
+    workdir = tmp_path_factory.mktemp("base") / "base"
+    assert main(["train", "--workdir", str(workdir), f"--config.data.corpus={corpus}", "--config.train.steps=10",
+                 "--config.eval.every_steps=10", *SMALL, "--config.data.seq_len=64"]) == 0
+    return workdir

@@ -9,9 +9,8 @@ import pytest
 
 from lm.cli import main
 from lm.data.synthetic import write_sort_task
-from tests.test_cli_train import SMALL, final_params
+from tests.test_cli_train import final_params
 
-BASE = [*SMALL, "--config.data.seq_len=64"]
 SFT = ["--config.sft.epochs=0", "--config.train.batch_size=8", "--config.eval.every_steps=5",
        "--config.checkpoint.every_steps=5", "--config.eval.batches=1", "--config.eval.batch_size=8",
        "--config.sft.eval_examples=8", "--config.sft.eval_max_new_tokens=8", "--config.train.peak_flops=1e11",
@@ -19,11 +18,9 @@ SFT = ["--config.sft.epochs=0", "--config.train.batch_size=8", "--config.eval.ev
 
 
 @pytest.fixture(scope="module")
-def base_run(tmp_path_factory, corpus):
-    root = tmp_path_factory.mktemp("sft")
-    assert main(["train", "--workdir", str(root / "base"), f"--config.data.corpus={corpus}",
-                 "--config.train.steps=10", "--config.eval.every_steps=10", *BASE]) == 0
-    return root, write_sort_task(root / "task", n_train=300, n_heldout=8)
+def base_run(tmp_path_factory, small_base):
+    root = small_base.parent
+    return root, write_sort_task(tmp_path_factory.mktemp("sft") / "task", n_train=300, n_heldout=8)
 
 
 def sft(root, task, workdir, steps, *extra, held_out=True):

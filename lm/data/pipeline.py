@@ -144,9 +144,11 @@ def _stream_seed(seed: int, source: int) -> int:
 
 
 def train_dataset(sources: list[Source], *, seq_len: int, global_batch: int, seed: int,
-                  rows=None) -> grain.IterDataset:
+                  rows=None, pack: bool = True) -> grain.IterDataset:
     """An endless stream of batches holding rows `rows` (global row indices, default all) of
-    every [global_batch, seq_len] global batch, in that order (see lm.sharding.process_rows)."""
+    every [global_batch, seq_len] global batch, in that order (see lm.sharding.process_rows).
+    pack=False: the sources hold ready rows (e.g. preference pairs, lm.data.preference), which
+    are shuffled, mixed and batched as they are."""
     if seq_len < 1 or global_batch < 1:
         raise UserError(f"data: seq_len ({seq_len}) and batch size ({global_batch}) must be >= 1")
     rows = list(range(global_batch)) if rows is None else [int(r) for r in rows]
@@ -163,10 +165,25 @@ def train_dataset(sources: list[Source], *, seq_len: int, global_batch: int, see
     streams = []
     for r in rows:
         mixed = _mixed([e[r::global_batch] for e in epochs], [s.weight for s in sources])
-        streams.append(_pack(mixed.to_iter_dataset(_READ), seq_len, PACK_BINS, _masked(sources)))
+        stream = mixed.to_iter_dataset(_READ)
+        streams.append(_pack(stream, seq_len, PACK_BINS, _masked(sources)) if pack else stream)
     # Equal weights: grain's mix takes the streams round-robin, so batch row i is stream i.
     merged = streams[0] if len(streams) == 1 else grain.IterDataset.mix(streams)
-    return merged.batch(len(rows), drop_remainder=True).map(to_contract)
+    batches = merged.batch(len(rows), drop_remainder=True)
+    return batches.map(to_contract) if pack else batches
+
+
+def ready_batches(items, batch_size: int, limit: int = 0) -> list[dict]:
+    """The first `limit` (0 = all) ready rows of `items` (e.g. held-out preference pairs) in order,
+    as batches; the last is filled with all-zero rows (no segment, no loss) to a full batch."""
+    n = len(items) if limit <= 0 else min(limit, len(items))
+    if n == 0:
+        raise UserError("data: no held-out rows to evaluate")
+    rows = [items[i] for i in range(n)]
+    pad = {k: np.zeros_like(v) for k, v in rows[0].items()}
+    rows += [pad] * (-n % batch_size)
+    return [{k: np.stack([r[k] for r in rows[b : b + batch_size]]) for k in pad}
+            for b in range(0, len(rows), batch_size)]
 
 
 def eval_batches(sources: list[Source], *, seq_len: int, batch_size: int, n_batches: int) -> list[dict]:

@@ -86,3 +86,29 @@ def write_sort_task(out_dir, n_train: int = 20000, n_heldout: int = 256, seed: i
         rows = sort_examples(n, held, seed + int(held))
         paths[split].write_text("".join(json.dumps(r) + "\n" for r in rows))
     return paths
+
+
+def sort_pairs(n: int, heldout: bool, seed: int) -> list[dict]:
+    """n preference pairs {"prompt", "chosen": the answer, "rejected": a plausible wrong one} of
+    one split (the prompts of `sort_examples` with the same arguments)."""
+    rng = np.random.default_rng(seed + 7919)
+    out = []
+    for example in sort_examples(n, heldout, seed):
+        prompt = example["messages"][0]["content"]
+        out.append({"prompt": prompt, "chosen": sort_answer(prompt), "rejected": wrong_answer(prompt, rng)})
+    return out
+
+
+def write_sort_pairs(out_dir, n_train: int = 4000, n_heldout: int = 256, seed: int = 0) -> dict:
+    """Writes OUT/pairs_train.jsonl and OUT/pairs_heldout.jsonl (held-out prompts are those of
+    `write_sort_task`'s held-out split with the same seed); returns their paths."""
+    if n_train < 1 or n_heldout < 1:
+        raise UserError(f"sort pairs: n_train ({n_train}) and n_heldout ({n_heldout}) must be >= 1")
+    out = pathlib.Path(out_dir)
+    out.mkdir(parents=True, exist_ok=True)
+    paths = {}
+    for split, n, held in (("train", n_train, False), ("heldout", n_heldout, True)):
+        paths[split] = out / f"pairs_{split}.jsonl"
+        rows = sort_pairs(n, held, seed + int(held))
+        paths[split].write_text("".join(json.dumps(r) + "\n" for r in rows))
+    return paths

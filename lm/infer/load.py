@@ -7,7 +7,7 @@ import json
 import pathlib
 import shutil
 
-from lm.config import ConfigDict, base_config, merge
+from lm.config import ConfigDict, base_config, init_of, merge
 from lm.data.tokenizer import load_tokenizer
 from lm.errors import UserError
 
@@ -110,7 +110,7 @@ def load_trained(workdir: str | None = None, params: str | None = None, tokenize
 
 def with_base(config, params: dict, source: str):
     """A LoRA run's params are its adapters alone: fold them into the base it was trained from
-    (config.sft.init) -> (the config without adapters, plain params as numpy)."""
+    (config.sft.init or config.pairs.init) -> (the config without adapters, plain params as numpy)."""
     import jax
     import numpy as np
 
@@ -118,9 +118,9 @@ def with_base(config, params: dict, source: str):
     from lm.train.state import merge_trees
 
     if "embedding" not in params:
-        if not config.sft.init:
-            raise UserError(f"{source} holds LoRA adapters but names no base model (sft.init is empty)")
-        params = merge_trees(params, load_init(config.sft.init).params)
+        if not init_of(config):
+            raise UserError(f"{source} holds LoRA adapters but names no base model (sft.init and pairs.init are empty)")
+        params = merge_trees(params, load_init(init_of(config)).params)
     m = config.model
     merged = jax.tree.map(np.asarray, merge_lora(params, m.lora_alpha, m.lora_rank))
     plain = ConfigDict(config.to_dict())
@@ -132,7 +132,7 @@ def load_init(init: str) -> Loaded:
     """The model a fine-tuning run starts from: an `lm train`/`lm sft` workdir (its newest
     checkpoint) or an `lm export`."""
     if not init:
-        raise UserError("sft.init is empty; give --init RUN_OR_EXPORT (an `lm train` workdir or an `lm export`)")
+        raise UserError("no model to start from (init is empty); give --init RUN_OR_EXPORT (an `lm train` workdir or an `lm export`)")
     path = pathlib.Path(init)
     if not path.exists():
         raise UserError(f"--init {init}: no such file or directory; expected an `lm train` workdir or an `lm export`")

@@ -7,6 +7,7 @@ evaluation, then calls `fit`; what it does before and after is its own.
 
 from __future__ import annotations
 
+import math
 import pathlib
 from typing import Callable
 
@@ -19,6 +20,7 @@ from lm.train.checkpoint import Checkpointer, saved_steps
 from lm.train.faults import FaultPolicy, StopSignal
 from lm.train.loop import Faults, LoopSpec, run_loop
 from lm.train.metrics import MetricsWriter, truncate_after
+from lm.train.steps import summarize
 
 
 def check_resume(directory: pathlib.Path, resume: bool, total_steps: int) -> int | None:
@@ -35,17 +37,18 @@ def check_resume(directory: pathlib.Path, resume: bool, total_steps: int) -> int
     return steps[-1] if resume and steps[-1] >= total_steps else None
 
 
-def evaluator(eval_fn, batches: list, placer, frozen=None, prefix: str = "eval") -> Callable:
-    """Held-out loss over fixed batches (state -> {'<prefix>_loss', '<prefix>_tokens'}); each
-    process feeds the rows its devices hold."""
+def evaluator(eval_fn, batches: list, placer, frozen=None, prefix: str = "eval", metrics=("loss",)) -> Callable:
+    """Held-out statistics over fixed batches: state -> {'<prefix>_<metric>', '<prefix>_tokens'}
+    for the summarized (lm.train.steps.summarize) `metrics`; each process feeds the rows its devices hold."""
 
     def evaluate(state):
-        total, count = 0.0, 0.0
+        total = None
         for batch in batches:
             args = (state.params, placer.from_global(batch)) + ((frozen,) if frozen is not None else ())
             stats = jax.device_get(eval_fn(*args))
-            total, count = total + float(stats["loss_sum"]), count + float(stats["count"])
-        return {f"{prefix}_loss": total / max(count, 1.0), f"{prefix}_tokens": count}
+            total = stats if total is None else jax.tree.map(lambda a, b: a + b, total, stats)
+        means = {k: float(v) for k, v in jax.device_get(summarize(total)).items()}
+        return {f"{prefix}_{k}": means[k] for k in (*metrics, "tokens")}
 
     return evaluate
 
@@ -63,12 +66,13 @@ def peak_flops(config) -> tuple[float, str]:
 
 def fit(run, workdir, data_iter, *, resume: bool, init: Callable, evaluate: Callable | None = None,
         first_row: dict | None = None, frozen=None, signature: dict | None = None,
-        show_progress: bool = True):
+        show_progress: bool = True, flops_per_token: float | None = None):
     """Trains `run` from a fresh `init()` state (or the newest checkpoint when resuming) to
     config.train.steps. Returns (state, last) where last holds the final logged and eval metrics,
     run throughput, `stopped_by` (a signal's name when one ended the run early) and the peak.
 
     first_row: step-0 metrics of a fresh run (evaluate(state) is added to it).
+    flops_per_token: for MFU (default: the trained model's, lm.plan.flops_per_token).
     """
     config, workdir = run.config, pathlib.Path(workdir)
     t, is_main = config.train, jax.process_index() == 0
@@ -88,14 +92,14 @@ def fit(run, workdir, data_iter, *, resume: bool, init: Callable, evaluate: Call
         if is_main and (workdir / "metrics.jsonl").exists():  # a run that died before its first checkpoint
             (workdir / "metrics.jsonl").replace(workdir / "metrics.jsonl.prev")
     step_fn = run.bind(run.train_step(signature), frozen)
-    seq = next(iter(signature.values())).shape[1]
-    flops = plan.flops_per_token(config.model, seq)
+    seq = signature["inputs"].shape[-1]
+    flops = flops_per_token or plan.flops_per_token(config.model, seq)
     peak, peak_source = peak_flops(config)
     writer = MetricsWriter(workdir, enabled=is_main)
     if not resume:
         writer.write(0, dict(first_row or {}) | {"flops_per_token": flops, "peak_flops": peak} |
                      (evaluate(state) if evaluate else {}))
-    spec = LoopSpec(t.steps, t.log_every, config.eval.every_steps, t.batch_size * seq, flops, peak,
+    spec = LoopSpec(t.steps, t.log_every, config.eval.every_steps, math.prod(signature["inputs"].shape), flops, peak,
                     config.checkpoint.agree_every_steps)
     with StopSignal() as stop:
         faults = Faults(FaultPolicy.from_config(t), stop, target, health)

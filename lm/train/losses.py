@@ -12,24 +12,40 @@ import jax
 import jax.numpy as jnp
 
 
+def target_logprobs(logits, targets):
+    """(log p(target) [B, T], log Z [B, T]) in float32: the one core of every text loss."""
+    logits = logits.astype(jnp.float32)
+    log_z = jax.nn.logsumexp(logits, axis=-1)
+    target_logit = jnp.take_along_axis(logits, targets[..., None], axis=-1)[..., 0]
+    return target_logit - log_z, log_z
+
+
 def masked_cross_entropy(logits, targets, mask):
     """Returns (nll_sum, count, z_sum): summed over positions where mask is 1.
 
     logits are float32 [B, T, V]; z_sum is the sum of log(Z)^2 for the PaLM z-loss.
     """
-    logits = logits.astype(jnp.float32)
-    log_z = jax.nn.logsumexp(logits, axis=-1)
-    target_logit = jnp.take_along_axis(logits, targets[..., None], axis=-1)[..., 0]
+    logp, log_z = target_logprobs(logits, targets)
     mask = mask.astype(jnp.float32)
     # where, not just * mask: an out-of-range target id (e.g. a padding sentinel) gathers NaN
-    nll_sum = jnp.sum(jnp.where(mask != 0, (log_z - target_logit) * mask, 0.0))
+    nll_sum = jnp.sum(jnp.where(mask != 0, -logp * mask, 0.0))
     return nll_sum, jnp.sum(mask), jnp.sum(jnp.square(log_z) * mask)
 
 
-def logits_of(model, params, batch, rng=None):
-    """The model's logits for a batch; rng (training only) feeds dropout where the model has any."""
+def sequence_logprobs(logits, targets, mask):
+    """(summed log p of the masked-in targets, their count), per row: float32 [B] each."""
+    logp, _ = target_logprobs(logits, targets)
+    mask = mask.astype(jnp.float32)
+    return jnp.sum(jnp.where(mask != 0, logp * mask, 0.0), axis=-1), jnp.sum(mask, axis=-1)
+
+
+def logits_of(model, params, batch, rng=None, output: str = "logits"):
+    """The model's logits (or another output, e.g. "scalar") for a batch; rng (training only)
+    feeds dropout where the model has any."""
     dropout = rng is not None and getattr(getattr(model, "spec", None), "lora_dropout", 0) > 0
     kw = {"rngs": {"dropout": rng}} if dropout else {}
+    if output != "logits":
+        kw["output"] = output
     return model.apply({"params": params}, batch["inputs"], batch["segment_ids"], batch["positions"], **kw)
 
 

@@ -12,6 +12,7 @@ from typing import Callable
 
 import flax.linen as nn
 import jax
+import jax.numpy as jnp
 import numpy as np
 import optax
 from jax.sharding import Mesh
@@ -56,7 +57,33 @@ class Run:
             train_state.check_base(self.model, base, "the initial params")
         state, frozen, _ = train_state.create_state(self.model, self.optimizer, self.mesh, self.rules, seed,
                                                     self.trainable, base)
+        if self.has_reference:
+            frozen = train_state.merge_trees(frozen or {}, {"reference": self.reference_params(base)})
         return state, frozen
+
+    def frozen_params(self, base: dict):
+        """The frozen params alone (a LoRA base, a reference model) from `base`, placed sharded:
+        what a resumed run needs beside its restored state (None when nothing is frozen)."""
+        if self.frozen_shardings is None:
+            return None
+        train_state.check_base(self.model, base, "the initial params")
+        own = {k: v for k, v in self.frozen_shardings.items() if k != "reference"}
+        frozen = jax.device_put(train_state.split_params(base, self.trainable)[1], own) if own else {}
+        if self.has_reference:
+            frozen["reference"] = self.reference_params(base)
+        return frozen
+
+    @property
+    def has_reference(self) -> bool:
+        return self.frozen_shardings is not None and "reference" in self.frozen_shardings
+
+    def reference_params(self, base: dict | None):
+        """A frozen copy of `base` in the compute dtype, sharded like the params: the reference model."""
+        if base is None:
+            raise UserError("a run with a reference model needs the params it starts from (its --init)")
+        dtype = jnp.dtype(self.config.model.compute_dtype)
+        cast = jax.tree.map(lambda x: np.asarray(x).astype(dtype), base)
+        return jax.device_put(cast, self.frozen_shardings["reference"])
 
     def init_state(self, seed: int | None = None) -> train_state.TrainState:
         """A fresh state of a run that trains every param."""
@@ -68,11 +95,13 @@ class Run:
 
     # ---- batches ---------------------------------------------------------------------------
 
-    def signature(self, batch_size: int | None = None, extra: dict | None = None) -> dict:
-        """Global shapes and dtypes of a batch: the [B, T] text fields plus `extra`
-        ({name: (per-row shape, dtype)}, e.g. {'ref_logp': ((), np.float32)})."""
+    def signature(self, batch_size: int | None = None, extra: dict | None = None, pairs: bool = False) -> dict:
+        """Global shapes and dtypes of a batch: the [B, T] text fields ([B, 2, T] with pairs: a
+        preference pair per row) plus `extra` ({name: (per-row shape, dtype)}, e.g.
+        {'ref_logps': ((2,), np.float32)})."""
         b, t = batch_size or self.config.train.batch_size, self.config.data.seq_len
-        fields = {k: jax.ShapeDtypeStruct((b, t), dt) for k, dt in BATCH_DTYPES.items()}
+        rows = (b, 2, t) if pairs else (b, t)
+        fields = {k: jax.ShapeDtypeStruct(rows, dt) for k, dt in BATCH_DTYPES.items()}
         for name, (shape, dt) in (extra or {}).items():
             fields[name] = jax.ShapeDtypeStruct((b, *shape), dt)
         return fields
@@ -119,7 +148,7 @@ class Run:
 
 def build_run(config, loss: LossFactory | None = None, *, devices=None,
               model_fn: Callable[[ModelSpec, Partitioning], nn.Module] = Transformer,
-              spec: ModelSpec | None = None, trainable: Callable | None = None) -> Run:
+              spec: ModelSpec | None = None, trainable: Callable | None = None, reference: bool = False) -> Run:
     """Builds a run from a validated config.
 
     loss: model -> LossFn (default: pretraining's next-token loss with the config's z-loss).
@@ -127,6 +156,8 @@ def build_run(config, loss: LossFactory | None = None, *, devices=None,
     partitioning (default: the decoder; a stage may put another head on the trunk). spec:
     overrides the spec built from config.model. trainable: path -> bool picking the params
     that train (default: all; with LoRA, `lm.model.lora.is_adapter`); the others are frozen.
+    reference: the run also holds a frozen copy of its initial params, in the compute dtype (the
+    frozen params' 'reference' entry: DPO's reference model).
     """
     mesh = make_mesh(config.mesh, devices)
     rules = rules_table(config)
@@ -134,6 +165,11 @@ def build_run(config, loss: LossFactory | None = None, *, devices=None,
     model = model_fn(spec, Partitioning(mesh, rules))
     optimizer, schedule = make_optimizer(config.optim, config.train.steps)
     shardings, frozen = train_state.state_shardings(model, optimizer, mesh, rules, trainable)
+    if reference:
+        if trainable is not None:
+            raise ValueError("a reference copy is for runs that train every param; with adapters the "
+                             "frozen base is the reference")
+        frozen = {"reference": shardings.params}
     loss = loss or (lambda m: pretrain_loss(m, config.optim.z_loss))
     return Run(config, mesh, rules, spec, model, optimizer, schedule, shardings, loss(model), trainable, frozen)
 
@@ -146,7 +182,7 @@ def host_batch(signature: dict, seed: int = 0, vocab_size: int = 256) -> dict:
         if name == "segment_ids" or name == "loss_mask":
             out[name] = np.ones(s.shape, s.dtype)
         elif name == "positions":
-            out[name] = np.broadcast_to(np.arange(s.shape[1], dtype=s.dtype), s.shape).copy()
+            out[name] = np.broadcast_to(np.arange(s.shape[-1], dtype=s.dtype), s.shape).copy()
         elif name in ("inputs", "targets"):
             out[name] = rng.integers(0, vocab_size, s.shape).astype(s.dtype)
         else:

@@ -114,10 +114,11 @@ def plain_model_params(config, params):
     return run, merged
 
 
-def answer_accuracy(config, params, tokenizer, conversations) -> dict:
+def answer_accuracy(config, params, tokenizer, conversations, max_new_tokens: int | None = None) -> dict:
+    """Exact match of greedy answers (lm.eval.answers) of a model, adapters folded in."""
     run, params = plain_model_params(config, params)
-    return exact_match(run.model, params, tokenizer, conversations, max_new_tokens=config.sft.eval_max_new_tokens,
-                       mesh=run.mesh, rules=run.rules)
+    return exact_match(run.model, params, tokenizer, conversations,
+                       max_new_tokens=max_new_tokens or config.sft.eval_max_new_tokens, mesh=run.mesh, rules=run.rules)
 
 
 SUMMARY_KEYS = ("loss", "eval_loss", "tokens_per_s", "run_tokens_per_s", "run_mfu", "peak_flops_source", "compile_s")

@@ -61,12 +61,13 @@ def accumulate(loss_fn, params, batch, rng, n_micro: int, micro_shardings=None):
 
 
 def summarize(stats) -> dict:
-    """Summed statistics -> per-token means (keys ending in _sum), totals per step (keys ending
-    in _total) and the count as `tokens`; with `input_tokens`, the share of them left out of the loss."""
+    """Summed statistics -> means over the count (keys ending in _sum: per token, or per pair for
+    pair losses), totals per step (keys ending in _total) and the count as `tokens` unless a
+    `tokens_total` says otherwise; with `input_tokens`, the share of them left out of the loss."""
     count = jnp.maximum(stats["count"], 1.0)
     out = {k[: -len("_sum")]: v / count for k, v in stats.items() if k.endswith("_sum")}
     out |= {k[: -len("_total")]: v for k, v in stats.items() if k.endswith("_total")}
-    out["tokens"] = stats["count"]
+    out.setdefault("tokens", stats["count"])
     if "input_tokens" in out:
         out["masked_fraction"] = 1.0 - stats["count"] / jnp.maximum(out["input_tokens"], 1.0)
     return out

@@ -1,0 +1,17 @@
+"""Preference training of the tiny model (`lm dpo` / `lm reward --config configs/pairs_tiny.py`):
+the keys set here change the fine-tuning defaults (lm/config.py FINETUNE_DEFAULTS); the model
+comes from --init. The sort task's pairs are short, so rows are 40 tokens, not the model's 256."""
+
+from lm.config import ConfigDict
+
+
+def get_config():
+    c = ConfigDict()
+    c.data = dict(seq_len=40)
+    c.pairs = dict(epochs=1.0, eval_pairs=256, eval_examples=256, eval_max_new_tokens=16)
+    c.dpo = dict(loss="sigmoid", beta=0.1)
+    c.optim = dict(lr=2e-4, warmup_steps=10)
+    c.train = dict(batch_size=32, log_every=10)
+    c.eval = dict(every_steps=25, batches=1, batch_size=64)
+    c.checkpoint = dict(every_steps=100, keep=2)
+    return c

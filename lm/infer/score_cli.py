@@ -1,0 +1,79 @@
+"""`lm reward score`: a reward model's scores for texts, or for preference pairs with their accuracy."""
+
+from __future__ import annotations
+
+import json
+import pathlib
+import sys
+
+from lm.errors import UserError
+
+
+def add_parser(sub) -> None:
+    p = sub.add_parser("reward-score", help="(`lm reward score`) print a reward model's scores",
+                       description="Scores with a reward model trained by `lm reward`. --texts: JSONL lines "
+                                   '{"prompt", "response"} or chat {"messages": [..., assistant turn]}; --pairs: '
+                                   "preference pairs, scored on both sides, with the share ranked correctly.")
+    src = p.add_mutually_exclusive_group(required=True)
+    src.add_argument("--workdir", help="an `lm reward` workdir (its newest checkpoint)")
+    src.add_argument("--params", help="an `lm export` of a reward model")
+    what = p.add_mutually_exclusive_group(required=True)
+    what.add_argument("--texts", help="JSONL of responses to score")
+    what.add_argument("--pairs", help="JSONL preference pairs {\"prompt\", \"chosen\", \"rejected\"}")
+    p.add_argument("--out", help="write one JSON line per input with its score(s) (default: stdout)")
+    p.add_argument("--limit", type=int, default=0, help="score only the first N lines (0 = all)")
+    p.add_argument("--tokenizer", help="a sentencepiece .model (default: the one the run was trained with)")
+
+
+def _read_pairs(path: str, limit: int) -> list[tuple]:
+    from lm.data.preference import parse_pair
+
+    out = []
+    for n, line in enumerate(pathlib.Path(path).read_bytes().splitlines(), 1):
+        if not line.strip():
+            continue
+        try:
+            prompt, chosen, rejected, _ = parse_pair(line)
+        except ValueError as e:
+            raise UserError(f"{path}:{n}: {e}") from None
+        out.append((prompt + [chosen], prompt + [rejected]))
+        if limit and len(out) >= limit:
+            break
+    if not out:
+        raise UserError(f"{path}: no pair to score")
+    return out
+
+
+def run(args) -> int:
+    from lm.cpu_flags import apply_cpu_defaults
+
+    apply_cpu_defaults("float32")
+    from lm.infer.load import load_trained
+    from lm.infer.score import RewardScorer, read_texts
+
+    path = args.texts or args.pairs
+    if not pathlib.Path(path).is_file():
+        raise UserError(f"{'--texts' if args.texts else '--pairs'} {path}: no such file")
+    scorer = RewardScorer(load_trained(args.workdir, args.params, args.tokenizer))
+    out = open(args.out, "w", encoding="utf-8") if args.out else sys.stdout
+    try:
+        if args.texts:
+            texts = read_texts(path)[: args.limit or None]
+            for messages, score in zip(texts, scorer.score(texts)):
+                out.write(json.dumps({"messages": messages, "score": float(score)}) + "\n")
+            summary = {"texts": len(texts)}
+        else:
+            pairs = _read_pairs(path, args.limit)
+            scores = scorer.score([c for pair in pairs for c in pair]).reshape(-1, 2)
+            for (chosen, _), (sc, sr) in zip(pairs, scores):
+                out.write(json.dumps({"prompt": chosen[:-1], "chosen_score": float(sc), "rejected_score": float(sr)})
+                          + "\n")
+            summary = {"pairs": len(pairs), "accuracy": float((scores[:, 0] > scores[:, 1]).mean()),
+                       "mean_margin": float((scores[:, 0] - scores[:, 1]).mean())}
+    finally:
+        if args.out:
+            out.close()
+    if scorer.truncated:
+        summary["truncated_to_context"] = scorer.truncated
+    print(json.dumps(summary), file=sys.stderr)
+    return 0

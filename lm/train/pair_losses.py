@@ -1,0 +1,160 @@
+"""Losses over preference pairs: the DPO family and the Bradley-Terry reward model.
+
+A pair batch holds the text fields as [B, 2, T] (row 0 the chosen response, row 1 the
+rejected one, both after the same prompt, which the loss mask leaves out), so a pair never
+splits across micro-batches or devices, and both sides go through the model in one pass
+as [2B, T]. A pair whose loss mask is all zero is padding: it counts nowhere. Statistics
+are sums over pairs and `count` is the number of pairs, so the step's update is the mean
+over the global batch's pairs whatever the micro-batch split.
+
+DPO (Rafailov et al. 2023), with z = (log pi(c) - log ref(c)) - (log pi(r) - log ref(r)) over
+the summed response log-probs:
+  sigmoid  -(1 - eps) log sigmoid(beta z) - eps log sigmoid(-beta z)  (eps > 0: conservative DPO)
+  ipo      (z_avg - 1 / (2 beta))^2, z_avg from per-token averaged log-probs (Azar et al. 2023)
+  simpo    -log sigmoid(beta (log pi(c) / |c| - log pi(r) / |r|) - gamma), no reference (Meng et al. 2024)
+plus rpo_alpha * (the chosen response's per-token NLL) when rpo_alpha > 0 (RPO, Pang et al. 2024).
+The implicit rewards are beta (log pi - log ref) (simpo: beta log pi / length).
+"""
+
+from __future__ import annotations
+
+import dataclasses
+
+import jax
+import jax.numpy as jnp
+
+from lm.train.losses import logits_of, sequence_logprobs
+
+TEXT_FIELDS = ("inputs", "targets", "loss_mask", "segment_ids", "positions")
+DPO_LOSSES = ("sigmoid", "ipo", "simpo")
+
+
+@dataclasses.dataclass(frozen=True)
+class DpoSettings:
+    loss: str = "sigmoid"
+    beta: float = 0.1
+    label_smoothing: float = 0.0
+    simpo_gamma: float = 0.5
+    rpo_alpha: float = 0.0
+
+    @classmethod
+    def from_config(cls, d) -> DpoSettings:
+        return cls(d.loss, d.beta, d.label_smoothing, d.simpo_gamma, d.rpo_alpha)
+
+    @property
+    def needs_reference(self) -> bool:
+        return self.loss != "simpo"
+
+
+def flat_pairs(batch: dict) -> dict:
+    """[B, 2, T] text fields -> [2B, T] rows (chosen, rejected, chosen, ...)."""
+    return {k: batch[k].reshape(-1, batch[k].shape[-1]) for k in TEXT_FIELDS}
+
+
+def pair_logprobs(model, params, batch: dict, rng=None):
+    """(summed response log-probs, response token counts) of each side: float32 [B, 2] each."""
+    logp, count = sequence_logprobs(*_logits_targets_mask(model, params, batch, rng))
+    return logp.reshape(-1, 2), count.reshape(-1, 2)
+
+
+def _logits_targets_mask(model, params, batch, rng):
+    rows = flat_pairs(batch)
+    return logits_of(model, params, rows, rng), rows["targets"], rows["loss_mask"]
+
+
+def dpo_terms(s: DpoSettings, logp, ref, count):
+    """Per pair: (loss [B], chosen reward [B], rejected reward [B]) from [B, 2] summed log-probs
+    of the policy and the reference (ignored by simpo) and response token counts."""
+    n = jnp.maximum(count, 1.0)  # padding pairs have no tokens: keep their terms finite
+    if s.loss == "simpo":
+        rewards = s.beta * logp / n
+        loss = -jax.nn.log_sigmoid(rewards[:, 0] - rewards[:, 1] - s.simpo_gamma)
+    else:
+        ratio = logp - ref
+        rewards = s.beta * ratio
+        if s.loss == "sigmoid":
+            z = rewards[:, 0] - rewards[:, 1]
+            eps = s.label_smoothing
+            loss = -(1.0 - eps) * jax.nn.log_sigmoid(z) - eps * jax.nn.log_sigmoid(-z)
+        elif s.loss == "ipo":
+            avg = ratio / n
+            loss = jnp.square(avg[:, 0] - avg[:, 1] - 1.0 / (2.0 * s.beta))
+        else:
+            raise ValueError(f"dpo loss {s.loss!r}: expected one of {DPO_LOSSES}")
+    if s.rpo_alpha > 0:
+        loss = loss - s.rpo_alpha * logp[:, 0] / n[:, 0]
+    return loss, rewards[:, 0], rewards[:, 1]
+
+
+def _pair_stats(valid, loss, **per_pair) -> dict:
+    """Sums over the real pairs of per-pair values; count = number of pairs."""
+    v = valid.astype(jnp.float32)
+    out = {"loss_sum": jnp.sum(jnp.where(valid, loss, 0.0)), "count": jnp.sum(v)}
+    return out | {f"{k}_sum": jnp.sum(jnp.where(valid, x, 0.0)) for k, x in per_pair.items()}
+
+
+def dpo_loss(model, settings: DpoSettings, reference: str = "live", reference_model=None, split_base=None):
+    """LossFn of DPO. reference: where the reference log-probs come from:
+    'live'         params['reference'] (frozen params beside the policy's) run through reference_model;
+    'adapters_off' the policy's own frozen base without its adapters (LoRA), through reference_model;
+                   split_base(params) -> base params;
+    'precomputed'  batch['ref_logps'] [B, 2];
+    'none'         simpo needs no reference."""
+
+    def ref_logps(params, batch):
+        if reference == "precomputed":
+            return batch["ref_logps"]
+        if reference == "none":
+            return jnp.zeros(batch["inputs"].shape[:2], jnp.float32)
+        ref_params = params["reference"] if reference == "live" else split_base(params)
+        return jax.lax.stop_gradient(pair_logprobs(reference_model, ref_params, batch)[0])
+
+    def loss_fn(params, batch, rng):
+        policy = {k: v for k, v in params.items() if k != "reference"}
+        logp, count = pair_logprobs(model, policy, batch, rng)
+        valid = jnp.all(count > 0, axis=-1)
+        loss, chosen, rejected = dpo_terms(settings, logp, ref_logps(params, batch), count)
+        stats = _pair_stats(valid, loss, **{
+            "rewards/chosen": chosen, "rewards/rejected": rejected,
+            "rewards/accuracies": (chosen > rejected).astype(jnp.float32), "rewards/margins": chosen - rejected,
+            "logps/chosen": logp[:, 0], "logps/rejected": logp[:, 1],
+            "logps/accuracies": (logp[:, 0] > logp[:, 1]).astype(jnp.float32)})
+        tokens = jnp.sum(jnp.where(valid[:, None], count, 0.0))
+        return stats["loss_sum"], stats | {"pairs_total": stats["count"], "tokens_total": tokens}
+
+    return loss_fn
+
+
+def last_real(segment_ids):
+    """Index of each row's last real (non-padding) position: [N, T] -> [N] int32."""
+    real = segment_ids > 0
+    t = segment_ids.shape[-1]
+    return (t - 1 - jnp.argmax(real[..., ::-1], axis=-1)).astype(jnp.int32)
+
+
+def sequence_scores(model, params, rows: dict, rng=None):
+    """The scalar head's value at each row's last real token: [N] float32."""
+    scores = logits_of(model, params, rows, rng, output="scalar")
+    return jnp.take_along_axis(scores, last_real(rows["segment_ids"])[:, None], axis=-1)[:, 0]
+
+
+def reward_terms(r_chosen, r_rejected, margin, center_coef: float):
+    """Bradley-Terry loss per pair: -log sigmoid(r_c - r_r - margin) + center_coef (r_c + r_r)^2."""
+    loss = -jax.nn.log_sigmoid(r_chosen - r_rejected - margin)
+    return loss + center_coef * jnp.square(r_chosen + r_rejected) if center_coef else loss
+
+
+def reward_loss(model, center_coef: float = 0.0):
+    """LossFn of a Bradley-Terry reward model (a scalar head on the trunk)."""
+
+    def loss_fn(params, batch, rng):
+        rows = flat_pairs(batch)
+        scores = sequence_scores(model, params, rows, rng).reshape(-1, 2)
+        valid = jnp.all(jnp.any(batch["loss_mask"] > 0, axis=-1), axis=-1)
+        chosen, rejected = scores[:, 0], scores[:, 1]
+        loss = reward_terms(chosen, rejected, batch["margin"], center_coef)
+        stats = _pair_stats(valid, loss, accuracy=(chosen > rejected).astype(jnp.float32),
+                            margin=chosen - rejected, **{"rewards/chosen": chosen, "rewards/rejected": rejected})
+        return stats["loss_sum"], stats | {"pairs_total": stats["count"]}
+
+    return loss_fn

@@ -1,0 +1,216 @@
+"""Preference losses: each DPO variant and the Bradley-Terry loss against hand-computed values,
+sequence log-probs over masked-in tokens only, and, through real steps of a tiny model: ln 2 at
+step 0, live and precomputed references giving the same update, the micro-batch split and a
+(2,2,2) mesh changing nothing, padding pairs counting nowhere, the reward read at the last token."""
+
+import math
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+import pytest
+
+from lm.config import base_config
+from lm.data.chat import ChatTemplate
+from lm.data.tokenizer import ByteTokenizer
+from lm.train.dpo import build_dpo_run, reference_logps
+from lm.train.losses import sequence_logprobs
+from lm.train.pair_losses import DpoSettings, dpo_terms, last_real, reward_terms, sequence_scores
+from lm.train.pairs import PAIR_EXTRA
+from lm.train.reward import build_reward_run
+from lm.train.setup import build_run
+
+T, V = 64, 264
+LN2 = math.log(2.0)
+PAIRS = [("sort 312", "123", "132"), ("sort 90", "09", "90"), ("sort 5521", "1255", "125"), ("sort 77", "77", "777")]
+
+
+def log_sigmoid(x):
+    return -math.log1p(math.exp(-x))
+
+
+# ---- the formulas --------------------------------------------------------------------------------
+
+LOGP, REF, COUNT = [[-3.0, -5.0]], [[-4.0, -4.0]], [[2.0, 4.0]]
+
+
+def terms(**settings):
+    loss, chosen, rejected = dpo_terms(DpoSettings(**settings), jnp.array(LOGP), jnp.array(REF), jnp.array(COUNT))
+    return float(loss[0]), float(chosen[0]), float(rejected[0])
+
+
+def test_sigmoid_dpo_and_its_rewards():
+    # z = (-3 + 4) - (-5 + 4) = 2; beta z = 1
+    loss, chosen, rejected = terms(loss="sigmoid", beta=0.5)
+    assert loss == pytest.approx(-log_sigmoid(1.0), rel=1e-6)
+    assert (chosen, rejected) == pytest.approx((0.5, -0.5))
+
+
+def test_conservative_dpo_label_smoothing():
+    loss, _, _ = terms(loss="sigmoid", beta=0.5, label_smoothing=0.2)
+    assert loss == pytest.approx(-0.8 * log_sigmoid(1.0) - 0.2 * log_sigmoid(-1.0), rel=1e-6)
+
+
+def test_ipo_on_per_token_log_ratios():
+    # chosen: +1 over 2 tokens, rejected: -1 over 4 tokens -> 0.5 + 0.25 = 0.75; target 1/(2 beta) = 1
+    loss, _, _ = terms(loss="ipo", beta=0.5)
+    assert loss == pytest.approx((0.75 - 1.0) ** 2, rel=1e-6)
+
+
+def test_simpo_is_length_normalised_with_a_margin_and_no_reference():
+    loss, chosen, rejected = terms(loss="simpo", beta=0.5, simpo_gamma=0.3)
+    assert (chosen, rejected) == pytest.approx((0.5 * -3 / 2, 0.5 * -5 / 4))
+    assert loss == pytest.approx(-log_sigmoid(-0.75 + 0.625 - 0.3), rel=1e-6)
+
+
+def test_rpo_adds_the_chosen_per_token_nll():
+    loss, _, _ = terms(loss="sigmoid", beta=0.5, rpo_alpha=2.0)
+    assert loss == pytest.approx(-log_sigmoid(1.0) + 2.0 * 3.0 / 2.0, rel=1e-6)
+
+
+def test_bradley_terry_with_margin_and_centring():
+    loss = reward_terms(jnp.array([1.0]), jnp.array([-0.5]), jnp.array([0.5]), 0.1)
+    assert float(loss[0]) == pytest.approx(-log_sigmoid(1.0) + 0.1 * 0.25, rel=1e-6)
+
+
+def test_sequence_logprobs_sum_only_masked_in_targets():
+    rng = np.random.default_rng(0)
+    logits = rng.standard_normal((2, 5, 7)).astype(np.float32)
+    targets = rng.integers(0, 7, (2, 5)).astype(np.int32)
+    mask = np.array([[0, 1, 1, 0, 1], [0, 0, 0, 0, 1]], np.float32)
+    targets[0, 0] = 99  # out of range where the mask is 0: must not poison the sum
+    logp, count = sequence_logprobs(jnp.array(logits), jnp.array(targets), jnp.array(mask))
+    for b in range(2):
+        expected = 0.0
+        for t in range(5):
+            if mask[b, t]:
+                row = logits[b, t].astype(np.float64)
+                expected += row[targets[b, t]] - math.log(np.exp(row).sum())
+        assert float(logp[b]) == pytest.approx(expected, rel=1e-5)
+        assert float(count[b]) == mask[b].sum()
+
+
+def test_last_real_position():
+    seg = jnp.array([[1, 1, 1, 0, 0], [1, 1, 1, 1, 1], [1, 0, 0, 0, 0]])
+    assert last_real(seg).tolist() == [2, 4, 0]
+
+
+# ---- real steps ------------------------------------------------------------------------------------
+
+def config(pairs=4, micro=1, lora=0, **dpo):
+    c = base_config()
+    c.model.update(vocab_size=V, d_model=32, n_layers=2, n_heads=4, n_kv_heads=2, d_ff=64, max_seq_len=T,
+                   lora_rank=lora)
+    c.optim.update(lr=1e-2, warmup_steps=0, weight_decay=0.0, eps=1.0)
+    c.train.update(batch_size=pairs, micro_batches=micro, steps=10)
+    c.data.seq_len = T
+    c.dpo.update(dpo)
+    return c
+
+
+def pair_batch(n_pad=0):
+    """The PAIRS rendered with the byte tokenizer as [B, 2, T] rows (+ n_pad all-zero pairs)."""
+    template = ChatTemplate.for_tokenizer(ByteTokenizer())
+    b = len(PAIRS) + n_pad
+    batch = {k: np.zeros((b, 2, T), np.int32) for k in ("inputs", "targets", "segment_ids", "positions")}
+    batch["loss_mask"] = np.zeros((b, 2, T), np.float32)
+    batch["margin"] = np.zeros((b,), np.float32)
+    for i, (prompt, *answers) in enumerate(PAIRS):
+        for side, answer in enumerate(answers):
+            ids, w = template.render([{"role": "user", "content": prompt}, {"role": "assistant", "content": answer}])
+            n = len(ids) - 1
+            batch["inputs"][i, side, :n], batch["targets"][i, side, :n] = ids[:-1], ids[1:]
+            batch["loss_mask"][i, side, :n] = w[1:]
+            batch["segment_ids"][i, side, :n], batch["positions"][i, side, :n] = 1, np.arange(n)
+    return batch
+
+
+@pytest.fixture(scope="module")
+def base():
+    """Params of a 'trained' model to start from (a fresh init with another seed)."""
+    return jax.device_get(build_run(config()).init_state(seed=11).params)
+
+
+def dpo_step(c, batch, base, devices=None, extra=None):
+    run = build_dpo_run(c, devices=devices or jax.devices()[:1])
+    state, frozen = run.init(seed=3, base=base)
+    signature = run.signature(len(batch["inputs"]), pairs=True, extra=PAIR_EXTRA | (extra or {}))
+    step = run.bind(run.train_step(signature), frozen)
+    state, metrics = step(state, run.placer(signature).from_global(batch))
+    return jax.device_get(state.params), jax.device_get(metrics), run
+
+
+def test_step_zero_with_policy_equal_to_reference_is_ln2_with_zero_margins(base):
+    _, m, _ = dpo_step(config(), pair_batch(), base)
+    assert float(m["loss"]) == pytest.approx(LN2, abs=1e-6)
+    assert float(m["rewards/margins"]) == 0.0 and float(m["rewards/accuracies"]) == 0.0
+    assert float(m["pairs"]) == len(PAIRS) and float(m["logps/chosen"]) < 0
+
+
+def test_live_and_precomputed_reference_give_the_same_update_and_padding_pairs_count_nowhere(base):
+    batch = pair_batch()
+    live, m_live, _ = dpo_step(config(), batch, base)
+    run = build_dpo_run(config(reference="precomputed"), devices=jax.devices()[:1])
+    ref = reference_logps(run, base, _Rows(batch), 2)
+    padded = pair_batch(n_pad=4)
+    padded["ref_logps"] = np.concatenate([ref, np.zeros((4, 2), np.float32)])
+    pre, m_pre, _ = dpo_step(config(pairs=8, reference="precomputed"), padded, base,
+                             extra={"ref_logps": ((2,), np.float32)})
+    assert float(m_pre["pairs"]) == len(PAIRS)
+    for k in ("loss", "rewards/chosen", "logps/rejected", "grad_norm"):
+        assert float(m_pre[k]) == pytest.approx(float(m_live[k]), rel=1e-5, abs=1e-6), k
+    jax.tree.map(lambda a, b: np.testing.assert_allclose(a, b, rtol=1e-5, atol=1e-6), live, pre)
+
+
+class _Rows:
+    """A [B, 2, T] batch as ready rows (what lm.data.preference yields)."""
+
+    def __init__(self, batch):
+        self.batch, self.seq_len = batch, T
+
+    def __len__(self):
+        return len(self.batch["inputs"])
+
+    def __getitem__(self, i):
+        return {k: v[i] for k, v in self.batch.items()}
+
+
+def test_update_does_not_depend_on_the_micro_batch_split(base):
+    one, m1, _ = dpo_step(config(loss="ipo"), pair_batch(), base)
+    two, m2, _ = dpo_step(config(micro=2, loss="ipo"), pair_batch(), base)
+    assert float(m1["loss"]) == pytest.approx(float(m2["loss"]), rel=1e-6)
+    jax.tree.map(lambda a, b: np.testing.assert_allclose(a, b, rtol=1e-5, atol=1e-6), one, two)
+
+
+def test_dpo_on_a_2x2x2_mesh_equals_one_device(base):
+    c8 = config(pairs=8)
+    c8.mesh.update(data=2, fsdp=2, tensor=2)
+    batch = pair_batch(n_pad=0)
+    batch = {k: np.concatenate([v, v]) for k, v in batch.items()}
+    one, m1, _ = dpo_step(config(pairs=8), batch, base)
+    eight, m8, _ = dpo_step(c8, batch, base, devices=jax.devices()[:8])
+    assert float(m8["loss"]) == pytest.approx(float(m1["loss"]), rel=1e-5)
+    jax.tree.map(lambda a, b: np.testing.assert_allclose(a, b, rtol=1e-4, atol=1e-6), one, eight)
+
+
+def test_lora_reference_is_the_base_with_adapters_off(base):
+    _, m, run = dpo_step(config(lora=4), pair_batch(), base)
+    assert run.frozen_shardings is not None and "reference" not in run.frozen_shardings  # no copy
+    assert float(m["loss"]) == pytest.approx(LN2, abs=1e-6)  # B = 0: policy == base at step 0
+
+
+def test_reward_model_starts_neutral_and_scores_the_last_real_token(base):
+    run = build_reward_run(config(), devices=jax.devices()[:1])
+    state, frozen = run.init(seed=3, base=base)
+    signature = run.signature(len(PAIRS), pairs=True, extra=PAIR_EXTRA)
+    step = run.bind(run.train_step(signature), frozen)
+    state, m = step(state, run.placer(signature).from_global(pair_batch()))
+    assert float(m["loss"]) == pytest.approx(LN2, abs=1e-6) and float(m["accuracy"]) == 0.0
+    params = jax.device_get(state.params)
+    rows = {k: jnp.asarray(v[:, 0]) for k, v in pair_batch().items() if k != "margin"}
+    scores = run.model.apply({"params": params}, rows["inputs"], rows["segment_ids"], rows["positions"],
+                             output="scalar")
+    last = np.asarray(rows["segment_ids"]).sum(-1) - 1
+    np.testing.assert_allclose(sequence_scores(run.model, params, rows), np.asarray(scores)[np.arange(len(PAIRS)), last],
+                               rtol=1e-6)
+    assert np.ptp(np.asarray(scores)) > 0  # one step moved the head off zero

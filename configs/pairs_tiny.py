@@ -8,9 +8,10 @@ from lm.config import ConfigDict
 def get_config():
     c = ConfigDict()
     c.data = dict(seq_len=40)
-    c.pairs = dict(epochs=1.0, eval_pairs=256, eval_examples=256, eval_max_new_tokens=16)
-    c.dpo = dict(loss="sigmoid", beta=0.1)
-    c.optim = dict(lr=2e-4, warmup_steps=10)
+    c.pairs = dict(epochs=0.5, eval_pairs=256, eval_examples=256, eval_max_new_tokens=16)
+    # RPO term: on pairs the SFT model already ranks right, plain DPO lowers the chosen answers too
+    c.dpo = dict(loss="sigmoid", beta=0.1, rpo_alpha=1.0)
+    c.optim = dict(lr=1e-4, warmup_steps=10)
     c.train = dict(batch_size=32, log_every=10)
     c.eval = dict(every_steps=25, batches=1, batch_size=64)
     c.checkpoint = dict(every_steps=100, keep=2)

@@ -25,3 +25,4 @@ def test_quickstart_notebook_runs():
     text = "".join(o.get("text", "") for o in outputs if o.output_type == "stream")
     assert "eval_loss" in text and "--- sample" in text
     assert "exact_match_init" in text  # the SFT cell ran to its report
+    assert "accuracies" in text  # and the DPO cell to its held-out pair metrics

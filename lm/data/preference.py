@@ -22,8 +22,6 @@ margins float32 [N], stats.json; row 0 of a pair is the chosen side, row 1 the r
 
 from __future__ import annotations
 
-import dataclasses
-import hashlib
 import json
 import math
 from pathlib import Path
@@ -32,7 +30,7 @@ import numpy as np
 
 from lm.data import chat
 from lm.data.cache import cached_dir
-from lm.data.sft import SftSettings, fit
+from lm.data.sft import SftSettings, cache_key, fit
 from lm.data.tokens import write_json
 from lm.errors import UserError
 
@@ -120,20 +118,27 @@ def parse_pair(line: bytes) -> tuple[list[dict], dict, dict, float]:
     return prompt, chosen, rejected, float(margin)
 
 
-def pair_conversations(path, limit: int = 0) -> list[list[dict]]:
-    """prompt + chosen answer of the first `limit` pairs (0 = all): references for exact match."""
+def read_pairs(path, limit: int = 0) -> list[tuple]:
+    """The parsed pairs (parse_pair) of the first `limit` lines (0 = all); a bad line is a
+    UserError naming file and line."""
     out = []
     for n, line in enumerate(Path(path).read_bytes().splitlines(), 1):
         if not line.strip():
             continue
         try:
-            prompt, chosen, _, _ = parse_pair(line)
+            out.append(parse_pair(line))
         except ValueError as e:
             raise UserError(f"{path}:{n}: {e}") from None
-        out.append(prompt + [chosen])
         if limit and len(out) >= limit:
             break
+    if not out:
+        raise UserError(f"{path}: no preference pair")
     return out
+
+
+def pair_conversations(path, limit: int = 0) -> list[list[dict]]:
+    """prompt + chosen answer of the first `limit` pairs (0 = all): references for exact match."""
+    return [prompt + [chosen] for prompt, chosen, _, _ in read_pairs(path, limit)]
 
 
 def prepare_pairs(path, tokenizer, settings: SftSettings, cache_root) -> PairExamples:
@@ -142,19 +147,9 @@ def prepare_pairs(path, tokenizer, settings: SftSettings, cache_root) -> PairExa
     path = Path(path)
     if not path.is_file():
         raise UserError(f"pairs: '{path}' is not a file; expected a JSONL file of preference pairs")
-    name = f"pairs-{tokenizer.name}-{cache_key(path, tokenizer, settings)}"
+    name = f"pairs-{tokenizer.name}-{cache_key(path, tokenizer, settings, _VERSION)}"
     out, built = cached_dir(Path(cache_root), name, lambda staging: _build(path, tokenizer, settings, staging))
     return PairExamples(out, settings.seq_len, built)
-
-
-def cache_key(path: Path, tokenizer, settings: SftSettings) -> str:
-    digest = hashlib.sha256()
-    with open(path, "rb") as f:
-        for block in iter(lambda: f.read(1 << 20), b""):
-            digest.update(block)
-    key = {"version": _VERSION, "template": chat.VERSION, "file": digest.hexdigest(),
-           "tokenizer": tokenizer.fingerprint(), "settings": dataclasses.asdict(settings)}
-    return hashlib.sha256(json.dumps(key, sort_keys=True).encode()).hexdigest()[:16]
 
 
 def _build(path: Path, tokenizer, settings: SftSettings, staging: Path) -> None:

@@ -98,12 +98,14 @@ def prepare_sft(path, tokenizer, settings: SftSettings, cache_root) -> SftExampl
     return SftExamples(out, settings.seq_len, built)
 
 
-def cache_key(path: Path, tokenizer, settings: SftSettings) -> str:
+def cache_key(path: Path, tokenizer, settings: SftSettings, version: int = _VERSION) -> str:
+    """A fingerprint of the file's bytes, the template, the tokenizer, the settings and `version`
+    (of the stored format)."""
     digest = hashlib.sha256()
     with open(path, "rb") as f:
         for block in iter(lambda: f.read(1 << 20), b""):
             digest.update(block)
-    key = {"version": _VERSION, "template": chat.VERSION, "file": digest.hexdigest(),
+    key = {"version": version, "template": chat.VERSION, "file": digest.hexdigest(),
            "tokenizer": tokenizer.fingerprint(), "settings": dataclasses.asdict(settings)}
     return hashlib.sha256(json.dumps(key, sort_keys=True).encode()).hexdigest()[:16]
 

@@ -25,25 +25,6 @@ def add_parser(sub) -> None:
     p.add_argument("--tokenizer", help="a sentencepiece .model (default: the one the run was trained with)")
 
 
-def _read_pairs(path: str, limit: int) -> list[tuple]:
-    from lm.data.preference import parse_pair
-
-    out = []
-    for n, line in enumerate(pathlib.Path(path).read_bytes().splitlines(), 1):
-        if not line.strip():
-            continue
-        try:
-            prompt, chosen, rejected, _ = parse_pair(line)
-        except ValueError as e:
-            raise UserError(f"{path}:{n}: {e}") from None
-        out.append((prompt + [chosen], prompt + [rejected]))
-        if limit and len(out) >= limit:
-            break
-    if not out:
-        raise UserError(f"{path}: no pair to score")
-    return out
-
-
 def run(args) -> int:
     from lm.cpu_flags import apply_cpu_defaults
 
@@ -63,7 +44,9 @@ def run(args) -> int:
                 out.write(json.dumps({"messages": messages, "score": float(score)}) + "\n")
             summary = {"texts": len(texts)}
         else:
-            pairs = _read_pairs(path, args.limit)
+            from lm.data.preference import read_pairs
+
+            pairs = [(p + [c], p + [r]) for p, c, r, _ in read_pairs(path, args.limit)]
             scores = scorer.score([c for pair in pairs for c in pair]).reshape(-1, 2)
             for (chosen, _), (sc, sr) in zip(pairs, scores):
                 out.write(json.dumps({"prompt": chosen[:-1], "chosen_score": float(sc), "rejected_score": float(sr)})

@@ -78,11 +78,11 @@ def reference_logps(run, base: dict, rows, batch_size: int) -> np.ndarray:
     return np.concatenate(out)[: len(rows)].astype(np.float32)
 
 
-def _precomputed(stage, run) -> tuple:
+def _precomputed(stage, run, resume: bool) -> tuple:
     """({'ref_logps'} of the train pairs, of the held-out pairs), computed once and kept in the
-    workdir (a resumed run reads them back)."""
+    workdir (a resumed run reads them back; a fresh one computes them anew)."""
     path = stage.workdir / REF_FILE
-    if path.is_file():
+    if resume and path.is_file():
         saved = np.load(path)
         held = saved["heldout"] if stage.heldout is not None else None
     else:
@@ -105,7 +105,7 @@ def dpo(config, workdir, resume: bool = False, show_progress: bool = True) -> di
     mode = reference_mode(config)
     extra, fields = None, (None, None)
     if mode == "precomputed":
-        extra, fields = {"ref_logps": ((2,), np.float32)}, _precomputed(stage, run)
+        extra, fields = {"ref_logps": ((2,), np.float32)}, _precomputed(stage, run, resume)
     flops = plan.flops_per_token(config.model, config.data.seq_len)
     if mode in ("live", "adapters_off"):
         flops *= 4 / 3  # the reference's forward pass: 2N beside the policy's 6N

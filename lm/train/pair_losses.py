@@ -155,6 +155,7 @@ def reward_loss(model, center_coef: float = 0.0):
         loss = reward_terms(chosen, rejected, batch["margin"], center_coef)
         stats = _pair_stats(valid, loss, accuracy=(chosen > rejected).astype(jnp.float32),
                             margin=chosen - rejected, **{"rewards/chosen": chosen, "rewards/rejected": rejected})
-        return stats["loss_sum"], stats | {"pairs_total": stats["count"]}
+        tokens = jnp.sum(jnp.where(valid[:, None], jnp.sum(batch["loss_mask"], axis=-1), 0.0))
+        return stats["loss_sum"], stats | {"pairs_total": stats["count"], "tokens_total": tokens}
 
     return loss_fn

@@ -101,14 +101,14 @@ def _preference_lines(pref: dict, n: int) -> list[str]:
     d, r = pref["dpo"], pref["reward"]
     get = lambda row, key: (row or {}).get(f"eval_{key}", float("nan"))
     return [f"preference, {n} held-out pairs (answer vs a plausible wrong one):",
-            f"  {'':<28} {'SFT model':>10} {'after DPO':>10}",
-            f"  {'log p(chosen) > log p(rejected)':<28} {get(d['init'], 'logps/accuracies'):>10.1%} "
+            f"  {'':<32} {'SFT model':>10} {'after DPO':>10}",
+            f"  {'log p(chosen) > log p(rejected)':<32} {get(d['init'], 'logps/accuracies'):>10.1%} "
             f"{get(d['tuned'], 'logps/accuracies'):>10.1%}",
-            f"  {'mean log p(chosen)':<28} {get(d['init'], 'logps/chosen'):>10.3f} {get(d['tuned'], 'logps/chosen'):>10.3f}",
-            f"  {'mean log p(rejected)':<28} {get(d['init'], 'logps/rejected'):>10.3f} "
+            f"  {'mean log p(chosen)':<32} {get(d['init'], 'logps/chosen'):>10.3f} {get(d['tuned'], 'logps/chosen'):>10.3f}",
+            f"  {'mean log p(rejected)':<32} {get(d['init'], 'logps/rejected'):>10.3f} "
             f"{get(d['tuned'], 'logps/rejected'):>10.3f}",
-            f"  {'implicit reward accuracy':<28} {'-':>10} {get(d['tuned'], 'rewards/accuracies'):>10.1%}",
-            f"  {'implicit reward margin':<28} {get(d['init'], 'rewards/margins'):>10.3f} "
+            f"  {'implicit reward accuracy':<32} {'-':>10} {get(d['tuned'], 'rewards/accuracies'):>10.1%}",
+            f"  {'implicit reward margin':<32} {get(d['init'], 'rewards/margins'):>10.3f} "
             f"{get(d['tuned'], 'rewards/margins'):>10.3f}",
             f"reward model (Bradley-Terry, from the SFT model): held-out accuracy {get(r['tuned'], 'accuracy'):.1%}, "
             f"mean margin {get(r['tuned'], 'margin'):.3f} (untrained head: {get(r['init'], 'accuracy'):.1%})"]

@@ -82,7 +82,8 @@ def _parser() -> argparse.ArgumentParser:
                    eval_data="held-out pairs: accuracy and mean margin at every eval")
     dm = _with_overrides(sub, "demo", help="the whole pipeline on the tiny model, printing what each stage gained",
                          description="Pretrains the tiny model on the Python standard library, then fine-tunes it "
-                                     "(fully and with LoRA) on a generated sort task; prints one evidence table. "
+                                     "(fully and with LoRA) on a generated sort task, then trains DPO and a reward model "
+                                     "on its preference pairs; prints one evidence table. "
                                      "Overrides apply to the pretraining config.")
     dm.add_argument("--workdir", required=True, help="directory for every stage's run")
     dm.add_argument("--no-progress", action="store_true", help="no progress bars (logs only)")

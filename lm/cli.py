@@ -80,10 +80,24 @@ def _parser() -> argparse.ArgumentParser:
                                      "Score with: lm reward score --workdir RUN (--pairs FILE | --texts FILE).")
     _finetune_args(rw, data='JSONL pairs: {"prompt", "chosen", "rejected"[, "margin"]}',
                    eval_data="held-out pairs: accuracy and mean margin at every eval")
+    rl = _with_overrides(sub, "rl", help="RL from rewards (GRPO, PPO) on prompts, sampling with the KV cache",
+                         description="Reinforcement learning from a run or an export (usually an `lm sft` run): each "
+                                     "step samples --config.rl.group_size responses per prompt, scores them "
+                                     "(--config.rl.rewards=module:function or file.py:function, "
+                                     "--config.rl.reward_model=REWARD_RUN) and updates the policy. "
+                                     "--config.rl.algo=grpo|ppo, --config.rl.beta (KL to the init model).")
+    _finetune_args(rl, data='JSONL prompts: {"prompt": TEXT or MESSAGES, ...} or {"messages": [...]} lines; '
+                            "the other keys reach the reward functions",
+                   eval_data="held-out prompts: mean reward of greedy answers at every eval")
+    rl.add_argument("--rewards", help="reward functions, e.g. 'lm.data.synthetic:sort_reward' or "
+                                      "'my_rewards.py:score=0.5,other.py:fmt' (sets rl.rewards)")
+    rl.add_argument("--reward-model", help="an `lm reward` run or export scoring the responses (sets rl.reward_model)")
+    rl.add_argument("--eval-answers", help="held-out conversations (chat JSONL) answered greedily at the end: "
+                                           "exact match of the init and the tuned model")
     dm = _with_overrides(sub, "demo", help="the whole pipeline on the tiny model, printing what each stage gained",
                          description="Pretrains the tiny model on the Python standard library, then fine-tunes it "
                                      "(fully and with LoRA) on a generated sort task, then trains DPO and a reward model "
-                                     "on its preference pairs; prints one evidence table. "
+                                     "on its preference pairs and GRPO on its prompts; prints one evidence table. "
                                      "Overrides apply to the pretraining config.")
     dm.add_argument("--workdir", required=True, help="directory for every stage's run")
     dm.add_argument("--no-progress", action="store_true", help="no progress bars (logs only)")
@@ -197,7 +211,7 @@ def _export(args) -> int:
     return 0
 
 
-SECTIONS = {"sft": "sft", "dpo": "pairs", "reward": "pairs"}  # verb -> config section of its init/data
+SECTIONS = {"sft": "sft", "dpo": "pairs", "reward": "pairs", "rl": "rl"}  # verb -> config section of its init/data
 
 
 def _finetune(args, overrides: list[str], argv: list[str]) -> int:
@@ -211,8 +225,9 @@ def _finetune(args, overrides: list[str], argv: list[str]) -> int:
                         "workdir or an `lm export`")
     init = str(Path(args.init).absolute())  # the run records where its base lives
     keys = {"init": init, "data": args.data, "eval_data": args.eval_data}
-    if getattr(args, "eval_answers", None):
-        keys["eval_answers"] = args.eval_answers
+    for name in ("eval_answers", "rewards", "reward_model"):
+        if getattr(args, name, None):
+            keys[name] = getattr(args, name)
     config = finetune_config(init_config(init), args.config, overrides, SECTIONS[args.verb], **keys)
     from lm.cpu_flags import apply_cpu_defaults
 
@@ -221,6 +236,8 @@ def _finetune(args, overrides: list[str], argv: list[str]) -> int:
         from lm.train.sft import sft as stage
     elif args.verb == "dpo":
         from lm.train.dpo import dpo as stage
+    elif args.verb == "rl":
+        from lm.train.rl import rl as stage
     else:
         from lm.train.reward import reward as stage
     summary = stage(config, args.workdir, resume=args.resume, show_progress=not args.no_progress)
@@ -229,7 +246,8 @@ def _finetune(args, overrides: list[str], argv: list[str]) -> int:
     if summary.get("nothing_to_do"):
         print(f"lm: {args.workdir} already finished at step {summary['step']}; nothing left to do", file=sys.stderr)
         return 0
-    print(f"done: step {summary['step']}; see {args.workdir}/summary.json and loss.png")
+    plot = "rl.png" if args.verb == "rl" else "loss.png"
+    print(f"done: step {summary['step']}; see {args.workdir}/summary.json and {plot}")
     return 0
 
 

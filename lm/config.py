@@ -63,6 +63,8 @@ CHOICES = {
     "pairs.on_bad_record": ("error", "skip"),
     "dpo.loss": ("sigmoid", "ipo", "simpo"),
     "dpo.reference": ("live", "precomputed"),
+    "rl.algo": ("grpo", "ppo"),
+    "rl.on_bad_record": ("error", "skip"),
 }
 
 
@@ -127,6 +129,22 @@ def base_config() -> ConfigDict:
     # `lm reward`: Bradley-Terry loss -log sigmoid(r_chosen - r_rejected - margin) + center_coef *
     # (r_chosen + r_rejected)^2 (keeps scores centred at 0); margin is the pair's "margin" field
     c.reward = dict(center_coef=0.0)
+    # `lm rl`: GRPO or PPO from a trained model (init) on prompts (data, eval_data: JSONL {"prompt"}
+    # or chat {"messages"} lines, lm.data.prompts). A step samples group_size responses to each of
+    # prompts_per_step prompts (max_new_tokens, temperature, top_p), scores them (rewards:
+    # "module:function[=weight], file.py:function"; reward_model: an `lm reward` run or export,
+    # times reward_model_weight; truncation_penalty off responses cut at max_new_tokens), then makes
+    # epochs passes over them in minibatches updates (train.batch_size is set to the rows of one).
+    # beta: KL to the init model (GRPO: k3 term in the loss; PPO: in the per-token reward; 0: no
+    # reference held); eps_low/eps_high: the clip range; scale_rewards: GRPO divides by the group's
+    # std (false: Dr. GRPO); PPO: gamma, lam (GAE), vf_coef, value_clip, whiten. eval_prompts
+    # held-out prompts are answered greedily at every eval; eval_answers as for pairs.
+    c.rl = dict(init="", data="", eval_data="", algo="grpo", prompts_per_step=8, group_size=8, max_new_tokens=32,
+                temperature=1.0, top_p=1.0, rewards="", reward_model="", reward_model_weight=1.0,
+                truncation_penalty=0.0, epochs=1, minibatches=1, beta=0.04, eps_low=0.2, eps_high=0.2,
+                scale_rewards=True, adv_eps=1e-4, gamma=1.0, lam=0.95, vf_coef=0.1, value_clip=0.2, whiten=True,
+                on_bad_record="error", max_skipped_fraction=0.01, eval_prompts=256, eval_answers="",
+                eval_examples=256, eval_max_new_tokens=64)
     c.curate = curate_defaults()
     return c
 
@@ -342,6 +360,7 @@ def validate(c: ConfigDict) -> None:
     for key in ("rpo_alpha", "simpo_gamma"):
         _require(c.dpo[key] >= 0, f"dpo.{key}", c.dpo[key], "expected >= 0")
     _require(c.reward.center_coef >= 0, "reward.center_coef", c.reward.center_coef, "expected >= 0")
+    _validate_rl(c.rl)
     _require(0 <= c.optim.warmup_steps, "optim.warmup_steps", c.optim.warmup_steps, "expected >= 0")
     for axis in ("data", "fsdp", "tensor"):
         _require(c.mesh[axis] == -1 or c.mesh[axis] > 0, f"mesh.{axis}", c.mesh[axis],
@@ -352,6 +371,24 @@ def validate(c: ConfigDict) -> None:
         for axis in axes:
             _require(axis in ("data", "fsdp", "tensor"), f"mesh.rules.{name}", axes,
                      "expected mesh axes among data, fsdp, tensor")
+
+
+def _validate_rl(r) -> None:
+    for key in ("prompts_per_step", "group_size", "max_new_tokens", "epochs", "minibatches", "eval_prompts",
+                "eval_examples", "eval_max_new_tokens"):
+        _require(r[key] >= 1, f"rl.{key}", r[key], "expected a positive integer")
+    _require((r.prompts_per_step * r.group_size) % r.minibatches == 0, "rl.minibatches", r.minibatches,
+             f"must divide the {r.prompts_per_step * r.group_size} rollouts of a step "
+             "(rl.prompts_per_step x rl.group_size)")
+    _require(r.group_size >= 2 or r.algo == "ppo", "rl.group_size", r.group_size,
+             "GRPO compares the responses to one prompt: at least 2")
+    for key in ("beta", "eps_low", "eps_high", "adv_eps", "vf_coef", "value_clip", "truncation_penalty",
+                "temperature"):
+        _require(r[key] >= 0, f"rl.{key}", r[key], "expected >= 0")
+    _require(0 < r.top_p <= 1, "rl.top_p", r.top_p, "expected a fraction in (0, 1]")
+    _require(0 <= r.gamma <= 1 and 0 <= r.lam <= 1, "rl.gamma/rl.lam", (r.gamma, r.lam), "expected values in [0, 1]")
+    _require(0.0 <= r.max_skipped_fraction <= 1.0, "rl.max_skipped_fraction", r.max_skipped_fraction,
+             "expected a fraction in [0, 1]")
 
 
 def data_sources(d) -> list[tuple[str, float]]:
@@ -398,7 +435,7 @@ def rules_table(c: ConfigDict) -> tuple[tuple[str, tuple[str, ...]], ...]:
     return tuple((name, tuple(axes) if axes else None) for name, axes in sorted(c.mesh.rules.items()))
 
 
-# Fine-tuning settings (`lm sft`, `lm dpo`, `lm reward`) that differ from pretraining's (a config
+# Fine-tuning settings (`lm sft`, `lm dpo`, `lm reward`, `lm rl`) that differ from pretraining's (a config
 # file or overrides may change each): a tenth of the pretraining peak learning rate, a short warmup,
 # decay to 0, no weight decay.
 FINETUNE_DEFAULTS = {"optim.warmup_steps": 10, "optim.min_lr_ratio": 0.0, "optim.weight_decay": 0.0,
@@ -427,4 +464,4 @@ def finetune_config(start: ConfigDict, path: str | None = None, overrides=(), se
 
 def init_of(config) -> str:
     """The model a fine-tuning run started from (its base, for LoRA adapters): '' for pretraining."""
-    return config.sft.init or config.pairs.init
+    return config.sft.init or config.pairs.init or config.rl.init

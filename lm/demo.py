@@ -5,9 +5,10 @@
 3. supervised fine-tuning from the pretrained model, fully and with LoRA adapters;
 4. preference pairs of the task (the answer vs a plausible wrong one), DPO from the SFT model,
    and a reward model trained on the same pairs;
-5. one table: held-out response loss and exact-match accuracy of greedy answers, base vs SFT
-   vs SFT-LoRA vs DPO, then the preference evidence on held-out pairs; written to
-   WORKDIR/demo_summary.json as well.
+5. GRPO from the SFT model on the task's prompts, rewarded for the exact answer;
+6. one table: held-out response loss and exact-match accuracy of greedy answers, base vs SFT
+   vs SFT-LoRA vs DPO vs GRPO, then the preference evidence on held-out pairs and the RL
+   reward and KL; written to WORKDIR/demo_summary.json as well.
 """
 
 from __future__ import annotations
@@ -20,6 +21,7 @@ from lm.data.synthetic import write_sort_pairs, write_sort_task
 from lm.infer.load import init_config
 
 PRETRAIN_CONFIG, SFT_CONFIG, PAIRS_CONFIG = "configs/tiny.py", "configs/sft_tiny.py", "configs/pairs_tiny.py"
+RL_CONFIG = "configs/rl_tiny.py"
 REWARD = ["optim.lr=1e-3"]
 LORA = ["model.lora_rank=8", "model.lora_alpha=16.0", "optim.lr=1e-2", "sft.epochs=1.5"]
 
@@ -29,10 +31,11 @@ def _stage(title: str) -> None:
 
 
 def run_demo(workdir, show_progress: bool = True, pretrain_overrides=(), sft_overrides=(), pair_overrides=(),
-             n_train: int = 20000, n_heldout: int = 256, n_pairs: int = 4000) -> dict:
+             rl_overrides=(), n_train: int = 20000, n_heldout: int = 256, n_pairs: int = 4000) -> dict:
     from lm.train.dpo import dpo  # lazy: jax after the CPU flags are set
     from lm.train.pretrain import train
     from lm.train.reward import reward
+    from lm.train.rl import rl
     from lm.train.sft import sft
 
     root = pathlib.Path(workdir)
@@ -59,21 +62,33 @@ def run_demo(workdir, show_progress: bool = True, pretrain_overrides=(), sft_ove
     _stage("6. a reward model from the SFT model")
     config = finetune_config(init_config(sft_dir), PAIRS_CONFIG, [*REWARD, *pair_overrides], "pairs", **keys)
     preference["reward"] = reward(config, root / "reward", show_progress=show_progress)
-    summary = {"pretrain": {k: base.get(k) for k in ("eval_loss", "unigram_baseline", "run_tokens_per_s")},
-               "sft": {name: _row(r) for name, r in runs.items()}}
-    summary["sft"] = {"base": {"response_loss": runs["sft"].get("eval_loss_init"),
-                               "exact_match": runs["sft"].get("exact_match_init")}} | summary["sft"]
-    d = preference["dpo"]
-    summary["sft"]["dpo"] = {"response_loss": None, "exact_match": d.get("exact_match"), "steps": d.get("step"),
-                             "tokens_per_s": d.get("run_tokens_per_s")}
-    summary["preference"] = {"dpo": {"init": d.get("eval_init"), "tuned": d.get("eval")},
-                             "reward": {"init": preference["reward"].get("eval_init"),
-                                        "tuned": preference["reward"].get("eval")}}
+    _stage("7. GRPO from the SFT model: reward 1 for the exact answer")
+    config = finetune_config(init_config(sft_dir), RL_CONFIG, list(rl_overrides), "rl", init=sft_dir,
+                             data=str(paths["train"]), eval_data=str(paths["heldout"]), eval_answers=str(paths["heldout"]))
+    grpo = rl(config, root / "grpo", show_progress=show_progress)
+    summary = _summary(base, runs, preference, grpo, root)
     text = evidence(summary, n_heldout)
     print("\n" + text)
     (root / "demo_summary.json").write_text(json.dumps(summary, indent=2))
     (root / "demo_summary.txt").write_text(text + "\n")
     return summary
+
+
+def _summary(base: dict, runs: dict, preference: dict, grpo: dict, root: pathlib.Path) -> dict:
+    """Each stage's figures the evidence table reads (and demo_summary.json keeps)."""
+    sft = {"base": {"response_loss": runs["sft"].get("eval_loss_init"), "exact_match": runs["sft"].get("exact_match_init")}}
+    sft |= {name: _row(r) for name, r in runs.items()}
+    d = preference["dpo"]
+    sft["dpo"] = {"response_loss": None, "exact_match": d.get("exact_match"), "steps": d.get("step"),
+                  "tokens_per_s": d.get("run_tokens_per_s")}
+    sft["grpo"] = {"response_loss": None, "exact_match": grpo.get("exact_match"), "steps": grpo.get("step")}
+    rl = {k: grpo.get(k) for k in ("eval_init", "eval", "reward", "kl", "response_length", "rollout_tokens_per_s",
+                                   "update_tokens_per_s", "sampling_share")} | {"plot": str(root / "grpo" / "rl.png")}
+    return {"pretrain": {k: base.get(k) for k in ("eval_loss", "unigram_baseline", "run_tokens_per_s")}, "sft": sft,
+            "preference": {"dpo": {"init": d.get("eval_init"), "tuned": d.get("eval")},
+                           "reward": {"init": preference["reward"].get("eval_init"),
+                                      "tuned": preference["reward"].get("eval")}},
+            "rl": rl}
 
 
 def _row(r: dict) -> dict:
@@ -94,7 +109,18 @@ def evidence(summary: dict, n_heldout: int) -> str:
         lines.append(f"  {name:<10} {loss:>14} {acc:>12}")
     if "preference" in summary:
         lines += _preference_lines(summary["preference"], n_heldout)
+    if "rl" in summary:
+        lines += _rl_lines(summary["rl"], n_heldout)
     return "\n".join(lines)
+
+
+def _rl_lines(r: dict, n: int) -> list[str]:
+    before, after = (r.get("eval_init") or {}), (r.get("eval") or {})
+    nan = float("nan")
+    return [f"GRPO, {n} held-out prompts, greedy: reward (exact answer) {before.get('eval_reward', nan):.1%} -> "
+            f"{after.get('eval_reward', nan):.1%}; last step: rollout reward {r.get('reward') or nan:.3f}, "
+            f"KL to the SFT model {r.get('kl') or nan:.4f}, sampling {r.get('sampling_share') or nan:.0%} of the "
+            f"step; curves: {r.get('plot')}"]
 
 
 def _preference_lines(pref: dict, n: int) -> list[str]:

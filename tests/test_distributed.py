@@ -8,6 +8,7 @@ import sys
 
 import pytest
 
+from tests.conftest import xla_flags
 from tests.test_cli_train import SMALL
 
 ARGS = SMALL + ["--config.train.steps=6", "--config.train.log_every=2", "--config.eval.every_steps=0",
@@ -21,7 +22,7 @@ def free_port() -> int:
 
 
 def run(workdir, corpus, n_proc: int, devices_per_proc: int, args=ARGS):
-    env = os.environ | {"XLA_FLAGS": f"--xla_force_host_platform_device_count={devices_per_proc}",
+    env = os.environ | {"XLA_FLAGS": xla_flags(devices_per_proc),
                         "JAX_PLATFORMS": "cpu"}
     base = [sys.executable, "-m", "lm.cli", "train", "--workdir", str(workdir),
             f"--config.data.corpus={corpus}", *args]

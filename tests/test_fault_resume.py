@@ -15,6 +15,7 @@ import numpy as np
 import orbax.checkpoint as ocp
 import pytest
 
+from tests.conftest import xla_flags
 from tests.test_cli_train import SMALL
 
 STEPS = 24
@@ -29,7 +30,7 @@ def command(workdir, corpus, resume=False):
 
 
 def start(workdir, corpus, resume=False):
-    env = os.environ | {"XLA_FLAGS": "--xla_force_host_platform_device_count=8", "JAX_PLATFORMS": "cpu"}
+    env = os.environ | {"XLA_FLAGS": xla_flags(8), "JAX_PLATFORMS": "cpu"}
     return subprocess.Popen(command(workdir, corpus, resume), env=env, cwd=ROOT, stdout=subprocess.PIPE,
                             stderr=subprocess.PIPE, text=True)
 
@@ -113,7 +114,7 @@ def test_sigterm_to_one_process_stops_all_at_the_same_step(tmp_path, corpus):
     """Two processes x 4 devices; only process 1 gets SIGTERM: both agree on the stop step."""
     from tests.test_distributed import free_port
 
-    env = os.environ | {"XLA_FLAGS": "--xla_force_host_platform_device_count=4", "JAX_PLATFORMS": "cpu"}
+    env = os.environ | {"XLA_FLAGS": xla_flags(4), "JAX_PLATFORMS": "cpu"}
     port = free_port()
     base = command(tmp_path / "w", corpus) + ["--config.mesh.data=2", "--config.mesh.fsdp=4",
                                               "--config.train.steps=100000", "--config.checkpoint.agree_every_steps=3"]

@@ -42,6 +42,19 @@ def is_correct(prompt: str, response: str) -> bool:
     return answer is not None and response.strip() == answer
 
 
+def _prompt_text(prompt) -> str:
+    """A prompt as given in a prompt file (a string or chat messages) -> its last user turn's text."""
+    if isinstance(prompt, list):
+        users = [m.get("content", "") for m in prompt if isinstance(m, dict) and m.get("role") == "user"]
+        return users[-1] if users else ""
+    return str(prompt)
+
+
+def sort_reward(prompts: list, completions: list[str], **columns) -> list[float]:
+    """An RL reward function (lm.train.rewards): 1 for the exact answer to each prompt, else 0."""
+    return [float(is_correct(_prompt_text(p), c)) for p, c in zip(prompts, completions)]
+
+
 def wrong_answer(prompt: str, rng: np.random.Generator) -> str:
     """A plausible wrong answer: the sorted digits with one neighbouring pair swapped, or a digit
     dropped or repeated (for preference pairs)."""

@@ -140,8 +140,8 @@ class Generator:
                                 f"exceed the context of {self.max_len} positions; at most {room} new tokens fit "
                                 "after it (--max-new-tokens)")
 
-    def _inputs(self, prompts: list):
-        b, tp = self._rows(len(prompts)), max(len(p) for p in prompts)
+    def _inputs(self, prompts: list, pad_to: int = 0):
+        b, tp = self._rows(len(prompts)), max(max(len(p) for p in prompts), pad_to)
         ids, seg = np.zeros((b, tp), np.int32), np.zeros((b, tp), np.int32)
         lengths = np.zeros((b,), np.int32)
         for r, p in enumerate(prompts):
@@ -158,12 +158,14 @@ class Generator:
 
     # ---- generation ------------------------------------------------------------------------
 
-    def __call__(self, prompts: list, chunk: int = 0, on_chunk=None) -> Generation:
+    def __call__(self, prompts: list, chunk: int = 0, on_chunk=None, rng=None, pad_to: int = 0) -> Generation:
         """prompts: token id lists. chunk > 0: decode `chunk` tokens per call and call
-        `on_chunk(new_ids_per_row) -> rows to stop` between calls (streaming, stop strings)."""
+        `on_chunk(new_ids_per_row) -> rows to stop` between calls (streaming, stop strings).
+        rng: the sampling key (default: from sampling.seed; RL passes a fresh one per step).
+        pad_to: pad prompts to at least this width, so batches of other prompts reuse the compiled call."""
         self.check(prompts)
-        cache, (ids, seg, pos), lengths, true_lengths = self._inputs([list(p) for p in prompts])
-        rng = jax.random.PRNGKey(self.sampling.seed)
+        cache, (ids, seg, pos), lengths, true_lengths = self._inputs([list(p) for p in prompts], pad_to)
+        rng = jax.random.PRNGKey(self.sampling.seed) if rng is None else rng
         params = self._prepare(self.params)
         n = len(prompts)
         stopped = np.zeros(len(true_lengths), bool)

@@ -119,7 +119,7 @@ def with_base(config, params: dict, source: str):
 
     if "embedding" not in params:
         if not init_of(config):
-            raise UserError(f"{source} holds LoRA adapters but names no base model (sft.init and pairs.init are empty)")
+            raise UserError(f"{source} holds LoRA adapters but names no base model (sft.init, pairs.init and rl.init are empty)")
         params = merge_trees(params, load_init(init_of(config)).params)
     m = config.model
     merged = jax.tree.map(np.asarray, merge_lora(params, m.lora_alpha, m.lora_rank))

@@ -21,7 +21,7 @@ REMAT_POLICIES = {
     "dots_saveable": jax.checkpoint_policies.dots_saveable,
     "dots_with_no_batch_dims_saveable": jax.checkpoint_policies.dots_with_no_batch_dims_saveable,
 }
-OUTPUTS = ("logits", "hidden", "scalar")
+OUTPUTS = ("logits", "hidden", "scalar", "logits_and_scalar")
 
 
 class Block(nn.Module):
@@ -69,7 +69,8 @@ class Transformer(nn.Module):
     def __call__(self, inputs, segment_ids, positions, decode: bool = False, output: str = "logits",
                  logits_at=None):
         """inputs/segment_ids/positions: [B, T] int32 -> float32 logits [B, T, vocab]
-        (output="hidden": [B, T, d_model] in the compute dtype; "scalar": float32 [B, T]).
+        (output="hidden": [B, T, d_model] in the compute dtype; "scalar": float32 [B, T];
+        "logits_and_scalar": both from one pass, as PPO's policy with a value head needs).
         logits_at [B] int32: only the logits of that position of each row, [B, 1, vocab]
         (a prefill needs the last prompt position's, not a [B, T, vocab] array)."""
         s, c = self.spec, self.part.constrain
@@ -89,7 +90,12 @@ class Transformer(nn.Module):
         else:
             x, _ = scanned_blocks(s, decode)(s, self.part, decode, name="blocks")(x, segment_ids, rope_cs, slots, mask)
         x = Norm(s, name="final_norm")(x)
-        if self.scalar_head and (output == "scalar" or self.is_initializing()):
+        if output not in OUTPUTS:
+            raise ValueError(f"output={output!r}: expected one of {OUTPUTS}")
+        if "scalar" in output and not self.scalar_head:
+            raise ValueError(f"output={output!r} needs a model with scalar_head=True")
+        scalar = None
+        if self.scalar_head and (output in ("scalar", "logits_and_scalar") or self.is_initializing()):
             scalar = ScalarHead(s, name="scalar_head")(x)
             if output == "scalar":
                 return scalar
@@ -97,12 +103,10 @@ class Transformer(nn.Module):
             return x
         if logits_at is not None:
             x = jnp.take_along_axis(x, logits_at[:, None, None], axis=1)
-        if output != "logits":
-            raise ValueError(f"output={output!r}: expected one of {OUTPUTS}")
         head = embedding.T if s.tie_embeddings else \
             param(self, "head", normal(s.init_std), (s.d_model, s.vocab_size), ("embed", "vocab"))
-        logits = matmul(s, "btd,dv->btv", x, head, out_dtype="float32")
-        return c(logits, ("batch", "length", "act_vocab"))
+        logits = c(matmul(s, "btd,dv->btv", x, head, out_dtype="float32"), ("batch", "length", "act_vocab"))
+        return (logits, scalar) if output == "logits_and_scalar" else logits
 
     def _cache_slots_and_mask(self, segment_ids, positions):
         """Each token's cache slot (its position; max_len for padding, i.e. nowhere) and which

@@ -66,18 +66,21 @@ def peak_flops(config) -> tuple[float, str]:
 
 def fit(run, workdir, data_iter, *, resume: bool, init: Callable, evaluate: Callable | None = None,
         first_row: dict | None = None, frozen=None, signature: dict | None = None,
-        show_progress: bool = True, flops_per_token: float | None = None):
+        show_progress: bool = True, flops_per_token: float | None = None, step_fn: Callable | None = None):
     """Trains `run` from a fresh `init()` state (or the newest checkpoint when resuming) to
     config.train.steps. Returns (state, last) where last holds the final logged and eval metrics,
     run throughput, `stopped_by` (a signal's name when one ended the run early) and the peak.
 
     first_row: step-0 metrics of a fresh run (evaluate(state) is added to it).
     flops_per_token: for MFU (default: the trained model's, lm.plan.flops_per_token).
+    step_fn: `step(state, host batch) -> (state, metrics)` of a stage whose step is more than the
+    jitted update (RL: rollouts, rewards, several updates); it places its own data, and
+    `signature` then describes the rows its updates see (for tokens/s).
     """
     config, workdir = run.config, pathlib.Path(workdir)
     t, is_main = config.train, jax.process_index() == 0
     signature = signature or run.signature()
-    placer = run.placer(signature)
+    to_device = (lambda batch: batch) if step_fn is not None else run.placer(signature)
     checkpointer = Checkpointer.from_config(workdir / "checkpoints", config)
     target = run.abstract_state()
     health = None
@@ -91,7 +94,7 @@ def fit(run, workdir, data_iter, *, resume: bool, init: Callable, evaluate: Call
         state = init()
         if is_main and (workdir / "metrics.jsonl").exists():  # a run that died before its first checkpoint
             (workdir / "metrics.jsonl").replace(workdir / "metrics.jsonl.prev")
-    step_fn = run.bind(run.train_step(signature), frozen)
+    step_fn = step_fn or run.bind(run.train_step(signature), frozen)
     seq = signature["inputs"].shape[-1]
     flops = flops_per_token or plan.flops_per_token(config.model, seq)
     peak, peak_source = peak_flops(config)
@@ -100,10 +103,10 @@ def fit(run, workdir, data_iter, *, resume: bool, init: Callable, evaluate: Call
         writer.write(0, dict(first_row or {}) | {"flops_per_token": flops, "peak_flops": peak} |
                      (evaluate(state) if evaluate else {}))
     spec = LoopSpec(t.steps, t.log_every, config.eval.every_steps, math.prod(signature["inputs"].shape), flops, peak,
-                    config.checkpoint.agree_every_steps)
+                    config.checkpoint.agree_every_steps, run.updates_per_step)
     with StopSignal() as stop:
         faults = Faults(FaultPolicy.from_config(t), stop, target, health)
-        state, last = run_loop(spec, state, step_fn, data_iter, placer, evaluate=evaluate, writer=writer,
+        state, last = run_loop(spec, state, step_fn, data_iter, to_device, evaluate=evaluate, writer=writer,
                                checkpointer=checkpointer, faults=faults, show_progress=show_progress and is_main)
         checkpointer.close()  # a signal during the last save still lets it finish
     writer.close()

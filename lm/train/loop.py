@@ -22,6 +22,9 @@ from lm.perf import mfu
 from lm.train.faults import FaultPolicy, Health, StopSignal, agree_any
 
 
+EVAL_SHOWN = ("eval_loss", "eval_reward")  # printed at each eval
+
+
 @dataclasses.dataclass
 class LoopSpec:
     total_steps: int
@@ -31,6 +34,7 @@ class LoopSpec:
     flops_per_token: float
     peak_flops: float
     agree_every: int = 1  # multi-host: steps between agreements on signals and timed saves
+    updates_per_step: int = 1  # state.step counts updates; a step may make several (RL)
 
 
 @dataclasses.dataclass
@@ -111,7 +115,7 @@ def run_loop(spec: LoopSpec, state, step_fn: Callable, data_iter: Iterator, to_d
     health = Health(faults.policy)
     if faults.health:
         health.load_state_dict(faults.health)
-    step = int(jax.device_get(state.step))
+    step = int(jax.device_get(state.step)) // spec.updates_per_step
     log = _Logger(spec, writer, step, show_progress)
     pending, last_eval, stopped_by = [], {}, None
     while step < spec.total_steps:
@@ -134,7 +138,8 @@ def run_loop(spec: LoopSpec, state, step_fn: Callable, data_iter: Iterator, to_d
         if evaluate is not None and _due(step, spec.eval_every, spec.total_steps):
             last_eval = evaluate(state)
             log.write(step, last_eval)
-            log.bar.write(f"step {step}: held-out loss {last_eval['eval_loss']:.4f}")
+            log.bar.write(f"step {step}: " + ", ".join(f"{k} {v:.4f}" for k, v in last_eval.items()
+                                                        if k in EVAL_SHOWN))
             log.pause()
         if ckpt_due:
             checkpointer.save(step, state, data_iter, health=health.state_dict())

@@ -84,3 +84,28 @@ def plot_curves(metrics_path: pathlib.Path, out_path: pathlib.Path, baseline: fl
     fig.tight_layout()
     fig.savefig(out_path, dpi=100)
     plt.close(fig)
+
+
+def plot_rl(metrics_path: pathlib.Path, out_path: pathlib.Path) -> None:
+    """RL curves against step as a PNG: train and held-out reward, KL to the reference, response length."""
+    import matplotlib
+
+    matplotlib.use("Agg")
+    import matplotlib.pyplot as plt
+
+    rows = read_metrics(metrics_path)
+    series = lambda key: [(r["step"], r[key]) for r in rows if isinstance(r.get(key), (int, float))]  # noqa: E731
+    fig, axes = plt.subplots(3, 1, figsize=(8, 8), sharex=True)
+    panels = [(("reward", "rollout reward (mean)"), ("eval_reward", "held-out greedy reward")),
+              (("kl", "KL to the reference"),), (("response_length", "response tokens"),)]
+    for ax, panel in zip(axes, panels):
+        for key, label in panel:
+            points = series(key)
+            if points:
+                ax.plot(*zip(*points), "o-" if key.startswith("eval_") else "-", label=label, lw=1.2)
+        ax.legend()
+        ax.grid(alpha=0.3)
+    axes[-1].set_xlabel("step")
+    fig.tight_layout()
+    fig.savefig(out_path, dpi=100)
+    plt.close(fig)

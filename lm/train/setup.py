@@ -46,6 +46,7 @@ class Run:
     loss_fn: Callable
     trainable: Callable | None = None  # params-tree path -> trained? (None: all; see lm.train.state)
     frozen_shardings: dict | None = None
+    updates_per_step: int = 1  # optimizer updates per loop step (RL: epochs x minibatches per rollout batch)
 
     # ---- state -----------------------------------------------------------------------------
 
@@ -78,12 +79,14 @@ class Run:
         return self.frozen_shardings is not None and "reference" in self.frozen_shardings
 
     def reference_params(self, base: dict | None):
-        """A frozen copy of `base` in the compute dtype, sharded like the params: the reference model."""
+        """A frozen copy of `base` in the compute dtype, sharded like the params: the reference model
+        (the decoder alone: a head the policy adds, e.g. PPO's value head, is not part of it)."""
         if base is None:
             raise UserError("a run with a reference model needs the params it starts from (its --init)")
         dtype = jnp.dtype(self.config.model.compute_dtype)
-        cast = jax.tree.map(lambda x: np.asarray(x).astype(dtype), base)
-        return jax.device_put(cast, self.frozen_shardings["reference"])
+        shardings = self.frozen_shardings["reference"]
+        cast = jax.tree.map(lambda x: np.asarray(x).astype(dtype), {k: base[k] for k in shardings})
+        return jax.device_put(cast, shardings)
 
     def init_state(self, seed: int | None = None) -> train_state.TrainState:
         """A fresh state of a run that trains every param."""
@@ -148,7 +151,8 @@ class Run:
 
 def build_run(config, loss: LossFactory | None = None, *, devices=None,
               model_fn: Callable[[ModelSpec, Partitioning], nn.Module] = Transformer,
-              spec: ModelSpec | None = None, trainable: Callable | None = None, reference: bool = False) -> Run:
+              spec: ModelSpec | None = None, trainable: Callable | None = None, reference: bool = False,
+              updates_per_step: int = 1) -> Run:
     """Builds a run from a validated config.
 
     loss: model -> LossFn (default: pretraining's next-token loss with the config's z-loss).
@@ -157,21 +161,27 @@ def build_run(config, loss: LossFactory | None = None, *, devices=None,
     overrides the spec built from config.model. trainable: path -> bool picking the params
     that train (default: all; with LoRA, `lm.model.lora.is_adapter`); the others are frozen.
     reference: the run also holds a frozen copy of its initial params, in the compute dtype (the
-    frozen params' 'reference' entry: DPO's reference model).
+    frozen params' 'reference' entry: DPO's and RL's reference model, without any 'scalar_head').
+    updates_per_step: optimizer updates per step of train.steps; the learning rate schedule is
+    over steps (warmup and decay in steps), constant within one.
     """
     mesh = make_mesh(config.mesh, devices)
     rules = rules_table(config)
     spec = spec or ModelSpec.from_config(config.model)
     model = model_fn(spec, Partitioning(mesh, rules))
     optimizer, schedule = make_optimizer(config.optim, config.train.steps)
+    if updates_per_step > 1:
+        per_step = schedule
+        schedule = lambda count: per_step(count // updates_per_step)  # noqa: E731
     shardings, frozen = train_state.state_shardings(model, optimizer, mesh, rules, trainable)
     if reference:
         if trainable is not None:
             raise ValueError("a reference copy is for runs that train every param; with adapters the "
                              "frozen base is the reference")
-        frozen = {"reference": shardings.params}
+        frozen = {"reference": {k: v for k, v in shardings.params.items() if k != "scalar_head"}}
     loss = loss or (lambda m: pretrain_loss(m, config.optim.z_loss))
-    return Run(config, mesh, rules, spec, model, optimizer, schedule, shardings, loss(model), trainable, frozen)
+    return Run(config, mesh, rules, spec, model, optimizer, schedule, shardings, loss(model), trainable, frozen,
+               updates_per_step)
 
 
 def host_batch(signature: dict, seed: int = 0, vocab_size: int = 256) -> dict:

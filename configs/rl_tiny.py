@@ -1,0 +1,19 @@
+"""RL from rewards on the tiny model (`lm rl --config configs/rl_tiny.py`): GRPO on the sort
+task's exact-answer reward (lm.data.synthetic.sort_reward); the keys set here change the
+fine-tuning defaults (lm/config.py FINETUNE_DEFAULTS); the model comes from --init. The task's
+prompts and answers are short, so rows are 40 tokens, 16 of them for the response."""
+
+from lm.config import ConfigDict
+
+
+def get_config():
+    c = ConfigDict()
+    c.data = dict(seq_len=40)
+    c.rl = dict(algo="grpo", rewards="lm.data.synthetic:sort_reward", prompts_per_step=16, group_size=8,
+                max_new_tokens=16, temperature=1.0, beta=0.04, epochs=1, minibatches=1,
+                eval_prompts=256, eval_examples=256, eval_max_new_tokens=16)
+    c.optim = dict(lr=2e-4, warmup_steps=5)
+    c.train = dict(steps=60, log_every=5)
+    c.eval = dict(every_steps=20, batch_size=128)
+    c.checkpoint = dict(every_steps=50, keep=2)
+    return c

@@ -1,0 +1,128 @@
+"""Prompts for RL (`lm rl`): JSONL lines -> chat prompts as token ids, and their other fields.
+
+A line is either {"prompt": str | chat messages, ...} or a chat record {"messages": [...]}
+whose trailing assistant turn is taken as the reference answer (the column `answer`), so an
+`lm sft` file doubles as an RL prompt set. Every other key of the line is a column that reward
+functions receive (e.g. "answer"). Prompts are rendered with the chat template and an open
+assistant turn (lm.data.chat.ChatTemplate.prompt).
+
+Bad lines (malformed JSON, no prompt) and prompts leaving no room for `max_new_tokens` in
+`seq_len` are errors naming file and line, or skipped and counted with on_bad_record=skip;
+a set of which more than max_skipped_fraction is skipped fails.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import json
+import pathlib
+
+import numpy as np
+
+from lm.data.chat import ChatTemplate
+from lm.data.preference import prompt_messages
+from lm.errors import UserError
+
+
+@dataclasses.dataclass
+class PromptSet:
+    """Prompts as padded ids [N, L] with lengths, the raw prompt (string or messages) as in the
+    file, its chat messages and the line's other keys (columns)."""
+
+    path: str
+    ids: np.ndarray  # int32 [N, max_len], zero after each prompt
+    lengths: np.ndarray  # int32 [N]
+    prompts: list
+    messages: list[list[dict]]
+    columns: list[dict]
+    stats: dict
+
+    def __len__(self) -> int:
+        return len(self.lengths)
+
+    def __getitem__(self, i: int) -> dict:
+        """A row of the prompt stream (lm.data.pipeline.train_dataset with pack=False): its index."""
+        return {"index": np.int32(i)}
+
+    def tokens(self, i: int) -> list[int]:
+        return self.ids[i, : self.lengths[i]].tolist()
+
+
+def parse_prompt(line: bytes) -> tuple[object, list[dict], dict]:
+    """(raw prompt, its chat messages, the other columns); ValueError saying what was expected."""
+    try:
+        record = json.loads(line)
+    except (json.JSONDecodeError, UnicodeDecodeError) as e:
+        raise ValueError(f"malformed JSON ({e}); expected one JSON object per line") from None
+    if not isinstance(record, dict):
+        raise ValueError(f"a JSON {type(record).__name__}; expected an object with 'prompt' or 'messages'")
+    if "prompt" in record:
+        columns = {k: v for k, v in record.items() if k != "prompt"}
+        return record["prompt"], prompt_messages(record["prompt"]), columns
+    if "messages" in record:
+        messages = record["messages"]
+        if not isinstance(messages, list) or not messages:
+            raise ValueError("'messages' must be a non-empty list of chat messages")
+        columns = {k: v for k, v in record.items() if k != "messages"}
+        last = messages[-1]
+        if isinstance(last, dict) and last.get("role") == "assistant":
+            columns.setdefault("answer", last.get("content"))
+            messages = messages[:-1]
+        return messages, prompt_messages(messages), columns
+    raise ValueError(f"keys {sorted(record)}; expected 'prompt' (a string or chat messages) or 'messages'")
+
+
+def read_prompts(path, tokenizer, *, seq_len: int, max_new_tokens: int, on_bad_record: str = "error",
+                 max_skipped_fraction: float = 0.01, limit: int = 0) -> PromptSet:
+    """The first `limit` (0 = all) usable prompts of a JSONL file."""
+    path = pathlib.Path(path)
+    if not path.is_file():
+        raise UserError(f"prompts: '{path}' is not a file; expected a JSONL file of prompts")
+    template = ChatTemplate.for_tokenizer(tokenizer)
+    room = seq_len - max_new_tokens
+    if room < 1:
+        raise UserError(f"rl.max_new_tokens={max_new_tokens} leaves no room for a prompt in data.seq_len={seq_len}")
+    stats = {"prompts_read": 0, "prompts_kept": 0, "skipped_bad_records": 0, "skipped_too_long": 0}
+    ids, raw, chats, columns = [], [], [], []
+    for n, line in enumerate(path.read_bytes().splitlines(), 1):
+        if not line.strip():
+            continue
+        stats["prompts_read"] += 1
+        try:
+            prompt, messages, cols = parse_prompt(line)
+            tokens = template.prompt(messages)
+        except (ValueError, UserError) as e:
+            _bad(f"{path}:{n}: {e}", on_bad_record, stats, "skipped_bad_records")
+            continue
+        if len(tokens) > room:
+            _bad(f"{path}:{n}: the prompt has {len(tokens)} tokens; at most {room} fit before "
+                 f"rl.max_new_tokens={max_new_tokens} new ones in data.seq_len={seq_len}",
+                 on_bad_record, stats, "skipped_too_long")
+            continue
+        ids.append(tokens), raw.append(prompt), chats.append(messages), columns.append(cols)
+        if limit and len(ids) >= limit:
+            break
+    stats["prompts_kept"] = len(ids)
+    skipped = stats["skipped_bad_records"] + stats["skipped_too_long"]
+    if not ids:
+        raise UserError(f"{path}: no usable prompt ({describe(stats)}); expected JSONL lines with 'prompt' "
+                        "or 'messages' whose prompt fits data.seq_len - rl.max_new_tokens")
+    if skipped > max_skipped_fraction * stats["prompts_read"]:
+        raise UserError(f"{path}: {skipped} of {stats['prompts_read']} prompts skipped ({describe(stats)}), more "
+                        f"than rl.max_skipped_fraction={max_skipped_fraction}; fix the file or raise data.seq_len")
+    width = max(len(t) for t in ids)
+    padded = np.zeros((len(ids), width), np.int32)
+    for i, t in enumerate(ids):
+        padded[i, : len(t)] = t
+    lengths = np.array([len(t) for t in ids], np.int32)
+    return PromptSet(str(path), padded, lengths, raw, chats, columns, stats)
+
+
+def _bad(message: str, on_bad_record: str, stats: dict, key: str) -> None:
+    if on_bad_record != "skip":
+        raise UserError(message + " (rl.on_bad_record=skip skips and counts such lines)")
+    stats[key] += 1
+
+
+def describe(stats: dict) -> str:
+    return ", ".join(f"{k} {v}" for k, v in stats.items())

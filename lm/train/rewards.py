@@ -1,0 +1,116 @@
+"""Rewards of RL rollouts: Python functions (verifiable tasks), a trained reward model, and a
+penalty for responses cut at the length limit, combined with weights.
+
+A reward function is named in `rl.rewards` as `module:function` or `path/to/file.py:function`,
+optionally `=weight` (default 1), several separated by commas. It is called once per rollout
+batch, as TRL's are:
+
+    fn(prompts: list, completions: list[str], **columns) -> list[float]
+
+prompts: each row's prompt as in the file (a string or chat messages); completions: the
+response texts; columns: every other key of the prompt lines, one list per key (e.g. `answer`).
+`rl.reward_model` (an `lm reward` run or export) adds its score of the whole conversation,
+times `rl.reward_model_weight`. Each source's raw rewards are logged as `reward/<name>`.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import importlib
+import importlib.util
+import pathlib
+from typing import Callable
+
+import numpy as np
+
+from lm.errors import UserError
+
+
+@dataclasses.dataclass
+class RewardFn:
+    name: str
+    fn: Callable
+    weight: float
+
+
+def load_function(target: str) -> Callable:
+    """`module:function` or `file.py:function` -> the function."""
+    where, sep, name = target.rpartition(":")
+    if not sep or not where or not name:
+        raise UserError(f"rl.rewards: '{target}'; expected module:function or path/to/file.py:function")
+    try:
+        if where.endswith(".py"):
+            path = pathlib.Path(where)
+            if not path.is_file():
+                raise UserError(f"rl.rewards: '{where}' is not a file")
+            spec = importlib.util.spec_from_file_location(f"lm_reward_{path.stem}", path)
+            module = importlib.util.module_from_spec(spec)
+            spec.loader.exec_module(module)
+        else:
+            module = importlib.import_module(where)
+    except ImportError as e:
+        raise UserError(f"rl.rewards: cannot import '{where}' ({e})") from None
+    fn = getattr(module, name, None)
+    if not callable(fn):
+        raise UserError(f"rl.rewards: '{where}' has no function '{name}'")
+    return fn
+
+
+def parse_rewards(text: str) -> list[RewardFn]:
+    """`a:f=0.5, b.py:g` -> RewardFns (weight 1 when not given)."""
+    out = []
+    for item in (s.strip() for s in text.split(",")):
+        if not item:
+            continue
+        target, _, weight = item.partition("=")
+        try:
+            w = float(weight) if weight else 1.0
+        except ValueError:
+            raise UserError(f"rl.rewards: weight '{weight}' of '{target}' is not a number") from None
+        out.append(RewardFn(target.rpartition(":")[2], load_function(target.strip()), w))
+    return out
+
+
+class Rewards:
+    """Scores a rollout batch: (total reward [N], {source: raw rewards [N]})."""
+
+    def __init__(self, functions: list[RewardFn], scorer=None, scorer_weight: float = 1.0,
+                 truncation_penalty: float = 0.0):
+        if not functions and scorer is None:
+            raise UserError("rl: no reward; set rl.rewards (module:function) and/or rl.reward_model")
+        self.functions, self.scorer, self.scorer_weight = functions, scorer, scorer_weight
+        self.truncation_penalty = truncation_penalty
+
+    @classmethod
+    def from_config(cls, r, devices=None) -> Rewards:
+        scorer = None
+        if r.reward_model:
+            from lm.infer.load import load_init
+            from lm.infer.score import RewardScorer
+
+            scorer = RewardScorer(load_init(r.reward_model), devices=devices)
+        return cls(parse_rewards(r.rewards), scorer, r.reward_model_weight, r.truncation_penalty)
+
+    def __call__(self, prompts: list, messages: list[list[dict]], completions: list[str], truncated: np.ndarray,
+                 columns: list[dict]) -> tuple[np.ndarray, dict]:
+        n = len(completions)
+        keys = sorted({k for c in columns for k in c})
+        kwargs = {k: [c.get(k) for c in columns] for k in keys}
+        total, parts = np.zeros(n, np.float64), {}
+        for f in self.functions:
+            try:
+                values = np.asarray(f.fn(prompts, completions, **kwargs), np.float64).reshape(-1)
+            except Exception as e:  # a user's function: say whose it is
+                raise UserError(f"reward function '{f.name}' failed: {type(e).__name__}: {e}") from e
+            if len(values) != n or not np.all(np.isfinite(values)):
+                raise UserError(f"reward function '{f.name}' returned {len(values)} values for {n} completions "
+                                "(expected one finite float each)")
+            parts[f.name] = values
+            total += f.weight * values
+        if self.scorer is not None:
+            conversations = [m + [{"role": "assistant", "content": c}] for m, c in zip(messages, completions)]
+            parts["reward_model"] = self.scorer.score(conversations).astype(np.float64)
+            total += self.scorer_weight * parts["reward_model"]
+        if self.truncation_penalty:
+            total -= self.truncation_penalty * truncated.astype(np.float64)
+        return total.astype(np.float32), parts

@@ -1,0 +1,156 @@
+"""One RL step: rollouts with the KV-cache sampler, rewards, advantages, then the updates.
+
+    prompts (P per step) -> G responses each (sampled on the run's mesh) -> rewards (Python
+    functions, a reward model, a truncation penalty) -> the scoring pass (reference log-probs,
+    PPO's values) -> advantages (GRPO: group-relative; PPO: GAE over KL-shaped per-token
+    rewards) -> `epochs` passes over the P*G rows in `minibatches` jitted updates (the shared
+    update routine, lm.train.steps, with rl_loss)
+
+The step's sampling key is fold_in(seed, step), and the minibatch order a permutation drawn
+from it, so a resumed run repeats exactly what the killed one would have done.
+"""
+
+from __future__ import annotations
+
+import time
+
+import jax
+import numpy as np
+
+from lm.infer.sampling import SamplingParams
+from lm.train.rl_losses import RlSettings, gae, group_advantages, whiten
+from lm.train.rollout import Rollouts, layout
+
+UPDATE_METRICS = ("loss", "policy_loss", "kl", "clip_fraction", "ratio", "entropy", "grad_norm", "lr",
+                  "value_loss", "value_clip_fraction")
+
+
+def extra_fields(settings: RlSettings) -> dict:
+    """Per-token fields of the update rows beyond the text contract: {name: dtype}."""
+    names = ["old_logp", "advantages"]
+    if settings.algo == "ppo":
+        names += ["old_values", "returns"]
+    elif settings.needs_reference:
+        names += ["ref_logp"]
+    return {n: np.float32 for n in names}
+
+
+def advantages(settings: RlSettings, ro: Rollouts, rewards: np.ndarray, scored: dict, group: int) -> tuple[dict, dict]:
+    """(per-token fields for the update, metrics) of scored rollouts."""
+    mask = ro.rows["loss_mask"]
+    if settings.algo == "grpo":
+        adv = group_advantages(rewards, group, settings.scale_rewards, settings.adv_eps)
+        return {"advantages": adv[:, None] * mask} | scored, {}
+    kl = np.where(mask > 0, ro.rows["old_logp"] - scored["ref_logp"], 0.0) if "ref_logp" in scored else 0.0 * mask
+    token_rewards = -settings.beta * kl
+    last = np.maximum(mask.shape[1] - 1 - np.argmax(mask[:, ::-1] > 0, axis=1), 0)
+    token_rewards[np.arange(len(rewards)), last] += rewards
+    values = scored["old_values"]
+    adv, returns = gae(token_rewards, values, mask, settings.gamma, settings.lam)
+    if settings.whiten:
+        adv = whiten(adv, mask)
+    m = mask > 0
+    var = returns[m].var()
+    explained = float(1.0 - (returns[m] - values[m]).var() / var) if var > 0 else 0.0
+    fields = {"advantages": adv, "returns": returns, "old_values": values}
+    return fields, {"kl": float(kl[m].mean()) if m.any() else 0.0, "explained_variance": explained,
+                    "value_mean": float(values[m].mean()) if m.any() else 0.0}
+
+
+class RlStep:
+    """`step(state, prompt batch) -> (state, metrics)` for lm.train.fit (see the module doc)."""
+
+    def __init__(self, run, frozen, prompts, rewards, sampler, scorer, template, settings: RlSettings, r):
+        self.run, self.frozen, self.prompts, self.rewards = run, frozen, prompts, rewards
+        self.sampler, self.scorer, self.template, self.settings = sampler, scorer, template, settings
+        self.group, self.epochs, self.minibatches = r.group_size, r.epochs, r.minibatches
+        self.seed = run.config.train.seed
+        rows, t = r.prompts_per_step * r.group_size, run.config.data.seq_len
+        fields = extra_fields(settings)
+        self.signature = run.signature(rows // r.minibatches, extra={k: ((t,), dt) for k, dt in fields.items()})
+        self.update = run.bind(run.train_step(self.signature), frozen)
+        self.placer = run.placer(self.signature)
+        self.score_placer = run.placer(run.signature(rows))
+
+    def __call__(self, state, batch):
+        step = int(jax.device_get(state.step)) // self.run.updates_per_step
+        rng = jax.random.fold_in(jax.random.PRNGKey(self.seed), step)
+        index = [int(i) for i in np.asarray(batch["index"]) for _ in range(self.group)]
+        prompt_ids = [self.prompts.tokens(i) for i in index]
+        t0 = time.perf_counter()
+        generation = self.sampler(self.sampler.params(state.params, self.frozen), prompt_ids, rng)
+        t_sample = time.perf_counter() - t0
+        ro = layout(prompt_ids, generation, self.run.config.data.seq_len)
+        completions = [self.template.answer_text(ids) for ids in ro.responses]
+        total, parts = self.rewards([self.prompts.prompts[i] for i in index],
+                                    [self.prompts.messages[i] for i in index], completions, ro.truncated,
+                                    [self.prompts.columns[i] for i in index])
+        scored = self.scorer(state.params, self.frozen, ro.rows, self.score_placer)
+        fields, extra = advantages(self.settings, ro, total, scored, self.group)
+        rows = ro.rows | fields
+        t1 = time.perf_counter()
+        state, updates = self._updates(state, rows, rng)
+        t_update = time.perf_counter() - t1
+        return state, self._metrics(ro, total, parts, updates, extra, t_sample, t_update)
+
+    def _updates(self, state, rows: dict, rng):
+        n = len(rows["inputs"])
+        size = n // self.minibatches
+        order = np.asarray(jax.random.fold_in(rng, 1)[-1])  # a plain seed for numpy
+        perm_rng = np.random.default_rng(int(order))
+        names = list(self.signature)
+        metrics = []
+        for _ in range(self.epochs):
+            perm = perm_rng.permutation(n) if self.minibatches > 1 else np.arange(n)
+            for m in range(self.minibatches):
+                idx = perm[m * size:(m + 1) * size]
+                mb = self.placer.from_global({k: rows[k][idx] for k in names})
+                state, stats = self.update(state, mb)
+                metrics.append(stats)
+        return state, jax.device_get(metrics)
+
+    def _metrics(self, ro: Rollouts, total, parts, updates: list, extra: dict, t_sample, t_update) -> dict:
+        out = {k: float(np.mean([u[k] for u in updates])) for k in UPDATE_METRICS if k in updates[0]}
+        out["update_skipped"] = float(sum(u["update_skipped"] for u in updates))
+        out |= extra
+        groups = total.reshape(-1, self.group)
+        out |= {"reward": float(total.mean()), "reward_std": float(total.std()),
+                "zero_std_groups": float(np.mean(groups.std(axis=1) == 0)),
+                **{f"reward/{k}": float(v.mean()) for k, v in parts.items()},
+                "response_length": float(ro.lengths.mean()), "truncated": float(ro.truncated.mean()),
+                "rollout_tokens_per_s": float(ro.lengths.sum() / max(t_sample, 1e-9)),
+                "update_tokens_per_s": float(len(updates) * self.signature["inputs"].shape[0]
+                                             * self.signature["inputs"].shape[1] / max(t_update, 1e-9)),
+                "sampling_share": float(t_sample / max(t_sample + t_update, 1e-9))}
+        return out
+
+
+def greedy(sampling: SamplingParams) -> SamplingParams:
+    return SamplingParams(max_new_tokens=sampling.max_new_tokens, temperature=0.0)
+
+
+def evaluator(step: RlStep, prompts, limit: int, batch_size: int):
+    """state -> held-out rewards of greedy responses to the first `limit` eval prompts."""
+    n = min(limit, len(prompts))
+    sampling = greedy(step.sampler.sampling)
+
+    def evaluate(state):
+        params = step.sampler.params(state.params, step.frozen)
+        totals, parts_all, lengths, truncated = [], {}, [], []
+        for s in range(0, n, batch_size):
+            idx = list(range(s, min(s + batch_size, n)))
+            gen = step.sampler(params, [prompts.tokens(i) for i in idx], jax.random.PRNGKey(0), sampling)
+            texts = [step.template.answer_text(ids) for ids in gen.ids]
+            cut = np.array([f == "length" for f in gen.finish])
+            total, parts = step.rewards([prompts.prompts[i] for i in idx], [prompts.messages[i] for i in idx], texts,
+                                        cut, [prompts.columns[i] for i in idx])
+            totals.append(total), lengths.append([len(x) for x in gen.ids]), truncated.append(cut)
+            for k, v in parts.items():
+                parts_all.setdefault(k, []).append(v)
+        out = {"eval_reward": float(np.concatenate(totals).mean()),
+               "eval_response_length": float(np.concatenate(lengths).mean()),
+               "eval_truncated": float(np.concatenate(truncated).mean())}
+        return out | {f"eval_reward/{k}": float(np.concatenate(v).mean()) for k, v in parts_all.items()}
+
+    return evaluate
+

@@ -1,0 +1,117 @@
+"""RL rollouts: sample responses with the KV-cache sampler, score them, and lay them out as
+update rows (the text contract plus per-token fields, see lm.train.rl_losses).
+
+A row is the prompt followed by its sampled response, right-padded to data.seq_len; the loss
+mask covers the response tokens (its end marker included when the sampler stopped there).
+`old_logp` holds the sampler's log-probs of those tokens (the model's own distribution,
+lm.infer.sampling), aligned with `targets`.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+
+import jax
+import numpy as np
+from jax.sharding import NamedSharding, PartitionSpec
+
+from lm.infer.generate import Generation, Generator
+from lm.infer.sampling import SamplingParams
+from lm.model.lora import merge_lora
+from lm.train.rl_losses import token_logprobs
+from lm.train.state import merge_trees
+
+SCORE_FIELDS = ("inputs", "targets", "loss_mask", "segment_ids", "positions")
+
+
+@dataclasses.dataclass
+class Rollouts:
+    rows: dict  # numpy [B, T] fields: the text contract + old_logp
+    responses: list[np.ndarray]  # each row's sampled ids
+    finish: list[str]  # 'eos' | 'length' per row
+
+    @property
+    def truncated(self) -> np.ndarray:
+        return np.array([f == "length" for f in self.finish])
+
+    @property
+    def lengths(self) -> np.ndarray:
+        return np.array([len(r) for r in self.responses], np.int32)
+
+
+def layout(prompts: list[list[int]], generation: Generation, seq_len: int) -> Rollouts:
+    """Rows of prompt + response ids with the response masked in and its log-probs aligned."""
+    b = len(prompts)
+    rows = {k: np.zeros((b, seq_len), np.int32) for k in ("inputs", "targets", "segment_ids", "positions")}
+    rows["loss_mask"] = np.zeros((b, seq_len), np.float32)
+    rows["old_logp"] = np.zeros((b, seq_len), np.float32)
+    for i, (p, r, lp) in enumerate(zip(prompts, generation.ids, generation.logprobs)):
+        tokens = np.concatenate([np.asarray(p, np.int32), np.asarray(r, np.int32)])[: seq_len + 1]
+        n = len(tokens) - 1  # inputs hold all but the last token
+        rows["inputs"][i, :n], rows["targets"][i, :n] = tokens[:-1], tokens[1:]
+        rows["segment_ids"][i, :n], rows["positions"][i, :n] = 1, np.arange(n)
+        start = len(p) - 1  # the target at position len(p) - 1 is the first response token
+        k = min(len(r), n - start)
+        rows["loss_mask"][i, start : start + k] = 1.0
+        rows["old_logp"][i, start : start + k] = np.asarray(lp[:k], np.float32)
+    return Rollouts(rows, list(generation.ids), list(generation.finish))
+
+
+class Sampler:
+    """The policy's responses to prompts, on the run's mesh: the generating model is the plain
+    decoder (adapters folded in, no value head) over the current params."""
+
+    def __init__(self, run, sampling: SamplingParams, eos_id, seq_len: int):
+        spec = dataclasses.replace(run.model.spec, lora_rank=0)
+        self.model = run.model.clone(spec=spec, scalar_head=False)
+        self.run, self.sampling, self.eos_id, self.seq_len = run, sampling, eos_id, seq_len
+        m = run.config.model
+        lora, alpha, rank = m.lora_rank > 0, m.lora_alpha, m.lora_rank
+
+        def policy(params, frozen):
+            p = merge_trees(params, {k: v for k, v in (frozen or {}).items() if k != "reference"})
+            p = {k: v for k, v in p.items() if k != "scalar_head"}
+            return merge_lora(p, alpha, rank) if lora else p
+
+        self._policy = jax.jit(policy)
+
+    def params(self, state_params, frozen):
+        return self._policy(state_params, frozen)
+
+    def __call__(self, params, prompts: list[list[int]], rng, sampling: SamplingParams | None = None) -> Generation:
+        generator = Generator(self.model, params, sampling or self.sampling, eos_id=self.eos_id,
+                              max_len=self.seq_len, mesh=self.run.mesh, rules=self.run.rules)
+        return generator(prompts, rng=rng, pad_to=self.seq_len - generator.sampling.max_new_tokens)
+
+
+class Scorer:
+    """One jitted pass over rollout rows for what stays fixed during the updates: the
+    reference's per-token log-probs (when the KL needs them) and PPO's value estimates."""
+
+    def __init__(self, run, reference_model, with_reference: bool, with_values: bool, split_base=None):
+        self.with_reference, self.with_values = with_reference, with_values
+        model, rep = run.model, NamedSharding(run.mesh, PartitionSpec())
+
+        def score(params, frozen, rows):
+            out = {}
+            if with_reference:
+                ref = frozen["reference"] if "reference" in frozen else split_base(merge_trees(params, frozen))
+                out["ref_logp"] = token_logprobs(reference_model, ref, rows)
+            if with_values:
+                out["old_values"] = model.apply({"params": merge_trees(params, frozen)}, rows["inputs"],
+                                                rows["segment_ids"], rows["positions"], output="scalar")
+            return out
+
+        self._score = jax.jit(score, out_shardings=rep)
+        self.run = run
+
+    @property
+    def active(self) -> bool:
+        return self.with_reference or self.with_values
+
+    def __call__(self, params, frozen, rows: dict, placer) -> dict:
+        if not self.active:
+            return {}
+        placed = placer.from_global({k: rows[k] for k in SCORE_FIELDS})
+        out = jax.device_get(self._score(params, frozen or {}, placed))
+        return {k: np.asarray(v, np.float32) * rows["loss_mask"] for k, v in out.items()}

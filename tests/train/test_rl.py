@@ -1,0 +1,193 @@
+"""RL from rewards: group advantages, GAE, the clip, k3 and value terms against hand-computed
+values; through a tiny model: the loss is the plain policy gradient when ratios are 1 and the
+KL 0, a group of equal rewards gives no gradient, and a whole GRPO step (rollouts, rewards,
+reference scoring, two minibatch updates) on a (2,2,2) mesh equals one device; a PPO step
+trains its value head."""
+
+import math
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+import pytest
+
+from lm.config import base_config
+from lm.data.chat import ChatTemplate
+from lm.data.prompts import PromptSet
+from lm.data.tokenizer import ByteTokenizer
+from lm.train.rewards import Rewards, RewardFn
+from lm.train.rl import _reference_parts, build_rl_run
+from lm.train.rl_losses import (RlSettings, gae, group_advantages, k3, policy_terms, rl_loss, token_logprobs,
+                                value_terms, whiten)
+from lm.train.rl_step import RlStep
+from lm.train.rollout import Sampler, Scorer
+from lm.infer.sampling import SamplingParams
+
+T, V = 64, 264  # the byte template's prompts take ~40 tokens
+
+
+# ---- the formulas --------------------------------------------------------------------------------
+
+def test_group_advantages_by_hand():
+    rewards = np.array([1.0, 0.0, 0.0, 1.0, 2.0, 2.0, 2.0, 2.0])
+    std = math.sqrt(4 * 0.25 / 3)  # the sample std of (1, 0, 0, 1)
+    adv = group_advantages(rewards, 4, scale=True, eps=1e-4)
+    np.testing.assert_allclose(adv[:4], np.array([0.5, -0.5, -0.5, 0.5]) / (std + 1e-4), rtol=1e-6)
+    np.testing.assert_array_equal(adv[4:], 0.0)  # equal rewards: no advantage
+    np.testing.assert_allclose(group_advantages(rewards, 4, scale=False), [0.5, -0.5, -0.5, 0.5, 0, 0, 0, 0])
+
+
+def test_gae_by_hand():
+    # one prompt token, then three response tokens; reward 1 on the last; gamma 1, lambda 0.5
+    rewards = np.array([[0.0, 0.0, 0.0, 1.0, 0.0]])
+    values = np.array([[9.0, 0.5, 0.6, 0.7, 9.0]])
+    mask = np.array([[0.0, 1.0, 1.0, 1.0, 0.0]])
+    adv, returns = gae(rewards, values, mask, gamma=1.0, lam=0.5)
+    # a3 = 1 - 0.7 = 0.3; a2 = (0.7 - 0.6) + 0.5 * 0.3 = 0.25; a1 = (0.6 - 0.5) + 0.5 * 0.25 = 0.225
+    np.testing.assert_allclose(adv[0], [0.0, 0.225, 0.25, 0.3, 0.0], rtol=1e-6)
+    np.testing.assert_allclose(returns[0], [0.0, 0.725, 0.85, 1.0, 0.0], rtol=1e-6)
+    adv, _ = gae(rewards, values, mask, gamma=0.5, lam=1.0)
+    # a3 = 0.3; a2 = 0.5 * 0.7 - 0.6 + 0.5 * 0.3 = -0.1; a1 = 0.5 * 0.6 - 0.5 + 0.5 * -0.1 = -0.25
+    np.testing.assert_allclose(adv[0, 1:4], [-0.25, -0.1, 0.3], rtol=1e-6)
+
+
+def test_whiten_over_the_mask():
+    x = np.array([[5.0, 1.0, 3.0, 7.0]])
+    out = whiten(x, np.array([[0.0, 1.0, 1.0, 1.0]]))
+    np.testing.assert_allclose(out[0, 1:], (np.array([1.0, 3.0, 7.0]) - 11 / 3) / np.std([1.0, 3.0, 7.0]), rtol=1e-5)
+    assert out[0, 0] == 0.0
+
+
+def test_clip_k3_and_value_terms_by_hand():
+    logp = jnp.log(jnp.array([1.5, 0.5, 1.5, 1.0]))
+    old = jnp.zeros(4)
+    adv = jnp.array([1.0, 1.0, -1.0, 2.0])
+    loss, clipped, ratio = policy_terms(logp, old, adv, 0.2, 0.3)
+    # ratio 1.5, A 1: min(1.5, 1.3) -> clipped; 0.5: min(0.5, 0.8) -> not; 1.5, A -1: min(-1.5, -1.3) -> not
+    np.testing.assert_allclose(loss, [-1.3, -0.5, 1.5, -2.0], rtol=1e-6)
+    np.testing.assert_array_equal(clipped, [1.0, 0.0, 0.0, 0.0])
+    np.testing.assert_allclose(ratio, [1.5, 0.5, 1.5, 1.0], rtol=1e-6)
+    d = 0.3
+    np.testing.assert_allclose(k3(jnp.array([0.0, -1.0]), jnp.array([0.0, -1.0 + d])), [0.0, math.exp(d) - d - 1],
+                               rtol=1e-6)
+    vloss, vclip = value_terms(jnp.array([1.0, 0.5]), jnp.array([0.0, 0.4]), jnp.array([0.0, 1.0]), 0.2)
+    # row 0: (1 - 0)^2 = 1 vs (0.2 - 0)^2 = 0.04 -> 0.5; row 1: 0.25 vs (0.5 - 1)^2 = 0.25 -> 0.125
+    np.testing.assert_allclose(vloss, [0.5, 0.125], rtol=1e-6)
+    np.testing.assert_array_equal(vclip, [0.0, 0.0])
+
+
+# ---- a tiny model ----------------------------------------------------------------------------------
+
+def config(algo="grpo", beta=0.1, **rl):
+    c = base_config()
+    c.model.update(vocab_size=V, d_model=32, n_layers=2, n_heads=4, n_kv_heads=2, d_ff=64, max_seq_len=T)
+    c.optim.update(lr=1e-2, warmup_steps=0, weight_decay=0.0, eps=1.0)  # eps: no amplified round-off
+    c.train.update(steps=10)
+    c.data.seq_len = T
+    c.rl.update(algo=algo, beta=beta, prompts_per_step=4, group_size=4, max_new_tokens=8, **rl)
+    return c
+
+
+def rows(seed=0, b=4):
+    rng = np.random.default_rng(seed)
+    ids = rng.integers(0, V, (b, T + 1)).astype(np.int32)
+    mask = np.zeros((b, T), np.float32)
+    for i in range(b):
+        mask[i, 5 + i : 15 + 2 * i] = 1.0  # responses of different lengths after a prompt
+    return {"inputs": ids[:, :-1], "targets": ids[:, 1:], "loss_mask": mask,
+            "segment_ids": np.ones((b, T), np.int32), "positions": np.tile(np.arange(T, dtype=np.int32), (b, 1))}
+
+
+@pytest.fixture(scope="module")
+def tiny():
+    run = build_rl_run(config(beta=0.0), devices=jax.devices()[:1])  # no reference: init needs no base
+    return run, jax.device_get(run.init_state(seed=1).params)
+
+
+def test_loss_is_the_plain_policy_gradient_when_ratios_are_one_and_kl_zero(tiny):
+    run, params = tiny
+    batch = rows()
+    logp = np.asarray(jax.jit(lambda p, b: token_logprobs(run.model, p, b))(params, batch))
+    adv = np.array([1.0, -0.5, 2.0, 0.0], np.float32)[:, None] * batch["loss_mask"]
+    batch |= {"old_logp": logp, "ref_logp": logp, "advantages": adv}
+    loss_fn = rl_loss(run.model, RlSettings(beta=0.1))
+    (objective, stats), grads = jax.jit(jax.value_and_grad(loss_fn, has_aux=True))(params, batch, None)
+    count = batch["loss_mask"].sum()
+
+    def plain_pg(p):
+        lp = token_logprobs(run.model, p, batch)
+        return -jnp.sum(adv * lp * batch["loss_mask"])
+
+    expected = jax.jit(jax.grad(plain_pg))(params)
+    assert float(stats["count"]) == count
+    assert float(objective) == pytest.approx(-float(np.sum(adv)), rel=1e-5)  # ratio 1: -sum A
+    assert float(stats["kl_sum"]) == pytest.approx(0.0, abs=1e-6)
+    assert float(stats["ratio_sum"]) / count == pytest.approx(1.0, abs=1e-6)
+    jax.tree.map(lambda a, b: np.testing.assert_allclose(a, b, rtol=1e-4, atol=1e-7), grads, expected)
+
+
+def test_a_group_of_equal_rewards_gives_no_gradient(tiny):
+    run, params = tiny
+    batch = rows()
+    logp = np.asarray(jax.jit(lambda p, b: token_logprobs(run.model, p, b))(params, batch))
+    adv = group_advantages(np.array([0.7, 0.7, 0.7, 0.7]), 4)[:, None] * batch["loss_mask"]
+    batch |= {"old_logp": logp, "ref_logp": logp, "advantages": adv}
+    grads = jax.jit(jax.grad(lambda p: rl_loss(run.model, RlSettings(beta=0.1))(p, batch, None)[0]))(params)
+    assert max(float(jnp.max(jnp.abs(g))) for g in jax.tree.leaves(grads)) == 0.0
+
+
+def digit_share(prompts, completions, **columns):
+    """A reward with spread on an untrained model: the share of digits in the response."""
+    return [sum(ch.isdigit() for ch in c) / max(len(c), 1) for c in completions]
+
+
+def prompt_set():
+    tok = ByteTokenizer()
+    template = ChatTemplate.for_tokenizer(tok)
+    texts = ["sort 312", "sort 90", "sort 5521", "sort 77"]
+    messages = [[{"role": "user", "content": t}] for t in texts]
+    ids = [template.prompt(m) for m in messages]
+    padded = np.zeros((4, max(map(len, ids))), np.int32)
+    for i, x in enumerate(ids):
+        padded[i, : len(x)] = x
+    return PromptSet("test", padded, np.array([len(x) for x in ids], np.int32), texts, messages,
+                     [{} for _ in texts], {}), template
+
+
+def rl_step(c, devices):
+    run = build_rl_run(c, devices=devices)
+    base = build_rl_run(config(beta=0.0), devices=devices[:1]).init_state(seed=1).params
+    state, frozen = run.init(seed=5, base=jax.device_get(base))
+    prompts, template = prompt_set()
+    settings = RlSettings.from_config(c.rl)
+    sampling = SamplingParams(max_new_tokens=c.rl.max_new_tokens, temperature=1.0)
+    sampler = Sampler(run, sampling, template.stop_ids, c.data.seq_len)
+    ref_model, with_ref, split_base = _reference_parts(run, settings)
+    scorer = Scorer(run, ref_model, with_ref, settings.algo == "ppo", split_base)
+    rewards = Rewards([RewardFn("digits", digit_share, 1.0)])
+    step = RlStep(run, frozen, prompts, rewards, sampler, scorer, template, settings, c.rl)
+    state, metrics = step(state, {"index": np.arange(4, dtype=np.int32)})
+    return jax.device_get(state), metrics
+
+
+def test_grpo_step_on_a_2x2x2_mesh_equals_one_device():
+    c1 = config(minibatches=2)
+    c8 = config(minibatches=2)
+    c8.mesh.update(data=2, fsdp=2, tensor=2)
+    one, m1 = rl_step(c1, jax.devices()[:1])
+    eight, m8 = rl_step(c8, jax.devices()[:8])
+    assert int(one.step) == 2  # two minibatch updates
+    assert m1["reward_std"] > 0 and 0 <= m1["zero_std_groups"] < 1
+    for k in ("reward", "response_length", "truncated"):
+        assert m8[k] == pytest.approx(m1[k], rel=1e-6), k
+    for k in ("loss", "kl", "clip_fraction", "entropy"):
+        assert m8[k] == pytest.approx(m1[k], rel=1e-3, abs=1e-6), k
+    jax.tree.map(lambda a, b: np.testing.assert_allclose(a, b, rtol=1e-4, atol=1e-6), one.params, eight.params)
+
+
+def test_ppo_step_trains_its_value_head_with_the_kl_in_the_reward():
+    state, m = rl_step(config("ppo", beta=0.05, epochs=2), jax.devices()[:1])
+    assert int(state.step) == 2  # two epochs over one minibatch
+    assert {"value_loss", "value_clip_fraction", "explained_variance", "kl", "value_mean"} <= m.keys()
+    assert m["kl"] == pytest.approx(0.0, abs=1e-4)  # sampled by the init model: policy == reference
+    assert float(np.abs(state.params["scalar_head"]["kernel"]).max()) > 0  # the zero head learned

@@ -20,6 +20,6 @@ demo: $(VENV)/.installed
 	$(VENV)/bin/lm sample --workdir $(WORKDIR)/sft --chat --prompt "sort 9071" --temperature 0
 
 test: $(VENV)/.installed
-	$(PY) -m pytest -q
+	$(PY) -m pytest -q -n 2 --dist loadfile
 
 .PHONY: install demo test

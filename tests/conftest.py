@@ -49,3 +49,9 @@ def small_base(tmp_path_factory, corpus):
     assert main(["train", "--workdir", str(workdir), f"--config.data.corpus={corpus}", "--config.train.steps=10",
                  "--config.eval.every_steps=10", *SMALL, "--config.data.seq_len=64"]) == 0
     return workdir
+
+
+def pytest_collection_modifyitems(items):
+    """The slow end-to-end tests first: with `-n 2 --dist loadfile` (make test) their files then
+    start at once instead of ending the run on one worker while the other idles."""
+    items.sort(key=lambda item: item.get_closest_marker("slow") is None)

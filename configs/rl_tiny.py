@@ -12,8 +12,8 @@ def get_config():
     c.rl = dict(algo="grpo", rewards="lm.data.synthetic:sort_reward", prompts_per_step=16, group_size=8,
                 max_new_tokens=16, temperature=1.0, beta=0.04, epochs=1, minibatches=1,
                 eval_prompts=256, eval_examples=256, eval_max_new_tokens=16)
-    c.optim = dict(lr=2e-4, warmup_steps=5)
-    c.train = dict(steps=60, log_every=5)
+    c.optim = dict(lr=1e-4, warmup_steps=5)
+    c.train = dict(steps=120, log_every=1)
     c.eval = dict(every_steps=20, batch_size=128)
     c.checkpoint = dict(every_steps=50, keep=2)
     return c

@@ -1,8 +1,9 @@
 """RL from rewards: group advantages, GAE, the clip, k3 and value terms against hand-computed
 values; through a tiny model: the loss is the plain policy gradient when ratios are 1 and the
 KL 0, a group of equal rewards gives no gradient, and a whole GRPO step (rollouts, rewards,
-reference scoring, two minibatch updates) on a (2,2,2) mesh equals one device; a PPO step
-trains its value head."""
+reference scoring, two minibatch updates) on a (2,2,2) mesh equals one device; a PPO step with
+LoRA trains its adapters and value head; rewards combine functions, a reward model and a
+truncation penalty by weight."""
 
 import math
 
@@ -15,7 +16,8 @@ from lm.config import base_config
 from lm.data.chat import ChatTemplate
 from lm.data.prompts import PromptSet
 from lm.data.tokenizer import ByteTokenizer
-from lm.train.rewards import Rewards, RewardFn
+from lm.errors import UserError
+from lm.train.rewards import RewardFn, Rewards, parse_rewards
 from lm.train.rl import _reference_parts, build_rl_run
 from lm.train.rl_losses import (RlSettings, gae, group_advantages, k3, policy_terms, rl_loss, token_logprobs,
                                 value_terms, whiten)
@@ -78,9 +80,10 @@ def test_clip_k3_and_value_terms_by_hand():
 
 # ---- a tiny model ----------------------------------------------------------------------------------
 
-def config(algo="grpo", beta=0.1, **rl):
+def config(algo="grpo", beta=0.1, lora=0, **rl):
     c = base_config()
-    c.model.update(vocab_size=V, d_model=32, n_layers=2, n_heads=4, n_kv_heads=2, d_ff=64, max_seq_len=T)
+    c.model.update(vocab_size=V, d_model=32, n_layers=2, n_heads=4, n_kv_heads=2, d_ff=64, max_seq_len=T,
+                   lora_rank=lora)
     c.optim.update(lr=1e-2, warmup_steps=0, weight_decay=0.0, eps=1.0)  # eps: no amplified round-off
     c.train.update(steps=10)
     c.data.seq_len = T
@@ -185,9 +188,36 @@ def test_grpo_step_on_a_2x2x2_mesh_equals_one_device():
     jax.tree.map(lambda a, b: np.testing.assert_allclose(a, b, rtol=1e-4, atol=1e-6), one.params, eight.params)
 
 
-def test_ppo_step_trains_its_value_head_with_the_kl_in_the_reward():
-    state, m = rl_step(config("ppo", beta=0.05, epochs=2), jax.devices()[:1])
+def test_ppo_with_lora_trains_adapters_and_value_head_with_the_kl_in_the_reward():
+    state, m = rl_step(config("ppo", beta=0.05, lora=4, epochs=2), jax.devices()[:1])
     assert int(state.step) == 2  # two epochs over one minibatch
     assert {"value_loss", "value_clip_fraction", "explained_variance", "kl", "value_mean"} <= m.keys()
-    assert m["kl"] == pytest.approx(0.0, abs=1e-4)  # sampled by the init model: policy == reference
+    # sampled by the init model, and the reference is the base with the adapters off: equal at step 0
+    assert m["kl"] == pytest.approx(0.0, abs=1e-4)
+    assert set(state.params) == {"blocks", "scalar_head"}  # adapters and the head train, nothing else
     assert float(np.abs(state.params["scalar_head"]["kernel"]).max()) > 0  # the zero head learned
+
+
+class _Scorer:
+    def score(self, conversations):
+        return np.array([len(c[-1]["content"]) for c in conversations], np.float32)
+
+
+def test_rewards_weigh_functions_and_a_reward_model_and_penalise_truncation(tmp_path):
+    (tmp_path / "mine.py").write_text("def ones(prompts, completions, answer, **kw):\n"
+                                      "    return [float(c == a) for c, a in zip(completions, answer)]\n")
+    fns = parse_rewards(f"lm.data.synthetic:sort_reward=0.5, {tmp_path / 'mine.py'}:ones")
+    rewards = Rewards(fns, _Scorer(), scorer_weight=0.1, truncation_penalty=2.0)
+    prompts = ["sort 312", [{"role": "user", "content": "sort 90"}]]
+    messages = [[{"role": "user", "content": "sort 312"}], prompts[1]]
+    total, parts = rewards(prompts, messages, ["123", "9"], np.array([False, True]),
+                           [{"answer": "123"}, {"answer": "09"}])
+    assert parts["sort_reward"].tolist() == [1.0, 0.0] and parts["ones"].tolist() == [1.0, 0.0]
+    assert parts["reward_model"].tolist() == [3.0, 1.0]
+    np.testing.assert_allclose(total, [0.5 + 1.0 + 0.3, 0.1 - 2.0], rtol=1e-6)
+    bad = Rewards([RewardFn("short", lambda p, c, **k: [1.0], 1.0)])
+    with pytest.raises(UserError, match="short"):
+        bad(prompts, messages, ["1", "2"], np.zeros(2, bool), [{}, {}])
+    for spec in ("no_such_module:fn", "lm.data.synthetic:no_such_fn", "missing.py:fn", "nocolon"):
+        with pytest.raises(UserError, match="rl.rewards"):
+            parse_rewards(spec)

@@ -16,7 +16,6 @@ from __future__ import annotations
 
 import dataclasses
 import json
-import math
 
 import jax
 import numpy as np
@@ -26,7 +25,7 @@ from lm import plan
 from lm.data.pipeline import ready_batches
 from lm.model.lora import is_adapter
 from lm.train import pairs
-from lm.train.metrics import plot_curves
+from lm.train.metrics import json_default, plot_curves
 from lm.train.pair_losses import DpoSettings, dpo_loss, pair_logprobs
 from lm.train.setup import build_run
 from lm.train.state import merge_trees, split_params
@@ -121,7 +120,7 @@ SUMMARY_KEYS = ("loss", "tokens_per_s", "run_tokens_per_s", "run_mfu", "peak_flo
 
 
 def _finish(stage, params, last: dict, mode: str) -> dict:
-    from lm.train.sft import answer_accuracy
+    from lm.train.sft import compare_answers
 
     config, workdir = stage.config, stage.workdir
     before, after = pairs.first_eval(workdir), {k: v for k, v in last.items() if k.startswith("eval_")}
@@ -131,22 +130,11 @@ def _finish(stage, params, last: dict, mode: str) -> dict:
     n = min(config.pairs.eval_pairs, len(stage.heldout)) if stage.heldout is not None else None
     if before or after:
         print(pairs.eval_table("DPO: held-out pairs", TABLE_KEYS, before, after, n))
-    if config.pairs.eval_answers:
-        from lm.eval.answers import read_conversations
-
-        conversations = read_conversations(config.pairs.eval_answers, config.pairs.eval_examples)
-        loaded, max_new = stage.loaded, config.pairs.eval_max_new_tokens
-        init_acc = answer_accuracy(loaded.config, loaded.params, loaded.tokenizer, conversations, max_new)
-        tuned = answer_accuracy(config, params, loaded.tokenizer, conversations, max_new)
-        summary |= {"exact_match_init": init_acc["exact_match"], "exact_match": tuned["exact_match"],
-                    "exact_match_n": tuned["n"], "answers": tuned["examples"]}
-        print(f"exact match of greedy answers on {tuned['n']} held-out prompts: init {init_acc['exact_match']:.1%}"
-              f" -> tuned {tuned['exact_match']:.1%}")
+    p = config.pairs
+    if p.eval_answers:
+        summary |= compare_answers(stage.loaded, config, params, p.eval_answers, p.eval_examples,
+                                   p.eval_max_new_tokens)
     if jax.process_index() == 0:
         plot_curves(workdir / "metrics.jsonl", workdir / "loss.png")
-        (workdir / "summary.json").write_text(json.dumps(summary, indent=2, default=_plain))
+        (workdir / "summary.json").write_text(json.dumps(summary, indent=2, default=json_default))
     return summary
-
-
-def _plain(x):
-    return float(x) if isinstance(x, (np.floating, float)) and math.isfinite(float(x)) else str(x)

@@ -43,6 +43,11 @@ def _plain(v):
     return v
 
 
+def json_default(x):
+    """json.dumps(default=...) for a summary: finite numpy floats as floats, anything else as text."""
+    return float(x) if isinstance(x, (np.floating, float)) and math.isfinite(float(x)) else str(x)
+
+
 def read_metrics(path: pathlib.Path) -> list[dict]:
     with pathlib.Path(path).open() as f:
         return [json.loads(line) for line in f if line.strip()]

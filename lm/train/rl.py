@@ -19,7 +19,6 @@ import math
 import pathlib
 
 import jax
-import numpy as np
 
 from lm import plan
 from lm.data.chat import ChatTemplate
@@ -32,7 +31,9 @@ from lm.model.lora import is_adapter
 from lm.model.transformer import Transformer
 from lm.train import rl_step
 from lm.train.fit import check_resume, fit
-from lm.train.metrics import plot_rl
+from lm.train.metrics import json_default, plot_rl
+from lm.train.pairs import first_eval
+from lm.train.reward import head_or_adapter
 from lm.train.rewards import Rewards
 from lm.train.rl_losses import RlSettings, rl_loss
 from lm.train.rollout import Sampler, Scorer
@@ -43,10 +44,6 @@ SUMMARY_KEYS = ("reward", "kl", "loss", "response_length", "rollout_tokens_per_s
                 "sampling_share", "eval_reward", "compile_s")
 
 
-def _adapter_or_value_head(path) -> bool:
-    return is_adapter(path) or getattr(path[0], "key", path[0]) == "scalar_head"
-
-
 def build_rl_run(config, devices=None):
     """The run of `lm rl`: the policy (with a value head for PPO), its loss and the reference."""
     r, settings = config.rl, RlSettings.from_config(config.rl)
@@ -54,7 +51,7 @@ def build_rl_run(config, devices=None):
     config.train.batch_size = rows // r.minibatches
     lora = config.model.lora_rank > 0
     model_fn = functools.partial(Transformer, scalar_head=True) if r.algo == "ppo" else Transformer
-    trainable = (_adapter_or_value_head if r.algo == "ppo" else is_adapter) if lora else None
+    trainable = (head_or_adapter if r.algo == "ppo" else is_adapter) if lora else None
     return build_run(config, lambda m: rl_loss(m, settings), devices=devices, model_fn=model_fn,
                      trainable=trainable, reference=settings.needs_reference and not lora,
                      updates_per_step=r.epochs * r.minibatches)
@@ -69,7 +66,7 @@ def _prompts(path, loaded, config, limit: int = 0) -> PromptSet:
 def _reference_parts(run, settings: RlSettings):
     """(reference model, with_reference, split_base) for the scoring pass."""
     plain = run.model.clone(spec=dataclasses.replace(run.model.spec, lora_rank=0), scalar_head=False)
-    with_ref = settings.needs_reference and (settings.algo == "ppo" or settings.beta > 0)
+    with_ref = settings.needs_reference
     split_base = lambda p: {k: v for k, v in split_params(p, run.trainable)[1].items() if k != "scalar_head"}  # noqa: E731
     return plain, with_ref, split_base
 
@@ -129,39 +126,20 @@ def _write_run_files(config, workdir: pathlib.Path, loaded, prompts: PromptSet) 
     save_tokenizer(loaded.tokenizer, workdir)
 
 
-def _first_eval(workdir: pathlib.Path) -> dict:
-    from lm.train.metrics import read_metrics
-
-    rows = [x for x in read_metrics(workdir / "metrics.jsonl") if x.get("step") == 0]
-    return {k: v for x in rows for k, v in x.items() if k.startswith("eval_")}
-
-
 def _finish(config, workdir: pathlib.Path, loaded, params, last: dict) -> dict:
-    from lm.train.sft import answer_accuracy
+    from lm.train.sft import compare_answers
 
     r = config.rl
     policy = {k: v for k, v in params.items() if k not in ("reference", "scalar_head")}
     summary = {"step": config.train.steps, "init": r.init, "algo": r.algo, "lora_rank": config.model.lora_rank,
-               "eval_init": _first_eval(workdir), "eval": {k: v for k, v in last.items() if k.startswith("eval_")}}
+               "eval_init": first_eval(workdir), "eval": {k: v for k, v in last.items() if k.startswith("eval_")}}
     summary |= {k: last.get(k) for k in SUMMARY_KEYS}
     if summary["eval"]:
         print(f"held-out greedy reward: init {summary['eval_init'].get('eval_reward', float('nan')):.4f} -> "
               f"tuned {summary['eval'].get('eval_reward', float('nan')):.4f}")
     if r.eval_answers:
-        from lm.eval.answers import read_conversations
-
-        conversations = read_conversations(r.eval_answers, r.eval_examples)
-        init_acc = answer_accuracy(loaded.config, loaded.params, loaded.tokenizer, conversations, r.eval_max_new_tokens)
-        tuned = answer_accuracy(config, policy, loaded.tokenizer, conversations, r.eval_max_new_tokens)
-        summary |= {"exact_match_init": init_acc["exact_match"], "exact_match": tuned["exact_match"],
-                    "exact_match_n": tuned["n"], "answers": tuned["examples"]}
-        print(f"exact match of greedy answers on {tuned['n']} held-out prompts: init {init_acc['exact_match']:.1%}"
-              f" -> tuned {tuned['exact_match']:.1%}")
+        summary |= compare_answers(loaded, config, policy, r.eval_answers, r.eval_examples, r.eval_max_new_tokens)
     if jax.process_index() == 0:
         plot_rl(workdir / "metrics.jsonl", workdir / "rl.png")
-        (workdir / "summary.json").write_text(json.dumps(summary, indent=2, default=_plain))
+        (workdir / "summary.json").write_text(json.dumps(summary, indent=2, default=json_default))
     return summary
-
-
-def _plain(x):
-    return float(x) if isinstance(x, (np.floating, float)) and math.isfinite(float(x)) else str(x)

@@ -121,6 +121,18 @@ def answer_accuracy(config, params, tokenizer, conversations, max_new_tokens: in
                        max_new_tokens=max_new_tokens or config.sft.eval_max_new_tokens, mesh=run.mesh, rules=run.rules)
 
 
+def compare_answers(loaded, config, params, path, examples: int, max_new_tokens: int) -> dict:
+    """Exact match of the init model (`loaded`) and the tuned one on held-out conversations,
+    printed; the summary fields (exact_match_init, exact_match, exact_match_n, answers)."""
+    conversations = read_conversations(path, examples)
+    before = answer_accuracy(loaded.config, loaded.params, loaded.tokenizer, conversations, max_new_tokens)
+    after = answer_accuracy(config, params, loaded.tokenizer, conversations, max_new_tokens)
+    print(f"exact match of greedy answers on {after['n']} held-out prompts: init {before['exact_match']:.1%}"
+          f" -> tuned {after['exact_match']:.1%}")
+    return {"exact_match_init": before["exact_match"], "exact_match": after["exact_match"],
+            "exact_match_n": after["n"], "answers": after["examples"]}
+
+
 SUMMARY_KEYS = ("loss", "eval_loss", "tokens_per_s", "run_tokens_per_s", "run_mfu", "peak_flops_source", "compile_s")
 
 

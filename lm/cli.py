@@ -141,8 +141,11 @@ def _parser() -> argparse.ArgumentParser:
     from lm.infer.cli import add_parser as add_sample_parser
     from lm.infer.score_cli import add_parser as add_score_parser
 
+    from lm.eval.cli import add_parser as add_eval_parser
+
     add_sample_parser(sub)
     add_score_parser(sub)
+    add_eval_parser(sub)
     return p
 
 
@@ -278,6 +281,10 @@ def main(argv: list[str] | None = None) -> int:
             from lm.infer.cli import run as sample
 
             return sample(args)
+        if args.verb == "eval":
+            from lm.eval.cli import run as evaluate
+
+            return evaluate(args)
         if args.verb == "reward-score":
             from lm.infer.score_cli import run as score
 

@@ -102,7 +102,9 @@ def base_config() -> ConfigDict:
         # on_bad restores the last good checkpoint and skips ahead in the data, or stops
         max_bad_steps=5, on_bad="restore", spike_window=0, spike_threshold=8.0, max_rollbacks=3,
     )
-    c.eval = dict(every_steps=100, batches=8, batch_size=16)
+    # sets: ("NAME=PATH", ...) language-modelling sets (text, {"text"} JSONL, corpus, token shards)
+    # scored at every eval, at most set_tokens tokens each: eval/NAME/loss and eval/NAME/bits_per_byte
+    c.eval = dict(every_steps=100, batches=8, batch_size=16, sets=(), set_tokens=65536)
     # keep the newest `keep` plus every step divisible by keep_period (0 = none); every_minutes
     # adds timed saves (0 = off); processes agree on signals and timed saves every agree_every_steps
     c.checkpoint = dict(every_steps=100, every_minutes=0.0, keep=3, keep_period=0, agree_every_steps=5)
@@ -322,6 +324,10 @@ def validate(c: ConfigDict) -> None:
     _require(c.data.seq_len <= m.max_seq_len, "data.seq_len", c.data.seq_len,
              f"must be <= model.max_seq_len={m.max_seq_len}")
     _validate_sources(c.data)
+    from lm.eval.during import parse_sets  # light: names and paths only
+
+    parse_sets(c.eval.sets)
+    _require(c.eval.set_tokens > 0, "eval.set_tokens", c.eval.set_tokens, "expected > 0")
     _require(c.data.workers >= 0, "data.workers", c.data.workers, "expected >= 0 (0 = all cores)")
     _require(0.0 < c.data.heldout_fraction < 1.0, "data.heldout_fraction", c.data.heldout_fraction,
              "expected a fraction in (0, 1)")

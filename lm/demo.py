@@ -6,7 +6,9 @@
 4. preference pairs of the task (the answer vs a plausible wrong one), DPO from the SFT model,
    and a reward model trained on the same pairs;
 5. GRPO from the SFT model on the task's prompts, rewarded for the exact answer;
-6. one table: held-out response loss and exact-match accuracy of greedy answers, base vs SFT
+6. `lm eval` of every model on the same tasks (held-out bits per byte of the pretraining text,
+   exact match on the task) and a 13-gram contamination check of the task's held-out split;
+7. one table: held-out response loss and exact-match accuracy of greedy answers, base vs SFT
    vs SFT-LoRA vs DPO vs GRPO, then the preference evidence on held-out pairs and the RL
    reward and KL; written to WORKDIR/demo_summary.json as well.
 """
@@ -67,11 +69,31 @@ def run_demo(workdir, show_progress: bool = True, pretrain_overrides=(), sft_ove
                              data=str(paths["train"]), eval_data=str(paths["heldout"]), eval_answers=str(paths["heldout"]))
     grpo = rl(config, root / "grpo", show_progress=show_progress)
     summary = _summary(base, runs, preference, grpo, root)
+    _stage("8. evaluation of every model: held-out bits per byte, exact match, contamination")
+    summary["eval"] = evaluate_all(root, paths)
     text = evidence(summary, n_heldout)
     print("\n" + text)
     (root / "demo_summary.json").write_text(json.dumps(summary, indent=2))
     (root / "demo_summary.txt").write_text(text + "\n")
     return summary
+
+
+def evaluate_all(root: pathlib.Path, paths: dict) -> dict:
+    """`lm eval` of the base, SFT, DPO and GRPO models on the same tasks, and a contamination check
+    of the task's held-out split against the training data (lm.eval.suite)."""
+    from lm.eval import suite
+    from lm.eval.contamination import check
+
+    train_shards, heldout_shards = suite.pretraining_shards(root / "pretrain")
+    specs = [f"heldout={heldout_shards[0]}?limit={suite.HELDOUT_TOKENS}", f"task={paths['heldout']}"]
+    models = {"base": root / "pretrain"} | {name: root / name for name in ("sft", "sft-lora", "dpo", "grpo")}
+    reports = suite.evaluate_models(models, specs, root / "eval")
+    found = check([*train_shards, str(paths["train"])], [str(paths["heldout"])],
+                  tokenizer=str(root / "pretrain" / "tokenizer.model"), progress=False)
+    task = next(iter(found["tasks"].values()))
+    contamination = {"n": found["n"], "examples": task["examples"], "contaminated": task["contaminated"],
+                     "too_short": task["too_short"], "train_mb": found["train"]["bytes"] / 1e6}
+    return suite.summary(reports, "heldout", "task", "sft", contamination)
 
 
 def _summary(base: dict, runs: dict, preference: dict, grpo: dict, root: pathlib.Path) -> dict:
@@ -111,6 +133,10 @@ def evidence(summary: dict, n_heldout: int) -> str:
         lines += _preference_lines(summary["preference"], n_heldout)
     if "rl" in summary:
         lines += _rl_lines(summary["rl"], n_heldout)
+    if "eval" in summary:
+        from lm.eval.suite import table
+
+        lines.append(table(summary["eval"]))
     return "\n".join(lines)
 
 

@@ -13,9 +13,7 @@ import pathlib
 from lm.data.chat import ChatTemplate
 from lm.data.sft import parse_record
 from lm.errors import UserError
-from lm.infer.generate import Generator
-from lm.infer.sampling import SamplingParams
-from lm.infer.text import complete_ids
+from lm.eval.complete import completions
 
 
 def read_conversations(path, limit: int = 0) -> list[list[dict]]:
@@ -42,15 +40,13 @@ def exact_match(model, params, tokenizer, conversations: list, *, max_new_tokens
     """{'exact_match', 'n', 'examples': the first `keep` (prompt, reference, answer)}."""
     template = ChatTemplate.for_tokenizer(tokenizer)
     prompts = [template.prompt(c[:-1]) for c in conversations]
-    room = model.spec.max_seq_len - max(len(p) for p in prompts)
-    if room < 1:
+    if model.spec.max_seq_len - max(len(p) for p in prompts) < 1:
         raise UserError("exact match: a held-out prompt fills the model's whole context")
-    sampling = SamplingParams(max_new_tokens=min(max_new_tokens, room), temperature=0.0)
-    generator = Generator(model, params, sampling, eos_id=template.stop_ids, mesh=mesh, rules=rules)
-    answers = []
-    for start in range(0, len(prompts), batch_size):
-        batch = [[int(t) for t in p] for p in prompts[start:start + batch_size]]
-        answers += [r["text"] for r in complete_ids(generator, tokenizer, batch, stop=template.stop_strings)]
+    room = model.spec.max_seq_len - max(len(p) for p in prompts)
+    done = completions(model, params, tokenizer, prompts, max_new_tokens=min(max_new_tokens, room),
+                       stop=template.stop_strings, eos_ids=template.stop_ids, mesh=mesh, rules=rules,
+                       batch_size=batch_size)
+    answers = [r["text"] for r in done]
     right = [a.strip() == c[-1]["content"].strip() for a, c in zip(answers, conversations)]
     examples = [(c[-2]["content"], c[-1]["content"], a) for c, a in zip(conversations[:keep], answers)]
     return {"exact_match": sum(right) / len(right), "n": len(right), "examples": examples}

@@ -139,7 +139,7 @@ def run_loop(spec: LoopSpec, state, step_fn: Callable, data_iter: Iterator, to_d
             last_eval = evaluate(state)
             log.write(step, last_eval)
             log.bar.write(f"step {step}: " + ", ".join(f"{k} {v:.4f}" for k, v in last_eval.items()
-                                                        if k in EVAL_SHOWN))
+                                                        if k in EVAL_SHOWN or k.endswith("/bits_per_byte")))
             log.pause()
         if ckpt_due:
             checkpointer.save(step, state, data_iter, health=health.state_dict())

@@ -72,7 +72,10 @@ def plot_curves(metrics_path: pathlib.Path, out_path: pathlib.Path, baseline: fl
     train = [(r["step"], r["loss"]) for r in rows if isinstance(r.get("loss"), (int, float))]
     evals = [(r["step"], r["eval_loss"]) for r in rows if isinstance(r.get("eval_loss"), (int, float))]
     lrs = [(r["step"], r["lr"]) for r in rows if isinstance(r.get("lr"), (int, float))]
-    fig, (ax, ax_lr) = plt.subplots(2, 1, figsize=(8, 6), height_ratios=[3, 1], sharex=True)
+    sets = sorted({k for r in rows for k in r if k.startswith("eval/") and k.endswith("/bits_per_byte")})
+    heights = [3, 2, 1] if sets else [3, 1]
+    fig, axes = plt.subplots(len(heights), 1, figsize=(8, 2 * len(heights) + 2), height_ratios=heights, sharex=True)
+    ax, ax_lr = axes[0], axes[-1]
     if train:
         ax.plot(*zip(*train), label="train loss", lw=1)
     if evals:
@@ -82,6 +85,12 @@ def plot_curves(metrics_path: pathlib.Path, out_path: pathlib.Path, baseline: fl
     ax.set_ylabel("loss (nats/token)")
     ax.legend()
     ax.grid(alpha=0.3)
+    if sets:  # eval.sets: bits per byte of each named set (lm.eval.during)
+        for key in sets:
+            axes[1].plot(*zip(*[(r["step"], r[key]) for r in rows if key in r]), "o-", label=key.split("/")[1], lw=1)
+        axes[1].set_ylabel("bits per byte")
+        axes[1].legend()
+        axes[1].grid(alpha=0.3)
     if lrs:
         ax_lr.plot(*zip(*lrs), color="tab:green")
     ax_lr.set_ylabel("lr")

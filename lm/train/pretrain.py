@@ -62,7 +62,7 @@ def train(config, workdir, resume: bool = False, show_progress: bool = True) -> 
     first_row = {"unigram_baseline": data.stats["unigram_entropy_nats"], "params": plan.param_count(m),
                  "train_docs": data.stats["train_docs"], "split_docs": data.stats["split_docs"]}
     state, last = fit(run, workdir, data_iter, resume=resume, init=run.init_state, evaluate=evaluate,
-                      first_row=first_row, signature=signature, show_progress=show_progress)
+                      first_row=first_row, signature=signature, show_progress=show_progress, tokenizer=data.tokenizer)
     if last["stopped_by"]:
         return {"step": last["stop_step"], "stopped_by": last["stopped_by"], "eval_loss": None}
     return _finish(config, workdir, run, state, data, last, is_main)

@@ -33,26 +33,26 @@ class RewardFn:
     weight: float
 
 
-def load_function(target: str) -> Callable:
-    """`module:function` or `file.py:function` -> the function."""
+def load_function(target: str, label: str = "rl.rewards") -> Callable:
+    """`module:function` or `file.py:function` -> the function (`label` names the setting in errors)."""
     where, sep, name = target.rpartition(":")
     if not sep or not where or not name:
-        raise UserError(f"rl.rewards: '{target}'; expected module:function or path/to/file.py:function")
+        raise UserError(f"{label}: '{target}'; expected module:function or path/to/file.py:function")
     try:
         if where.endswith(".py"):
             path = pathlib.Path(where)
             if not path.is_file():
-                raise UserError(f"rl.rewards: '{where}' is not a file")
+                raise UserError(f"{label}: '{where}' is not a file")
             spec = importlib.util.spec_from_file_location(f"lm_reward_{path.stem}", path)
             module = importlib.util.module_from_spec(spec)
             spec.loader.exec_module(module)
         else:
             module = importlib.import_module(where)
     except ImportError as e:
-        raise UserError(f"rl.rewards: cannot import '{where}' ({e})") from None
+        raise UserError(f"{label}: cannot import '{where}' ({e})") from None
     fn = getattr(module, name, None)
     if not callable(fn):
-        raise UserError(f"rl.rewards: '{where}' has no function '{name}'")
+        raise UserError(f"{label}: '{where}' has no function '{name}'")
     return fn
 
 

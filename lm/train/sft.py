@@ -88,7 +88,8 @@ def sft(config, workdir, resume: bool = False, show_progress: bool = True) -> di
     first_row = {"params": plan.param_count(config.model), "trainable_params": _count(run.abstract_state().params),
                  **{f"data/{k}": v for k, v in train.stats.items()}}
     state, last = fit(run, workdir, data_iter, resume=resume, init=lambda: state0, evaluate=evaluate,
-                      first_row=first_row, frozen=frozen, signature=signature, show_progress=show_progress)
+                      first_row=first_row, frozen=frozen, signature=signature, show_progress=show_progress,
+                      tokenizer=tok)
     if last["stopped_by"]:
         return {"step": last["stop_step"], "stopped_by": last["stopped_by"], "eval_loss": None}
     return _finish(config, workdir, run, loaded, merge_trees(state.params, frozen), last, train.stats, is_main)

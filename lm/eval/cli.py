@@ -1,0 +1,80 @@
+"""`lm eval`: tasks against a trained model (a JSON report and a table), or two reports compared."""
+
+from __future__ import annotations
+
+import json
+import pathlib
+
+from lm.errors import UserError
+
+
+def add_parser(sub) -> None:
+    p = sub.add_parser("eval", help="evaluate a model: bits per byte, multiple choice, generation tasks",
+                       description="Scores a run or an export on tasks given as [NAME=]PATH[?key=value&...] "
+                                   "(lm/eval/tasks.py lists the kinds and options), or compares two reports.")
+    src = p.add_mutually_exclusive_group()
+    src.add_argument("--workdir", help="an `lm train`/`sft`/`dpo`/`rl` workdir (its newest checkpoint)")
+    src.add_argument("--params", help="an `lm export` (directory or .safetensors)")
+    src.add_argument("--compare", nargs=2, metavar=("A.json", "B.json"), help="two reports side by side")
+    p.add_argument("--tasks", nargs="+", default=[], help="task specs, e.g. heldout=data.jsonl mmlu=mc.jsonl?shots=5")
+    p.add_argument("--out", help="write the JSON report here")
+    p.add_argument("--batch-size", type=int, default=0, help="rows per scoring batch (default: eval.batch_size)")
+    p.add_argument("--tokenizer", help="a sentencepiece .model (default: the one the model was trained with)")
+    p.add_argument("--no-progress", action="store_true", help="no progress bars")
+
+
+def evaluate(loaded, specs: list[str], batch_size: int = 0, progress: bool = True) -> dict:
+    """The report of `specs` (task specs) for a loaded model (lm.infer.load.Loaded)."""
+    from tqdm import tqdm
+
+    from lm.eval.loglik import Scorer
+    from lm.eval.tasks import parse_task, run_task
+
+    tasks = [parse_task(s) for s in specs]  # every spec checked before any scoring
+    names = [t.name for t in tasks]
+    if len(set(names)) != len(names):
+        raise UserError(f"task names repeat ({', '.join(names)}); name them: NAME=PATH")
+    scorer = Scorer.from_loaded(loaded, batch_size or None)
+    report = {"model": loaded.source, "tasks": {}}
+    for task in tasks:
+        with tqdm(desc=f"eval {task.name}", unit="req", disable=not progress, leave=False) as bar:
+            report["tasks"][task.name] = run_task(task, scorer, bar.update)
+    return report
+
+
+def run(args) -> int:
+    from lm.eval.report import compare, compare_table, table
+
+    if args.compare:
+        a, b = (_read_report(p) for p in args.compare)
+        result = compare(a, b)
+        print(compare_table(a, b, result))
+        if args.out:
+            pathlib.Path(args.out).write_text(json.dumps(result, indent=2))
+        return 0
+    if not args.tasks:
+        raise UserError("lm eval: give --tasks SPEC [SPEC ...] (and --workdir or --params), or --compare A B")
+    from lm.cpu_flags import apply_cpu_defaults
+
+    apply_cpu_defaults("float32")
+    from lm.infer.load import load_trained
+
+    report = evaluate(load_trained(args.workdir, args.params, args.tokenizer), args.tasks, args.batch_size,
+                      not args.no_progress)
+    print(table(report))
+    if args.out:
+        pathlib.Path(args.out).write_text(json.dumps(report, indent=1))
+    return 0
+
+
+def _read_report(path: str) -> dict:
+    p = pathlib.Path(path)
+    try:
+        report = json.loads(p.read_text())
+    except FileNotFoundError:
+        raise UserError(f"--compare: '{path}' does not exist (an `lm eval --out` report)") from None
+    except json.JSONDecodeError as e:
+        raise UserError(f"--compare: '{path}' is not JSON ({e})") from None
+    if not isinstance(report, dict) or not isinstance(report.get("tasks"), dict):
+        raise UserError(f"--compare: '{path}' is not an `lm eval` report (no 'tasks')")
+    return report

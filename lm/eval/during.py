@@ -1,0 +1,48 @@
+"""Language-modelling sets scored during training (config eval.sets), beside the held-out loss.
+
+Each set (`NAME=PATH`, any set `lm eval` reads) is tokenized once, cut to eval.set_tokens
+tokens, and scored at every eval with the step's params on the run's mesh: the metrics
+`eval/<NAME>/loss` and `eval/<NAME>/bits_per_byte` go to the JSONL, TensorBoard and the plot.
+They equal `lm eval`'s numbers for the same checkpoint and set.
+"""
+
+from __future__ import annotations
+
+from typing import Callable
+
+from lm.errors import UserError
+
+
+def parse_sets(specs) -> list[tuple[str, str]]:
+    out = []
+    for i, spec in enumerate(specs):
+        name, eq, path = str(spec).partition("=")
+        if not eq or not name or not path or "/" in name:
+            raise UserError(f"eval.sets[{i}] = {spec!r}: expected NAME=PATH (a text file, {{\"text\"}} JSONL, "
+                            "corpus or token shard set)")
+        out.append((name, path))
+    return out
+
+
+def with_sets(evaluate: Callable | None, run, tokenizer, frozen=None) -> Callable | None:
+    """`evaluate` (or nothing) plus the config's eval.sets; unchanged when there are none."""
+    e = run.config.eval
+    if not e.sets:
+        return evaluate
+    from lm.eval.loglik import Scorer
+    from lm.eval.sets import read_set, score_set
+    from lm.train.state import merge_trees
+
+    sets = [(name, read_set(path, tokenizer, e.set_tokens)) for name, path in parse_sets(e.sets)]
+    scorer = Scorer(run.model, None, tokenizer, mesh=run.mesh, rules=run.rules, batch_size=e.batch_size)
+    fixed = {k: v for k, v in (frozen or {}).items() if k != "reference"}  # a LoRA base, not a reference model
+
+    def evaluate_all(state) -> dict:
+        out = dict(evaluate(state)) if evaluate else {}
+        scorer.params = merge_trees(state.params, fixed) if fixed else state.params
+        for name, docs in sets:
+            m = score_set(scorer, docs)["metrics"]
+            out |= {f"eval/{name}/loss": m["loss"], f"eval/{name}/bits_per_byte": m["bits_per_byte"]}
+        return out
+
+    return evaluate_all

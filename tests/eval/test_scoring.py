@@ -1,0 +1,124 @@
+"""Scoring against hand computations: perplexity of a uniform model, bits per byte, multiple
+choice on a crafted case, calibration, and a (2,2,2) mesh equal to one device."""
+
+import json
+import math
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+import pytest
+
+from lm.config import base_config
+from lm.data.tokenizer import load_tokenizer
+from lm.eval import choice, sets
+from lm.eval.loglik import Scorer, encode_pair, token_bytes
+from lm.train.setup import build_run
+
+TOK = load_tokenizer("byte")
+
+
+def scorer(params=None, mesh=(1, 1, 1), max_seq_len=64, seed=0, batch_size=8):
+    c = base_config()
+    c.model.update(max_seq_len=max_seq_len, d_model=64, d_ff=128, n_layers=2)
+    c.mesh.update(data=mesh[0], fsdp=mesh[1], tensor=mesh[2])
+    run = build_run(c, devices=jax.devices()[: math.prod(mesh)])
+    if params is None:
+        params = run.init(seed=seed)[0].params
+    placed = jax.device_put(jax.tree.map(np.asarray, params), run.state_shardings.params)
+    return Scorer(run.model, placed, TOK, mesh=run.mesh, rules=run.rules, batch_size=batch_size), params
+
+
+def uniform():
+    s, params = scorer()
+    zero = jax.tree.map(jnp.zeros_like, params)  # tied embeddings of zeros: every logit 0
+    return scorer(zero)[0]
+
+
+def test_uniform_model_perplexity_is_the_vocabulary_size(tmp_path):
+    (tmp_path / "a.txt").write_text("def f(x):\n    return x * 2\n" * 7)  # > one window: split docs
+    s = uniform()
+    out = sets.score_set(s, sets.read_set(str(tmp_path / "a.txt"), TOK))
+    v = s.model.spec.vocab_size
+    assert out["metrics"]["perplexity"] == pytest.approx(v, rel=1e-5)
+    assert out["metrics"]["bits_per_byte"] == pytest.approx(math.log2(v), rel=1e-5)
+    n = len(("def f(x):\n    return x * 2\n" * 7).encode())
+    assert out["metrics"]["tokens"] == n  # n - 1 bytes after the first, then the end of text
+    assert out["metrics"]["bytes"] == n - 1  # the end-of-text token spells no byte
+
+
+def test_bits_per_byte_matches_a_hand_computation(tmp_path):
+    text = "héllo wörld, " * 9  # multi-byte characters, three windows of 64
+    (tmp_path / "d.jsonl").write_text(json.dumps({"text": text}) + "\n")
+    s, params = scorer(seed=3)
+    got = sets.score_set(s, sets.read_set(str(tmp_path / "d.jsonl"), TOK))["metrics"]
+    ids = np.concatenate([TOK.encode(text), [TOK.eos_id]]).astype(np.int32)
+    nats, text_nats, start = 0.0, 0.0, 0
+    while start < len(ids) - 1:  # windows of 64 predictions sharing one token
+        w = ids[start:start + 65]
+        logits = s.model.apply({"params": params}, w[None, :-1], np.ones((1, len(w) - 1), np.int32),
+                               np.arange(len(w) - 1)[None])
+        logp = np.asarray(jax.nn.log_softmax(logits[0].astype(jnp.float32)))[np.arange(len(w) - 1), w[1:]]
+        nats -= logp.sum()
+        text_nats -= logp[w[1:] < 256].sum()
+        start += 64
+    n_bytes = len(text.encode()) - 1
+    assert got["bits_per_byte"] == pytest.approx(text_nats / math.log(2) / n_bytes, rel=1e-5)
+    assert got["loss"] == pytest.approx(nats / (len(ids) - 1), rel=1e-5)
+
+
+def test_token_bytes_of_the_byte_tokenizer():
+    table = token_bytes(TOK)
+    assert table[:256].tolist() == [1] * 256 and table[256:].tolist() == [0, 0, 0]
+
+
+def test_multiple_choice_picks_the_higher_summed_logprob_and_calibration_by_hand():
+    s = uniform()
+    v = s.model.spec.vocab_size
+    # uniform: log p = -ln V per token; " y" (2 tokens) beats " xx" (3 tokens) on the sum, and the
+    # two tie per byte (acc_norm then takes the first choice)
+    ex = [{"context": "pick", "choices": ["xx", "y"], "answer": 1}]
+    out = choice.score_choices(s, ex)
+    assert out["metrics"]["acc"] == 1.0 and out["metrics"]["acc_norm"] == 0.0
+    p = 1 / (1 + 1 / v)  # softmax of (-3 ln V, -2 ln V)
+    assert out["per_example"]["p_answer"][0] == pytest.approx(p, rel=1e-5)
+    assert out["metrics"]["ece"] == pytest.approx(1 - p, rel=1e-4)
+
+
+def test_multiple_choice_agrees_with_direct_scores():
+    s, _ = scorer(seed=1)
+    ex = [{"context": f"q{i}:", "choices": ["alpha", "be", "gamma ray"], "answer": i % 3} for i in range(5)]
+    out = choice.score_choices(s, ex)
+    for i, e in enumerate(ex):
+        lp = [s.score([encode_pair(TOK, e["context"], " " + c)])[0].logp for c in e["choices"]]
+        assert out["per_example"]["acc"][i] == float(np.argmax(lp) == e["answer"])
+
+
+def test_expected_calibration_error_by_hand():
+    # bins of width 0.1: {0.95, 0.97} (accuracy 1/2), {0.55} (accuracy 1)
+    ece = choice.expected_calibration_error([0.95, 0.97, 0.55], [1, 0, 1])
+    assert ece == pytest.approx(2 / 3 * abs(0.5 - 0.96) + 1 / 3 * abs(1 - 0.55))
+
+
+def test_fewshot_prompts_are_fixed_by_the_seed_and_never_hold_the_example():
+    ex = [{"context": f"c{i}", "choices": ["a", "b"], "answer": i % 2} for i in range(6)]
+    a = [choice.fewshot_prefix(ex, i, 3, seed=0) for i in range(6)]
+    assert a == [choice.fewshot_prefix(ex, i, 3, seed=0) for i in range(6)]
+    assert a != [choice.fewshot_prefix(ex, i, 3, seed=1) for i in range(6)]
+    for i, prefix in enumerate(a):
+        assert f"c{i} " not in prefix and prefix.count("\n\n") == 3
+
+
+def test_scores_on_a_2x2x2_mesh_equal_one_device():
+    one, params = scorer(seed=2)
+    many, _ = scorer(params, mesh=(2, 2, 2))
+    reqs = [(TOK.encode("ctx " * k).tolist(), TOK.encode(" cont" * (k + 1)).tolist()) for k in range(1, 11)]
+    a, b = one.score(reqs), many.score(reqs)
+    np.testing.assert_allclose([x.logp for x in a], [x.logp for x in b], rtol=1e-5)
+    assert [x.greedy for x in a] == [x.greedy for x in b]
+
+
+def test_long_requests_keep_the_continuation_and_say_they_were_cut():
+    s, _ = scorer()
+    out = s.score([([1] * 100, [2, 3, 4])])[0]
+    assert out.truncated and out.tokens == 3

@@ -1,8 +1,8 @@
 """Held-out language-modelling sets: loss, perplexity and bits per byte.
 
 A set is a text file (one document), a JSONL file of {"text"} lines (one document each), a
-corpus spec (`stdlib`, a directory, a glob: one document per file) or a token shard set
-written by `lm tokenize` (its documents as stored). A document is scored as pretraining
+corpus spec (`stdlib`, a directory, a glob: one document per file) or token shards written by
+`lm tokenize` (a split directory, or the output directory: its held-out split). A document is scored as pretraining
 sees it: its tokens and an end-of-text token, every token after the first predicted, in windows
 of the model's context (consecutive windows share one token, so nothing is scored twice).
 
@@ -28,16 +28,18 @@ from lm.errors import UserError
 class Documents:
     ids: list[np.ndarray]  # token ids per document, end-of-text included
     example_ids: list[int]  # per document: its line (JSONL) or index
-    truncated: int = 0  # documents left out by the token limit
+    truncated: int = 0  # documents left out by the token limit (after the one it cut)
 
 
 def read_set(spec: str, tokenizer, max_tokens: int = 0) -> Documents:
-    """The documents of a set, tokenized; at most `max_tokens` tokens (0 = all) of whole documents
-    in file order (the documents past the limit are counted in `truncated`)."""
+    """The documents of a set, tokenized; at most `max_tokens` tokens (0 = all) in file order (the
+    document that crosses the limit is cut there; those past it are counted in `truncated`)."""
     from lm.data.shards import is_shard_dir, open_shards
 
     path = pathlib.Path(spec)
-    if is_shard_dir(spec):
+    if is_shard_dir(spec):  # an `lm tokenize` output: its held-out split
+        path = path / "heldout"
+    if (path / "manifest.json").is_file():
         shards = open_shards(path, tokenizer)
         docs = (np.asarray(shards.doc(i), np.int32) for i in range(shards.n_docs))
         return _limited(docs, shards.n_docs, max_tokens, spec)
@@ -73,10 +75,14 @@ def _jsonl_texts(path: pathlib.Path):
 
 
 def _limited(docs, total: int, max_tokens: int, spec: str, numbered: bool = False) -> Documents:
+    """Documents in order up to max_tokens tokens: the one that crosses the limit is cut there."""
     out, ids, used = [], [], 0
     for i, doc in enumerate(docs):
         n, d = doc if numbered else (i, doc)
-        if max_tokens and used + len(d) > max_tokens and out:
+        if max_tokens and used + len(d) > max_tokens:
+            if max_tokens - used >= 2:
+                out.append(d[:max_tokens - used])
+                ids.append(n)
             break
         out.append(d)
         ids.append(n)

@@ -125,7 +125,7 @@ def train(stage: PairStage, run, *, resume: bool, show_progress: bool, eval_metr
                  **{f"data/{k}": v for k, v in stage.train.stats.items()}}
     state, last = fit(run, stage.workdir, data_iter, resume=resume, init=lambda: state0, evaluate=evaluate,
                       first_row=first_row, frozen=frozen, signature=signature, show_progress=show_progress,
-                      flops_per_token=flops_per_token)
+                      flops_per_token=flops_per_token, tokenizer=stage.loaded.tokenizer)
     return state, frozen, last
 
 

@@ -111,7 +111,7 @@ def rl(config, workdir, resume: bool = False, show_progress: bool = True) -> dic
                  **{f"data/{k}": v for k, v in prompts.stats.items()}}
     state, last = fit(run, workdir, data_iter, resume=resume, init=lambda: state0, evaluate=evaluate,
                       first_row=first_row, frozen=frozen, signature=step.signature, show_progress=show_progress,
-                      flops_per_token=flops, step_fn=step)
+                      flops_per_token=flops, step_fn=step, tokenizer=loaded.tokenizer)
     if last["stopped_by"]:
         return {"step": last["stop_step"], "stopped_by": last["stopped_by"]}
     return _finish(config, workdir, loaded, merge_trees(state.params, frozen), last)

@@ -122,3 +122,19 @@ def test_long_requests_keep_the_continuation_and_say_they_were_cut():
     s, _ = scorer()
     out = s.score([([1] * 100, [2, 3, 4])])[0]
     assert out.truncated and out.tokens == 3
+
+
+def test_token_shards_are_read_as_stored_and_a_limit_cuts_the_last_document(tmp_path, corpus):
+    from lm.data.shards import open_shards, tokenize_corpus
+
+    tokenize_corpus(str(corpus), tmp_path / "out", "byte", 0.25, workers=1, progress=False)
+    held = open_shards(tmp_path / "out" / "heldout", TOK)
+    for spec in (tmp_path / "out", tmp_path / "out" / "heldout"):  # the output dir means its held-out split
+        docs = sets.read_set(str(spec), TOK)
+        assert len(docs.ids) == held.n_docs and np.array_equal(docs.ids[0], held.doc(0))
+    first = len(held.doc(0))
+    cut = sets.read_set(str(tmp_path / "out"), TOK, max_tokens=first // 2)
+    assert [len(d) for d in cut.ids] == [first // 2] and cut.truncated == held.n_docs - 1
+    (tmp_path / "d.jsonl").write_text("".join(json.dumps({"text": "x" * 9}) + "\n" for _ in range(3)))
+    cut = sets.read_set(str(tmp_path / "d.jsonl"), TOK, max_tokens=15)  # 10 tokens each, the EOS included
+    assert [len(d) for d in cut.ids] == [10, 5] and cut.example_ids == [1, 2] and cut.truncated == 1

@@ -142,10 +142,12 @@ def _parser() -> argparse.ArgumentParser:
     from lm.infer.score_cli import add_parser as add_score_parser
 
     from lm.eval.cli import add_parser as add_eval_parser
+    from lm.eval.contamination_cli import add_parser as add_contamination_parser
 
     add_sample_parser(sub)
     add_score_parser(sub)
     add_eval_parser(sub)
+    add_contamination_parser(sub)
     return p
 
 
@@ -285,6 +287,10 @@ def main(argv: list[str] | None = None) -> int:
             from lm.eval.cli import run as evaluate
 
             return evaluate(args)
+        if args.verb == "contamination":
+            from lm.eval.contamination_cli import run as contamination
+
+            return contamination(args)
         if args.verb == "reward-score":
             from lm.infer.score_cli import run as score
 

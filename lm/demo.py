@@ -88,11 +88,15 @@ def evaluate_all(root: pathlib.Path, paths: dict) -> dict:
     specs = [f"heldout={heldout_shards[0]}?limit={suite.HELDOUT_TOKENS}", f"task={paths['heldout']}"]
     models = {"base": root / "pretrain"} | {name: root / name for name in ("sft", "sft-lora", "dpo", "grpo")}
     reports = suite.evaluate_models(models, specs, root / "eval")
-    found = check([*train_shards, str(paths["train"])], [str(paths["heldout"])],
+    # the task's examples are 3 words ("sort 70931" + "01379"): each is checked whole
+    found = check([*train_shards, str(paths["train"])], [str(paths["heldout"])], min_words=3,
                   tokenizer=str(root / "pretrain" / "tokenizer.model"), progress=False)
+    planted = check([str(paths["train"]), str(paths["heldout"])], [str(paths["heldout"])], min_words=3, progress=False)
     task = next(iter(found["tasks"].values()))
     contamination = {"n": found["n"], "examples": task["examples"], "contaminated": task["contaminated"],
-                     "too_short": task["too_short"], "train_mb": found["train"]["bytes"] / 1e6}
+                     "too_short": task["too_short"], "train_mb": found["train"]["bytes"] / 1e6,
+                     "mb_per_s": found["train"]["mb_per_s"],
+                     "found_when_planted": next(iter(planted["tasks"].values()))["contaminated"]}
     return suite.summary(reports, "heldout", "task", "sft", contamination)
 
 

@@ -74,6 +74,8 @@ def table(s: dict) -> str:
     c = s["contamination"]
     if c:
         lines.append(f"contamination: {c['contaminated']} of {c['examples']} held-out conversations share a "
-                     f"{c['n']}-gram with the training data ({c['train_mb']:.1f} MB checked: pretraining "
-                     f"shards and the task's training conversations; {c['too_short']} too short to check)")
+                     f"{c['n']}-gram (shorter ones: their whole text) with the training data ({c['train_mb']:.1f} MB "
+                     f"of pretraining shards and task conversations at {c['mb_per_s']:.0f} MB/s; "
+                     f"{c['too_short']} too short to check); with the held-out file added to the training data "
+                     f"it flags {c['found_when_planted']} of {c['examples']}")
     return "\n".join(lines)

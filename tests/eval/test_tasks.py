@@ -98,6 +98,16 @@ def test_lm_eval_cli_end_to_end(small_base, tmp_path, capsys):
     assert "bits_per_byte" in capsys.readouterr().out
     assert main(["eval", "--compare", str(out), str(out)]) == 0
     assert "B - A" in capsys.readouterr().out
+    # example 1 of mc.jsonl planted in a training file: 5 words, checked whole with --min-words 3
+    (tmp_path / "train").mkdir()
+    (tmp_path / "train" / "a.py").write_text("x = 1\ndef f0(x):\n    return x\n")
+    cont = tmp_path / "c.json"
+    assert main(["contamination", "--train", str(tmp_path / "train"), "--eval", str(mc), "--min-words", "3",
+                 "--report", str(out), "--out", str(cont), "--no-progress"]) == 0
+    c = json.loads(cont.read_text())
+    assert c["tasks"]["mc"]["ids"] == [1] and c["clean"]["mc"]["n_clean"] == 5
+    clean_acc = np.mean(r["tasks"]["mc"]["per_example"]["acc"][1:])
+    assert c["clean"]["mc"]["metrics_clean"]["acc"] == pytest.approx(clean_acc)
     assert main(["eval", "--workdir", str(small_base), "--tasks", f"{mc}?shots=9"]) == 2
     assert "9 shots need more than 9 examples" in capsys.readouterr().err
     assert main(["eval", "--compare", str(out), str(tmp_path / "nope.json")]) == 2

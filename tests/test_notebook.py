@@ -27,4 +27,5 @@ def test_quickstart_notebook_runs():
     assert "exact_match_init" in text  # the SFT cell ran to its report
     assert "accuracies" in text  # and the DPO cell to its held-out pair metrics
     assert "eval_reward" in text  # and the RL cell to its held-out rewards
+    assert "B - A" in text and "found in the training data: 0 of 32" in text  # and the evaluation cell
     assert sum("image/png" in o.get("data", {}) for o in outputs) >= 2  # the loss plot and rl.png

@@ -138,11 +138,10 @@ def _parser() -> argparse.ArgumentParser:
     pl.add_argument("--devices", type=int, default=0,
                     help="plan for this many devices (a -1 mesh axis takes what is left); with --compile, "
                          "simulate them as CPU devices (for meshes larger than this machine)")
-    from lm.infer.cli import add_parser as add_sample_parser
-    from lm.infer.score_cli import add_parser as add_score_parser
-
     from lm.eval.cli import add_parser as add_eval_parser
     from lm.eval.contamination_cli import add_parser as add_contamination_parser
+    from lm.infer.cli import add_parser as add_sample_parser
+    from lm.infer.score_cli import add_parser as add_score_parser
 
     add_sample_parser(sub)
     add_score_parser(sub)

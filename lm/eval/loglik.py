@@ -17,6 +17,7 @@ import functools
 import jax
 import jax.numpy as jnp
 import numpy as np
+from jax.sharding import NamedSharding, PartitionSpec
 
 from lm.data.pipeline import BATCH_DTYPES
 from lm.sharding import BatchPlacer, batch_shardings
@@ -72,7 +73,9 @@ class Scorer:
         self.mesh, self.rules, self.batch_size = mesh, rules, batch_size
         self.max_len = max_len or model.spec.max_seq_len
         self.bytes_table = jnp.asarray(_padded(token_bytes(tokenizer), model.spec.vocab_size))
-        self._score_rows = jax.jit(functools.partial(_score_rows, model))
+        # replicated results: every process of a multi-host mesh reads all rows
+        self._score_rows = jax.jit(functools.partial(_score_rows, model),
+                                   out_shardings=NamedSharding(mesh, PartitionSpec()))
 
     @classmethod
     def from_loaded(cls, loaded, batch_size: int | None = None, config=None) -> "Scorer":

@@ -140,6 +140,7 @@ def _parser() -> argparse.ArgumentParser:
                          "simulate them as CPU devices (for meshes larger than this machine)")
     from lm.eval.cli import add_parser as add_eval_parser
     from lm.eval.contamination_cli import add_parser as add_contamination_parser
+    from lm.eval.harness_cli import add_parser as add_harness_parser
     from lm.infer.cli import add_parser as add_sample_parser
     from lm.infer.score_cli import add_parser as add_score_parser
 
@@ -147,6 +148,7 @@ def _parser() -> argparse.ArgumentParser:
     add_score_parser(sub)
     add_eval_parser(sub)
     add_contamination_parser(sub)
+    add_harness_parser(sub)
     return p
 
 
@@ -286,6 +288,10 @@ def main(argv: list[str] | None = None) -> int:
             from lm.eval.cli import run as evaluate
 
             return evaluate(args)
+        if args.verb == "harness":
+            from lm.eval.harness_cli import run as harness
+
+            return harness(args)
         if args.verb == "contamination":
             from lm.eval.contamination_cli import run as contamination
 

@@ -2,8 +2,8 @@
 
 An example is {"context", "choices": [...], "answer": index or the right choice's text}. Each
 choice is scored as a continuation of the context (joined by one space); the model's pick is
-the choice with the highest summed log-prob (acc) or the highest log-prob per UTF-8 byte of the
-choice (acc_norm, which does not favour short choices). With k shots, k other examples of the
+the choice with the highest summed log-prob (acc) or the highest log-prob per character of the
+choice (acc_norm, which does not favour short choices; lm-evaluation-harness's definition). With k shots, k other examples of the
 file (drawn with a fixed seed, per example) precede the context, each with its right answer.
 Calibration: the choice probabilities are the softmax of the summed log-probs; the expected
 calibration error bins the top choice's probability into 10 equal bins and averages
@@ -66,17 +66,16 @@ def score_choices(scorer, examples: list[dict], shots: int = 0, seed: int = 0, p
     reqs, owner = requests(examples, scorer.tokenizer, shots, seed)
     scores = scorer.score(reqs, progress)
     logps = [[] for _ in examples]
-    lengths = [[] for _ in examples]
     for i, s in zip(owner, scores):
         logps[i].append(s.logp)
-        lengths[i].append(s.bytes)
     acc, acc_norm, conf, p_answer = [], [], [], []
-    for ex, lp, nb in zip(examples, logps, lengths):
+    for ex, lp in zip(examples, logps):
+        chars = np.asarray([len(c) for c in ex["choices"]], np.float64)
         lp = np.asarray(lp, np.float64)
         probs = np.exp(lp - lp.max())
         probs /= probs.sum()
         acc.append(float(np.argmax(lp) == ex["answer"]))
-        acc_norm.append(float(np.argmax(lp / np.maximum(nb, 1)) == ex["answer"]))
+        acc_norm.append(float(np.argmax(lp / chars) == ex["answer"]))
         conf.append(float(probs.max()))
         p_answer.append(float(probs[ex["answer"]]))
     per = {"acc": acc, "acc_norm": acc_norm, "p_answer": p_answer}

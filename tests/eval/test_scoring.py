@@ -75,8 +75,8 @@ def test_token_bytes_of_the_byte_tokenizer():
 def test_multiple_choice_picks_the_higher_summed_logprob_and_calibration_by_hand():
     s = uniform()
     v = s.model.spec.vocab_size
-    # uniform: log p = -ln V per token; " y" (2 tokens) beats " xx" (3 tokens) on the sum, and the
-    # two tie per byte (acc_norm then takes the first choice)
+    # uniform: log p = -ln V per token; " y" (2 tokens) beats " xx" (3 tokens) on the sum, but per
+    # character of the choice " xx" wins (-1.5 ln V against -2 ln V)
     ex = [{"context": "pick", "choices": ["xx", "y"], "answer": 1}]
     out = choice.score_choices(s, ex)
     assert out["metrics"]["acc"] == 1.0 and out["metrics"]["acc_norm"] == 0.0

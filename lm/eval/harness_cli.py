@@ -1,0 +1,42 @@
+"""`lm harness`: lm-evaluation-harness tasks (its own or local YAML ones) against an `lm` model."""
+
+from __future__ import annotations
+
+import json
+import os
+import pathlib
+
+
+def add_parser(sub) -> None:
+    p = sub.add_parser("harness", help="run lm-evaluation-harness tasks against a run or an export",
+                       description="Any lm-evaluation-harness task, through its model interface (loglikelihood, "
+                                   "loglikelihood_rolling, generate_until) over `lm eval`'s scoring. Local tasks: "
+                                   "YAML files in --include-path. Needs pip install 'lm[harness]'.")
+    src = p.add_mutually_exclusive_group(required=True)
+    src.add_argument("--workdir", help="a run (its newest checkpoint)")
+    src.add_argument("--params", help="an `lm export`")
+    p.add_argument("--tasks", required=True, help="comma-separated task names")
+    p.add_argument("--include-path", help="a directory of task YAML files")
+    p.add_argument("--limit", type=int, help="the first N examples of each task")
+    p.add_argument("--num-fewshot", type=int, help="few-shot examples per prompt (default: the task's)")
+    p.add_argument("--batch-size", type=int, help="rows per scoring batch (default: eval.batch_size)")
+    p.add_argument("--tokenizer", help="a sentencepiece .model (default: the model's own)")
+    p.add_argument("--offline", action="store_true", help="never reach the Hugging Face Hub (local datasets only)")
+    p.add_argument("--out", help="write the harness's results (JSON) here")
+
+
+def run(args) -> int:
+    if args.offline:
+        os.environ.update(HF_DATASETS_OFFLINE="1", HF_HUB_OFFLINE="1")
+    from lm.cpu_flags import apply_cpu_defaults
+
+    apply_cpu_defaults("float32")
+    from lm.eval.harness import harness_table, run_harness
+
+    results = run_harness(workdir=args.workdir, params=args.params, tasks=[t for t in args.tasks.split(",") if t],
+                          include_path=args.include_path, limit=args.limit, batch_size=args.batch_size,
+                          num_fewshot=args.num_fewshot, tokenizer=args.tokenizer)
+    print(harness_table(results))
+    if args.out:
+        pathlib.Path(args.out).write_text(json.dumps(results, indent=1, default=str))
+    return 0

@@ -69,7 +69,7 @@ def table(s: dict) -> str:
              f"  {'model':<10} {'held-out bits/byte':>18} {'exact match':>12}   vs {s['baseline']} (95% bootstrap CI)"]
     for name, r in s["models"].items():
         d = r["vs_baseline"]
-        vs = f"{d['diff']:+.1%} [{d['ci95'][0]:+.1%}, {d['ci95'][1]:+.1%}]" if d else "-"
+        vs = f"{100 * d['diff']:+.1f} pts [{100 * d['ci95'][0]:+.1f}, {100 * d['ci95'][1]:+.1f}]" if d else "-"
         lines.append(f"  {name:<10} {r['bits_per_byte']:>18.4f} {r['exact_match']:>12.1%}   {vs}")
     c = s["contamination"]
     if c:

@@ -324,8 +324,6 @@ def validate(c: ConfigDict) -> None:
     _require(c.data.seq_len <= m.max_seq_len, "data.seq_len", c.data.seq_len,
              f"must be <= model.max_seq_len={m.max_seq_len}")
     _validate_sources(c.data)
-    from lm.eval.during import parse_sets  # light: names and paths only
-
     parse_sets(c.eval.sets)
     _require(c.eval.set_tokens > 0, "eval.set_tokens", c.eval.set_tokens, "expected > 0")
     _require(c.data.workers >= 0, "data.workers", c.data.workers, "expected >= 0 (0 = all cores)")
@@ -417,6 +415,18 @@ def data_sources(d) -> list[tuple[str, float]]:
                 raise UserError(f"data.sources[{i}] = {entry!r}: the weight after ':' must be a number "
                                 "(SPEC or SPEC:WEIGHT)") from None
             out.append((entry, 1.0))  # the ':' belongs to the path
+    return out
+
+
+def parse_sets(specs) -> list[tuple[str, str]]:
+    """eval.sets entries 'NAME=PATH' -> [(name, path)] (lm.eval.during scores them)."""
+    out = []
+    for i, spec in enumerate(specs):
+        name, eq, path = str(spec).partition("=")
+        if not eq or not name or not path or "/" in name:
+            raise UserError(f"eval.sets[{i}] = {spec!r}: expected NAME=PATH (a text file, {{\"text\"}} JSONL, "
+                            "corpus or token shard set)")
+        out.append((name, path))
     return out
 
 

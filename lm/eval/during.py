@@ -10,18 +10,7 @@ from __future__ import annotations
 
 from typing import Callable
 
-from lm.errors import UserError
-
-
-def parse_sets(specs) -> list[tuple[str, str]]:
-    out = []
-    for i, spec in enumerate(specs):
-        name, eq, path = str(spec).partition("=")
-        if not eq or not name or not path or "/" in name:
-            raise UserError(f"eval.sets[{i}] = {spec!r}: expected NAME=PATH (a text file, {{\"text\"}} JSONL, "
-                            "corpus or token shard set)")
-        out.append((name, path))
-    return out
+from lm.config import parse_sets
 
 
 def with_sets(evaluate: Callable | None, run, tokenizer, frozen=None) -> Callable | None:

@@ -6,7 +6,7 @@ import pytest
 
 from lm.cli import main
 from lm.errors import UserError
-from lm.eval.during import parse_sets
+from lm.config import parse_sets
 from tests.test_cli_train import SMALL
 
 

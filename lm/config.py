@@ -13,6 +13,7 @@ import pathlib
 
 import ml_collections
 
+from lm.config_checks import require as _require, validate_stages
 from lm.errors import UserError
 
 ConfigDict = ml_collections.ConfigDict
@@ -297,11 +298,6 @@ def load_file(path: str) -> ConfigDict:
         raise UserError(f"config file '{path}': get_config() failed: {type(e).__name__}: {e}") from None
 
 
-def _require(ok: bool, key: str, value, expected: str) -> None:
-    if not ok:
-        raise UserError(f"config key '{key}' = {value!r}: {expected}")
-
-
 def validate(c: ConfigDict) -> None:
     """Consistency checks across keys; each error names the key, value and expectation."""
     for key, options in CHOICES.items():
@@ -346,25 +342,7 @@ def validate(c: ConfigDict) -> None:
     _require(k.agree_every_steps >= 1, "checkpoint.agree_every_steps", k.agree_every_steps,
              "expected a positive integer")
     _require(c.optim.lr > 0, "optim.lr", c.optim.lr, "expected a positive learning rate")
-    _require(c.sft.epochs >= 0, "sft.epochs", c.sft.epochs, "expected >= 0 (0 = use train.steps)")
-    _require(0.0 <= c.sft.max_skipped_fraction <= 1.0, "sft.max_skipped_fraction", c.sft.max_skipped_fraction,
-             "expected a fraction in [0, 1]")
-    for section in ("sft", "pairs"):
-        for key in ("eval_examples", "eval_max_new_tokens"):
-            _require(c[section][key] >= 1, f"{section}.{key}", c[section][key], "expected a positive integer")
-    _require(c.pairs.epochs >= 0, "pairs.epochs", c.pairs.epochs, "expected >= 0 (0 = use train.steps)")
-    _require(0.0 <= c.pairs.max_skipped_fraction <= 1.0, "pairs.max_skipped_fraction", c.pairs.max_skipped_fraction,
-             "expected a fraction in [0, 1]")
-    _require(c.pairs.eval_pairs >= 1, "pairs.eval_pairs", c.pairs.eval_pairs, "expected a positive integer")
-    _require(c.dpo.beta > 0, "dpo.beta", c.dpo.beta, "expected > 0")
-    _require(0.0 <= c.dpo.label_smoothing < 0.5, "dpo.label_smoothing", c.dpo.label_smoothing,
-             "expected a fraction in [0, 0.5)")
-    _require(c.dpo.label_smoothing == 0.0 or c.dpo.loss == "sigmoid", "dpo.label_smoothing",
-             c.dpo.label_smoothing, f"applies to dpo.loss='sigmoid' only (dpo.loss is '{c.dpo.loss}')")
-    for key in ("rpo_alpha", "simpo_gamma"):
-        _require(c.dpo[key] >= 0, f"dpo.{key}", c.dpo[key], "expected >= 0")
-    _require(c.reward.center_coef >= 0, "reward.center_coef", c.reward.center_coef, "expected >= 0")
-    _validate_rl(c.rl)
+    validate_stages(c)
     _require(0 <= c.optim.warmup_steps, "optim.warmup_steps", c.optim.warmup_steps, "expected >= 0")
     for axis in ("data", "fsdp", "tensor"):
         _require(c.mesh[axis] == -1 or c.mesh[axis] > 0, f"mesh.{axis}", c.mesh[axis],
@@ -375,24 +353,6 @@ def validate(c: ConfigDict) -> None:
         for axis in axes:
             _require(axis in ("data", "fsdp", "tensor"), f"mesh.rules.{name}", axes,
                      "expected mesh axes among data, fsdp, tensor")
-
-
-def _validate_rl(r) -> None:
-    for key in ("prompts_per_step", "group_size", "max_new_tokens", "epochs", "minibatches", "eval_prompts",
-                "eval_examples", "eval_max_new_tokens"):
-        _require(r[key] >= 1, f"rl.{key}", r[key], "expected a positive integer")
-    _require((r.prompts_per_step * r.group_size) % r.minibatches == 0, "rl.minibatches", r.minibatches,
-             f"must divide the {r.prompts_per_step * r.group_size} rollouts of a step "
-             "(rl.prompts_per_step x rl.group_size)")
-    _require(r.group_size >= 2 or r.algo == "ppo", "rl.group_size", r.group_size,
-             "GRPO compares the responses to one prompt: at least 2")
-    for key in ("beta", "eps_low", "eps_high", "adv_eps", "vf_coef", "value_clip", "truncation_penalty",
-                "temperature"):
-        _require(r[key] >= 0, f"rl.{key}", r[key], "expected >= 0")
-    _require(0 < r.top_p <= 1, "rl.top_p", r.top_p, "expected a fraction in (0, 1]")
-    _require(0 <= r.gamma <= 1 and 0 <= r.lam <= 1, "rl.gamma/rl.lam", (r.gamma, r.lam), "expected values in [0, 1]")
-    _require(0.0 <= r.max_skipped_fraction <= 1.0, "rl.max_skipped_fraction", r.max_skipped_fraction,
-             "expected a fraction in [0, 1]")
 
 
 def data_sources(d) -> list[tuple[str, float]]:

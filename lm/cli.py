@@ -287,7 +287,7 @@ def main(argv: list[str] | None = None) -> int:
         if args.verb == "eval":
             from lm.eval.cli import run as evaluate
 
-            return evaluate(args)
+            return evaluate(args, overrides)
         if args.verb == "harness":
             from lm.eval.harness_cli import run as harness
 

@@ -9,7 +9,8 @@ from lm.errors import UserError
 
 
 def add_parser(sub) -> None:
-    p = sub.add_parser("eval", help="evaluate a model: bits per byte, multiple choice, generation tasks",
+    p = sub.add_parser("eval", epilog="--config.mesh.KEY=VALUE / --config.eval.KEY=VALUE: the mesh and batch "
+                       "size to evaluate with (default: the run's own)", help="evaluate a model: bits per byte, multiple choice, generation tasks",
                        description="Scores a run or an export on tasks given as [NAME=]PATH[?key=value&...] "
                                    "(lm/eval/tasks.py lists the kinds and options), or compares two reports.")
     src = p.add_mutually_exclusive_group()
@@ -23,8 +24,9 @@ def add_parser(sub) -> None:
     p.add_argument("--no-progress", action="store_true", help="no progress bars")
 
 
-def evaluate(loaded, specs: list[str], batch_size: int = 0, progress: bool = True) -> dict:
-    """The report of `specs` (task specs) for a loaded model (lm.infer.load.Loaded)."""
+def evaluate(loaded, specs: list[str], batch_size: int = 0, progress: bool = True, overrides=()) -> dict:
+    """The report of `specs` (task specs) for a loaded model (lm.infer.load.Loaded). overrides:
+    `mesh.*` / `eval.*` config keys for this evaluation (e.g. a smaller mesh than training's)."""
     from tqdm import tqdm
 
     from lm.eval.loglik import Scorer
@@ -34,7 +36,16 @@ def evaluate(loaded, specs: list[str], batch_size: int = 0, progress: bool = Tru
     names = [t.name for t in tasks]
     if len(set(names)) != len(names):
         raise UserError(f"task names repeat ({', '.join(names)}); name them: NAME=PATH")
-    scorer = Scorer.from_loaded(loaded, batch_size or None)
+    config = None
+    if overrides:
+        from lm.config import ConfigDict, apply_overrides, validate
+
+        if any(not o.startswith(("mesh.", "eval.")) for o in overrides):
+            raise UserError("lm eval: only mesh.* and eval.* keys can be overridden (the model is the trained one)")
+        config = ConfigDict(loaded.config.to_dict())
+        apply_overrides(config, list(overrides))
+        validate(config)
+    scorer = Scorer.from_loaded(loaded, batch_size or None, config)
     report = {"model": loaded.source, "tasks": {}}
     for task in tasks:
         with tqdm(desc=f"eval {task.name}", unit="req", disable=not progress, leave=False) as bar:
@@ -42,7 +53,7 @@ def evaluate(loaded, specs: list[str], batch_size: int = 0, progress: bool = Tru
     return report
 
 
-def run(args) -> int:
+def run(args, overrides=()) -> int:
     from lm.eval.report import compare, compare_table, table
 
     if args.compare:
@@ -60,7 +71,7 @@ def run(args) -> int:
     from lm.infer.load import load_trained
 
     report = evaluate(load_trained(args.workdir, args.params, args.tokenizer), args.tasks, args.batch_size,
-                      not args.no_progress)
+                      not args.no_progress, overrides)
     print(table(report))
     if args.out:
         pathlib.Path(args.out).write_text(json.dumps(report, indent=1))

@@ -96,6 +96,11 @@ def test_lm_eval_cli_end_to_end(small_base, tmp_path, capsys):
     assert 0 < r["tasks"]["held"]["metrics"]["bits_per_byte"] < 9
     assert r["tasks"]["mc"]["n"] == 6 and len(r["tasks"]["gen"]["per_example"]["normalized"]) == 2
     assert "bits_per_byte" in capsys.readouterr().out
+    again = tmp_path / "r8.json"  # the same report on a (4,2,1) mesh of the simulated devices
+    assert main(["eval", "--workdir", str(small_base), "--no-progress", "--out", str(again), "--tasks",
+                 f"held={text}", "--config.mesh.data=4", "--config.mesh.fsdp=2"]) == 0
+    assert json.loads(again.read_text())["tasks"]["held"]["metrics"]["bits_per_byte"] == pytest.approx(
+        r["tasks"]["held"]["metrics"]["bits_per_byte"], rel=1e-5)
     assert main(["eval", "--compare", str(out), str(out)]) == 0
     assert "B - A" in capsys.readouterr().out
     # example 1 of mc.jsonl planted in a training file: 5 words, checked whole with --min-words 3

@@ -38,13 +38,31 @@ class HarnessModel(LM):
         self.scorer = scorer
         self.tok = scorer.tokenizer
         self.seen: list[tuple[str, tuple]] = []  # (request type, args), for inspection
+        # Chat prompts the harness asked for, text -> ids: role tokens do not survive decode/encode,
+        # so a context that is (or starts with) one is encoded from the template's own ids.
+        self.rendered: dict[str, list[int]] = {}
 
-    def loglikelihood(self, requests, disable_tqdm: bool = False) -> list[tuple[float, bool]]:
+    def _context_ids(self, text: str) -> list[int] | None:
+        """The ids of a context that starts with a rendered chat prompt (None: no such prompt)."""
+        if text in self.rendered:
+            return list(self.rendered[text])
+        for prompt, ids in self.rendered.items():
+            if text.startswith(prompt):
+                return list(ids) + [int(t) for t in self.tok.encode(text[len(prompt):])]
+        return None
+
+    def _pair(self, context: str, continuation: str) -> tuple[list[int], list[int]]:
         from lm.eval.loglik import encode_pair
 
+        ids = self._context_ids(context) if self.rendered else None
+        if ids is None:
+            return encode_pair(self.tok, context, continuation)
+        return ids, [int(t) for t in self.tok.encode(continuation)]
+
+    def loglikelihood(self, requests, disable_tqdm: bool = False) -> list[tuple[float, bool]]:
         args = [r.args for r in requests]
         self.seen += [("loglikelihood", a) for a in args]
-        scores = self.scorer.score([encode_pair(self.tok, ctx, cont) for ctx, cont in args])
+        scores = self.scorer.score([self._pair(ctx, cont) for ctx, cont in args])
         return [(s.logp, s.greedy) for s in scores]
 
     def loglikelihood_rolling(self, requests, disable_tqdm: bool = False) -> list[float]:
@@ -63,7 +81,7 @@ class HarnessModel(LM):
             groups.setdefault(_settings(r.args[1]), []).append(i)
         s = self.scorer
         for (until, max_gen, temperature), idx in groups.items():
-            prompts = [self.tok.encode(requests[i].args[0]) for i in idx]
+            prompts = [self._context_ids(requests[i].args[0]) or self.tok.encode(requests[i].args[0]) for i in idx]
             done = completions(s.model, s.params, self.tok, prompts, max_new_tokens=max_gen, stop=until,
                                mesh=s.mesh, rules=s.rules, batch_size=s.batch_size, temperature=temperature)
             for i, r in zip(idx, done):
@@ -71,12 +89,15 @@ class HarnessModel(LM):
         return out
 
     def apply_chat_template(self, chat_history: list[dict], add_generation_prompt: bool = True) -> str:
-        """The chat template's text (lm.data.chat), ending with an open assistant turn."""
+        """The chat template's text (lm.data.chat), ending with an open assistant turn; requests
+        whose context is this text are scored from the template's ids."""
         from lm.data.chat import ChatTemplate
 
         template = ChatTemplate.for_tokenizer(self.tok)
         ids = template.prompt(chat_history) if add_generation_prompt else template.render(chat_history)[0]
-        return self.tok.decode(ids)
+        text = self.tok.decode(ids)
+        self.rendered[text] = [int(t) for t in ids]
+        return text
 
     @property
     def tokenizer_name(self) -> str:

@@ -64,6 +64,13 @@ def test_harness_numbers_equal_lm_eval(small_base, local_tasks, tmp_path):
     scores = model.scorer.rolling([model.tok.encode(r["text"]) for r in ROWS], prefix=model.tok.eos_id)
     bpb = -sum(s.logp for s in scores) / math.log(2) / sum(len(r["text"].encode()) for r in ROWS)
     assert got["local_rolling"]["bits_per_byte,none"] == pytest.approx(bpb, rel=1e-6)
+    # a chat prompt the harness renders is scored from the template's ids (role tokens included)
+    from lm.data.chat import ChatTemplate
+
+    chat = [{"role": "user", "content": "sort 9071"}]
+    text = model.apply_chat_template(chat)
+    assert model._context_ids(text) == [int(t) for t in ChatTemplate.for_tokenizer(model.tok).prompt(chat)]
+    assert model._pair(text, "0179")[1] == [int(t) for t in model.tok.encode("0179")]
 
 
 @pytest.mark.slow

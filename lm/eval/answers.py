@@ -40,9 +40,9 @@ def exact_match(model, params, tokenizer, conversations: list, *, max_new_tokens
     """{'exact_match', 'n', 'examples': the first `keep` (prompt, reference, answer)}."""
     template = ChatTemplate.for_tokenizer(tokenizer)
     prompts = [template.prompt(c[:-1]) for c in conversations]
-    if model.spec.max_seq_len - max(len(p) for p in prompts) < 1:
-        raise UserError("exact match: a held-out prompt fills the model's whole context")
     room = model.spec.max_seq_len - max(len(p) for p in prompts)
+    if room < 1:
+        raise UserError("exact match: a held-out prompt fills the model's whole context")
     done = completions(model, params, tokenizer, prompts, max_new_tokens=min(max_new_tokens, room),
                        stop=template.stop_strings, eos_ids=template.stop_ids, mesh=mesh, rules=rules,
                        batch_size=batch_size)

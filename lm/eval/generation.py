@@ -25,9 +25,10 @@ def parse_generation(obj: dict, where: str) -> dict:
     """A checked example: {'messages' (the prompt turns) or 'prompt', 'answers': [str], 'record'}."""
     if isinstance(obj.get("messages"), list):
         msgs = obj["messages"]
-        if not msgs or not isinstance(msgs[-1], dict) or msgs[-1].get("role") != "assistant" or \
+        if len(msgs) < 2 or not isinstance(msgs[-1], dict) or msgs[-1].get("role") != "assistant" or \
                 not isinstance(msgs[-1].get("content"), str):
-            raise UserError(f"{where}: a chat example must end with an assistant turn (the reference answer)")
+            raise UserError(f"{where}: a chat example needs a prompt turn and must end with an assistant turn "
+                            "(the reference answer)")
         return {"messages": msgs[:-1], "answers": [msgs[-1]["content"]], "record": obj}
     prompt, answer = obj.get("prompt"), obj.get("answer")
     answers = [answer] if isinstance(answer, str) else answer

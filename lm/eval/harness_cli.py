@@ -21,21 +21,31 @@ def add_parser(sub) -> None:
     p.add_argument("--num-fewshot", type=int, help="few-shot examples per prompt (default: the task's)")
     p.add_argument("--batch-size", type=int, help="rows per scoring batch (default: eval.batch_size)")
     p.add_argument("--tokenizer", help="a sentencepiece .model (default: the model's own)")
+    p.add_argument("--apply-chat-template", action="store_true",
+                   help="prompts in the chat template (lm.data.chat), few-shot examples as turns")
     p.add_argument("--offline", action="store_true", help="never reach the Hugging Face Hub (local datasets only)")
+    p.add_argument("--verbose", action="store_true", help="the harness's own info logs and progress bars")
     p.add_argument("--out", help="write the harness's results (JSON) here")
 
 
 def run(args) -> int:
-    if args.offline:
+    if args.offline:  # read when the datasets library is imported
         os.environ.update(HF_DATASETS_OFFLINE="1", HF_HUB_OFFLINE="1")
+    os.environ.setdefault("DISABLE_MULTIPROC", "1")  # the harness's bootstrap would fork a process running jax
     from lm.cpu_flags import apply_cpu_defaults
 
     apply_cpu_defaults("float32")
     from lm.eval.harness import harness_table, run_harness
 
+    if args.verbose:
+        from lm_eval.utils import setup_logging
+
+        setup_logging()
+
     results = run_harness(workdir=args.workdir, params=args.params, tasks=[t for t in args.tasks.split(",") if t],
                           include_path=args.include_path, limit=args.limit, batch_size=args.batch_size,
-                          num_fewshot=args.num_fewshot, tokenizer=args.tokenizer)
+                          num_fewshot=args.num_fewshot, tokenizer=args.tokenizer,
+                          apply_chat_template=args.apply_chat_template, verbose=args.verbose)
     print(harness_table(results))
     if args.out:
         pathlib.Path(args.out).write_text(json.dumps(results, indent=1, default=str))

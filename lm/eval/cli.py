@@ -54,10 +54,10 @@ def evaluate(loaded, specs: list[str], batch_size: int = 0, progress: bool = Tru
 
 
 def run(args, overrides=()) -> int:
-    from lm.eval.report import compare, compare_table, table
+    from lm.eval.report import compare, compare_table, read_report, table
 
     if args.compare:
-        a, b = (_read_report(p) for p in args.compare)
+        a, b = (read_report(p, "--compare") for p in args.compare)
         result = compare(a, b)
         print(compare_table(a, b, result))
         if args.out:
@@ -76,16 +76,3 @@ def run(args, overrides=()) -> int:
     if args.out:
         pathlib.Path(args.out).write_text(json.dumps(report, indent=1))
     return 0
-
-
-def _read_report(path: str) -> dict:
-    p = pathlib.Path(path)
-    try:
-        report = json.loads(p.read_text())
-    except FileNotFoundError:
-        raise UserError(f"--compare: '{path}' does not exist (an `lm eval --out` report)") from None
-    except json.JSONDecodeError as e:
-        raise UserError(f"--compare: '{path}' is not JSON ({e})") from None
-    if not isinstance(report, dict) or not isinstance(report.get("tasks"), dict):
-        raise UserError(f"--compare: '{path}' is not an `lm eval` report (no 'tasks')")
-    return report

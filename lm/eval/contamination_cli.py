@@ -30,11 +30,12 @@ def add_parser(sub) -> None:
 
 def run(args) -> int:
     from lm.eval.contamination import check, clean_subset, table
+    from lm.eval.report import read_report
 
     for f in args.eval:
         if not pathlib.Path(f).is_file():
             raise UserError(f"--eval {f}: no such file")
-    eval_report = _read_report(args.report) if args.report else None  # before the long scan
+    eval_report = read_report(args.report, "--report") if args.report else None  # before the long scan
     report = check(args.train, args.eval, n=args.n, min_words=args.min_words, tokenizer=args.tokenizer,
                    progress=not args.no_progress)
     clean = None
@@ -48,15 +49,3 @@ def run(args) -> int:
     if args.out:
         pathlib.Path(args.out).write_text(json.dumps(report, indent=1))
     return 0
-
-
-def _read_report(path: str) -> dict:
-    try:
-        report = json.loads(pathlib.Path(path).read_text())
-    except FileNotFoundError:
-        raise UserError(f"--report: '{path}' does not exist (an `lm eval --out` report)") from None
-    except json.JSONDecodeError as e:
-        raise UserError(f"--report: '{path}' is not JSON ({e})") from None
-    if not isinstance(report, dict) or not isinstance(report.get("tasks"), dict):
-        raise UserError(f"--report: '{path}' is not an `lm eval` report (no 'tasks')")
-    return report

@@ -11,8 +11,12 @@ both scored the same examples, else each side resampled on its own.
 
 from __future__ import annotations
 
+import json
+import pathlib
+
 import numpy as np
 
+from lm.errors import UserError
 from lm.eval.sets import lm_metrics
 
 HEADLINE = {"lm": ("bits_per_byte", "loss"), "choice": ("acc", "acc_norm")}
@@ -81,3 +85,16 @@ def compare_table(a: dict, b: dict, result: dict) -> str:
     if missing:
         lines.append(f"(in one report only: {', '.join(missing)})")
     return "\n".join(lines)
+
+
+def read_report(path: str, flag: str) -> dict:
+    """An `lm eval --out` report, or a one-line error naming the command-line `flag` it came from."""
+    try:
+        report = json.loads(pathlib.Path(path).read_text())
+    except FileNotFoundError:
+        raise UserError(f"{flag}: '{path}' does not exist (an `lm eval --out` report)") from None
+    except json.JSONDecodeError as e:
+        raise UserError(f"{flag}: '{path}' is not JSON ({e})") from None
+    if not isinstance(report, dict) or not isinstance(report.get("tasks"), dict):
+        raise UserError(f"{flag}: '{path}' is not an `lm eval` report (no 'tasks')")
+    return report

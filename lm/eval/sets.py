@@ -15,7 +15,6 @@ with different tokenizers compare.
 from __future__ import annotations
 
 import dataclasses
-import json
 import math
 import pathlib
 
@@ -62,14 +61,10 @@ def read_set(spec: str, tokenizer, max_tokens: int = 0) -> Documents:
 
 
 def _jsonl_texts(path: pathlib.Path):
-    for n, line in enumerate(path.read_bytes().splitlines(), 1):
-        if not line.strip():
-            continue
-        try:
-            obj = json.loads(line)
-        except (json.JSONDecodeError, UnicodeDecodeError) as e:
-            raise UserError(f"{path}:{n}: not a JSON object ({e}); expected one {{\"text\": ...}} per line") from None
-        if not isinstance(obj, dict) or not isinstance(obj.get("text"), str):
+    from lm.eval.tasks import read_jsonl  # FILE:LINE errors for malformed lines
+
+    for n, obj in read_jsonl(path):
+        if not isinstance(obj.get("text"), str):
             raise UserError(f"{path}:{n}: expected a JSON object with a string 'text' field")
         yield n, obj["text"]
 

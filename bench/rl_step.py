@@ -76,7 +76,7 @@ from lm.data.tokenizer import ByteTokenizer  # noqa: E402
 from lm.infer.generate import Generator  # noqa: E402
 from lm.infer.sampling import SamplingParams  # noqa: E402
 from lm.train.rewards import RewardFn, Rewards  # noqa: E402
-from lm.train.rl import _reference_parts, build_rl_run  # noqa: E402
+from lm.train.rl import build_rl_run  # noqa: E402
 from lm.train.rl_losses import RlSettings  # noqa: E402
 from lm.train.rl_step import RlStep  # noqa: E402
 from lm.train.rollout import Sampler, Scorer  # noqa: E402
@@ -126,8 +126,7 @@ def main(args) -> dict:
     sampling = SamplingParams(max_new_tokens=args.max_new_tokens, temperature=1.0)
     template = _Template()
     sampler = Sampler(run, sampling, template.stop_ids, c.data.seq_len)
-    ref_model, with_ref, split_base = _reference_parts(run, settings)
-    scorer = Scorer(run, ref_model, with_ref, False, split_base)
+    scorer = Scorer(run, False)
     step = RlStep(run, frozen, prompts, Rewards([RewardFn("digits", digit_share, 1.0)]), sampler, scorer,
                   template, settings, c.rl)
     batch = {"index": np.arange(args.prompts, dtype=np.int32)}

@@ -209,11 +209,11 @@ def _plan(config, args) -> int:
 
 
 def _export(args) -> int:
-    from lm.export import export_params
+    from lm.store.export import export_params
 
     done = export_params(args.workdir, args.out, args.step, args.format, merge=args.merge)
     print(f"wrote {done['params']:,} params of step {done['step']} to {done['out']} ({done['format']}); "
-          "read them with lm.export.load_params")
+          "read them with lm.store.load.load_params")
     return 0
 
 
@@ -224,7 +224,7 @@ def _finetune(args, overrides: list[str], argv: list[str]) -> int:
     from pathlib import Path
 
     from lm.config import finetune_config
-    from lm.infer.load import init_config
+    from lm.store.meta import init_config
 
     if not Path(args.init).exists():
         raise UserError(f"--init {args.init}: no such file or directory; expected an `lm train`/`lm sft` "

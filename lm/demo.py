@@ -20,7 +20,7 @@ import pathlib
 
 from lm.config import finetune_config, load_config
 from lm.data.synthetic import write_sort_pairs, write_sort_task
-from lm.infer.load import init_config
+from lm.store.meta import init_config
 
 PRETRAIN_CONFIG, SFT_CONFIG, PAIRS_CONFIG = "configs/tiny.py", "configs/sft_tiny.py", "configs/pairs_tiny.py"
 RL_CONFIG = "configs/rl_tiny.py"

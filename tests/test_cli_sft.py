@@ -57,7 +57,7 @@ def test_lora_checkpoints_hold_adapters_resume_exactly_and_merge(base_run, tmp_p
     for x, y in zip(jax.tree.leaves(a), jax.tree.leaves(b)):
         np.testing.assert_array_equal(x, y)
 
-    from lm.export import load_params
+    from lm.store.load import load_params
 
     out = tmp_path / "merged.safetensors"
     assert main(["export", "--workdir", str(straight), "--out", str(out), "--merge"]) == 0

@@ -12,8 +12,10 @@ from safetensors.numpy import load_file
 from lm.cli import main
 from lm.config import base_config
 from lm.errors import UserError
-from lm.export import export_params, load_config, load_params
-from lm.train.checkpoint import Checkpointer
+from lm.store.checkpoint import Checkpointer
+from lm.store.export import export_params
+from lm.store.load import load_params
+from lm.store.meta import saved_config as load_config
 from lm.train.setup import build_run
 
 

@@ -10,7 +10,7 @@ import pytest
 
 from lm.config import base_config
 from lm.errors import UserError
-from lm.train.checkpoint import Checkpointer
+from lm.store.checkpoint import Checkpointer
 from lm.train.faults import FaultPolicy, Health, robust_spike
 from lm.train.loop import Faults, LoopSpec, run_loop
 from lm.train.setup import build_run

@@ -16,10 +16,11 @@ import pytest
 
 from lm.config import base_config, rules_table
 from lm.errors import UserError
+from lm.model.apply import logits_of
 from lm.model.layers import ModelSpec, Partitioning
 from lm.model.transformer import Transformer, init_params
 from lm.sharding import make_mesh, param_shardings, per_device_bytes
-from lm.train.losses import masked_cross_entropy, logits_of
+from lm.train.losses import masked_cross_entropy
 from lm.train.optim import make_optimizer
 from lm.train.setup import build_run
 from lm.train.state import create_state
@@ -191,8 +192,8 @@ def test_param_shardings_error_names_the_param():
 def weighted_loss(model):
     """Cross-entropy with a per-example weight: a [B] batch field (like rewards or advantages)."""
 
-    def loss_fn(params, batch, rng):
-        del rng
+    def loss_fn(params, batch, frozen, rng):
+        del frozen, rng
         mask = batch["loss_mask"] * batch["row_weight"][:, None]
         nll, _, _ = masked_cross_entropy(logits_of(model, params, batch), batch["targets"], mask)
         return nll, {"loss_sum": nll, "count": jnp.sum(batch["loss_mask"])}

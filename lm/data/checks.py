@@ -13,6 +13,7 @@ import importlib.util
 from pathlib import Path
 
 from lm.config import data_sources
+from lm.data.curate.settings import check_config
 from lm.data.shards import SPLITS, is_shard_dir, read_manifest
 from lm.data.tokenizer import load_tokenizer
 from lm.errors import UserError
@@ -97,6 +98,4 @@ def _check_shard_dir(spec: str, label: str, name: str, tok) -> None:
 def _check_curation(curate_cfg) -> None:
     if importlib.util.find_spec("datatrove") is None:
         raise UserError("data.curate=true needs the curation extras: pip install -e '.[curate]'")
-    from lm.data.curate.settings import check_config
-
     check_config(curate_cfg)

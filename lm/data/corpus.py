@@ -12,13 +12,12 @@ writes) holds one document per line: a JSON object with a string `text` field.
 from __future__ import annotations
 
 import glob
-import gzip
 import hashlib
-import json
 import sysconfig
 from pathlib import Path
 from typing import Iterator
 
+from lm.data.jsonl import iter_jsonl
 from lm.errors import UserError
 
 _GLOB_CHARS = set("*?[")
@@ -142,17 +141,10 @@ def split_files(
     return order(ranked[n_heldout:]), order(ranked[:n_heldout])
 
 
-def _jsonl_text(line: bytes, where: str) -> str:
-    try:
-        obj = json.loads(line)
-    except UnicodeDecodeError:
-        raise UserError(f"{where}: not UTF-8; JSONL documents must be UTF-8 encoded JSON") from None
-    except json.JSONDecodeError as e:
-        raise UserError(f"{where}: not a JSON object ({e.msg}); expected one "
-                        '{"text": ...} object per line') from None
+def _jsonl_text(obj) -> str:
     if not isinstance(obj, dict) or not isinstance(obj.get("text"), str):
         found = f"keys {sorted(obj)}" if isinstance(obj, dict) else type(obj).__name__
-        raise UserError(f"{where}: expected a JSON object with a string 'text' field, found {found}")
+        raise ValueError(f"expected a JSON object with a string 'text' field, found {found}")
     return obj["text"]
 
 
@@ -165,12 +157,6 @@ def iter_documents(path: Path) -> Iterator[tuple[bytes | str, str]]:
     if not is_jsonl(path):
         yield path.read_bytes(), str(path)
         return
-    opener = gzip.open if path.name.endswith(".gz") else open
-    try:
-        with opener(path, "rb") as f:
-            for line_no, line in enumerate(f, 1):
-                if line.strip():
-                    where = f"{path}:{line_no}"
-                    yield _jsonl_text(line, where), where
-    except (gzip.BadGzipFile, EOFError) as e:
-        raise UserError(f"{path}: not a readable gzip file ({e}); re-run curation to rewrite it") from None
+    for line_no, text in iter_jsonl(path, _jsonl_text, expected='one {"text": ...} object per line',
+                                    bad_json="not a JSON object"):
+        yield text, f"{path}:{line_no}"

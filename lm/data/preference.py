@@ -30,6 +30,7 @@ import numpy as np
 
 from lm.data import chat
 from lm.data.cache import cached_dir
+from lm.data.jsonl import ONE_OBJECT, iter_jsonl, read_jsonl
 from lm.data.sft import SftSettings, cache_key, fit
 from lm.data.tokens import write_json
 from lm.errors import UserError
@@ -96,12 +97,8 @@ def _response(record: dict, key: str) -> dict:
     return {"role": "assistant", "content": value}
 
 
-def parse_pair(line: bytes) -> tuple[list[dict], dict, dict, float]:
-    """One JSONL line -> (prompt messages, chosen message, rejected message, margin)."""
-    try:
-        record = json.loads(line)
-    except (json.JSONDecodeError, UnicodeDecodeError) as e:
-        raise ValueError(f"malformed JSON ({e}); expected one JSON object per line") from None
+def parse_pair(record) -> tuple[list[dict], dict, dict, float]:
+    """One JSONL record (a line's JSON value) -> (prompt messages, chosen message, rejected message, margin)."""
     if not isinstance(record, dict):
         raise ValueError(f"a JSON {type(record).__name__}; expected an object with 'prompt', 'chosen', 'rejected'")
     for key in ("prompt", "chosen", "rejected"):
@@ -121,19 +118,8 @@ def parse_pair(line: bytes) -> tuple[list[dict], dict, dict, float]:
 def read_pairs(path, limit: int = 0) -> list[tuple]:
     """The parsed pairs (parse_pair) of the first `limit` lines (0 = all); a bad line is a
     UserError naming file and line."""
-    out = []
-    for n, line in enumerate(Path(path).read_bytes().splitlines(), 1):
-        if not line.strip():
-            continue
-        try:
-            out.append(parse_pair(line))
-        except ValueError as e:
-            raise UserError(f"{path}:{n}: {e}") from None
-        if limit and len(out) >= limit:
-            break
-    if not out:
-        raise UserError(f"{path}: no preference pair")
-    return out
+    pairs = read_jsonl(path, parse_pair, what="preference pairs", expected=ONE_OBJECT, limit=limit)
+    return [pair for _, pair in pairs]
 
 
 def pair_conversations(path, limit: int = 0) -> list[list[dict]]:
@@ -176,34 +162,34 @@ def tokenize_file(path: Path, tokenizer, settings: SftSettings) -> tuple[list, d
     template = chat.ChatTemplate.for_tokenizer(tokenizer)
     stats = dict.fromkeys(STAT_KEYS, 0)
     pairs = []
-    with open(path, "rb") as f:
-        for lineno, line in enumerate(f, 1):
-            if not line.strip():
-                continue
-            stats["pairs_read"] += 1
-            try:
-                prompt, chosen, rejected, margin = parse_pair(line)
-                sides = [template.render(prompt + [m], "last") for m in (chosen, rejected)]
-            except ValueError as e:
-                if settings.on_bad_record == "error":
-                    raise UserError(f"{path}:{lineno}: {e}") from None
-                stats["skipped_identical" if isinstance(e, Identical) else "skipped_bad_records"] += 1
-                continue
-            fitted = [fit(ids, w, settings) for ids, w in sides]
-            if any(f is None for f in fitted):
-                stats["dropped_too_long"] += 1
-            elif any(not w[1:].any() for _, w in fitted):
-                stats["skipped_empty_mask"] += 1
-            elif np.array_equal(fitted[0][0], fitted[1][0]):
-                stats["skipped_identical"] += 1
-            else:
-                stats["pairs_kept"] += 1
-                if any(len(f[0]) < len(s[0]) for f, s in zip(fitted, sides)):
-                    stats["truncated_prompt" if settings.truncation == "cut_prompt_left" else "truncated_response"] += 1
-                stats["chosen_tokens"] += int(fitted[0][1][1:].sum())
-                stats["rejected_tokens"] += int(fitted[1][1][1:].sum())
-                stats["total_tokens"] += sum(len(ids) - 1 for ids, _ in fitted)
-                pairs.append((fitted, margin))
+
+    def bad(error):  # a line that is not a pair: an error, or skipped and counted
+        if settings.on_bad_record == "error":
+            raise error
+        stats["pairs_read"] += 1
+        stats["skipped_identical" if isinstance(error.cause, Identical) else "skipped_bad_records"] += 1
+
+    def render(record):
+        prompt, chosen, rejected, margin = parse_pair(record)
+        return [template.render(prompt + [m], "last") for m in (chosen, rejected)], margin
+
+    for _, (sides, margin) in iter_jsonl(path, render, expected=ONE_OBJECT, on_error=bad):
+        stats["pairs_read"] += 1
+        fitted = [fit(ids, w, settings) for ids, w in sides]
+        if any(f is None for f in fitted):
+            stats["dropped_too_long"] += 1
+        elif any(not w[1:].any() for _, w in fitted):
+            stats["skipped_empty_mask"] += 1
+        elif np.array_equal(fitted[0][0], fitted[1][0]):
+            stats["skipped_identical"] += 1
+        else:
+            stats["pairs_kept"] += 1
+            if any(len(f[0]) < len(s[0]) for f, s in zip(fitted, sides)):
+                stats["truncated_prompt" if settings.truncation == "cut_prompt_left" else "truncated_response"] += 1
+            stats["chosen_tokens"] += int(fitted[0][1][1:].sum())
+            stats["rejected_tokens"] += int(fitted[1][1][1:].sum())
+            stats["total_tokens"] += sum(len(ids) - 1 for ids, _ in fitted)
+            pairs.append((fitted, margin))
     return pairs, stats
 
 

@@ -14,12 +14,12 @@ a set of which more than max_skipped_fraction is skipped fails.
 from __future__ import annotations
 
 import dataclasses
-import json
 import pathlib
 
 import numpy as np
 
 from lm.data.chat import ChatTemplate
+from lm.data.jsonl import ONE_OBJECT, iter_jsonl
 from lm.data.preference import prompt_messages
 from lm.errors import UserError
 
@@ -48,12 +48,9 @@ class PromptSet:
         return self.ids[i, : self.lengths[i]].tolist()
 
 
-def parse_prompt(line: bytes) -> tuple[object, list[dict], dict]:
-    """(raw prompt, its chat messages, the other columns); ValueError saying what was expected."""
-    try:
-        record = json.loads(line)
-    except (json.JSONDecodeError, UnicodeDecodeError) as e:
-        raise ValueError(f"malformed JSON ({e}); expected one JSON object per line") from None
+def parse_prompt(record) -> tuple[object, list[dict], dict]:
+    """One JSONL record (a line's JSON value) -> (raw prompt, its chat messages, the other columns);
+    ValueError saying what was expected."""
     if not isinstance(record, dict):
         raise ValueError(f"a JSON {type(record).__name__}; expected an object with 'prompt' or 'messages'")
     if "prompt" in record:
@@ -84,16 +81,20 @@ def read_prompts(path, tokenizer, *, seq_len: int, max_new_tokens: int, on_bad_r
         raise UserError(f"rl.max_new_tokens={max_new_tokens} leaves no room for a prompt in data.seq_len={seq_len}")
     stats = {"prompts_read": 0, "prompts_kept": 0, "skipped_bad_records": 0, "skipped_too_long": 0}
     ids, raw, chats, columns = [], [], [], []
-    for n, line in enumerate(path.read_bytes().splitlines(), 1):
-        if not line.strip():
-            continue
+
+    def bad(error):
         stats["prompts_read"] += 1
+        _bad(str(error), on_bad_record, stats, "skipped_bad_records")
+
+    def parse(record):  # a UserError on the way counts as a bad line too
         try:
-            prompt, messages, cols = parse_prompt(line)
-            tokens = template.prompt(messages)
-        except (ValueError, UserError) as e:
-            _bad(f"{path}:{n}: {e}", on_bad_record, stats, "skipped_bad_records")
-            continue
+            prompt, messages, cols = parse_prompt(record)
+            return prompt, messages, cols, template.prompt(messages)
+        except UserError as e:
+            raise ValueError(str(e)) from None
+
+    for n, (prompt, messages, cols, tokens) in iter_jsonl(path, parse, expected=ONE_OBJECT, on_error=bad):
+        stats["prompts_read"] += 1
         if len(tokens) > room:
             _bad(f"{path}:{n}: the prompt has {len(tokens)} tokens; at most {room} fit before "
                  f"rl.max_new_tokens={max_new_tokens} new ones in data.seq_len={seq_len}",

@@ -34,6 +34,7 @@ import numpy as np
 
 from lm.data import chat
 from lm.data.cache import cached_dir
+from lm.data.jsonl import ONE_OBJECT, iter_jsonl
 from lm.data.tokens import write_json
 from lm.errors import UserError
 
@@ -132,39 +133,36 @@ def tokenize_file(path: Path, tokenizer, settings: SftSettings) -> tuple[list, d
     template = chat.ChatTemplate.for_tokenizer(tokenizer)
     stats = dict.fromkeys(STAT_KEYS, 0)
     examples = []
-    with open(path, "rb") as f:
-        for lineno, line in enumerate(f, 1):
-            if not line.strip():
-                continue
-            stats["examples_read"] += 1
-            try:
-                ids, weights = template.render(parse_record(line), settings.train_on)
-            except ValueError as e:
-                if settings.on_bad_record == "error":
-                    raise UserError(f"{path}:{lineno}: {e}") from None
-                stats["skipped_bad_records"] += 1
-                continue
-            fitted = fit(ids, weights, settings)
-            if fitted is None:
-                stats["dropped_too_long"] += 1
-            elif not fitted[1][1:].any():
-                stats["skipped_empty_mask"] += 1
-            else:
-                stats["examples_kept"] += 1
-                if len(fitted[0]) < len(ids):
-                    stats["truncated_prompt" if settings.truncation == "cut_prompt_left" else "truncated_response"] += 1
-                stats["total_tokens"] += len(fitted[0]) - 1
-                stats["response_tokens"] += int(fitted[1][1:].sum())
-                examples.append(fitted)
+
+    def bad(error):  # a line that is not an example: an error, or skipped and counted
+        if settings.on_bad_record == "error":
+            raise error
+        stats["examples_read"] += 1
+        stats["skipped_bad_records"] += 1
+
+    def render(record):
+        return template.render(parse_record(record), settings.train_on)
+
+    for _, (ids, weights) in iter_jsonl(path, render, expected=ONE_OBJECT, on_error=bad):
+        stats["examples_read"] += 1
+        fitted = fit(ids, weights, settings)
+        if fitted is None:
+            stats["dropped_too_long"] += 1
+        elif not fitted[1][1:].any():
+            stats["skipped_empty_mask"] += 1
+        else:
+            stats["examples_kept"] += 1
+            if len(fitted[0]) < len(ids):
+                stats["truncated_prompt" if settings.truncation == "cut_prompt_left" else "truncated_response"] += 1
+            stats["total_tokens"] += len(fitted[0]) - 1
+            stats["response_tokens"] += int(fitted[1][1:].sum())
+            examples.append(fitted)
     return examples, stats
 
 
-def parse_record(line: bytes) -> list[dict]:
-    """One JSONL line -> chat messages; ValueError saying what was wrong and what was expected."""
-    try:
-        record = json.loads(line)
-    except (json.JSONDecodeError, UnicodeDecodeError) as e:
-        raise ValueError(f"malformed JSON ({e}); expected one JSON object per line") from None
+def parse_record(record) -> list[dict]:
+    """One JSONL record (a line's JSON value) -> chat messages; ValueError saying what was wrong
+    and what was expected."""
     if not isinstance(record, dict):
         raise ValueError(f"a JSON {type(record).__name__}; expected an object with 'messages' (chat) "
                          "or 'instruction' and 'output' (instruction)")

@@ -8,24 +8,24 @@ trimming surrounding whitespace.
 
 from __future__ import annotations
 
-import pathlib
+import dataclasses
+
+import jax
 
 from lm.data.chat import ChatTemplate
+from lm.data.jsonl import ONE_OBJECT, iter_jsonl
 from lm.data.sft import parse_record
 from lm.errors import UserError
 from lm.eval.complete import completions
+from lm.model.build import build_model
+from lm.model.layers import ModelSpec
+from lm.model.lora import merge_lora
 
 
 def read_conversations(path, limit: int = 0) -> list[list[dict]]:
     """The conversations of a JSONL file (chat or instruction lines) that end with an assistant turn."""
     out = []
-    for n, line in enumerate(pathlib.Path(path).read_bytes().splitlines(), 1):
-        if not line.strip():
-            continue
-        try:
-            messages = parse_record(line)
-        except ValueError as e:
-            raise UserError(f"{path}:{n}: {e}") from None
+    for _, messages in iter_jsonl(path, parse_record, expected=ONE_OBJECT):
         if messages and isinstance(messages[-1], dict) and messages[-1].get("role") == "assistant":
             out.append(messages)
         if limit and len(out) >= limit:
@@ -50,3 +50,32 @@ def exact_match(model, params, tokenizer, conversations: list, *, max_new_tokens
     right = [a.strip() == c[-1]["content"].strip() for a, c in zip(answers, conversations)]
     examples = [(c[-2]["content"], c[-1]["content"], a) for c, a in zip(conversations[:keep], answers)]
     return {"exact_match": sum(right) / len(right), "n": len(right), "examples": examples}
+
+
+def plain_model(config, params):
+    """(the model of `config` without adapters on its mesh, params with any adapters folded in)."""
+    m = config.model
+    built = build_model(config, spec=dataclasses.replace(ModelSpec.from_config(m), lora_rank=0))
+    if m.lora_rank == 0:
+        return built, params
+    merged = jax.jit(lambda p: merge_lora(p, m.lora_alpha, m.lora_rank), out_shardings=built.param_shardings)(params)
+    return built, merged
+
+
+def answer_accuracy(config, params, tokenizer, conversations, max_new_tokens: int) -> dict:
+    """Exact match of greedy answers of a model (adapters folded in) on its config's mesh."""
+    built, params = plain_model(config, params)
+    return exact_match(built.module, params, tokenizer, conversations, max_new_tokens=max_new_tokens,
+                       mesh=built.mesh, rules=built.rules)
+
+
+def compare_answers(loaded, config, params, path, examples: int, max_new_tokens: int) -> dict:
+    """Exact match of the init model (`loaded`) and the tuned one on held-out conversations,
+    printed; the summary fields (exact_match_init, exact_match, exact_match_n, answers)."""
+    conversations = read_conversations(path, examples)
+    before = answer_accuracy(loaded.config, loaded.params, loaded.tokenizer, conversations, max_new_tokens)
+    after = answer_accuracy(config, params, loaded.tokenizer, conversations, max_new_tokens)
+    print(f"exact match of greedy answers on {after['n']} held-out prompts: init {before['exact_match']:.1%}"
+          f" -> tuned {after['exact_match']:.1%}")
+    return {"exact_match_init": before["exact_match"], "exact_match": after["exact_match"],
+            "exact_match_n": after["n"], "answers": after["examples"]}

@@ -25,7 +25,7 @@ def add_parser(sub) -> None:
 
 
 def evaluate(loaded, specs: list[str], batch_size: int = 0, progress: bool = True, overrides=()) -> dict:
-    """The report of `specs` (task specs) for a loaded model (lm.infer.load.Loaded). overrides:
+    """The report of `specs` (task specs) for a loaded model (lm.store.load.Loaded). overrides:
     `mesh.*` / `eval.*` config keys for this evaluation (e.g. a smaller mesh than training's)."""
     from tqdm import tqdm
 
@@ -68,7 +68,7 @@ def run(args, overrides=()) -> int:
     from lm.cpu_flags import apply_cpu_defaults
 
     apply_cpu_defaults("float32")
-    from lm.infer.load import load_trained
+    from lm.store.load import load_trained
 
     report = evaluate(load_trained(args.workdir, args.params, args.tokenizer), args.tasks, args.batch_size,
                       not args.no_progress, overrides)

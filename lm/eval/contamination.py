@@ -24,16 +24,21 @@ without the contaminated examples.
 from __future__ import annotations
 
 import dataclasses
-import gzip
-import json
 import math
 import pathlib
 import time
 
 import numpy as np
 
-from lm.eval import ngrams
+from lm.data.corpus import is_jsonl, iter_documents, resolve_corpus
+from lm.data.jsonl import ONE_OBJECT, iter_jsonl
+from lm.data.progress import bars
+from lm.data.shards import is_shard_dir, open_shards, read_manifest
+from lm.data.tokenizer import load_tokenizer
 from lm.errors import UserError
+from lm.eval import ngrams
+from lm.eval.sets import lm_metrics
+from lm.eval.taskfile import read_task_file
 
 N = 13
 MIN_WORDS = 8
@@ -69,9 +74,8 @@ def example_text(obj: dict, where: str) -> str:
 
 def read_examples(path: str) -> list[tuple[int, str]]:
     """(line number, checked text) of each example of a task JSONL file."""
-    from lm.eval.tasks import read_jsonl  # FILE:LINE errors for malformed lines and empty files
 
-    return [(n, example_text(obj, f"{path}:{n}")) for n, obj in read_jsonl(path)]
+    return [(n, example_text(obj, f"{path}:{n}")) for n, obj in read_task_file(path)]
 
 
 @dataclasses.dataclass
@@ -109,26 +113,22 @@ def _strings(value):
         yield from _strings(value["content"])
 
 
+def _train_text(obj) -> str:
+    """All the text of one training JSONL record."""
+    texts = [s for k in TRAIN_KEYS if isinstance(obj, dict) for s in _strings(obj.get(k))]
+    if not texts:
+        raise ValueError('no text; expected {"text"}, chat {"messages"}, {"prompt", "answer"} or '
+                         '{"prompt", "chosen", "rejected"}')
+    return " ".join(texts)
+
+
 def _jsonl_docs(path: pathlib.Path):
-    opener = gzip.open if path.name.endswith(".gz") else open
-    with opener(path, "rb") as f:
-        for n, line in enumerate(f, 1):
-            if not line.strip():
-                continue
-            try:
-                obj = json.loads(line)
-            except (json.JSONDecodeError, UnicodeDecodeError) as e:
-                raise UserError(f"{path}:{n}: malformed JSON ({e}); expected one JSON object per line") from None
-            texts = [s for k in TRAIN_KEYS if isinstance(obj, dict) for s in _strings(obj.get(k))]
-            if not texts:
-                raise UserError(f"{path}:{n}: no text; expected {{\"text\"}}, chat {{\"messages\"}}, "
-                                '{"prompt", "answer"} or {"prompt", "chosen", "rejected"}')
-            yield " ".join(texts), len(line)
+    """(text, bytes of its line) of each record of a training JSONL file."""
+    for _, text, size in iter_jsonl(path, _train_text, expected=ONE_OBJECT, with_size=True):
+        yield text, size
 
 
 def _shard_set(spec: str, tokenizer):
-    from lm.data.shards import is_shard_dir, open_shards, read_manifest
-    from lm.data.tokenizer import load_tokenizer
 
     directory = pathlib.Path(spec) / "train" if is_shard_dir(spec) else pathlib.Path(spec)
     if tokenizer is None:
@@ -142,8 +142,6 @@ def _shard_set(spec: str, tokenizer):
 
 def training_source(spec: str, tokenizer=None):
     """(total bytes, iterator of (document text, its bytes)) of one training input spec."""
-    from lm.data.corpus import is_jsonl, iter_documents, resolve_corpus
-    from lm.data.shards import is_shard_dir
 
     if is_shard_dir(spec) or (pathlib.Path(spec) / "manifest.json").is_file():
         shards, tok = _shard_set(spec, tokenizer)
@@ -184,8 +182,6 @@ def _chunks(sources, bar):
 def scan(sources, index: EvalNgrams, word_hashes, progress: bool = True) -> tuple[dict, dict]:
     """Streams training documents: ({k: matched eval hashes}, {documents, bytes, seconds})."""
     from tqdm import tqdm
-
-    from lm.data.progress import bars
 
     found = {k: np.zeros(0, np.uint64) for k in index.grams}
     stats, t0 = {"documents": 0, "bytes": 0}, time.perf_counter()
@@ -253,8 +249,6 @@ def _metrics(entry: dict, keep: np.ndarray) -> dict:
     from the sums (bits per byte over `text_nats`, control tokens excluded, when the report has them)."""
     per = entry["per_example"]
     if {"nats", "bytes", "tokens"} <= set(per):  # language modelling: ratios of sums, not means
-        from lm.eval.sets import lm_metrics
-
         return lm_metrics({"text_nats": per["nats"], **per}, keep)
     return {name: float(np.asarray(v, np.float64)[keep].mean()) for name, v in per.items()}
 

@@ -11,24 +11,23 @@ from __future__ import annotations
 from typing import Callable
 
 from lm.config import parse_sets
+from lm.eval.loglik import Scorer
+from lm.eval.sets import read_set, score_set
+from lm.model.params import merge_trees
 
 
-def with_sets(evaluate: Callable | None, run, tokenizer, frozen=None) -> Callable | None:
-    """`evaluate` (or nothing) plus the config's eval.sets; unchanged when there are none."""
-    e = run.config.eval
+def with_sets(evaluate: Callable | None, e, built, tokenizer, frozen=None) -> Callable | None:
+    """`evaluate` (or nothing) plus the sets of `e` (config.eval) scored with the trained model
+    (`built`, lm.model.build); unchanged when there are none."""
     if not e.sets:
         return evaluate
-    from lm.eval.loglik import Scorer
-    from lm.eval.sets import read_set, score_set
-    from lm.train.state import merge_trees
-
     sets = [(name, read_set(path, tokenizer, e.set_tokens)) for name, path in parse_sets(e.sets)]
-    scorer = Scorer(run.model, None, tokenizer, mesh=run.mesh, rules=run.rules, batch_size=e.batch_size)
-    fixed = {k: v for k, v in (frozen or {}).items() if k != "reference"}  # a LoRA base, not a reference model
+    scorer = Scorer(built.module, None, tokenizer, mesh=built.mesh, rules=built.rules, batch_size=e.batch_size)
+    base = (frozen or {}).get("base")  # the trained model's frozen part (under LoRA adapters)
 
     def evaluate_all(state) -> dict:
         out = dict(evaluate(state)) if evaluate else {}
-        scorer.params = merge_trees(state.params, fixed) if fixed else state.params
+        scorer.params = merge_trees(state.params, base)
         for name, docs in sets:
             m = score_set(scorer, docs)["metrics"]
             out |= {f"eval/{name}/loss": m["loss"], f"eval/{name}/bits_per_byte": m["bits_per_byte"]}

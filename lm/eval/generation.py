@@ -16,7 +16,10 @@ from __future__ import annotations
 import re
 import string
 
+from lm.data.chat import ChatTemplate
 from lm.errors import UserError
+from lm.eval.complete import completions
+from lm.userfn import load_function
 
 SCORERS = ("exact", "normalized", "checker", "rouge_l", "bleu")
 
@@ -54,8 +57,6 @@ def make_scorer(name: str, checker: str = ""):
     if name == "checker":
         if not checker:
             raise UserError("scorer=checker needs checker=module:function (fn(prediction, example) -> bool/float)")
-        from lm.train.rewards import load_function
-
         fn = load_function(checker, "eval checker")
         return lambda pred, ex: float(fn(pred, ex["record"]))
     if name == "rouge_l":
@@ -77,8 +78,6 @@ def _import(module: str, package: str):
 
 
 def prompt_ids(examples: list[dict], tokenizer, chat: bool) -> list:
-    from lm.data.chat import ChatTemplate
-
     if not chat:
         if any("prompt" not in ex for ex in examples):
             raise UserError("chat=false needs {\"prompt\"} examples; chat lines go through the chat template")
@@ -91,9 +90,6 @@ def score_generation(scorer_model, examples: list[dict], *, scorer: str = "exact
                      chat: bool = True, max_new_tokens: int = 64, stop: tuple[str, ...] = ("\n",), keep: int = 5) -> dict:
     """{'metrics': {scorer: mean}, 'per_example': {scorer: [...]}, 'samples': first `keep`}.
     scorer_model: a lm.eval.loglik.Scorer (its model, params, mesh and batch size)."""
-    from lm.data.chat import ChatTemplate
-    from lm.eval.complete import completions
-
     m, tok = scorer_model, scorer_model.tokenizer
     score = make_scorer(scorer, checker)
     stop_strings, eos = stop, None

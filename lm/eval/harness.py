@@ -47,7 +47,7 @@ class HarnessModel(LM):
         self.source = "a given Scorer"
         if scorer is None:
             from lm.eval.loglik import Scorer
-            from lm.infer.load import load_trained
+            from lm.store.load import load_trained
 
             loaded = load_trained(workdir, params, tokenizer, step=None if step is None else int(step))
             auto = batch_size is None or str(batch_size).startswith("auto")  # the harness's "auto": ours

@@ -20,8 +20,10 @@ import numpy as np
 from jax.sharding import NamedSharding, PartitionSpec
 
 from lm.data.pipeline import BATCH_DTYPES
+from lm.errors import UserError
+from lm.model.apply import logits_of, target_logprobs
+from lm.model.build import build_model
 from lm.sharding import BatchPlacer, batch_shardings
-from lm.train.losses import logits_of, target_logprobs
 
 LENGTH_QUANTUM = 64  # row lengths are rounded up to a multiple of this: one compile per bucket
 
@@ -79,14 +81,16 @@ class Scorer:
 
     @classmethod
     def from_loaded(cls, loaded, batch_size: int | None = None, config=None) -> "Scorer":
-        """A trained model (lm.infer.load.Loaded) on the mesh of `config` (default: its own)."""
-        from lm.train.setup import build_run
-
-        run = build_run(config or loaded.config)
-        batch_size = batch_size or run.config.eval.batch_size
-        run.check_batch(batch_size, 1, key="eval.batch_size")
-        params = jax.device_put(loaded.params, run.state_shardings.params)
-        return cls(run.model, params, loaded.tokenizer, mesh=run.mesh, rules=run.rules, batch_size=batch_size)
+        """A trained model (lm.store.load.Loaded) on the mesh of `config` (default: its own)."""
+        config = config or loaded.config
+        built = build_model(config)
+        batch_size = batch_size or config.eval.batch_size
+        if batch_size % built.batch_shards():
+            raise UserError(f"eval.batch_size={batch_size} must divide evenly over the {built.batch_shards()} "
+                            f"batch shards of mesh {dict(built.mesh.shape)}")
+        built.check(loaded.params, loaded.source)
+        return cls(built.module, built.place(loaded.params), loaded.tokenizer, mesh=built.mesh, rules=built.rules,
+                   batch_size=batch_size)
 
     def score(self, requests: list, progress=None) -> list[Score]:
         """Scores of (context ids, continuation ids) requests, in their order. progress: called

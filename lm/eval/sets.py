@@ -20,7 +20,10 @@ import pathlib
 
 import numpy as np
 
+from lm.data.corpus import iter_documents, resolve_corpus
+from lm.data.shards import is_shard_dir, open_shards
 from lm.errors import UserError
+from lm.eval.taskfile import read_task_file
 
 
 @dataclasses.dataclass
@@ -33,8 +36,6 @@ class Documents:
 def read_set(spec: str, tokenizer, max_tokens: int = 0) -> Documents:
     """The documents of a set, tokenized; at most `max_tokens` tokens (0 = all) in file order (the
     document that crosses the limit is cut there; those past it are counted in `truncated`)."""
-    from lm.data.shards import is_shard_dir, open_shards
-
     path = pathlib.Path(spec)
     if is_shard_dir(spec):  # an `lm tokenize` output: its held-out split
         path = path / "heldout"
@@ -47,8 +48,6 @@ def read_set(spec: str, tokenizer, max_tokens: int = 0) -> Documents:
     elif path.is_file():
         texts = [(1, path.read_text(encoding="utf-8", errors="replace"))]
     else:
-        from lm.data.corpus import iter_documents, resolve_corpus
-
         _, files = resolve_corpus(spec, "eval set")
         texts = [(i, d if isinstance(d, str) else d.decode("utf-8", errors="replace"))
                  for i, d in enumerate((doc for f in files for doc, _ in iter_documents(f)), 1)]
@@ -61,9 +60,8 @@ def read_set(spec: str, tokenizer, max_tokens: int = 0) -> Documents:
 
 
 def _jsonl_texts(path: pathlib.Path):
-    from lm.eval.tasks import read_jsonl  # FILE:LINE errors for malformed lines
 
-    for n, obj in read_jsonl(path):
+    for n, obj in read_task_file(path):
         if not isinstance(obj.get("text"), str):
             raise UserError(f"{path}:{n}: expected a JSON object with a string 'text' field")
         yield n, obj["text"]

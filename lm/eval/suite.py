@@ -12,16 +12,18 @@ from __future__ import annotations
 import json
 import pathlib
 
+from lm.data.cache import data_cache_dir
+from lm.data.prepare import prepare_pretrain_data
+from lm.eval.cli import evaluate
 from lm.eval.report import compare
+from lm.store.load import load_trained
+from lm.store.meta import init_config
 
 HELDOUT_TOKENS = 1 << 17  # of the pretraining held-out split: enough for 3 decimals of bits per byte
 
 
 def pretraining_shards(run_dir) -> tuple[list[str], list[str]]:
     """The token shard sets (train, held-out) a pretraining run read, from its data cache."""
-    from lm.data.cache import data_cache_dir
-    from lm.data.prepare import prepare_pretrain_data
-    from lm.infer.load import init_config
 
     config = init_config(str(run_dir))
     data = prepare_pretrain_data(config.data, data_cache_dir(config.data), vocab_size=config.model.vocab_size,
@@ -31,8 +33,6 @@ def pretraining_shards(run_dir) -> tuple[list[str], list[str]]:
 
 def evaluate_models(models: dict, specs: list[str], out_dir, progress: bool = False) -> dict:
     """{model name: report} for models {name: workdir}; each report written to OUT/<name>.json."""
-    from lm.eval.cli import evaluate
-    from lm.infer.load import load_trained
 
     out_dir = pathlib.Path(out_dir)
     out_dir.mkdir(parents=True, exist_ok=True)

@@ -14,11 +14,12 @@ set; JSONL of {"context", "choices", "answer"} is multiple choice; JSONL of {"pr
 from __future__ import annotations
 
 import dataclasses
-import json
 import pathlib
 import urllib.parse
 
 from lm.errors import UserError
+from lm.eval import choice, generation, sets
+from lm.eval.taskfile import read_task_file
 
 OPTIONS = {"limit": int, "shots": int, "seed": int, "scorer": str, "checker": str, "chat": str,
            "max_new_tokens": int, "stop": str, "kind": str}
@@ -57,7 +58,7 @@ def _kind_of(path: str) -> str:
     p = pathlib.Path(path)
     if not (p.is_file() and p.suffix == ".jsonl"):
         return "lm"  # a text file, a corpus or a shard set
-    first = read_jsonl(p, limit=1)[0][1]
+    first = read_task_file(p, limit=1)[0][1]
     if "choices" in first:
         return "choice"
     if "text" in first and "prompt" not in first and "messages" not in first:
@@ -65,39 +66,14 @@ def _kind_of(path: str) -> str:
     return "generation"
 
 
-def read_jsonl(path, limit: int = 0) -> list[tuple[int, dict]]:
-    """(line number, object) of each non-blank line; FILE:LINE errors for anything else."""
-    path = pathlib.Path(path)
-    if not path.is_file():
-        raise UserError(f"task file '{path}' does not exist")
-    out = []
-    for n, line in enumerate(path.read_bytes().splitlines(), 1):
-        if not line.strip():
-            continue
-        try:
-            obj = json.loads(line)
-        except (json.JSONDecodeError, UnicodeDecodeError) as e:
-            raise UserError(f"{path}:{n}: malformed JSON ({e}); expected one JSON object per line") from None
-        if not isinstance(obj, dict):
-            raise UserError(f"{path}:{n}: a JSON {type(obj).__name__}; expected an object")
-        out.append((n, obj))
-        if limit and len(out) >= limit:
-            break
-    if not out:
-        raise UserError(f"task file '{path}' holds no examples")
-    return out
-
-
 def run_task(task: Task, scorer, progress=None) -> dict:
     """One task's report entry: kind, path, n, metrics, per_example, example_ids (+ samples, counts)."""
-    from lm.eval import choice, generation, sets
-
     o = task.options
     head = {"kind": task.kind, "path": task.path, "options": o}
     if task.kind == "lm":
         docs = sets.read_set(task.path, scorer.tokenizer, o.get("limit", DEFAULT_LM_TOKENS))
         return head | sets.score_set(scorer, docs, progress)
-    lines = read_jsonl(task.path, o.get("limit", 0))
+    lines = read_task_file(task.path, o.get("limit", 0))
     ids = [n for n, _ in lines]
     if task.kind == "choice":
         examples = [choice.parse_choice(obj, f"{task.path}:{n}") for n, obj in lines]

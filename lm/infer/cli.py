@@ -6,6 +6,7 @@ import json
 import pathlib
 import sys
 
+from lm.data.jsonl import read_jsonl
 from lm.errors import UserError
 
 BATCH = 16  # prompts decoded together from a --prompts file
@@ -41,32 +42,27 @@ def read_prompts(path: str, chat: bool = False) -> list[dict]:
     file = pathlib.Path(path)
     if not file.is_file():
         raise UserError(f"--prompts {path}: no such file")
-    rows = []
-    for n, line in enumerate(file.read_text(encoding="utf-8").splitlines(), 1):
-        if not line.strip():
-            continue
-        try:
-            row = json.loads(line)
-        except json.JSONDecodeError as e:
-            raise UserError(f"{path}:{n}: not valid JSON ({e.msg}); expected {{\"prompt\": TEXT}}") from None
+
+    def prompt_row(row) -> dict:
         if chat and isinstance(row, dict) and isinstance(row.get("messages"), list):
-            rows.append(row)
-            continue
+            return row
         if not isinstance(row, dict) or not isinstance(row.get("prompt"), str):
             expected = '"prompt" string or a "messages" list' if chat else 'string "prompt"'
-            raise UserError(f"{path}:{n}: expected an object with a {expected} field")
+            raise ValueError(f"expected an object with a {expected} field")
         if not row["prompt"]:
-            raise UserError(f"{path}:{n}: the prompt is empty")
-        rows.append(row)
-    if not rows:
-        raise UserError(f"{path}: no prompts")
-    return rows
+            raise ValueError("the prompt is empty")
+        return row
+
+    line = '{"prompt": TEXT} or {"messages": [...]}' if chat else '{"prompt": TEXT}'
+    rows = read_jsonl(path, prompt_row, what="prompts", expected=f"one {line} object per line",
+                      bad_json="not valid JSON")
+    return [row for _, row in rows]
 
 
 def run(args) -> int:
     from lm.infer.sampling import SamplingParams
-    from lm.infer.load import load_trained
     from lm.infer.session import Session
+    from lm.store.load import load_trained
 
     sampling = SamplingParams(max_new_tokens=args.max_new_tokens, temperature=args.temperature, top_k=args.top_k,
                               top_p=args.top_p, min_p=args.min_p, seed=args.seed)

@@ -9,47 +9,44 @@ A conversation longer than the model's context loses its oldest tokens (counted 
 
 from __future__ import annotations
 
-import json
-import pathlib
-
 import jax
 import jax.numpy as jnp
 import numpy as np
 from jax.sharding import NamedSharding, PartitionSpec
 
 from lm.data.chat import ChatTemplate
+from lm.data.jsonl import ONE_OBJECT, read_jsonl
+from lm.data.preference import prompt_messages
+from lm.data.sft import parse_record
 from lm.errors import UserError
-from lm.sharding import batch_shardings, split_count
+from lm.model.apply import sequence_scores
+from lm.model.build import build_model, reward_model
 
 BUCKET = 64
 
 
 class RewardScorer:
-    """Builds the reward model of a loaded run (lm.infer.load.Loaded holding a 'scalar_head')."""
+    """Builds the reward model of a loaded run (lm.store.load.Loaded holding a 'scalar_head')."""
 
-    def __init__(self, loaded, devices=None, batch_size: int = 32):
-        from lm.train.pair_losses import sequence_scores
-        from lm.train.reward import build_reward_run
-
+    def __init__(self, loaded, devices=None, batch_size: int = 32, mesh=None):
         if "scalar_head" not in loaded.params:
             raise UserError(f"{loaded.source} has no scalar head: it is not a reward model (train one with `lm reward`)")
         self.loaded, self.template = loaded, ChatTemplate.for_tokenizer(loaded.tokenizer)
-        self.run = build_reward_run(loaded.config, devices=devices)
-        self.params = jax.device_put(loaded.params, self.run.state_shardings.params)
-        fields = ("inputs", "segment_ids", "positions")
-        shardings = batch_shardings(self.run.mesh, self.run.rules, {k: (1, 1) for k in fields})
-        shards = split_count(self.run.mesh, shardings["inputs"].spec[0])
-        self.batch_size = -(-batch_size // shards) * shards
-        model = self.run.model
+        self.built = build_model(loaded.config, devices, model_fn=reward_model, mesh=mesh)
+        self.built.check(loaded.params, loaded.source)
+        self.params = self.built.place(loaded.params)
+        shardings = self.built.batch_shardings({k: (1, 1) for k in ("inputs", "segment_ids", "positions")})
+        self.batch_size = -(-batch_size // self.built.batch_shards()) * self.built.batch_shards()
+        model = self.built.module
         self._score = jax.jit(lambda p, rows: sequence_scores(model, p, rows),
-                              in_shardings=(self.run.state_shardings.params, shardings),
-                              out_shardings=NamedSharding(self.run.mesh, PartitionSpec()))
+                              in_shardings=(self.built.param_shardings, shardings),
+                              out_shardings=NamedSharding(self.built.mesh, PartitionSpec()))
         self.truncated = 0
 
     def ids(self, messages: list[dict]) -> np.ndarray:
         """The input ids whose last position the score is read at (the training rows' inputs)."""
         ids = self.template.render(messages, "last")[0][:-1]
-        limit = self.run.spec.max_seq_len
+        limit = self.built.spec.max_seq_len
         if len(ids) > limit:
             self.truncated += 1
             ids = ids[-limit:]
@@ -67,7 +64,7 @@ class RewardScorer:
         return np.concatenate(out) if out else np.zeros(0, np.float32)
 
     def _batch(self, rows: list[np.ndarray]) -> np.ndarray:
-        t = min(-(-max(len(r) for r in rows) // BUCKET) * BUCKET, self.run.spec.max_seq_len)
+        t = min(-(-max(len(r) for r in rows) // BUCKET) * BUCKET, self.built.spec.max_seq_len)
         inputs = np.zeros((self.batch_size, t), np.int32)
         segments = np.zeros_like(inputs)
         for i, r in enumerate(rows):
@@ -82,24 +79,13 @@ class RewardScorer:
 def read_texts(path) -> list[list[dict]]:
     """Conversations to score: JSONL lines {"prompt", "response"} or any `lm sft` line (chat
     messages or instruction/output) ending with the assistant turn."""
-    from lm.data.preference import prompt_messages
-    from lm.data.sft import parse_record
 
-    out = []
-    for n, line in enumerate(pathlib.Path(path).read_bytes().splitlines(), 1):
-        if not line.strip():
-            continue
-        try:
-            record = json.loads(line)
-            if isinstance(record, dict) and "response" in record:
-                response = record["response"]
-                if not isinstance(response, str) or not response:
-                    raise ValueError("'response' must be a non-empty string")
-                out.append(prompt_messages(record.get("prompt")) + [{"role": "assistant", "content": response}])
-            else:
-                out.append(parse_record(line))
-        except ValueError as e:
-            raise UserError(f"{path}:{n}: {e}") from None
-    if not out:
-        raise UserError(f"{path}: no line to score")
-    return out
+    def conversation(record) -> list[dict]:
+        if isinstance(record, dict) and "response" in record:
+            response = record["response"]
+            if not isinstance(response, str) or not response:
+                raise ValueError("'response' must be a non-empty string")
+            return prompt_messages(record.get("prompt")) + [{"role": "assistant", "content": response}]
+        return parse_record(record)
+
+    return [c for _, c in read_jsonl(path, conversation, what="conversations to score", expected=ONE_OBJECT)]

@@ -29,8 +29,8 @@ def run(args) -> int:
     from lm.cpu_flags import apply_cpu_defaults
 
     apply_cpu_defaults("float32")
-    from lm.infer.load import load_trained
     from lm.infer.score import RewardScorer, read_texts
+    from lm.store.load import load_trained
 
     path = args.texts or args.pairs
     if not pathlib.Path(path).is_file():

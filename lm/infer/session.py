@@ -2,31 +2,31 @@
 
 from __future__ import annotations
 
-import jax
-
+from lm.data.chat import ChatTemplate, check_messages
 from lm.errors import UserError
 from lm.infer.generate import Generator
 from lm.infer.sampling import SamplingParams
 from lm.infer.text import complete, complete_ids
-from lm.train.setup import build_run
+from lm.model.build import build_model
 
 
 class Session:
-    """Builds the run of the model's config (mesh, rule table, model), places the params with
-    their training shardings, and keeps one compiled generator per sampling setting."""
+    """Builds the model of its config on its mesh, places the params with their shardings, and
+    keeps one compiled generator per sampling setting."""
 
     def __init__(self, loaded, devices=None):
         self.loaded, self.tokenizer = loaded, loaded.tokenizer
-        self.run = build_run(loaded.config, devices=devices)
-        self.params = jax.device_put(loaded.params, self.run.state_shardings.params)
+        self.built = build_model(loaded.config, devices)
+        self.built.check(loaded.params, loaded.source)
+        self.params = self.built.place(loaded.params)
         self._generators: dict = {}
 
     def generator(self, sampling: SamplingParams, eos_id=None) -> Generator:
         eos_id = eos_id or self.tokenizer.eos_id
         if (sampling, eos_id) not in self._generators:
             self._generators[(sampling, eos_id)] = Generator(
-                self.run.model, self.params, sampling, eos_id=eos_id,
-                max_len=self.run.spec.max_seq_len, mesh=self.run.mesh, rules=self.run.rules)
+                self.built.module, self.params, sampling, eos_id=eos_id,
+                max_len=self.built.spec.max_seq_len, mesh=self.built.mesh, rules=self.built.rules)
         return self._generators[(sampling, eos_id)]
 
     def complete(self, prompts: list[str], sampling: SamplingParams, stop=(), stream=None) -> list[dict]:
@@ -34,8 +34,6 @@ class Session:
 
     def chat(self, conversations: list[list[dict]], sampling: SamplingParams, stop=(), stream=None) -> list[dict]:
         """Assistant replies to conversations (each ending with a user turn), with the chat template."""
-        from lm.data.chat import ChatTemplate, check_messages
-
         template = ChatTemplate.for_tokenizer(self.tokenizer)
         prompts = []
         for i, messages in enumerate(conversations):

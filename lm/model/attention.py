@@ -14,8 +14,9 @@ import jax
 import jax.numpy as jnp
 
 from lm.model.blockwise import blockwise_attention
-from lm.model.layers import ModelSpec, Partitioning, matmul, matmuls, normal, param
+from lm.model.layers import ModelSpec, Partitioning, matmul, matmuls, normal
 from lm.model.lora import lora_delta, targeted
+from lm.model.params import param
 
 MASKED = float(jnp.finfo(jnp.float32).min)
 CACHE_AXES = ("batch", "kv_heads", "cache_length", "head_dim")

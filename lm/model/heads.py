@@ -6,7 +6,8 @@ import flax.linen as nn
 import jax
 import jax.numpy as jnp
 
-from lm.model.layers import ModelSpec, param
+from lm.model.layers import ModelSpec
+from lm.model.params import param
 
 
 class ScalarHead(nn.Module):

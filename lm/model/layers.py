@@ -13,6 +13,7 @@ from jax.sharding import Mesh, NamedSharding
 from lm.config import LORA_TARGETS
 from lm.model import cpu_kernels
 from lm.model.lora import lora_delta, targeted
+from lm.model.params import param
 
 
 @dataclasses.dataclass(frozen=True)
@@ -108,11 +109,6 @@ def scale_norm(spec: ModelSpec, x: jax.Array, scale: jax.Array) -> jax.Array:
     if centered:
         xf = xf - xf.mean(-1, keepdims=True)
     return xf * jax.lax.rsqrt((xf * xf).mean(-1, keepdims=True) + spec.norm_eps) * scale
-
-
-def param(module: nn.Module, name: str, init, shape, names) -> jax.Array:
-    """A float32 param annotated with logical axis names."""
-    return module.param(name, nn.with_logical_partitioning(init, names), shape, jnp.float32)
 
 
 def normal(std: float):

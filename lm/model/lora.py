@@ -16,6 +16,8 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 
+from lm.model.params import param
+
 SUFFIX_A, SUFFIX_B = "_lora_a", "_lora_b"
 
 
@@ -39,8 +41,6 @@ def lora_delta(module: nn.Module, spec, name: str, x: jax.Array, einsum_spec: st
 
     Dropout (spec.lora_dropout) applies only when the module was given a 'dropout' rng (training).
     """
-    from lm.model.layers import param  # lazy: layers imports this module
-
     xs, k, o, out = _axes(einsum_spec)
     ws = k + o
     r = spec.lora_rank

@@ -14,7 +14,8 @@ import jax.numpy as jnp
 
 from lm.model.attention import Attention, rope_tables
 from lm.model.heads import ScalarHead
-from lm.model.layers import Mlp, ModelSpec, Norm, Partitioning, matmul, normal, param
+from lm.model.layers import Mlp, ModelSpec, Norm, Partitioning, matmul, normal
+from lm.model.params import param
 
 REMAT_POLICIES = {
     "full": jax.checkpoint_policies.nothing_saveable,

@@ -23,12 +23,13 @@ from jax.sharding import NamedSharding, PartitionSpec
 
 from lm import plan
 from lm.data.pipeline import ready_batches
+from lm.eval.answers import compare_answers
 from lm.model.lora import is_adapter
+from lm.model.params import merge_trees
 from lm.train import pairs
 from lm.train.metrics import json_default, plot_curves
 from lm.train.pair_losses import DpoSettings, dpo_loss, pair_logprobs
-from lm.train.setup import build_run
-from lm.train.state import merge_trees, split_params
+from lm.train.setup import build_run, reference_slot
 
 EVAL_METRICS = ("loss", "rewards/accuracies", "rewards/margins", "rewards/chosen", "rewards/rejected",
                 "logps/chosen", "logps/rejected", "logps/accuracies")
@@ -53,15 +54,15 @@ def plain(model):
 def build_dpo_run(config, devices=None):
     lora, mode = config.model.lora_rank > 0, reference_mode(config)
     settings = DpoSettings.from_config(config.dpo)
-    split_base = lambda p: split_params(p, is_adapter)[1]
-    loss = lambda m: dpo_loss(m, settings, mode, plain(m), split_base)
+    live = mode in ("live", "adapters_off")
+    loss = lambda m: dpo_loss(m, settings, "live" if live else mode)  # noqa: E731
     return build_run(config, loss, devices=devices, trainable=is_adapter if lora else None,
-                     reference=mode == "live")
+                     frozen={"reference": reference_slot(config, lora)} if live else None)
 
 
 def base_shardings(run):
     """Shardings of the init model's params: the frozen base with LoRA, else the trained params."""
-    return run.frozen_shardings if run.trainable is not None else run.state_shardings.params
+    return run.base_shardings if run.trainable is not None else run.state_shardings.params
 
 
 def reference_logps(run, base: dict, rows, batch_size: int) -> np.ndarray:
@@ -112,7 +113,7 @@ def dpo(config, workdir, resume: bool = False, show_progress: bool = True) -> di
                                       eval_metrics=EVAL_METRICS, extra=extra, fields=fields, flops_per_token=flops)
     if last["stopped_by"]:
         return {"step": last["stop_step"], "stopped_by": last["stopped_by"]}
-    policy = {k: v for k, v in merge_trees(state.params, frozen).items() if k != "reference"}
+    policy = merge_trees(state.params, (frozen or {}).get("base"))
     return _finish(stage, policy, last, mode)
 
 
@@ -120,8 +121,6 @@ SUMMARY_KEYS = ("loss", "tokens_per_s", "run_tokens_per_s", "run_mfu", "peak_flo
 
 
 def _finish(stage, params, last: dict, mode: str) -> dict:
-    from lm.train.sft import compare_answers
-
     config, workdir = stage.config, stage.workdir
     before, after = pairs.first_eval(workdir), {k: v for k, v in last.items() if k.startswith("eval_")}
     summary = {"step": config.train.steps, "init": config.pairs.init, "loss_name": config.dpo.loss,

@@ -16,7 +16,7 @@ import jax
 from lm import plan
 from lm.errors import UserError
 from lm.perf import measure_matmul_peak
-from lm.train.checkpoint import Checkpointer, saved_steps
+from lm.store.checkpoint import Checkpointer, saved_steps
 from lm.train.faults import FaultPolicy, StopSignal
 from lm.train.loop import Faults, LoopSpec, run_loop
 from lm.train.metrics import MetricsWriter, truncate_after
@@ -66,8 +66,7 @@ def peak_flops(config) -> tuple[float, str]:
 
 def fit(run, workdir, data_iter, *, resume: bool, init: Callable, evaluate: Callable | None = None,
         first_row: dict | None = None, frozen=None, signature: dict | None = None,
-        show_progress: bool = True, flops_per_token: float | None = None, step_fn: Callable | None = None,
-        tokenizer=None):
+        show_progress: bool = True, flops_per_token: float | None = None, step_fn: Callable | None = None):
     """Trains `run` from a fresh `init()` state (or the newest checkpoint when resuming) to
     config.train.steps. Returns (state, last) where last holds the final logged and eval metrics,
     run throughput, `stopped_by` (a signal's name when one ended the run early) and the peak.
@@ -77,7 +76,6 @@ def fit(run, workdir, data_iter, *, resume: bool, init: Callable, evaluate: Call
     step_fn: `step(state, host batch) -> (state, metrics)` of a stage whose step is more than the
     jitted update (RL: rollouts, rewards, several updates); it places its own data, and
     `signature` then describes the rows its updates see (for tokens/s).
-    tokenizer: the run's, for the language-modelling sets of config.eval.sets (lm.eval.during).
     """
     config, workdir = run.config, pathlib.Path(workdir)
     t, is_main = config.train, jax.process_index() == 0
@@ -96,10 +94,6 @@ def fit(run, workdir, data_iter, *, resume: bool, init: Callable, evaluate: Call
         state = init()
         if is_main and (workdir / "metrics.jsonl").exists():  # a run that died before its first checkpoint
             (workdir / "metrics.jsonl").replace(workdir / "metrics.jsonl.prev")
-    if tokenizer is not None:
-        from lm.eval.during import with_sets
-
-        evaluate = with_sets(evaluate, run, tokenizer, frozen)
     step_fn = step_fn or run.bind(run.train_step(signature), frozen)
     seq = signature["inputs"].shape[-1]
     flops = flops_per_token or plan.flops_per_token(config.model, seq)

@@ -1,23 +1,17 @@
 """Losses as (sum, count) pairs so that averages over micro-batches and devices are exact.
 
-A LossFn is `(params, batch, rng) -> (objective_sum, sums)` (rng is None when evaluating):
-the gradient is taken of
-`objective_sum`, and `sums` holds additive statistics including the token `count`.
+A LossFn is `(params, batch, frozen, rng) -> (objective_sum, sums)`: params are the trained
+model's (its frozen base merged in), frozen maps names to the other frozen models
+(lm.model.build.FrozenModel: a reference, a teacher), rng is None when evaluating. The gradient
+is taken of `objective_sum`, and `sums` holds additive statistics including the token `count`.
 The train step divides by the global count once, after all micro-batches.
 """
 
 from __future__ import annotations
 
-import jax
 import jax.numpy as jnp
 
-
-def target_logprobs(logits, targets):
-    """(log p(target) [B, T], log Z [B, T]) in float32: the one core of every text loss."""
-    logits = logits.astype(jnp.float32)
-    log_z = jax.nn.logsumexp(logits, axis=-1)
-    target_logit = jnp.take_along_axis(logits, targets[..., None], axis=-1)[..., 0]
-    return target_logit - log_z, log_z
+from lm.model.apply import logits_of, target_logprobs
 
 
 def masked_cross_entropy(logits, targets, mask):
@@ -32,27 +26,10 @@ def masked_cross_entropy(logits, targets, mask):
     return nll_sum, jnp.sum(mask), jnp.sum(jnp.square(log_z) * mask)
 
 
-def sequence_logprobs(logits, targets, mask):
-    """(summed log p of the masked-in targets, their count), per row: float32 [B] each."""
-    logp, _ = target_logprobs(logits, targets)
-    mask = mask.astype(jnp.float32)
-    return jnp.sum(jnp.where(mask != 0, logp * mask, 0.0), axis=-1), jnp.sum(mask, axis=-1)
-
-
-def logits_of(model, params, batch, rng=None, output: str = "logits"):
-    """The model's logits (or another output, e.g. "scalar") for a batch; rng (training only)
-    feeds dropout where the model has any."""
-    dropout = rng is not None and getattr(getattr(model, "spec", None), "lora_dropout", 0) > 0
-    kw = {"rngs": {"dropout": rng}} if dropout else {}
-    if output != "logits":
-        kw["output"] = output
-    return model.apply({"params": params}, batch["inputs"], batch["segment_ids"], batch["positions"], **kw)
-
-
 def pretrain_loss(model, z_loss: float = 0.0):
     """Next-token cross-entropy on every position whose loss_mask is 1, plus optional z-loss."""
 
-    def loss_fn(params, batch, rng):
+    def loss_fn(params, batch, frozen, rng):
         nll, count, z = masked_cross_entropy(logits_of(model, params, batch, rng), batch["targets"],
                                              batch["loss_mask"])
         return nll + z_loss * z, {"loss_sum": nll, "log_z_sq_sum": z, "count": count}
@@ -65,8 +42,8 @@ def sft_loss(model):
     global count; also counts every real token, for the share the mask leaves out."""
     base = pretrain_loss(model)
 
-    def loss_fn(params, batch, rng):
-        objective, stats = base(params, batch, rng)
+    def loss_fn(params, batch, frozen, rng):
+        objective, stats = base(params, batch, frozen, rng)
         return objective, stats | {"input_tokens_total": jnp.sum(batch["segment_ids"] > 0).astype(jnp.float32)}
 
     return loss_fn

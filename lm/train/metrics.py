@@ -8,6 +8,8 @@ import pathlib
 
 import numpy as np
 
+from lm.data.jsonl import iter_jsonl
+
 
 class MetricsWriter:
     """Appends rows to `metrics.jsonl` and scalars to TensorBoard under the run directory."""
@@ -49,8 +51,7 @@ def json_default(x):
 
 
 def read_metrics(path: pathlib.Path) -> list[dict]:
-    with pathlib.Path(path).open() as f:
-        return [json.loads(line) for line in f if line.strip()]
+    return [row for _, row in iter_jsonl(path, expected="one JSON object of metrics per line")]
 
 
 def truncate_after(path: pathlib.Path, step: int) -> None:

@@ -23,7 +23,7 @@ import dataclasses
 import jax
 import jax.numpy as jnp
 
-from lm.train.losses import logits_of, sequence_logprobs
+from lm.model.apply import logits_of, sequence_logprobs, sequence_scores
 
 TEXT_FIELDS = ("inputs", "targets", "loss_mask", "segment_ids", "positions")
 DPO_LOSSES = ("sigmoid", "ipo", "simpo")
@@ -93,27 +93,25 @@ def _pair_stats(valid, loss, **per_pair) -> dict:
     return out | {f"{k}_sum": jnp.sum(jnp.where(valid, x, 0.0)) for k, x in per_pair.items()}
 
 
-def dpo_loss(model, settings: DpoSettings, reference: str = "live", reference_model=None, split_base=None):
+def dpo_loss(model, settings: DpoSettings, reference: str = "live"):
     """LossFn of DPO. reference: where the reference log-probs come from:
-    'live'         params['reference'] (frozen params beside the policy's) run through reference_model;
-    'adapters_off' the policy's own frozen base without its adapters (LoRA), through reference_model;
-                   split_base(params) -> base params;
+    'live'         the frozen model 'reference' (a copy of the init model, or a LoRA policy's
+                   own base with the adapters off) runs beside the policy;
     'precomputed'  batch['ref_logps'] [B, 2];
     'none'         simpo needs no reference."""
 
-    def ref_logps(params, batch):
+    def ref_logps(frozen, batch):
         if reference == "precomputed":
             return batch["ref_logps"]
         if reference == "none":
             return jnp.zeros(batch["inputs"].shape[:2], jnp.float32)
-        ref_params = params["reference"] if reference == "live" else split_base(params)
-        return jax.lax.stop_gradient(pair_logprobs(reference_model, ref_params, batch)[0])
+        ref = frozen["reference"]
+        return jax.lax.stop_gradient(pair_logprobs(ref.module, ref.params, batch)[0])
 
-    def loss_fn(params, batch, rng):
-        policy = {k: v for k, v in params.items() if k != "reference"}
-        logp, count = pair_logprobs(model, policy, batch, rng)
+    def loss_fn(params, batch, frozen, rng):
+        logp, count = pair_logprobs(model, params, batch, rng)
         valid = jnp.all(count > 0, axis=-1)
-        loss, chosen, rejected = dpo_terms(settings, logp, ref_logps(params, batch), count)
+        loss, chosen, rejected = dpo_terms(settings, logp, ref_logps(frozen, batch), count)
         stats = _pair_stats(valid, loss, **{
             "rewards/chosen": chosen, "rewards/rejected": rejected,
             "rewards/accuracies": (chosen > rejected).astype(jnp.float32), "rewards/margins": chosen - rejected,
@@ -125,19 +123,6 @@ def dpo_loss(model, settings: DpoSettings, reference: str = "live", reference_mo
     return loss_fn
 
 
-def last_real(segment_ids):
-    """Index of each row's last real (non-padding) position: [N, T] -> [N] int32."""
-    real = segment_ids > 0
-    t = segment_ids.shape[-1]
-    return (t - 1 - jnp.argmax(real[..., ::-1], axis=-1)).astype(jnp.int32)
-
-
-def sequence_scores(model, params, rows: dict, rng=None):
-    """The scalar head's value at each row's last real token: [N] float32."""
-    scores = logits_of(model, params, rows, rng, output="scalar")
-    return jnp.take_along_axis(scores, last_real(rows["segment_ids"])[:, None], axis=-1)[:, 0]
-
-
 def reward_terms(r_chosen, r_rejected, margin, center_coef: float):
     """Bradley-Terry loss per pair: -log sigmoid(r_c - r_r - margin) + center_coef (r_c + r_r)^2."""
     loss = -jax.nn.log_sigmoid(r_chosen - r_rejected - margin)
@@ -147,7 +132,7 @@ def reward_terms(r_chosen, r_rejected, margin, center_coef: float):
 def reward_loss(model, center_coef: float = 0.0):
     """LossFn of a Bradley-Terry reward model (a scalar head on the trunk)."""
 
-    def loss_fn(params, batch, rng):
+    def loss_fn(params, batch, frozen, rng):
         rows = flat_pairs(batch)
         scores = sequence_scores(model, params, rows, rng).reshape(-1, 2)
         valid = jnp.all(jnp.any(batch["loss_mask"] > 0, axis=-1), axis=-1)

@@ -20,8 +20,11 @@ from lm.data.pipeline import Source, ready_batches, train_dataset
 from lm.data.preference import describe, prepare_pairs
 from lm.data.sft import SftSettings
 from lm.errors import UserError
-from lm.infer.load import load_init, save_tokenizer
+from lm.eval.during import with_sets
+from lm.store.load import load_init
+from lm.store.meta import save_tokenizer
 from lm.train.fit import check_resume, evaluator, fit
+from lm.train.metrics import read_metrics
 
 # Every pair row carries its margin (the reward model's; DPO ignores it).
 PAIR_EXTRA = {"margin": ((), np.float32)}
@@ -48,7 +51,7 @@ class WithFields:
 class PairStage:
     config: object
     workdir: pathlib.Path
-    loaded: object  # lm.infer.load.Loaded: the init model
+    loaded: object  # lm.store.load.Loaded: the init model
     train: object  # lm.data.preference.PairExamples
     heldout: object | None
 
@@ -123,16 +126,15 @@ def train(stage: PairStage, run, *, resume: bool, show_progress: bool, eval_metr
                              metrics=eval_metrics)
     first_row = {"trainable_params": sum(math.prod(x.shape) for x in jax.tree.leaves(run.abstract_state().params)),
                  **{f"data/{k}": v for k, v in stage.train.stats.items()}}
+    evaluate = with_sets(evaluate, e, run.built, stage.loaded.tokenizer, frozen)
     state, last = fit(run, stage.workdir, data_iter, resume=resume, init=lambda: state0, evaluate=evaluate,
                       first_row=first_row, frozen=frozen, signature=signature, show_progress=show_progress,
-                      flops_per_token=flops_per_token, tokenizer=stage.loaded.tokenizer)
+                      flops_per_token=flops_per_token)
     return state, frozen, last
 
 
 def first_eval(workdir) -> dict:
     """The held-out metrics logged at step 0 (the init model's), or {}."""
-    from lm.train.metrics import read_metrics
-
     rows = [r for r in read_metrics(pathlib.Path(workdir) / "metrics.jsonl") if r.get("step") == 0]
     return {k: v for r in rows for k, v in r.items() if k.startswith("eval_")}
 

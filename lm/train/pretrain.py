@@ -16,10 +16,11 @@ from lm.data.cache import data_cache_dir
 from lm.data.checks import check_data_config
 from lm.data.pipeline import eval_batches, train_dataset
 from lm.data.prepare import describe, prepare_pretrain_data
+from lm.eval.during import with_sets
 from lm.infer.generate import Generator
-from lm.infer.load import save_tokenizer
 from lm.infer.sampling import SamplingParams
 from lm.infer.text import complete
+from lm.store.meta import save_tokenizer
 from lm.train.fit import check_resume, evaluator, fit
 from lm.train.metrics import plot_curves
 from lm.train.setup import build_run
@@ -61,8 +62,9 @@ def train(config, workdir, resume: bool = False, show_progress: bool = True) -> 
     evaluate = evaluator(run.eval_step(eval_signature), batches, run.placer(eval_signature))
     first_row = {"unigram_baseline": data.stats["unigram_entropy_nats"], "params": plan.param_count(m),
                  "train_docs": data.stats["train_docs"], "split_docs": data.stats["split_docs"]}
+    evaluate = with_sets(evaluate, e, run.built, data.tokenizer)
     state, last = fit(run, workdir, data_iter, resume=resume, init=run.init_state, evaluate=evaluate,
-                      first_row=first_row, signature=signature, show_progress=show_progress, tokenizer=data.tokenizer)
+                      first_row=first_row, signature=signature, show_progress=show_progress)
     if last["stopped_by"]:
         return {"step": last["stop_step"], "stopped_by": last["stopped_by"], "eval_loss": None}
     return _finish(config, workdir, run, state, data, last, is_main)

@@ -16,14 +16,14 @@ times `rl.reward_model_weight`. Each source's raw rewards are logged as `reward/
 from __future__ import annotations
 
 import dataclasses
-import importlib
-import importlib.util
-import pathlib
 from typing import Callable
 
 import numpy as np
 
 from lm.errors import UserError
+from lm.infer.score import RewardScorer
+from lm.store.load import load_init
+from lm.userfn import load_function
 
 
 @dataclasses.dataclass
@@ -31,29 +31,6 @@ class RewardFn:
     name: str
     fn: Callable
     weight: float
-
-
-def load_function(target: str, label: str = "rl.rewards") -> Callable:
-    """`module:function` or `file.py:function` -> the function (`label` names the setting in errors)."""
-    where, sep, name = target.rpartition(":")
-    if not sep or not where or not name:
-        raise UserError(f"{label}: '{target}'; expected module:function or path/to/file.py:function")
-    try:
-        if where.endswith(".py"):
-            path = pathlib.Path(where)
-            if not path.is_file():
-                raise UserError(f"{label}: '{where}' is not a file")
-            spec = importlib.util.spec_from_file_location(f"lm_reward_{path.stem}", path)
-            module = importlib.util.module_from_spec(spec)
-            spec.loader.exec_module(module)
-        else:
-            module = importlib.import_module(where)
-    except ImportError as e:
-        raise UserError(f"{label}: cannot import '{where}' ({e})") from None
-    fn = getattr(module, name, None)
-    if not callable(fn):
-        raise UserError(f"{label}: '{where}' has no function '{name}'")
-    return fn
 
 
 def parse_rewards(text: str) -> list[RewardFn]:
@@ -85,9 +62,6 @@ class Rewards:
     def from_config(cls, r, devices=None) -> Rewards:
         scorer = None
         if r.reward_model:
-            from lm.infer.load import load_init
-            from lm.infer.score import RewardScorer
-
             scorer = RewardScorer(load_init(r.reward_model), devices=devices)
         return cls(parse_rewards(r.rewards), scorer, r.reward_model_weight, r.truncation_penalty)
 

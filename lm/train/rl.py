@@ -12,7 +12,6 @@ exact match of the init and the tuned model's greedy answers.
 
 from __future__ import annotations
 
-import dataclasses
 import functools
 import json
 import math
@@ -25,10 +24,14 @@ from lm.data.chat import ChatTemplate
 from lm.data.pipeline import Source, train_dataset
 from lm.data.prompts import PromptSet, describe, read_prompts
 from lm.errors import UserError
-from lm.infer.load import load_init, save_tokenizer
+from lm.eval.answers import compare_answers
+from lm.eval.during import with_sets
 from lm.infer.sampling import SamplingParams
 from lm.model.lora import is_adapter
+from lm.model.params import merge_trees
 from lm.model.transformer import Transformer
+from lm.store.load import load_init
+from lm.store.meta import save_tokenizer
 from lm.train import rl_step
 from lm.train.fit import check_resume, fit
 from lm.train.metrics import json_default, plot_rl
@@ -37,8 +40,7 @@ from lm.train.reward import head_or_adapter
 from lm.train.rewards import Rewards
 from lm.train.rl_losses import RlSettings, rl_loss
 from lm.train.rollout import Sampler, Scorer
-from lm.train.setup import build_run
-from lm.train.state import merge_trees, split_params
+from lm.train.setup import build_run, reference_slot
 
 SUMMARY_KEYS = ("reward", "kl", "loss", "response_length", "rollout_tokens_per_s", "update_tokens_per_s",
                 "sampling_share", "eval_reward", "compile_s")
@@ -52,23 +54,15 @@ def build_rl_run(config, devices=None):
     lora = config.model.lora_rank > 0
     model_fn = functools.partial(Transformer, scalar_head=True) if r.algo == "ppo" else Transformer
     trainable = (head_or_adapter if r.algo == "ppo" else is_adapter) if lora else None
+    frozen = {"reference": reference_slot(config, lora)} if settings.needs_reference else None
     return build_run(config, lambda m: rl_loss(m, settings), devices=devices, model_fn=model_fn,
-                     trainable=trainable, reference=settings.needs_reference and not lora,
-                     updates_per_step=r.epochs * r.minibatches)
+                     trainable=trainable, frozen=frozen, updates_per_step=r.epochs * r.minibatches)
 
 
 def _prompts(path, loaded, config, limit: int = 0) -> PromptSet:
     r = config.rl
     return read_prompts(path, loaded.tokenizer, seq_len=config.data.seq_len, max_new_tokens=r.max_new_tokens,
                         on_bad_record=r.on_bad_record, max_skipped_fraction=r.max_skipped_fraction, limit=limit)
-
-
-def _reference_parts(run, settings: RlSettings):
-    """(reference model, with_reference, split_base) for the scoring pass."""
-    plain = run.model.clone(spec=dataclasses.replace(run.model.spec, lora_rank=0), scalar_head=False)
-    with_ref = settings.needs_reference
-    split_base = lambda p: {k: v for k, v in split_params(p, run.trainable)[1].items() if k != "scalar_head"}  # noqa: E731
-    return plain, with_ref, split_base
 
 
 def rl(config, workdir, resume: bool = False, show_progress: bool = True) -> dict:
@@ -97,8 +91,7 @@ def rl(config, workdir, resume: bool = False, show_progress: bool = True) -> dic
     template = ChatTemplate.for_tokenizer(loaded.tokenizer)
     sampling = SamplingParams(max_new_tokens=r.max_new_tokens, temperature=r.temperature, top_p=r.top_p)
     sampler = Sampler(run, sampling, template.stop_ids, config.data.seq_len)
-    ref_model, with_ref, split_base = _reference_parts(run, settings)
-    scorer = Scorer(run, ref_model, with_ref, settings.algo == "ppo", split_base)
+    scorer = Scorer(run, settings.algo == "ppo")
     step = rl_step.RlStep(run, frozen, prompts, rewards, sampler, scorer, template, settings, r)
     data_iter = iter(train_dataset([Source(r.data, prompts, 1.0)], seq_len=config.data.seq_len,
                                    global_batch=r.prompts_per_step, seed=t.seed, pack=False))
@@ -109,12 +102,13 @@ def rl(config, workdir, resume: bool = False, show_progress: bool = True) -> dic
     flops = plan.flops_per_token(config.model, config.data.seq_len) * passes * r.minibatches
     first_row = {"trainable_params": sum(math.prod(x.shape) for x in jax.tree.leaves(run.abstract_state().params)),
                  **{f"data/{k}": v for k, v in prompts.stats.items()}}
+    evaluate = with_sets(evaluate, config.eval, run.built, loaded.tokenizer, frozen)
     state, last = fit(run, workdir, data_iter, resume=resume, init=lambda: state0, evaluate=evaluate,
                       first_row=first_row, frozen=frozen, signature=step.signature, show_progress=show_progress,
-                      flops_per_token=flops, step_fn=step, tokenizer=loaded.tokenizer)
+                      flops_per_token=flops, step_fn=step)
     if last["stopped_by"]:
         return {"step": last["stop_step"], "stopped_by": last["stopped_by"]}
-    return _finish(config, workdir, loaded, merge_trees(state.params, frozen), last)
+    return _finish(config, workdir, loaded, merge_trees(state.params, (frozen or {}).get("base")), last)
 
 
 def _write_run_files(config, workdir: pathlib.Path, loaded, prompts: PromptSet) -> None:
@@ -127,10 +121,8 @@ def _write_run_files(config, workdir: pathlib.Path, loaded, prompts: PromptSet) 
 
 
 def _finish(config, workdir: pathlib.Path, loaded, params, last: dict) -> dict:
-    from lm.train.sft import compare_answers
-
     r = config.rl
-    policy = {k: v for k, v in params.items() if k not in ("reference", "scalar_head")}
+    policy = {k: v for k, v in params.items() if k != "scalar_head"}
     summary = {"step": config.train.steps, "init": r.init, "algo": r.algo, "lora_rank": config.model.lora_rank,
                "eval_init": first_eval(workdir), "eval": {k: v for k, v in last.items() if k.startswith("eval_")}}
     summary |= {k: last.get(k) for k in SUMMARY_KEYS}

@@ -25,7 +25,7 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 
-from lm.train.losses import logits_of, target_logprobs
+from lm.model.apply import logits_of, target_logprobs
 
 ALGOS = ("grpo", "ppo")
 
@@ -130,7 +130,7 @@ def rl_loss(model, settings: RlSettings):
     """LossFn of GRPO or PPO over a rollout batch (see the module doc)."""
     ppo = settings.algo == "ppo"
 
-    def loss_fn(params, batch, rng):
+    def loss_fn(params, batch, frozen, rng):
         mask = batch["loss_mask"].astype(jnp.float32)
         if ppo:
             logits, values = logits_of(model, params, batch, rng, output="logits_and_scalar")
@@ -153,8 +153,3 @@ def rl_loss(model, settings: RlSettings):
         return stats["loss_sum"], stats | {"count": jnp.sum(mask)}
 
     return loss_fn
-
-
-def token_logprobs(model, params, batch: dict):
-    """log p of every target under a model: float32 [B, T] (the reference's, in the scoring pass)."""
-    return target_logprobs(logits_of(model, params, batch), batch["targets"])[0]

@@ -17,9 +17,9 @@ from jax.sharding import NamedSharding, PartitionSpec
 
 from lm.infer.generate import Generation, Generator
 from lm.infer.sampling import SamplingParams
+from lm.model.apply import logits_of, token_logprobs
 from lm.model.lora import merge_lora
-from lm.train.rl_losses import token_logprobs
-from lm.train.state import merge_trees
+from lm.model.params import merge_trees
 
 SCORE_FIELDS = ("inputs", "targets", "loss_mask", "segment_ids", "positions")
 
@@ -69,7 +69,7 @@ class Sampler:
         lora, alpha, rank = m.lora_rank > 0, m.lora_alpha, m.lora_rank
 
         def policy(params, frozen):
-            p = merge_trees(params, {k: v for k, v in (frozen or {}).items() if k != "reference"})
+            p = merge_trees(params, (frozen or {}).get("base"))
             p = {k: v for k, v in p.items() if k != "scalar_head"}
             return merge_lora(p, alpha, rank) if lora else p
 
@@ -88,18 +88,18 @@ class Scorer:
     """One jitted pass over rollout rows for what stays fixed during the updates: the
     reference's per-token log-probs (when the KL needs them) and PPO's value estimates."""
 
-    def __init__(self, run, reference_model, with_reference: bool, with_values: bool, split_base=None):
-        self.with_reference, self.with_values = with_reference, with_values
+    def __init__(self, run, with_values: bool):
+        self.with_reference, self.with_values = "reference" in run.frozen, with_values
         model, rep = run.model, NamedSharding(run.mesh, PartitionSpec())
+        reference = run.frozen["reference"].built.module if self.with_reference else None
 
         def score(params, frozen, rows):
             out = {}
-            if with_reference:
-                ref = frozen["reference"] if "reference" in frozen else split_base(merge_trees(params, frozen))
-                out["ref_logp"] = token_logprobs(reference_model, ref, rows)
+            if reference is not None:
+                out["ref_logp"] = token_logprobs(reference, frozen["reference"], rows)
             if with_values:
-                out["old_values"] = model.apply({"params": merge_trees(params, frozen)}, rows["inputs"],
-                                                rows["segment_ids"], rows["positions"], output="scalar")
+                full = merge_trees(params, frozen.get("base"))
+                out["old_values"] = logits_of(model, full, rows, output="scalar")
             return out
 
         self._score = jax.jit(score, out_shardings=rep)

@@ -12,17 +12,17 @@ from typing import Callable
 
 import flax.linen as nn
 import jax
-import jax.numpy as jnp
 import numpy as np
 import optax
 from jax.sharding import Mesh
 
-from lm.config import rules_table
 from lm.data.pipeline import BATCH_DTYPES
-from lm.model.layers import ModelSpec, Partitioning
-from lm.model.transformer import Transformer
-from lm.sharding import BatchPlacer, batch_shardings, make_mesh, split_count
 from lm.errors import UserError
+from lm.model.build import Built, ModelFn, build_model
+from lm.model.layers import ModelSpec
+from lm.model.params import split_params, subtree
+from lm.model.transformer import Transformer
+from lm.sharding import BatchPlacer, batch_shardings, split_count
 from lm.train import state as train_state
 from lm.train.losses import pretrain_loss
 from lm.train.optim import make_optimizer
@@ -32,61 +32,97 @@ LossFactory = Callable[[nn.Module], Callable]  # model -> LossFn (lm.train.losse
 
 
 @dataclasses.dataclass(frozen=True)
+class FrozenSlot:
+    """A model a run holds beside the one it trains, by name ("reference", "teacher", ...): its
+    own spec and module on the run's mesh, no gradients, no optimizer state, never in a
+    checkpoint; its params are supplied on every start (lm.train.steps passes them to the loss
+    as lm.model.build.FrozenModel). shares_base: its params are the trained model's frozen base
+    itself (a LoRA policy's reference is its base with the adapters off: no copy)."""
+
+    built: Built
+    dtype: str | None = None  # cast floating params on placement (None: as given)
+    shares_base: bool = False
+
+
+@dataclasses.dataclass(frozen=True)
 class Run:
     """Everything a run is built from; the methods make its state, shardings and steps."""
 
     config: object
-    mesh: Mesh
-    rules: tuple
-    spec: ModelSpec
-    model: nn.Module
+    built: Built  # the model on its mesh (lm.model.build)
     optimizer: optax.GradientTransformation
     schedule: optax.Schedule
     state_shardings: train_state.TrainState
     loss_fn: Callable
     trainable: Callable | None = None  # params-tree path -> trained? (None: all; see lm.train.state)
-    frozen_shardings: dict | None = None
+    base_shardings: dict | None = None  # the params that do not train (the LoRA base), when trainable is set
+    frozen: dict = dataclasses.field(default_factory=dict)  # {name: FrozenSlot}: models beside the trained one
     updates_per_step: int = 1  # optimizer updates per loop step (RL: epochs x minibatches per rollout batch)
+
+    @property
+    def mesh(self) -> Mesh:
+        return self.built.mesh
+
+    @property
+    def rules(self) -> tuple:
+        return self.built.rules
+
+    @property
+    def spec(self) -> ModelSpec:
+        return self.built.spec
+
+    @property
+    def model(self) -> nn.Module:
+        return self.built.module
 
     # ---- state -----------------------------------------------------------------------------
 
-    def init(self, seed: int | None = None, base: dict | None = None):
-        """(state, frozen params or None), created on their devices already sharded. base:
-        params (e.g. pretrained) replacing the fresh ones where present; checked against the model."""
+    def init(self, seed: int | None = None, base: dict | None = None, sources: dict | None = None):
+        """(state, frozen), created on their devices already sharded. base: params (e.g.
+        pretrained) replacing the fresh ones where present, checked against the model; the LoRA
+        base and every frozen model without a source of its own come from it. sources: host
+        params of other frozen models by name (a teacher)."""
         seed = self.config.train.seed if seed is None else seed
         if base is not None:
             train_state.check_base(self.model, base, "the initial params")
-        state, frozen, _ = train_state.create_state(self.model, self.optimizer, self.mesh, self.rules, seed,
-                                                    self.trainable, base)
-        if self.has_reference:
-            frozen = train_state.merge_trees(frozen or {}, {"reference": self.reference_params(base)})
-        return state, frozen
+        state, own, _ = train_state.create_state(self.model, self.optimizer, self.mesh, self.rules, seed,
+                                                 self.trainable, base)
+        return state, self._frozen(own, base, sources)
 
-    def frozen_params(self, base: dict):
-        """The frozen params alone (a LoRA base, a reference model) from `base`, placed sharded:
-        what a resumed run needs beside its restored state (None when nothing is frozen)."""
+    def frozen_params(self, base: dict | None, sources: dict | None = None) -> dict | None:
+        """The frozen params alone, placed sharded: what a resumed run needs beside its restored
+        state (None when nothing is frozen)."""
         if self.frozen_shardings is None:
             return None
-        train_state.check_base(self.model, base, "the initial params")
-        own = {k: v for k, v in self.frozen_shardings.items() if k != "reference"}
-        frozen = jax.device_put(train_state.split_params(base, self.trainable)[1], own) if own else {}
-        if self.has_reference:
-            frozen["reference"] = self.reference_params(base)
-        return frozen
+        if base is not None:
+            train_state.check_base(self.model, base, "the initial params")
+        own = jax.device_put(split_params(base, self.trainable)[1], self.base_shardings) if self.trainable else None
+        return self._frozen(own, base, sources)
+
+    def _frozen(self, own, base, sources) -> dict | None:
+        out = {"base": own} if self.trainable is not None else {}
+        for name, slot in self.frozen.items():
+            if slot.shares_base:
+                out[name] = own
+                continue
+            given = (sources or {}).get(name, base)
+            if given is None:
+                raise UserError(f"the frozen model '{name}' needs params: give the run its --init")
+            if name in (sources or {}):
+                slot.built.check(given, f"the params of the frozen model '{name}'")
+            out[name] = slot.built.place(subtree(given, slot.built.param_shardings), slot.dtype)
+        return out or None
 
     @property
-    def has_reference(self) -> bool:
-        return self.frozen_shardings is not None and "reference" in self.frozen_shardings
+    def frozen_shardings(self) -> dict | None:
+        """{name: shardings} of everything the step takes frozen, or None."""
+        out = {"base": self.base_shardings} if self.trainable is not None else {}
+        out |= {n: (self.base_shardings if s.shares_base else s.built.param_shardings) for n, s in self.frozen.items()}
+        return out or None
 
-    def reference_params(self, base: dict | None):
-        """A frozen copy of `base` in the compute dtype, sharded like the params: the reference model
-        (the decoder alone: a head the policy adds, e.g. PPO's value head, is not part of it)."""
-        if base is None:
-            raise UserError("a run with a reference model needs the params it starts from (its --init)")
-        dtype = jnp.dtype(self.config.model.compute_dtype)
-        shardings = self.frozen_shardings["reference"]
-        cast = jax.tree.map(lambda x: np.asarray(x).astype(dtype), {k: base[k] for k in shardings})
-        return jax.device_put(cast, shardings)
+    @property
+    def frozen_modules(self) -> dict:
+        return {n: s.built.module for n, s in self.frozen.items()}
 
     def init_state(self, seed: int | None = None) -> train_state.TrainState:
         """A fresh state of a run that trains every param."""
@@ -136,12 +172,12 @@ class Run:
         self.check_batch(next(iter((signature or self.signature()).values())).shape[0], t.micro_batches)
         return make_train_step(loss_fn or self.loss_fn, self.optimizer, self.schedule, self.mesh,
                                self.state_shardings, self.batch_shardings(signature), t.micro_batches,
-                               self.frozen_shardings)
+                               self.frozen_shardings, self.frozen_modules)
 
     def eval_step(self, signature: dict | None = None, loss_fn: Callable | None = None):
         """The jitted `eval(params, batch[, frozen]) -> summed statistics`."""
         return make_eval_step(loss_fn or self.loss_fn, self.mesh, self.state_shardings.params,
-                              self.batch_shardings(signature), self.frozen_shardings)
+                              self.batch_shardings(signature), self.frozen_shardings, self.frozen_modules)
 
     @staticmethod
     def bind(fn: Callable, frozen) -> Callable:
@@ -150,8 +186,8 @@ class Run:
 
 
 def build_run(config, loss: LossFactory | None = None, *, devices=None,
-              model_fn: Callable[[ModelSpec, Partitioning], nn.Module] = Transformer,
-              spec: ModelSpec | None = None, trainable: Callable | None = None, reference: bool = False,
+              model_fn: ModelFn = Transformer,
+              spec: ModelSpec | None = None, trainable: Callable | None = None, frozen: dict | None = None,
               updates_per_step: int = 1) -> Run:
     """Builds a run from a validated config.
 
@@ -160,28 +196,31 @@ def build_run(config, loss: LossFactory | None = None, *, devices=None,
     partitioning (default: the decoder; a stage may put another head on the trunk). spec:
     overrides the spec built from config.model. trainable: path -> bool picking the params
     that train (default: all; with LoRA, `lm.model.lora.is_adapter`); the others are frozen.
-    reference: the run also holds a frozen copy of its initial params, in the compute dtype (the
-    frozen params' 'reference' entry: DPO's and RL's reference model, without any 'scalar_head').
+    frozen: {name: mesh -> FrozenSlot}: the models the run holds beside the trained one, built on
+    its mesh (see `reference_slot`).
     updates_per_step: optimizer updates per step of train.steps; the learning rate schedule is
     over steps (warmup and decay in steps), constant within one.
     """
-    mesh = make_mesh(config.mesh, devices)
-    rules = rules_table(config)
-    spec = spec or ModelSpec.from_config(config.model)
-    model = model_fn(spec, Partitioning(mesh, rules))
+    built = build_model(config, devices, model_fn=model_fn, spec=spec)
+    mesh, rules, model = built.mesh, built.rules, built.module
     optimizer, schedule = make_optimizer(config.optim, config.train.steps)
     if updates_per_step > 1:
         per_step = schedule
         schedule = lambda count: per_step(count // updates_per_step)  # noqa: E731
-    shardings, frozen = train_state.state_shardings(model, optimizer, mesh, rules, trainable)
-    if reference:
-        if trainable is not None:
-            raise ValueError("a reference copy is for runs that train every param; with adapters the "
-                             "frozen base is the reference")
-        frozen = {"reference": {k: v for k, v in shardings.params.items() if k != "scalar_head"}}
+    shardings, base_shardings = train_state.state_shardings(model, optimizer, mesh, rules, trainable)
+    slots = {name: make(mesh) for name, make in (frozen or {}).items()}
     loss = loss or (lambda m: pretrain_loss(m, config.optim.z_loss))
-    return Run(config, mesh, rules, spec, model, optimizer, schedule, shardings, loss(model), trainable, frozen,
+    return Run(config, built, optimizer, schedule, shardings, loss(model), trainable, base_shardings, slots,
                updates_per_step)
+
+
+def reference_slot(config, lora: bool):
+    """The reference of DPO and RL: the init model as a plain decoder (no adapters, no scalar
+    head). Without adapters a copy of the init params in the compute dtype; with adapters the
+    frozen base itself."""
+    spec = dataclasses.replace(ModelSpec.from_config(config.model), lora_rank=0)
+    return lambda mesh: FrozenSlot(build_model(config, spec=spec, mesh=mesh),
+                                   None if lora else config.model.compute_dtype, shares_base=lora)
 
 
 def host_batch(signature: dict, seed: int = 0, vocab_size: int = 256) -> dict:

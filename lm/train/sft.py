@@ -17,19 +17,20 @@ import pathlib
 import jax
 
 from lm import plan
-from lm.config import ConfigDict
 from lm.data.cache import data_cache_dir
 from lm.data.pipeline import Source, eval_batches, train_dataset
 from lm.data.sft import SftSettings, describe, prepare_sft
 from lm.errors import UserError
-from lm.eval.answers import exact_match, read_conversations
-from lm.infer.load import load_init, save_tokenizer
+from lm.eval.answers import answer_accuracy, read_conversations
+from lm.eval.during import with_sets
 from lm.model.lora import is_adapter
+from lm.model.params import merge_trees
+from lm.store.load import load_init
+from lm.store.meta import save_tokenizer
 from lm.train.fit import check_resume, evaluator, fit
 from lm.train.losses import sft_loss
-from lm.train.metrics import plot_curves
+from lm.train.metrics import plot_curves, read_metrics
 from lm.train.setup import build_run
-from lm.train.state import merge_trees
 
 PACK_FILL = 0.9  # share of a packed row's positions that hold tokens, for steps from epochs
 
@@ -87,51 +88,17 @@ def sft(config, workdir, resume: bool = False, show_progress: bool = True) -> di
         evaluate = evaluator(run.eval_step(eval_signature), batches, run.placer(eval_signature), frozen)
     first_row = {"params": plan.param_count(config.model), "trainable_params": _count(run.abstract_state().params),
                  **{f"data/{k}": v for k, v in train.stats.items()}}
+    evaluate = with_sets(evaluate, e, run.built, tok, frozen)
     state, last = fit(run, workdir, data_iter, resume=resume, init=lambda: state0, evaluate=evaluate,
-                      first_row=first_row, frozen=frozen, signature=signature, show_progress=show_progress,
-                      tokenizer=tok)
+                      first_row=first_row, frozen=frozen, signature=signature, show_progress=show_progress)
     if last["stopped_by"]:
         return {"step": last["stop_step"], "stopped_by": last["stopped_by"], "eval_loss": None}
-    return _finish(config, workdir, run, loaded, merge_trees(state.params, frozen), last, train.stats, is_main)
+    return _finish(config, workdir, run, loaded, merge_trees(state.params, (frozen or {}).get("base")), last,
+                   train.stats, is_main)
 
 
 def _count(tree) -> int:
     return sum(math.prod(x.shape) for x in jax.tree.leaves(tree))
-
-
-def plain_model_params(config, params):
-    """(a run without adapters on the same mesh, params with any adapters folded in) for decoding."""
-    from lm.model.lora import merge_lora
-
-    m = config.model
-    if m.lora_rank == 0:
-        run = build_run(config)
-        return run, params
-    plain = ConfigDict(config.to_dict())
-    plain.model.lora_rank = 0
-    run = build_run(plain)
-    merged = jax.jit(lambda p: merge_lora(p, m.lora_alpha, m.lora_rank),
-                     out_shardings=run.state_shardings.params)(params)
-    return run, merged
-
-
-def answer_accuracy(config, params, tokenizer, conversations, max_new_tokens: int | None = None) -> dict:
-    """Exact match of greedy answers (lm.eval.answers) of a model, adapters folded in."""
-    run, params = plain_model_params(config, params)
-    return exact_match(run.model, params, tokenizer, conversations,
-                       max_new_tokens=max_new_tokens or config.sft.eval_max_new_tokens, mesh=run.mesh, rules=run.rules)
-
-
-def compare_answers(loaded, config, params, path, examples: int, max_new_tokens: int) -> dict:
-    """Exact match of the init model (`loaded`) and the tuned one on held-out conversations,
-    printed; the summary fields (exact_match_init, exact_match, exact_match_n, answers)."""
-    conversations = read_conversations(path, examples)
-    before = answer_accuracy(loaded.config, loaded.params, loaded.tokenizer, conversations, max_new_tokens)
-    after = answer_accuracy(config, params, loaded.tokenizer, conversations, max_new_tokens)
-    print(f"exact match of greedy answers on {after['n']} held-out prompts: init {before['exact_match']:.1%}"
-          f" -> tuned {after['exact_match']:.1%}")
-    return {"exact_match_init": before["exact_match"], "exact_match": after["exact_match"],
-            "exact_match_n": after["n"], "answers": after["examples"]}
 
 
 SUMMARY_KEYS = ("loss", "eval_loss", "tokens_per_s", "run_tokens_per_s", "run_mfu", "peak_flops_source", "compile_s")
@@ -143,8 +110,9 @@ def _finish(config, workdir, run, loaded, params, last: dict, stats: dict, is_ma
                "data": stats} | {k: last.get(k) for k in SUMMARY_KEYS}
     if config.sft.eval_data:
         conversations = read_conversations(config.sft.eval_data, config.sft.eval_examples)
-        before = answer_accuracy(loaded.config, loaded.params, loaded.tokenizer, conversations)
-        after = answer_accuracy(config, params, loaded.tokenizer, conversations)
+        before = answer_accuracy(loaded.config, loaded.params, loaded.tokenizer, conversations,
+                                 config.sft.eval_max_new_tokens)
+        after = answer_accuracy(config, params, loaded.tokenizer, conversations, config.sft.eval_max_new_tokens)
         summary |= {"exact_match_init": before["exact_match"], "exact_match": after["exact_match"],
                     "exact_match_n": after["n"], "answers": after["examples"]}
         first = _first_eval(workdir)
@@ -158,8 +126,6 @@ def _finish(config, workdir, run, loaded, params, last: dict, stats: dict, is_ma
 
 
 def _first_eval(workdir) -> float | None:
-    from lm.train.metrics import read_metrics
-
     rows = [r for r in read_metrics(workdir / "metrics.jsonl") if r.get("step") == 0 and "eval_loss" in r]
     return rows[0]["eval_loss"] if rows else None
 

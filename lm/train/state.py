@@ -8,7 +8,7 @@ never in the optimizer and never in a checkpoint (they come from the run's --ini
 
 from __future__ import annotations
 
-from typing import Any, Callable
+from typing import Any
 
 import flax.linen as nn
 import flax.struct
@@ -16,7 +16,7 @@ import jax
 import jax.numpy as jnp
 import optax
 
-from lm.errors import UserError
+from lm.model.params import check_fits, merge_trees, split_params, subtree
 from lm.model.transformer import init_params
 from lm.sharding import param_shardings, replicated
 
@@ -27,35 +27,6 @@ class TrainState:
     params: Any
     opt_state: Any
     rng: jax.Array  # uint32[2] raw key: plain array for checkpointing
-
-
-def split_params(tree, trainable: Callable[[tuple], bool] | None) -> tuple[dict, dict | None]:
-    """(trained, frozen) nested dicts by `trainable(path)`; frozen is None when trainable is None."""
-    if trainable is None:
-        return tree, None
-
-    def pick(node, path, keep):
-        out = {}
-        for k, v in node.items():
-            if isinstance(v, dict):
-                sub = pick(v, path + (jax.tree_util.DictKey(k),), keep)
-                if sub:
-                    out[k] = sub
-            elif bool(trainable(path + (jax.tree_util.DictKey(k),))) == keep:
-                out[k] = v
-        return out
-
-    return pick(tree, (), True), pick(tree, (), False)
-
-
-def merge_trees(a: dict, b: dict | None) -> dict:
-    """The union of two nested dicts with disjoint leaves (trained + frozen -> all params)."""
-    if b is None:
-        return a
-    out = dict(a)
-    for k, v in b.items():
-        out[k] = merge_trees(out[k], v) if k in out and isinstance(v, dict) else v
-    return out
 
 
 def state_shardings(model, optimizer, mesh, rules, trainable=None):
@@ -78,17 +49,8 @@ def _with_base(params: dict, base: dict | None) -> dict:
 
 
 def check_base(model, base: dict, source: str) -> None:
-    """base must hold only params of the model, with the model's shapes: one line naming the first misfits."""
-    from lm.train.checkpoint import leaf_paths  # lazy: orbax
-
-    want = nn.unbox(jax.eval_shape(lambda r: init_params(model, r), jax.random.PRNGKey(0)))
-    want = dict(zip(leaf_paths(want), [x.shape for x in jax.tree.leaves(want)]))
-    got = dict(zip(leaf_paths(base), [tuple(x.shape) for x in jax.tree.leaves(base)]))
-    bad = [f"{p}: {s} (model has {want[p]})" for p, s in got.items() if p in want and tuple(want[p]) != s]
-    bad += [f"{p}: not a param of this model" for p in got if p not in want]
-    if bad:
-        raise UserError(f"{source} does not fit the model: " + "; ".join(bad[:5]) +
-                        (f"; ... ({len(bad)} in all)" if len(bad) > 5 else ""))
+    """base must hold only params of the model, with the model's shapes."""
+    check_fits(nn.unbox(jax.eval_shape(lambda r: init_params(model, r), jax.random.PRNGKey(0))), base, source)
 
 
 def _init_fn(model, optimizer, trainable=None):
@@ -110,14 +72,10 @@ def create_state(model, optimizer, mesh, rules, seed: int, trainable=None, base:
         state, frozen = jax.jit(init, out_shardings=(shardings, f_shard))(jax.random.PRNGKey(seed))
     else:
         all_shard = merge_trees(shardings.params, f_shard)
-        base_shard = jax.tree.map(lambda _, sh: sh, base, _subtree(all_shard, base))
+        base_shard = jax.tree.map(lambda _, sh: sh, base, subtree(all_shard, base))
         state, frozen = jax.jit(init, in_shardings=(replicated(mesh), base_shard),
                                 out_shardings=(shardings, f_shard))(jax.random.PRNGKey(seed), base)
     return state, frozen, shardings
-
-
-def _subtree(tree: dict, like: dict) -> dict:
-    return {k: _subtree(tree[k], v) if isinstance(v, dict) else tree[k] for k, v in like.items()}
 
 
 def abstract_state(model, optimizer, shardings, trainable=None):

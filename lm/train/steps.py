@@ -19,8 +19,10 @@ import jax.numpy as jnp
 import optax
 from jax.sharding import NamedSharding, PartitionSpec
 
+from lm.model.build import FrozenModel
+from lm.model.params import merge_trees
 from lm.train.optim import apply_update
-from lm.train.state import TrainState, merge_trees
+from lm.train.state import TrainState
 
 
 def split_micro(x: jax.Array, n: int) -> jax.Array:
@@ -89,20 +91,29 @@ def _micro_shardings(batch_shardings):
     return jax.tree.map(lambda sh: NamedSharding(sh.mesh, PartitionSpec(None, *sh.spec)), batch_shardings)
 
 
+def frozen_view(frozen: dict | None, modules: dict) -> tuple[dict | None, dict]:
+    """(the trained model's frozen base or None, {name: FrozenModel} of the other frozen models)."""
+    frozen = frozen or {}
+    return frozen.get("base"), {n: FrozenModel(modules[n], p) for n, p in frozen.items() if n != "base"}
+
+
 def make_train_step(loss_fn, optimizer, schedule, mesh, state_shardings, batch_shardings, n_micro: int = 1,
-                    frozen_shardings=None):
+                    frozen_shardings=None, frozen_modules=None):
     """Builds the jitted `step(state, batch) -> (state, metrics)`; the state buffer is donated.
 
     optimizer gives the update direction and schedule the learning rate (lm.train.optim);
     batch_shardings is a dict of NamedShardings, one per batch field. With frozen_shardings the
-    step is `step(state, batch, frozen)`: loss_fn sees the trained and frozen params merged,
-    and only the trained ones are differentiated (no gradient is ever formed for the others).
+    step is `step(state, batch, frozen)`, frozen = {name: params}: 'base' (the params of the
+    trained model that do not train, e.g. under LoRA adapters) is merged into the trained params
+    and every other entry reaches the loss as a FrozenModel with its module from frozen_modules.
+    Only the trained params are differentiated (no gradient is ever formed for the others).
     """
     micro_shardings = _micro_shardings(batch_shardings)
 
     def step(state: TrainState, batch, frozen=None):
         rng, step_rng = jax.random.split(state.rng)
-        loss = loss_fn if frozen is None else (lambda p, b, r: loss_fn(merge_trees(p, frozen), b, r))
+        base, models = frozen_view(frozen, frozen_modules or {})
+        loss = lambda p, b, r: loss_fn(merge_trees(p, base), b, models, r)  # noqa: E731
         grads, stats = accumulate(loss, state.params, batch, step_rng, n_micro, micro_shardings)
         grads = jax.tree.map(lambda g: g / jnp.maximum(stats["count"], 1.0), grads)
         grad_norm = optax.tree.norm(grads)
@@ -120,12 +131,13 @@ def make_train_step(loss_fn, optimizer, schedule, mesh, state_shardings, batch_s
     return jax.jit(step, in_shardings=in_shardings, out_shardings=(state_shardings, rep), donate_argnums=0)
 
 
-def make_eval_step(loss_fn, mesh, param_shardings, batch_shardings, frozen_shardings=None):
+def make_eval_step(loss_fn, mesh, param_shardings, batch_shardings, frozen_shardings=None, frozen_modules=None):
     """Jitted `eval(params, batch[, frozen]) -> stats` returning sums, so callers can average
     exactly. The loss gets rng=None: evaluation is deterministic (no dropout)."""
 
     def evaluate(params, batch, frozen=None):
-        _, stats = loss_fn(merge_trees(params, frozen), batch, None)
+        base, models = frozen_view(frozen, frozen_modules or {})
+        _, stats = loss_fn(merge_trees(params, base), batch, models, None)
         return stats
 
     rep = NamedSharding(mesh, PartitionSpec())

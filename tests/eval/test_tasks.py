@@ -8,6 +8,7 @@ import pytest
 from lm.cli import main
 from lm.errors import UserError
 from lm.eval import generation, report, tasks
+from lm.eval.taskfile import read_task_file
 
 
 def write(path, rows):
@@ -33,14 +34,14 @@ def test_task_kind_follows_the_data(tmp_path):
 def test_bad_task_lines_name_file_and_line(tmp_path):
     bad = write(tmp_path / "bad.jsonl", [{"context": "a", "choices": ["x", "y"], "answer": 0}, "{oops"])
     with pytest.raises(UserError, match=r"bad.jsonl:2: malformed JSON"):
-        tasks.read_jsonl(bad)
+        read_task_file(bad)
     from lm.eval.choice import parse_choice
 
     with pytest.raises(UserError, match="f:3: 'answer' is 7"):
         parse_choice({"context": "a", "choices": ["x", "y"], "answer": 7}, "f:3")
     assert parse_choice({"context": "a", "choices": ["x", "y"], "answer": "y"}, "f:1")["answer"] == 1
     with pytest.raises(UserError, match="holds no examples"):
-        tasks.read_jsonl(write(tmp_path / "empty.jsonl", [""]))
+        read_task_file(write(tmp_path / "empty.jsonl", [""]))
     with pytest.raises(UserError, match="must end with an assistant turn"):
         generation.parse_generation({"messages": [{"role": "user", "content": "hi"}]}, "f:1")
 

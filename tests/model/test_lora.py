@@ -11,10 +11,9 @@ import pytest
 from lm.config import base_config
 from lm.model.layers import ModelSpec
 from lm.model.lora import is_adapter, merge_lora
+from lm.model.params import leaf_paths, merge_trees
 from lm.model.transformer import Transformer, init_params
-from lm.train.checkpoint import leaf_paths
 from lm.train.setup import build_run, host_batch
-from lm.train.state import merge_trees
 
 R = 4
 
@@ -126,9 +125,9 @@ def test_adapter_step_equals_full_step_restricted_to_adapters():
     state = state.replace(params=jax.tree.map(lambda x: x + 0.05 * rng.standard_normal(x.shape).astype(x.dtype),
                                               state.params))
     batch = host_batch(split.signature(), vocab_size=64)
-    loss = lambda p: split.loss_fn(p, split.placer().from_global(batch), None)[0]
-    full_params = merge_trees(jax.device_get(state.params), jax.device_get(frozen))
+    loss = lambda p: split.loss_fn(p, split.placer().from_global(batch), {}, None)[0]
+    full_params = merge_trees(jax.device_get(state.params), jax.device_get(frozen["base"]))
     grads_full = jax.jit(jax.grad(loss))(full_params)
-    grads_split = jax.jit(jax.grad(lambda p, f: loss(merge_trees(p, f))))(state.params, frozen)
+    grads_split = jax.jit(jax.grad(lambda p, f: loss(merge_trees(p, f))))(state.params, frozen["base"])
     for path, g in jax.tree_util.tree_flatten_with_path(grads_split)[0]:
         np.testing.assert_allclose(g, _at(grads_full, path), rtol=1e-5, atol=1e-8)

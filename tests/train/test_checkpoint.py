@@ -13,7 +13,7 @@ import pytest
 
 from lm.config import base_config
 from lm.errors import UserError
-from lm.train.checkpoint import Checkpointer, IncompatibleCheckpoint
+from lm.store.checkpoint import Checkpointer, IncompatibleCheckpoint
 from lm.train.setup import build_run
 
 

@@ -104,7 +104,7 @@ def test_pretrain_loss_objective_is_nll_plus_weighted_z_loss():
     params = {"logits": jnp.asarray(LOGITS)}
     ref_nll, ref_count, ref_z = np_reference(LOGITS, TARGETS, MASK)
     for z_loss in (0.0, 1e-2):
-        objective, sums = pretrain_loss(_LogitsModel(), z_loss=z_loss)(params, batch, jax.random.PRNGKey(0))
+        objective, sums = pretrain_loss(_LogitsModel(), z_loss=z_loss)(params, batch, {}, jax.random.PRNGKey(0))
         np.testing.assert_allclose(float(objective), ref_nll + z_loss * ref_z, rtol=1e-6)
         np.testing.assert_allclose(float(sums["loss_sum"]), ref_nll, rtol=1e-6)
         np.testing.assert_allclose(float(sums["log_z_sq_sum"]), ref_z, rtol=1e-6)

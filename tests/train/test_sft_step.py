@@ -99,7 +99,7 @@ def test_update_is_the_same_packed_or_one_example_per_row_in_micro_batches():
 
 @pytest.mark.parametrize("shape", [(2, 2, 2)])
 def test_lora_step_on_a_mesh_equals_one_device(shape):
-    from lm.train.state import split_params
+    from lm.model.params import split_params
 
     c = config(8, lora=4)
     c.mesh.update(data=shape[0], fsdp=shape[1], tensor=shape[2])

@@ -19,6 +19,7 @@ from __future__ import annotations
 
 import contextlib
 import json
+import logging
 import pathlib
 import shutil
 import time
@@ -26,26 +27,17 @@ import time
 import grain
 import jax
 import jax.numpy as jnp
+import numpy as np
 import orbax.checkpoint as ocp
 
 from lm.errors import UserError
+from lm.model.params import leaf_paths
 
 ITEMS = ("state", "data", "meta")
 
 
 class IncompatibleCheckpoint(UserError):
     """The checkpoint's arrays do not have the shapes this config gives."""
-
-
-def leaf_paths(tree) -> list[str]:
-    return ["/".join(_key_name(k) for k in path) for path, _ in jax.tree_util.tree_flatten_with_path(tree)[0]]
-
-
-def _key_name(key) -> str:
-    for attr in ("key", "name", "idx"):
-        if hasattr(key, attr):
-            return str(getattr(key, attr))
-    return str(key)
 
 
 def _as_u32(x):
@@ -254,4 +246,51 @@ def read_meta(directory, step: int) -> dict:
     return json.loads(path.read_text())
 
 
+def _step_dir(workdir: pathlib.Path, step: int | None) -> tuple[pathlib.Path, int]:
+    root = pathlib.Path(workdir) / "checkpoints"
+    steps = sorted(int(p.name) for p in root.glob("*") if p.is_dir() and p.name.isdigit()) if root.is_dir() else []
+    if not steps:
+        raise UserError(f"lm export: no checkpoint in '{root}'; train first with `lm train --workdir {workdir}`")
+    if step is None:
+        step = steps[-1]
+    elif step not in steps:
+        raise UserError(f"lm export: --step {step} is not in '{root}' (available: {steps})")
+    return root / str(step), step
 
+
+class _DropStepMetadataWarning(logging.Filter):
+    """A training checkpoint keeps orbax's step metadata beside its items (STEP/), not inside
+    them: reading one item (STEP/state) on its own makes orbax look for it in the item and log
+    a warning about a file that was never meant to be there."""
+
+    def filter(self, record: logging.LogRecord) -> bool:
+        return not str(record.msg).startswith("Metadata file does not exist")
+
+
+@contextlib.contextmanager
+def _reading_one_item():
+    logger, quiet = logging.getLogger("absl"), _DropStepMetadataWarning()
+    logger.addFilter(quiet)
+    try:
+        yield
+    finally:
+        logger.removeFilter(quiet)
+
+
+def read_checkpoint_params(workdir, step: int | None = None) -> tuple[dict, dict, int]:
+    """(params as numpy, meta, step) from a training checkpoint; checksums are verified."""
+    step_dir, step = _step_dir(pathlib.Path(workdir).absolute(), step)  # orbax needs absolute paths
+    meta = read_meta(step_dir.parent, step)
+    ckptr = ocp.PyTreeCheckpointer()
+    with _reading_one_item():
+        tree = ckptr.metadata(step_dir / "state").item_metadata.tree["params"]
+        target = jax.tree.map(lambda m: np.zeros(m.shape, m.dtype), tree)
+        args = ocp.args.PyTreeRestore(item={"params": target}, partial_restore=True, restore_args={
+            "params": jax.tree.map(lambda _: ocp.RestoreArgs(restore_type=np.ndarray), tree)})
+        params = ckptr.restore(step_dir / "state", args=args)["params"]
+    saved = dict(zip(meta["shapes"], meta["checksums"]))
+    for path, got in zip(leaf_paths({"params": params}), checksums(params)):
+        if saved.get(path) != got:
+            raise UserError(f"lm export: '{path}' in '{step_dir}' does not match its saved checksum; "
+                            "the checkpoint is damaged, pick another --step")
+    return params, meta, step

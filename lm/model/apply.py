@@ -1,0 +1,50 @@
+"""What every loss, scorer and sampler asks of a model: logits, token and sequence log-probs, the
+scalar head's value at the last real token. Log-probs are always float32."""
+
+from __future__ import annotations
+
+import jax
+import jax.numpy as jnp
+
+
+def logits_of(model, params, batch, rng=None, output: str = "logits"):
+    """The model's logits (or another output, e.g. "scalar") for a batch; rng (training only)
+    feeds dropout where the model has any."""
+    dropout = rng is not None and getattr(getattr(model, "spec", None), "lora_dropout", 0) > 0
+    kw = {"rngs": {"dropout": rng}} if dropout else {}
+    if output != "logits":
+        kw["output"] = output
+    return model.apply({"params": params}, batch["inputs"], batch["segment_ids"], batch["positions"], **kw)
+
+
+def target_logprobs(logits, targets):
+    """(log p(target) [B, T], log Z [B, T]) in float32: the one core of every text loss."""
+    logits = logits.astype(jnp.float32)
+    log_z = jax.nn.logsumexp(logits, axis=-1)
+    target_logit = jnp.take_along_axis(logits, targets[..., None], axis=-1)[..., 0]
+    return target_logit - log_z, log_z
+
+
+def sequence_logprobs(logits, targets, mask):
+    """(summed log p of the masked-in targets, their count), per row: float32 [B] each."""
+    logp, _ = target_logprobs(logits, targets)
+    mask = mask.astype(jnp.float32)
+    return jnp.sum(jnp.where(mask != 0, logp * mask, 0.0), axis=-1), jnp.sum(mask, axis=-1)
+
+
+def token_logprobs(model, params, batch: dict):
+    """log p of every target under a model: float32 [B, T]."""
+    return target_logprobs(logits_of(model, params, batch), batch["targets"])[0]
+
+
+def last_real(segment_ids):
+    """Index of each row's last real (non-padding) position: [N, T] -> [N] int32."""
+    real = segment_ids > 0
+    t = segment_ids.shape[-1]
+    return (t - 1 - jnp.argmax(real[..., ::-1], axis=-1)).astype(jnp.int32)
+
+
+def sequence_scores(model, params, rows: dict, rng=None):
+    """The scalar head's value at each row's last real token: [N] float32."""
+    scores = logits_of(model, params, rows, rng, output="scalar")
+    return jnp.take_along_axis(scores, last_real(rows["segment_ids"])[:, None], axis=-1)[:, 0]

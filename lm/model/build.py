@@ -1,0 +1,85 @@
+"""A model on a mesh: config -> mesh, rule table, spec, module and the params' shardings.
+
+Everything that runs a model builds it here: training adds an optimizer on top (lm.train.setup),
+sampling, scoring and evaluation use it as it is. Nothing here knows an optimizer.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import functools
+from typing import Callable
+
+import flax.linen as nn
+import jax
+import numpy as np
+from jax.sharding import Mesh
+
+from lm.config import rules_table
+from lm.model.apply import logits_of
+from lm.model.layers import ModelSpec, Partitioning
+from lm.model.params import check_fits, subtree
+from lm.model.transformer import Transformer, init_params
+from lm.sharding import batch_sharding, batch_shardings, make_mesh, param_shardings, split_count
+
+
+@dataclasses.dataclass(frozen=True)
+class FrozenModel:
+    """A model that does not train, as a loss sees it inside a step: its module and its params."""
+
+    module: nn.Module
+    params: dict
+
+    def apply(self, batch: dict, output: str = "logits"):
+        return logits_of(self.module, self.params, batch, output=output)
+
+
+ModelFn = Callable[[ModelSpec, Partitioning], nn.Module]
+reward_model: ModelFn = functools.partial(Transformer, scalar_head=True)  # a trunk with a scalar head
+
+
+@dataclasses.dataclass(frozen=True)
+class Built:
+    """A module on a mesh: its spec, the rule table and where each param lives."""
+
+    mesh: Mesh
+    rules: tuple
+    spec: ModelSpec
+    module: nn.Module
+    param_shardings: dict  # NamedShardings, shaped like the params
+
+    def abstract_params(self) -> dict:
+        """The params' shapes and dtypes (ShapeDtypeStructs, unboxed): nothing allocated."""
+        boxed = jax.eval_shape(lambda r: init_params(self.module, r), jax.random.PRNGKey(0))
+        return nn.unbox(boxed)
+
+    def check(self, params: dict, source: str) -> None:
+        """`params` (all or part of this model's) must have its names and shapes."""
+        check_fits(self.abstract_params(), params, source)
+
+    def place(self, params: dict, dtype=None) -> dict:
+        """Host params (all or part of this model's) on the mesh with their shardings; `dtype`
+        casts floating leaves first (a frozen copy in the compute dtype)."""
+        if dtype is not None:
+            params = jax.tree.map(lambda x: np.asarray(x).astype(dtype), params)
+        return jax.device_put(params, subtree(self.param_shardings, params))
+
+    def batch_shardings(self, signature: dict) -> dict:
+        return batch_shardings(self.mesh, self.rules, signature)
+
+    def batch_shards(self) -> int:
+        """How many ways the batch axis is split on this mesh."""
+        return split_count(self.mesh, batch_sharding(self.mesh, self.rules).spec[0])
+
+
+def build_model(config, devices=None, *, model_fn: ModelFn = Transformer, spec: ModelSpec | None = None,
+                mesh: Mesh | None = None) -> Built:
+    """The model of `config.model` on the mesh of `config.mesh` (over `devices`, default all),
+    or on `mesh` when given (a frozen model beside a trained one shares its mesh). model_fn: the
+    module for a spec and its partitioning (default: the decoder); spec overrides config.model's."""
+    mesh = mesh or make_mesh(config.mesh, devices)
+    rules = rules_table(config)
+    spec = spec or ModelSpec.from_config(config.model)
+    module = model_fn(spec, Partitioning(mesh, rules))
+    boxed = jax.eval_shape(lambda r: init_params(module, r), jax.random.PRNGKey(0))
+    return Built(mesh, rules, spec, module, param_shardings(boxed, mesh, rules))

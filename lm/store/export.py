@@ -1,0 +1,82 @@
+"""`lm export`: the params of one training checkpoint, alone, for inference and fine-tuning.
+
+Two layouts, the same tensors (float32, exactly as trained; the layers are stacked on a
+leading axis of size n_layers because the blocks are scanned, whatever the remat policy):
+
+- orbax (PATH is a directory):
+    PATH/params/       an orbax PyTree checkpoint of the params tree, e.g. params['blocks']['attn']['wq']
+                       with shape [n_layers, d_model, n_heads, head_dim]
+    PATH/config.json   the resolved training config (rebuild the model with it)
+    PATH/export.json   {"step": ..., "checkpoint": ...}
+- safetensors (PATH ends in .safetensors): one file; each tensor is named by its params-tree
+  path joined with '/', e.g. 'blocks/attn/wq'; the header metadata holds 'lm_config' (the
+  config as JSON) and 'lm_step'.
+
+A run trained with a sentencepiece tokenizer also gets its tokenizer beside the params:
+PATH/tokenizer.model, or NAME.tokenizer.model beside NAME.safetensors (`lm sample` reads it).
+
+`lm.store.load.load_params(path)` reads either back as a nested dict of numpy arrays.
+"""
+
+from __future__ import annotations
+
+import json
+import pathlib
+import shutil
+
+import jax
+import numpy as np
+import orbax.checkpoint as ocp
+
+from lm.config import base_config
+from lm.config import merge as merge_config
+from lm.errors import UserError
+from lm.model.params import leaf_paths
+from lm.store.checkpoint import read_checkpoint_params
+from lm.store.load import with_base
+
+
+def export_params(workdir, out, step: int | None = None, fmt: str | None = None, merge: bool = False) -> dict:
+    """Writes the params of `step` (default: newest) to `out`; returns a short summary.
+
+    A LoRA run's checkpoints hold its adapters alone: they are exported alone (with the config
+    naming their base, sft.init), or with merge=True folded into the base as a plain model."""
+    out = pathlib.Path(out)
+    if fmt is None and out.suffix not in ("", ".safetensors"):
+        raise UserError(f"lm export: --out {out}: a '{out.suffix}' file is neither form lm writes; give a file "
+                        "ending in .safetensors, or a directory path without a suffix (orbax layout)")
+    fmt = fmt or ("safetensors" if out.suffix == ".safetensors" else "orbax")
+    if fmt not in ("orbax", "safetensors"):
+        raise UserError(f"lm export: --format {fmt!r}: expected 'orbax' or 'safetensors'")
+    params, meta, step = read_checkpoint_params(workdir, step)
+    saved = meta.get("config") or {}
+    if merge:
+        if not saved.get("model", {}).get("lora_rank"):
+            raise UserError(f"lm export --merge: '{workdir}' has no LoRA adapters to merge (model.lora_rank=0)")
+        full = base_config()
+        merge_config(full, saved)
+        plain, params = with_base(full, params, f"run '{workdir}'")
+        saved = plain.to_dict()
+    config = json.dumps(saved)
+    if fmt == "safetensors":
+        from safetensors.numpy import save_file
+
+        out.parent.mkdir(parents=True, exist_ok=True)
+        flat = {p: np.ascontiguousarray(x) for p, x in zip(leaf_paths(params), jax.tree.leaves(params))}
+        save_file(flat, str(out), metadata={"lm_config": config, "lm_step": str(step)})
+        tokenizer_out = out.with_name(out.stem + ".tokenizer.model")
+    else:
+        if out.exists():
+            shutil.rmtree(out)
+        out.mkdir(parents=True)
+        ckptr = ocp.PyTreeCheckpointer()
+        ckptr.save((out / "params").absolute(), args=ocp.args.PyTreeSave(params))
+        ckptr.close()
+        (out / "config.json").write_text(config)
+        (out / "export.json").write_text(json.dumps({"step": step, "checkpoint": str(pathlib.Path(workdir).absolute())}))
+        tokenizer_out = out / "tokenizer.model"
+    tokenizer = pathlib.Path(workdir) / "tokenizer.model"  # a sentencepiece run's; byte runs have none
+    if tokenizer.is_file():
+        shutil.copyfile(tokenizer, tokenizer_out)
+    n = sum(int(np.prod(x.shape)) for x in jax.tree.leaves(params))
+    return {"step": step, "format": fmt, "params": n, "out": str(out)}

@@ -1,0 +1,96 @@
+"""A trained model for inference or as a starting point: its config, params and tokenizer, from a run
+(its newest checkpoint) or an export (lm.store.export)."""
+
+from __future__ import annotations
+
+import dataclasses
+import pathlib
+
+import jax
+import numpy as np
+import orbax.checkpoint as ocp
+
+from lm.config import ConfigDict, init_of
+from lm.errors import UserError
+from lm.model.lora import merge_lora
+from lm.model.params import merge_trees
+from lm.store.checkpoint import read_checkpoint_params
+from lm.store.meta import config_from, saved_config, tokenizer_beside, tokenizer_for
+
+
+@dataclasses.dataclass
+class Loaded:
+    config: object  # the training config (ConfigDict)
+    params: dict  # numpy arrays
+    tokenizer: object
+    source: str  # what was loaded, for messages
+
+
+def load_trained(workdir: str | None = None, params: str | None = None, tokenizer: str | None = None,
+                 step: int | None = None) -> Loaded:
+    """From an `lm train` workdir (its newest checkpoint, or `step`) or an `lm export` (dir or .safetensors)."""
+    if (workdir is None) == (params is None):
+        raise UserError("give exactly one of --workdir RUN or --params EXPORT")
+    if workdir is not None:
+        values, meta, step = read_checkpoint_params(workdir, step)
+        source = f"run '{workdir}' (step {step})"
+        config, path = config_from(meta.get("config"), source), pathlib.Path(workdir)
+    else:
+        path = pathlib.Path(params)
+        if not path.exists():
+            raise UserError(f"--params {params}: no such file or directory (an `lm export` output)")
+        values, source = load_params(path), f"export '{params}'"
+        config = config_from(saved_config(path), source)
+    tok = tokenizer_for(config, tokenizer_beside(path), tokenizer, source)
+    if config.model.lora_rank > 0:
+        config, values = with_base(config, values, source)
+    return Loaded(config, values, tok, source)
+
+
+def with_base(config, params: dict, source: str):
+    """A LoRA run's params are its adapters alone: fold them into the base it was trained from
+    (config.sft.init or config.pairs.init) -> (the config without adapters, plain params as numpy)."""
+    if "embedding" not in params:
+        if not init_of(config):
+            raise UserError(f"{source} holds LoRA adapters but names no base model (sft.init, pairs.init and rl.init are empty)")
+        params = merge_trees(params, load_init(init_of(config)).params)
+    m = config.model
+    merged = jax.tree.map(np.asarray, merge_lora(params, m.lora_alpha, m.lora_rank))
+    plain = ConfigDict(config.to_dict())
+    plain.model.lora_rank = 0
+    return plain, merged
+
+
+def load_init(init: str) -> Loaded:
+    """The model a fine-tuning run starts from: an `lm train`/`lm sft` workdir (its newest
+    checkpoint) or an `lm export`."""
+    if not init:
+        raise UserError("no model to start from (init is empty); give --init RUN_OR_EXPORT (an `lm train` workdir or an `lm export`)")
+    path = pathlib.Path(init)
+    if not path.exists():
+        raise UserError(f"--init {init}: no such file or directory; expected an `lm train` workdir or an `lm export`")
+    if (path / "checkpoints").is_dir():
+        return load_trained(workdir=init)
+    return load_trained(params=init)
+
+
+def load_params(path) -> dict:
+    """The params tree (nested dict of numpy arrays) from either export layout."""
+    path = pathlib.Path(path)
+    if path.suffix == ".safetensors" and path.is_file():
+        from safetensors.numpy import load_file
+
+        tree: dict = {}
+        for name, array in load_file(str(path)).items():
+            node = tree
+            *parents, leaf = name.split("/")
+            for part in parents:
+                node = node.setdefault(part, {})
+            node[leaf] = array
+        return tree
+    if (path / "params").is_dir():
+        ckptr = ocp.PyTreeCheckpointer()
+        tree = ckptr.metadata((path / "params").absolute()).item_metadata.tree
+        restore_args = jax.tree.map(lambda _: ocp.RestoreArgs(restore_type=np.ndarray), tree)
+        return ckptr.restore((path / "params").absolute(), args=ocp.args.PyTreeRestore(restore_args=restore_args))
+    raise UserError(f"'{path}' is neither a .safetensors file nor an `lm export` directory (PATH/params/)")

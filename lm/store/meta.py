@@ -1,0 +1,80 @@
+"""What a run or an export says about itself, read without jax: its training config and its
+tokenizer (kept beside the params)."""
+
+from __future__ import annotations
+
+import json
+import pathlib
+import shutil
+
+from lm.config import base_config, merge
+from lm.data.tokenizer import load_tokenizer
+from lm.errors import UserError
+
+
+def tokenizer_beside(path: pathlib.Path) -> pathlib.Path | None:
+    """The sentencepiece model kept with a run (WORKDIR/tokenizer.model) or an export
+    (EXPORT/tokenizer.model, or NAME.tokenizer.model beside NAME.safetensors)."""
+    candidates = [path / "tokenizer.model", path.with_name(path.stem + ".tokenizer.model")]
+    return next((p for p in candidates if p.is_file()), None)
+
+
+def save_tokenizer(tok, workdir: pathlib.Path) -> None:
+    """A sentencepiece run keeps its model beside the checkpoints (sampling and export read it)."""
+    path = getattr(tok, "path", None)
+    if path is not None and pathlib.Path(path).suffix == ".model":
+        target = pathlib.Path(workdir) / "tokenizer.model"
+        if pathlib.Path(path).resolve() != target.resolve():
+            shutil.copyfile(path, target)
+
+
+def tokenizer_for(config, saved: pathlib.Path | None, given: str | None, source: str):
+    trained_with = config.data.tokenizer
+    if given:
+        tok = load_tokenizer(given)
+        if saved is not None:
+            expected = load_tokenizer(str(saved)).fingerprint()
+        elif trained_with == "byte" or pathlib.Path(trained_with).is_file():
+            expected = load_tokenizer(trained_with).fingerprint()
+        else:
+            expected = None
+        if expected is not None and tok.fingerprint() != expected:
+            raise UserError(f"--tokenizer {given} does not match the tokenizer {source} was trained with "
+                            f"({tok.fingerprint()} != {expected}); leave --tokenizer out to use the run's own")
+    elif saved is not None:
+        tok = load_tokenizer(str(saved))
+    elif trained_with == "byte" or pathlib.Path(trained_with).is_file():
+        tok = load_tokenizer(trained_with)
+    else:
+        raise UserError(f"{source}: no tokenizer.model beside it and data.tokenizer='{trained_with}' is not a file; "
+                        "pass --tokenizer PATH.model")
+    if tok.vocab_size > config.model.vocab_size:
+        raise UserError(f"the tokenizer has {tok.vocab_size} ids but {source} has model.vocab_size="
+                        f"{config.model.vocab_size}: it is not the model's tokenizer")
+    return tok
+
+
+def config_from(saved: dict, source: str):
+    if not saved:
+        raise UserError(f"{source} carries no config; it was not written by `lm train` / `lm export`")
+    config = base_config()
+    merge(config, saved)
+    return config
+
+
+def saved_config(path) -> dict | None:
+    """The training config a run or an export holds, as a dict (None when it carries none)."""
+    p = pathlib.Path(path)
+    if p.suffix == ".safetensors" and p.is_file():
+        from safetensors import safe_open
+
+        with safe_open(str(p), framework="numpy") as f:
+            return json.loads((f.metadata() or {}).get("lm_config", "null"))
+    if (p / "config.json").is_file():
+        return json.loads((p / "config.json").read_text())
+    raise UserError(f"'{path}' is neither an `lm train`/`lm sft` workdir nor an `lm export` (no config.json)")
+
+
+def init_config(path: str):
+    """The config a run or an export was trained with, read without loading params (or jax)."""
+    return config_from(saved_config(path), f"'{path}'")

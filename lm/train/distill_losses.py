@@ -22,6 +22,9 @@ import math
 import jax
 import jax.numpy as jnp
 
+from lm.model.apply import logits_of
+from lm.train.losses import masked_cross_entropy
+
 DIVERGENCES = ("forward_kl", "reverse_kl", "jsd")
 
 
@@ -83,3 +86,21 @@ def top1_agreement(student_logits: jax.Array, teacher_logits: jax.Array,
     keep = mask != 0
     agree = jnp.argmax(student_logits, axis=-1) == jnp.argmax(teacher_logits, axis=-1)
     return jnp.sum(keep & agree, dtype=jnp.float32), jnp.sum(keep, dtype=jnp.float32)
+
+
+def distill_loss(model, kind: str = "forward_kl", beta: float = 0.5, temperature: float = 1.0):
+    """LossFn of token-level distillation from the frozen model 'teacher' (any shape sharing the
+    vocabulary) on the positions the data marks (loss_mask: the responses). The objective is the
+    summed divergence; the student's own response loss and the top-1 agreement are logged beside it."""
+    check_divergence(kind, beta, temperature)
+
+    def loss_fn(params, batch, frozen, rng):
+        student = logits_of(model, params, batch, rng)
+        teacher = jax.lax.stop_gradient(frozen["teacher"].apply(batch))
+        mask = batch["loss_mask"].astype(jnp.float32)
+        div, count = masked_divergence(student, teacher, mask, kind, beta, temperature)
+        nll, _, _ = masked_cross_entropy(student, batch["targets"], mask)
+        agree, _ = top1_agreement(student, teacher, mask)
+        return div, {"loss_sum": div, "nll_sum": nll, "top1_agreement_sum": agree, "count": count}
+
+    return loss_fn

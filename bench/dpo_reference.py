@@ -111,7 +111,9 @@ def pair_batch(signature: dict, seed: int, vocab_size: int) -> dict:
 
 
 def nbytes(tree) -> int:
-    return sum(x.size * x.dtype.itemsize for x in jax.tree.leaves(tree))
+    """Bytes of a tree's distinct buffers (a LoRA policy's reference is its base: counted once)."""
+    leaves = {id(x): x for x in jax.tree.leaves(tree)}
+    return sum(x.size * x.dtype.itemsize for x in leaves.values())
 
 
 class Variant:

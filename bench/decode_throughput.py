@@ -37,6 +37,7 @@ import flax.linen as nn  # noqa: E402
 import jax.numpy as jnp  # noqa: E402
 import numpy as np  # noqa: E402
 
+from lm.config import base_config  # noqa: E402
 from lm.infer.generate import Generator  # noqa: E402
 from lm.infer.sampling import SamplingParams  # noqa: E402
 from lm.model.layers import ModelSpec  # noqa: E402
@@ -48,10 +49,10 @@ PEER = pathlib.Path(__file__).resolve().parent / "hf_generate_peer.py"
 
 
 def spec(max_len: int) -> ModelSpec:
-    s = SHAPE
-    return ModelSpec(vocab_size=s["vocab"], d_model=s["d_model"], n_layers=s["layers"], n_heads=s["heads"],
-                     n_kv_heads=s["kv_heads"], head_dim=s["d_model"] // s["heads"], d_ff=s["d_ff"],
-                     max_seq_len=max_len, attention="reference")
+    s, m = SHAPE, base_config().model  # the rest as the config's defaults; head_dim derived
+    m.update(vocab_size=s["vocab"], d_model=s["d_model"], n_layers=s["layers"], n_heads=s["heads"],
+             n_kv_heads=s["kv_heads"], d_ff=s["d_ff"], max_seq_len=max_len, attention="reference")
+    return ModelSpec.from_config(m)
 
 
 def prompts(batch: int) -> list[list[int]]:

@@ -6,10 +6,12 @@
 4. preference pairs of the task (the answer vs a plausible wrong one), DPO from the SFT model,
    and a reward model trained on the same pairs;
 5. GRPO from the SFT model on the task's prompts, rewarded for the exact answer;
-6. `lm eval` of every model on the same tasks (held-out bits per byte of the pretraining text,
+6. distillation of the GRPO model into a student of half the width (pretrained the same way),
+   beside the same student trained by SFT alone on the same data and steps;
+7. `lm eval` of every model on the same tasks (held-out bits per byte of the pretraining text,
    exact match on the task) and a 13-gram contamination check of the task's held-out split;
-7. one table: held-out response loss and exact-match accuracy of greedy answers, base vs SFT
-   vs SFT-LoRA vs DPO vs GRPO, then the preference evidence on held-out pairs and the RL
+8. one table: held-out response loss and exact-match accuracy of greedy answers, base vs SFT
+   vs SFT-LoRA vs DPO vs GRPO vs the half-width students, then the preference evidence on held-out pairs and the RL
    reward and KL; written to WORKDIR/demo_summary.json as well.
 """
 
@@ -26,6 +28,8 @@ PRETRAIN_CONFIG, SFT_CONFIG, PAIRS_CONFIG = "configs/tiny.py", "configs/sft_tiny
 RL_CONFIG = "configs/rl_tiny.py"
 REWARD = ["optim.lr=1e-3"]
 LORA = ["model.lora_rank=8", "model.lora_alpha=16.0", "optim.lr=1e-2", "sft.epochs=1.5"]
+HALF = ["model.d_model=64", "model.d_ff=192"]  # the distillation student: half the tiny model's width
+DISTILL = ["distill.divergence=forward_kl", "distill.temperature=1.0"]
 
 
 def _stage(title: str) -> None:
@@ -34,6 +38,7 @@ def _stage(title: str) -> None:
 
 def run_demo(workdir, show_progress: bool = True, pretrain_overrides=(), sft_overrides=(), pair_overrides=(),
              rl_overrides=(), n_train: int = 20000, n_heldout: int = 256, n_pairs: int = 4000) -> dict:
+    from lm.train.distill import distill
     from lm.train.dpo import dpo  # lazy: jax after the CPU flags are set
     from lm.train.pretrain import train
     from lm.train.reward import reward
@@ -68,8 +73,22 @@ def run_demo(workdir, show_progress: bool = True, pretrain_overrides=(), sft_ove
     config = finetune_config(init_config(sft_dir), RL_CONFIG, list(rl_overrides), "rl", init=sft_dir,
                              data=str(paths["train"]), eval_data=str(paths["heldout"]), eval_answers=str(paths["heldout"]))
     grpo = rl(config, root / "grpo", show_progress=show_progress)
+    _stage("8. distillation: the GRPO model into a student of half the width, beside SFT alone")
+    half = train(load_config(PRETRAIN_CONFIG, [*HALF, *pretrain_overrides]), root / "pretrain-half",
+                 show_progress=show_progress)
+    half_dir, grpo_dir = str((root / "pretrain-half").absolute()), str((root / "grpo").absolute())
+    student = dict(init=half_dir, data=str(paths["train"]), eval_data=str(paths["heldout"]))
+    sft_half = sft(finetune_config(init_config(half_dir), SFT_CONFIG, list(sft_overrides), **student),
+                   root / "sft-half", show_progress=show_progress)
+    config = finetune_config(init_config(half_dir), SFT_CONFIG, [*DISTILL, f"distill.teacher={grpo_dir}",
+                                                                  *sft_overrides], **student)
+    distilled = distill(config, root / "distilled", show_progress=show_progress)
     summary = _summary(base, runs, preference, grpo, root)
-    _stage("8. evaluation of every model: held-out bits per byte, exact match, contamination")
+    summary["sft"] |= {"sft-half": _row(sft_half), "distilled": _row(distilled) | {"response_loss": distilled.get("eval_nll")}}
+    summary["distill"] = {"student_pretrain_eval_loss": half.get("eval_loss"), "steps": distilled.get("step"),
+                          "top1_agreement": distilled.get("eval_top1_agreement"),
+                          "response_loss": distilled.get("eval_nll"), "exact_match": distilled.get("exact_match")}
+    _stage("9. evaluation of every model: held-out bits per byte, exact match, contamination")
     summary["eval"] = evaluate_all(root, paths)
     text = evidence(summary, n_heldout)
     print("\n" + text)
@@ -87,6 +106,7 @@ def evaluate_all(root: pathlib.Path, paths: dict) -> dict:
     train_shards, heldout_shards = suite.pretraining_shards(root / "pretrain")
     specs = [f"heldout={heldout_shards[0]}?limit={suite.HELDOUT_TOKENS}", f"task={paths['heldout']}"]
     models = {"base": root / "pretrain"} | {name: root / name for name in ("sft", "sft-lora", "dpo", "grpo")}
+    models |= {"sft-half": root / "sft-half", "distilled": root / "distilled"}
     reports = suite.evaluate_models(models, specs, root / "eval")
     # the task's examples are 3 words ("sort 70931" + "01379"): each is checked whole
     found = check([*train_shards, str(paths["train"])], [str(paths["heldout"])], min_words=3,
@@ -97,7 +117,9 @@ def evaluate_all(root: pathlib.Path, paths: dict) -> dict:
                      "too_short": task["too_short"], "train_mb": found["train"]["bytes"] / 1e6,
                      "mb_per_s": found["train"]["mb_per_s"],
                      "found_when_planted": next(iter(planted["tasks"].values()))["contaminated"]}
-    return suite.summary(reports, "heldout", "task", "sft", contamination)
+    out = suite.summary(reports, "heldout", "task", "sft", contamination)
+    out["distilled_vs_sft_half"] = suite.compare(reports["sft-half"], reports["distilled"])["task"].get("exact")
+    return out
 
 
 def _summary(base: dict, runs: dict, preference: dict, grpo: dict, root: pathlib.Path) -> dict:
@@ -141,6 +163,8 @@ def evidence(summary: dict, n_heldout: int) -> str:
         from lm.eval.suite import table
 
         lines.append(table(summary["eval"]))
+    if "distill" in summary:
+        lines += _distill_lines(summary["distill"], (summary.get("eval") or {}).get("distilled_vs_sft_half"))
     return "\n".join(lines)
 
 
@@ -168,3 +192,15 @@ def _preference_lines(pref: dict, n: int) -> list[str]:
             f"{get(d['tuned'], 'rewards/margins'):>10.3f}",
             f"reward model (Bradley-Terry, from the SFT model): held-out accuracy {get(r['tuned'], 'accuracy'):.1%}, "
             f"mean margin {get(r['tuned'], 'margin'):.3f} (untrained head: {get(r['init'], 'accuracy'):.1%})"]
+
+
+def _distill_lines(d: dict, vs: dict | None) -> list[str]:
+    nan = float("nan")
+    line = (f"distillation (student d_model 64, teacher: the GRPO model, d_model 128; {d.get('steps')} steps, as "
+            f"SFT alone): held-out top-1 agreement with the teacher {d.get('top1_agreement') or nan:.1%}, "
+            f"response loss {d.get('response_loss') or nan:.4f}")
+    if vs:
+        line += (f"; exact match distilled - SFT alone: {100 * vs['diff']:+.1f} pts "
+                 f"[{100 * vs['ci95'][0]:+.1f}, {100 * vs['ci95'][1]:+.1f}]")
+    return [line]
+

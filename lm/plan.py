@@ -7,12 +7,9 @@ can be checked against published figures before paying for a run.
 
 from __future__ import annotations
 
+from lm.config.model import head_dim
+
 _MLP_MATRICES = {"swiglu": 3, "gelu": 2}  # gate/up/down vs fc/proj
-
-
-def head_dim(m) -> int:
-    """Per-head width; 0 in the config means derive it as d_model // n_heads."""
-    return m.head_dim or m.d_model // m.n_heads
 
 
 def _attn_matrix_params(m) -> int:

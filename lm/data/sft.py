@@ -32,37 +32,16 @@ from pathlib import Path
 
 import numpy as np
 
+from lm.config.sft import SftSettings
 from lm.data import chat
 from lm.data.cache import cached_dir
 from lm.data.jsonl import ONE_OBJECT, iter_jsonl
 from lm.data.tokens import write_json
 from lm.errors import UserError
 
-TRUNCATION = ("drop", "cut_prompt_left", "cut_response")
-ON_BAD_RECORD = ("error", "skip")
 _VERSION = 1  # bump when the stored examples change for the same inputs and settings
 STAT_KEYS = ("examples_read", "examples_kept", "dropped_too_long", "truncated_prompt", "truncated_response",
              "skipped_empty_mask", "skipped_bad_records", "response_tokens", "total_tokens")
-
-
-@dataclasses.dataclass(frozen=True)
-class SftSettings:
-    seq_len: int  # predictions per row: an example of n tokens fits when n - 1 <= seq_len
-    truncation: str = "drop"  # over-long examples: "drop" | "cut_prompt_left" | "cut_response"
-    train_on: str = "all"  # assistant turns in the loss: "all" | "last"
-    on_bad_record: str = "error"  # "error": stop, naming file and line; "skip": count and skip
-    max_skipped_fraction: float = 0.05  # of examples left with an all-zero loss mask, before failing
-
-    def check(self) -> None:
-        for key, value, choices in (("truncation", self.truncation, TRUNCATION),
-                                    ("train_on", self.train_on, chat.TRAIN_ON),
-                                    ("on_bad_record", self.on_bad_record, ON_BAD_RECORD)):
-            if value not in choices:
-                raise UserError(f"sft {key}='{value}'; expected one of {', '.join(choices)}")
-        if not isinstance(self.seq_len, int) or self.seq_len < 1:
-            raise UserError(f"sft seq_len={self.seq_len!r}; expected an integer >= 1")
-        if not 0.0 <= self.max_skipped_fraction <= 1.0:
-            raise UserError(f"sft max_skipped_fraction={self.max_skipped_fraction}; expected a fraction in [0, 1]")
 
 
 class SftExamples:

@@ -28,7 +28,7 @@ def add_parser(sub) -> None:
     p.add_argument("--no-progress", action="store_true", help="no progress bar")
 
 
-def run(args) -> int:
+def run(args, overrides=()) -> int:
     from lm.eval.contamination import check, clean_subset, table
     from lm.eval.report import read_report
 

@@ -28,7 +28,7 @@ def add_parser(sub) -> None:
     p.add_argument("--out", help="write the harness's results (JSON) here")
 
 
-def run(args) -> int:
+def run(args, overrides=()) -> int:
     if args.offline:  # read when the datasets library is imported
         os.environ.update(HF_DATASETS_OFFLINE="1", HF_HUB_OFFLINE="1")
     os.environ.setdefault("DISABLE_MULTIPROC", "1")  # the harness's bootstrap would fork a process running jax

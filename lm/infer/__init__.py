@@ -1,7 +1,20 @@
 """Inference: the KV-cache sampler (`generate.Generator`), text completion, `lm sample`."""
 
-from lm.infer.sampling import SamplingParams
-from lm.infer.session import Session
-from lm.store.load import load_trained
-
 __all__ = ["SamplingParams", "Session", "load_trained"]
+
+
+def __getattr__(name: str):
+    # imported on first use: `lm`'s parser reads lm.infer.cli and must not import jax
+    if name == "SamplingParams":
+        from lm.infer.sampling import SamplingParams
+
+        return SamplingParams
+    if name == "Session":
+        from lm.infer.session import Session
+
+        return Session
+    if name == "load_trained":
+        from lm.store.load import load_trained
+
+        return load_trained
+    raise AttributeError(f"module 'lm.infer' has no attribute {name!r}")

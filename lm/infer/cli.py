@@ -59,7 +59,7 @@ def read_prompts(path: str, chat: bool = False) -> list[dict]:
     return [row for _, row in rows]
 
 
-def run(args) -> int:
+def run(args, overrides=()) -> int:
     from lm.infer.sampling import SamplingParams
     from lm.infer.session import Session
     from lm.store.load import load_trained

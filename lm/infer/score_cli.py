@@ -10,7 +10,8 @@ from lm.errors import UserError
 
 
 def add_parser(sub) -> None:
-    p = sub.add_parser("reward-score", help="(`lm reward score`) print a reward model's scores",
+    """Adds `score` to `lm reward`'s sub-actions (lm.train.cli)."""
+    p = sub.add_parser("score", help="print a reward model's scores",
                        description="Scores with a reward model trained by `lm reward`. --texts: JSONL lines "
                                    '{"prompt", "response"} or chat {"messages": [..., assistant turn]}; --pairs: '
                                    "preference pairs, scored on both sides, with the share ranked correctly.")
@@ -25,7 +26,7 @@ def add_parser(sub) -> None:
     p.add_argument("--tokenizer", help="a sentencepiece .model (default: the one the run was trained with)")
 
 
-def run(args) -> int:
+def run(args, overrides=()) -> int:
     from lm.cpu_flags import apply_cpu_defaults
 
     apply_cpu_defaults("float32")

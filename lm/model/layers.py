@@ -10,7 +10,7 @@ import jax
 import jax.numpy as jnp
 from jax.sharding import Mesh, NamedSharding
 
-from lm.config import LORA_TARGETS
+from lm.config.model import head_dim
 from lm.model import cpu_kernels
 from lm.model.lora import lora_delta, targeted
 from lm.model.params import param
@@ -18,7 +18,8 @@ from lm.model.params import param
 
 @dataclasses.dataclass(frozen=True)
 class ModelSpec:
-    """The model's hyperparameters as a hashable value (built from config.model)."""
+    """The model's hyperparameters as a hashable value. No field defaults: the config's model section
+    holds them; build one with `from_config` (and `dataclasses.replace`)."""
 
     vocab_size: int
     d_model: int
@@ -27,29 +28,29 @@ class ModelSpec:
     n_kv_heads: int
     head_dim: int
     d_ff: int
-    mlp: str = "swiglu"
-    norm: str = "rmsnorm"
-    use_bias: bool = False
-    position: str = "rope"
-    max_seq_len: int = 256
-    rope_theta: float = 10000.0
-    norm_eps: float = 1e-5
-    tie_embeddings: bool = True
-    compute_dtype: str = "float32"
-    attention: str = "blockwise"
-    remat: str = "none"
-    init_std: float = 0.02
-    kernels: str = "auto"  # "cpu": lm.model.cpu_kernels; "plain": einsum + autodiff; "auto": cpu on CPU
+    mlp: str
+    norm: str
+    use_bias: bool
+    position: str
+    max_seq_len: int
+    rope_theta: float
+    norm_eps: float
+    tie_embeddings: bool
+    compute_dtype: str
+    attention: str
+    remat: str
+    init_std: float
+    kernels: str  # "cpu": lm.model.cpu_kernels; "plain": einsum + autodiff; "auto": cpu on CPU
     # low-rank adapters (lm.model.lora) on the projections named in lora_targets; 0 = none
-    lora_rank: int = 0
-    lora_alpha: float = 16.0
-    lora_dropout: float = 0.0
-    lora_targets: tuple = LORA_TARGETS
+    lora_rank: int
+    lora_alpha: float
+    lora_dropout: float
+    lora_targets: tuple
 
     @classmethod
     def from_config(cls, m) -> "ModelSpec":
         fields = {f.name: m[f.name] for f in dataclasses.fields(cls)}
-        fields["head_dim"] = m.head_dim or m.d_model // m.n_heads
+        fields["head_dim"] = head_dim(m)
         return cls(**fields)
 
     @property

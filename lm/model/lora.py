@@ -66,6 +66,11 @@ def is_adapter(path) -> bool:
     return str(name).endswith((SUFFIX_A, SUFFIX_B))
 
 
+def is_adapter_or_head(path) -> bool:
+    """What trains in a LoRA model with a scalar head (a reward model, PPO's value): the adapters and the head."""
+    return is_adapter(path) or getattr(path[0], "key", path[0]) == "scalar_head"
+
+
 def merge_lora(params: dict, alpha: float, rank: int) -> dict:
     """Params with every adapter pair folded into its weight (W + alpha/r * A B) and removed.
 

@@ -15,7 +15,6 @@ printed, and with `pairs.eval_answers` the exact match of their greedy answers.
 from __future__ import annotations
 
 import dataclasses
-import json
 
 import jax
 import numpy as np
@@ -25,11 +24,10 @@ from lm import plan
 from lm.data.pipeline import ready_batches
 from lm.eval.answers import compare_answers
 from lm.model.lora import is_adapter
-from lm.model.params import merge_trees
 from lm.train import pairs
-from lm.train.metrics import json_default, plot_curves
 from lm.train.pair_losses import DpoSettings, dpo_loss, pair_logprobs
 from lm.train.setup import build_run, reference_slot
+from lm.train.stage import first_eval, run_stage
 
 EVAL_METRICS = ("loss", "rewards/accuracies", "rewards/margins", "rewards/chosen", "rewards/rejected",
                 "logps/chosen", "logps/rejected", "logps/accuracies")
@@ -78,62 +76,59 @@ def reference_logps(run, base: dict, rows, batch_size: int) -> np.ndarray:
     return np.concatenate(out)[: len(rows)].astype(np.float32)
 
 
-def _precomputed(stage, run, resume: bool) -> tuple:
-    """({'ref_logps'} of the train pairs, of the held-out pairs), computed once and kept in the
+def _precomputed(ctx) -> tuple:
+    """(ref_logps of the train pairs, of the held-out pairs or None), computed once and kept in the
     workdir (a resumed run reads them back; a fresh one computes them anew)."""
-    path = stage.workdir / REF_FILE
-    if resume and path.is_file():
+    path, (train, heldout) = ctx.workdir / REF_FILE, ctx.data
+    if ctx.resume and path.is_file():
         saved = np.load(path)
-        held = saved["heldout"] if stage.heldout is not None else None
-    else:
-        bs = stage.config.eval.batch_size
-        print(f"reference log-probs: one pass over {len(stage.train)} pairs", flush=True)
-        train = reference_logps(run, stage.loaded.params, stage.train, bs)
-        held = reference_logps(run, stage.loaded.params, stage.heldout, bs) if stage.heldout is not None else None
-        if jax.process_index() == 0:
-            stage.workdir.mkdir(parents=True, exist_ok=True)
-            np.savez(path, train=train, **({"heldout": held} if held is not None else {}))
-        saved = {"train": train}
-    return {"ref_logps": saved["train"]}, ({"ref_logps": held} if held is not None else None)
-
-
-def dpo(config, workdir, resume: bool = False, show_progress: bool = True) -> dict:
-    stage = pairs.prepare(config, workdir, resume, "dpo")
-    if isinstance(stage, dict):
-        return stage
-    run = build_dpo_run(config)
-    mode = reference_mode(config)
-    extra, fields = None, (None, None)
-    if mode == "precomputed":
-        extra, fields = {"ref_logps": ((2,), np.float32)}, _precomputed(stage, run, resume)
-    flops = plan.flops_per_token(config.model, config.data.seq_len)
-    if mode in ("live", "adapters_off"):
-        flops *= 4 / 3  # the reference's forward pass: 2N beside the policy's 6N
-    state, frozen, last = pairs.train(stage, run, resume=resume, show_progress=show_progress,
-                                      eval_metrics=EVAL_METRICS, extra=extra, fields=fields, flops_per_token=flops)
-    if last["stopped_by"]:
-        return {"step": last["stop_step"], "stopped_by": last["stopped_by"]}
-    policy = merge_trees(state.params, (frozen or {}).get("base"))
-    return _finish(stage, policy, last, mode)
+        return saved["train"], (saved["heldout"] if heldout is not None else None)
+    bs, base = ctx.config.eval.batch_size, ctx.init.params
+    print(f"reference log-probs: one pass over {len(train)} pairs", flush=True)
+    out = reference_logps(ctx.run, base, train, bs)
+    held = reference_logps(ctx.run, base, heldout, bs) if heldout is not None else None
+    if ctx.is_main:
+        ctx.workdir.mkdir(parents=True, exist_ok=True)
+        np.savez(path, train=out, **({"heldout": held} if held is not None else {}))
+    return out, held
 
 
 SUMMARY_KEYS = ("loss", "tokens_per_s", "run_tokens_per_s", "run_mfu", "peak_flops_source", "compile_s")
 
 
-def _finish(stage, params, last: dict, mode: str) -> dict:
-    config, workdir = stage.config, stage.workdir
-    before, after = pairs.first_eval(workdir), {k: v for k, v in last.items() if k.startswith("eval_")}
-    summary = {"step": config.train.steps, "init": config.pairs.init, "loss_name": config.dpo.loss,
-               "reference": mode, "lora_rank": config.model.lora_rank, "data": stage.train.stats,
-               "eval_init": before, "eval": after} | {k: last.get(k) for k in SUMMARY_KEYS}
-    n = min(config.pairs.eval_pairs, len(stage.heldout)) if stage.heldout is not None else None
-    if before or after:
-        print(pairs.eval_table("DPO: held-out pairs", TABLE_KEYS, before, after, n))
-    p = config.pairs
-    if p.eval_answers:
-        summary |= compare_answers(stage.loaded, config, params, p.eval_answers, p.eval_examples,
-                                   p.eval_max_new_tokens)
-    if jax.process_index() == 0:
-        plot_curves(workdir / "metrics.jsonl", workdir / "loss.png")
-        (workdir / "summary.json").write_text(json.dumps(summary, indent=2, default=json_default))
-    return summary
+class Dpo(pairs.PairStage):
+    verb = "dpo"
+    eval_metrics = EVAL_METRICS
+
+    def build(self, ctx):
+        return build_dpo_run(ctx.config)
+
+    def fields(self, ctx):
+        if reference_mode(ctx.config) != "precomputed":
+            return {}, None, None
+        train, held = _precomputed(ctx)
+        return {"ref_logps": ((2,), np.float32)}, {"ref_logps": train}, ({"ref_logps": held} if held is not None else None)
+
+    def flops_per_token(self, ctx):
+        flops = plan.flops_per_token(ctx.config.model, ctx.config.data.seq_len)
+        if reference_mode(ctx.config) in ("live", "adapters_off"):
+            flops *= 4 / 3  # the reference's forward pass: 2N beside the policy's 6N
+        return flops
+
+    def finish(self, ctx) -> dict:
+        c, last = ctx.config, ctx.last
+        before, after = first_eval(ctx.workdir), {k: v for k, v in last.items() if k.startswith("eval_")}
+        summary = {"step": c.train.steps, "init": c.pairs.init, "loss_name": c.dpo.loss,
+                   "reference": reference_mode(c), "lora_rank": c.model.lora_rank, "data": ctx.data[0].stats,
+                   "eval_init": before, "eval": after} | {k: last.get(k) for k in SUMMARY_KEYS}
+        if before or after:
+            print(pairs.eval_table("DPO: held-out pairs", TABLE_KEYS, before, after, self.held_out_pairs(ctx)))
+        p = c.pairs
+        if p.eval_answers:
+            summary |= compare_answers(ctx.init, c, ctx.params, p.eval_answers, p.eval_examples,
+                                       p.eval_max_new_tokens)
+        return summary
+
+
+def dpo(config, workdir, resume: bool = False, show_progress: bool = True) -> dict:
+    return run_stage(Dpo(), config, workdir, resume, show_progress)

@@ -18,32 +18,14 @@ The implicit rewards are beta (log pi - log ref) (simpo: beta log pi / length).
 
 from __future__ import annotations
 
-import dataclasses
-
 import jax
 import jax.numpy as jnp
 
+from lm.config.dpo import DpoSettings
 from lm.model.apply import logits_of, sequence_logprobs, sequence_scores
 
 TEXT_FIELDS = ("inputs", "targets", "loss_mask", "segment_ids", "positions")
 DPO_LOSSES = ("sigmoid", "ipo", "simpo")
-
-
-@dataclasses.dataclass(frozen=True)
-class DpoSettings:
-    loss: str = "sigmoid"
-    beta: float = 0.1
-    label_smoothing: float = 0.0
-    simpo_gamma: float = 0.5
-    rpo_alpha: float = 0.0
-
-    @classmethod
-    def from_config(cls, d) -> DpoSettings:
-        return cls(d.loss, d.beta, d.label_smoothing, d.simpo_gamma, d.rpo_alpha)
-
-    @property
-    def needs_reference(self) -> bool:
-        return self.loss != "simpo"
 
 
 def flat_pairs(batch: dict) -> dict:

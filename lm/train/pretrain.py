@@ -1,13 +1,11 @@
-"""`lm train`: checks -> run set-up -> data -> sharded state -> loop -> checkpoints, metrics, plot, sample.
+"""`lm train`: pretraining from scratch on prepared token shards, as a stage (lm.train.stage).
 
-Everything the run writes lives under `workdir`; prepared data (curated text, tokenizer, token
-shards) lives in the shared data cache and is reused by every run with the same inputs.
+Prepared data (curated text, tokenizer, token shards) lives in the shared data cache and is
+reused by every run with the same inputs; everything the run writes lives under its workdir.
+At the end the model writes a sample after `train.sample_prompt` (sample.txt).
 """
 
 from __future__ import annotations
-
-import json
-import pathlib
 
 import jax
 
@@ -16,62 +14,74 @@ from lm.data.cache import data_cache_dir
 from lm.data.checks import check_data_config
 from lm.data.pipeline import eval_batches, train_dataset
 from lm.data.prepare import describe, prepare_pretrain_data
-from lm.eval.during import with_sets
 from lm.infer.generate import Generator
 from lm.infer.sampling import SamplingParams
 from lm.infer.text import complete
-from lm.store.meta import save_tokenizer
-from lm.train.fit import check_resume, evaluator, fit
+from lm.train.fit import evaluator
 from lm.train.metrics import plot_curves
 from lm.train.setup import build_run
-
-
-def _load_data(config, progress: bool):
-    d = config.data
-    return prepare_pretrain_data(d, data_cache_dir(d), vocab_size=config.model.vocab_size, progress=progress,
-                                 curate_cfg=config.curate)
-
-
-def train(config, workdir, resume: bool = False, show_progress: bool = True) -> dict:
-    workdir = pathlib.Path(workdir)
-    t, m, e = config.train, config.model, config.eval
-    finished = check_resume(workdir / "checkpoints", resume, t.steps)
-    if finished is not None:
-        return {"step": finished, "nothing_to_do": True, "stopped_by": None, "eval_loss": None}
-    # Everything that can fail without data is checked before curation and tokenization.
-    check_data_config(config)
-    run = build_run(config)
-    signature = run.signature()
-    run.check_batch(t.batch_size, t.micro_batches)
-    run.check_batch(e.batch_size, 1, key="eval.batch_size")
-    workdir.mkdir(parents=True, exist_ok=True)
-    data = _load_data(config, show_progress)
-    is_main = jax.process_index() == 0
-    if is_main:
-        (workdir / "config.json").write_text(config.to_json(indent=2))
-        (workdir / "data_stats.json").write_text(json.dumps(data.stats, indent=2))
-        save_tokenizer(data.tokenizer, workdir)
-    print(describe(data.stats))
-
-    placer = run.placer(signature)
-    seq = config.data.seq_len
-    data_iter = iter(train_dataset(data.train, seq_len=seq, global_batch=t.batch_size, seed=t.seed,
-                                   rows=placer.rows))
-    eval_signature = run.signature(e.batch_size)
-    batches = eval_batches(data.heldout, seq_len=seq, batch_size=e.batch_size, n_batches=e.batches)
-    evaluate = evaluator(run.eval_step(eval_signature), batches, run.placer(eval_signature))
-    first_row = {"unigram_baseline": data.stats["unigram_entropy_nats"], "params": plan.param_count(m),
-                 "train_docs": data.stats["train_docs"], "split_docs": data.stats["split_docs"]}
-    evaluate = with_sets(evaluate, e, run.built, data.tokenizer)
-    state, last = fit(run, workdir, data_iter, resume=resume, init=run.init_state, evaluate=evaluate,
-                      first_row=first_row, signature=signature, show_progress=show_progress)
-    if last["stopped_by"]:
-        return {"step": last["stop_step"], "stopped_by": last["stopped_by"], "eval_loss": None}
-    return _finish(config, workdir, run, state, data, last, is_main)
-
+from lm.train.stage import Stage, run_stage
 
 SUMMARY_KEYS = ("loss", "eval_loss", "tokens_per_s", "mfu", "run_tokens_per_s", "run_mfu", "run_train_seconds",
                 "peak_flops", "peak_flops_source", "compile_s")
+
+
+class Pretrain(Stage):
+    def check(self, config) -> None:
+        # everything that can fail without data, before curation and tokenization
+        check_data_config(config)
+        run, t, e = build_run(config), config.train, config.eval
+        run.check_batch(t.batch_size, t.micro_batches)
+        run.check_batch(e.batch_size, 1, key="eval.batch_size")
+
+    def read(self, ctx):
+        d = ctx.config.data
+        data = prepare_pretrain_data(d, data_cache_dir(d), vocab_size=ctx.config.model.vocab_size,
+                                     progress=ctx.show_progress, curate_cfg=ctx.config.curate)
+        print(describe(data.stats))
+        return data
+
+    def build(self, ctx):
+        return build_run(ctx.config)
+
+    def stats(self, ctx) -> dict:
+        return ctx.data.stats
+
+    def tokenizer(self, ctx):
+        return ctx.data.tokenizer
+
+    def batches(self, ctx):
+        run, t = ctx.run, ctx.config.train
+        signature = run.signature()
+        data_iter = iter(train_dataset(ctx.data.train, seq_len=ctx.config.data.seq_len, global_batch=t.batch_size,
+                                       seed=t.seed, rows=run.placer(signature).rows))
+        return data_iter, signature, None
+
+    def evaluator(self, ctx):
+        run, e = ctx.run, ctx.config.eval
+        signature = run.signature(e.batch_size)
+        batches = eval_batches(ctx.data.heldout, seq_len=ctx.config.data.seq_len, batch_size=e.batch_size,
+                               n_batches=e.batches)
+        return evaluator(run.eval_step(signature), batches, run.placer(signature))
+
+    def first_row(self, ctx) -> dict:
+        s = ctx.data.stats
+        return {"unigram_baseline": s["unigram_entropy_nats"], "params": plan.param_count(ctx.config.model),
+                "train_docs": s["train_docs"], "split_docs": s["split_docs"]}
+
+    def finish(self, ctx) -> dict:
+        text = _sample(ctx.config, ctx.run, ctx.params, ctx.data.tokenizer)
+        summary = {"step": int(jax.device_get(ctx.state.step)), "unigram_baseline": ctx.data.stats["unigram_entropy_nats"]}
+        summary |= {k: ctx.last.get(k) for k in SUMMARY_KEYS}
+        ctx.returned["sample"] = text
+        if ctx.is_main:
+            (ctx.workdir / "sample.txt").write_text(text)
+            print("--- sample ---\n" + text + "\n--------------")
+        return summary
+
+    def plot(self, ctx) -> None:
+        plot_curves(ctx.workdir / "metrics.jsonl", ctx.workdir / "loss.png",
+                    baseline=ctx.data.stats["unigram_entropy_nats"])
 
 
 def _sample(config, run, params, tok) -> str:
@@ -83,14 +93,5 @@ def _sample(config, run, params, tok) -> str:
     return prompt + complete(generator, tok, [prompt])[0]["text"]
 
 
-def _finish(config, workdir, run, state, data, last: dict, is_main: bool) -> dict:
-    """Plot, sample and a summary; only process 0 writes files."""
-    text = _sample(config, run, state.params, data.tokenizer)
-    summary = {"step": int(jax.device_get(state.step)), "unigram_baseline": data.stats["unigram_entropy_nats"]}
-    summary |= {k: last.get(k) for k in SUMMARY_KEYS}
-    if is_main:
-        plot_curves(workdir / "metrics.jsonl", workdir / "loss.png", baseline=summary["unigram_baseline"])
-        (workdir / "sample.txt").write_text(text)
-        (workdir / "summary.json").write_text(json.dumps(summary, indent=2))
-        print("--- sample ---\n" + text + "\n--------------")
-    return summary | {"sample": text}
+def train(config, workdir, resume: bool = False, show_progress: bool = True) -> dict:
+    return run_stage(Pretrain(), config, workdir, resume, show_progress)

@@ -10,49 +10,40 @@ adapters and the head train. The run's checkpoints hold the head beside the trun
 
 from __future__ import annotations
 
-import functools
-import json
-
-import jax
-
-from lm.model.lora import is_adapter
-from lm.model.transformer import Transformer
+from lm.model.build import reward_model
+from lm.model.lora import is_adapter_or_head
 from lm.train import pairs
-from lm.train.metrics import plot_curves
 from lm.train.pair_losses import reward_loss
 from lm.train.setup import build_run
+from lm.train.stage import first_eval, run_stage
 
 EVAL_METRICS = ("loss", "accuracy", "margin", "rewards/chosen", "rewards/rejected")
-reward_model = functools.partial(Transformer, scalar_head=True)
-
-
-def head_or_adapter(path) -> bool:
-    """With LoRA, what trains: the adapters and the scalar head."""
-    return is_adapter(path) or getattr(path[0], "key", path[0]) == "scalar_head"
 
 
 def build_reward_run(config, devices=None):
     lora = config.model.lora_rank > 0
     return build_run(config, lambda m: reward_loss(m, config.reward.center_coef), devices=devices,
-                     model_fn=reward_model, trainable=head_or_adapter if lora else None)
+                     model_fn=reward_model, trainable=is_adapter_or_head if lora else None)
+
+
+class Reward(pairs.PairStage):
+    verb = "reward"
+    eval_metrics = EVAL_METRICS
+
+    def build(self, ctx):
+        return build_reward_run(ctx.config)
+
+    def finish(self, ctx) -> dict:
+        c, last = ctx.config, ctx.last
+        before, after = first_eval(ctx.workdir), {k: v for k, v in last.items() if k.startswith("eval_")}
+        summary = {"step": c.train.steps, "init": c.pairs.init, "lora_rank": c.model.lora_rank,
+                   "data": ctx.data[0].stats, "eval_init": before, "eval": after,
+                   "loss": last.get("loss"), "run_tokens_per_s": last.get("run_tokens_per_s")}
+        if ctx.data[1] is not None:
+            print(pairs.eval_table("reward model: held-out pairs", ("loss", "accuracy", "margin"), before, after,
+                                   self.held_out_pairs(ctx)))
+        return summary
 
 
 def reward(config, workdir, resume: bool = False, show_progress: bool = True) -> dict:
-    stage = pairs.prepare(config, workdir, resume, "reward")
-    if isinstance(stage, dict):
-        return stage
-    run = build_reward_run(config)
-    _, _, last = pairs.train(stage, run, resume=resume, show_progress=show_progress, eval_metrics=EVAL_METRICS)
-    if last["stopped_by"]:
-        return {"step": last["stop_step"], "stopped_by": last["stopped_by"]}
-    before, after = pairs.first_eval(stage.workdir), {k: v for k, v in last.items() if k.startswith("eval_")}
-    summary = {"step": config.train.steps, "init": config.pairs.init, "lora_rank": config.model.lora_rank,
-               "data": stage.train.stats, "eval_init": before, "eval": after,
-               "loss": last.get("loss"), "run_tokens_per_s": last.get("run_tokens_per_s")}
-    if stage.heldout is not None:
-        n = min(config.pairs.eval_pairs, len(stage.heldout))
-        print(pairs.eval_table("reward model: held-out pairs", ("loss", "accuracy", "margin"), before, after, n))
-    if jax.process_index() == 0:
-        plot_curves(stage.workdir / "metrics.jsonl", stage.workdir / "loss.png")
-        (stage.workdir / "summary.json").write_text(json.dumps(summary, indent=2))
-    return summary
+    return run_stage(Reward(), config, workdir, resume, show_progress)

@@ -19,39 +19,14 @@ adds vf_coef * 0.5 * max((V - R)^2, (V_old + clip(V - V_old, +-value_clip) - R)^
 
 from __future__ import annotations
 
-import dataclasses
-
 import jax
 import jax.numpy as jnp
 import numpy as np
 
+from lm.config.rl import RlSettings
 from lm.model.apply import logits_of, target_logprobs
 
 ALGOS = ("grpo", "ppo")
-
-
-@dataclasses.dataclass(frozen=True)
-class RlSettings:
-    algo: str = "grpo"
-    beta: float = 0.04  # KL coefficient (GRPO: in the loss; PPO: in the per-token reward)
-    eps_low: float = 0.2
-    eps_high: float = 0.2
-    scale_rewards: bool = True  # GRPO: divide by the group's std (False: Dr. GRPO)
-    adv_eps: float = 1e-4
-    gamma: float = 1.0
-    lam: float = 0.95
-    vf_coef: float = 0.1
-    value_clip: float = 0.2
-    whiten: bool = True  # PPO: advantages to mean 0, std 1 over the batch's response tokens
-
-    @classmethod
-    def from_config(cls, r) -> RlSettings:
-        return cls(r.algo, r.beta, r.eps_low, r.eps_high, r.scale_rewards, r.adv_eps, r.gamma, r.lam,
-                   r.vf_coef, r.value_clip, r.whiten)
-
-    @property
-    def needs_reference(self) -> bool:
-        return self.beta > 0
 
 
 # ---- advantages (host side, numpy) -----------------------------------------------------------

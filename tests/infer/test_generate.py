@@ -15,13 +15,13 @@ from lm.errors import UserError
 from lm.infer.generate import Generator
 from lm.infer.sampling import SamplingParams
 from lm.infer.text import complete
-from lm.model.layers import ModelSpec, Partitioning
+from lm.model.layers import Partitioning
 from lm.model.transformer import Transformer
 from lm.sharding import make_mesh, param_shardings
-from tests.model.test_transformer import random_params
+from tests.model.test_transformer import model_spec, random_params
 
-SPEC = ModelSpec(vocab_size=264, d_model=32, n_layers=2, n_heads=4, n_kv_heads=2, head_dim=8, d_ff=64,
-                 max_seq_len=40, init_std=0.3)
+SPEC = model_spec(vocab_size=264, d_model=32, n_layers=2, n_heads=4, n_kv_heads=2, head_dim=8, d_ff=64,
+                  max_seq_len=40, init_std=0.3)
 PROMPTS = [[5, 9, 13, 2], [7], [40, 41, 42, 43, 44, 45, 46, 47, 48], [100, 3]]
 GREEDY = SamplingParams(max_new_tokens=12, temperature=0)
 

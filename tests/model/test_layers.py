@@ -8,10 +8,11 @@ import jax.numpy as jnp
 import numpy as np
 import pytest
 
-from lm.model.layers import Mlp, ModelSpec, Norm, Partitioning
+from lm.model.layers import Mlp, Norm, Partitioning
+from tests.model.test_transformer import model_spec
 
-SPEC = ModelSpec(vocab_size=16, d_model=8, n_layers=2, n_heads=2, n_kv_heads=1, head_dim=4, d_ff=12,
-                 norm_eps=1e-5)
+SPEC = model_spec(vocab_size=16, d_model=8, n_layers=2, n_heads=2, n_kv_heads=1, head_dim=4, d_ff=12,
+                  norm_eps=1e-5)
 
 
 def apply(module, x, seed=0):

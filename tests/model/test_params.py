@@ -12,6 +12,7 @@ from lm import plan
 from lm.config import base_config, load_config
 from lm.model.layers import ModelSpec
 from lm.model.transformer import Transformer, init_params
+from tests.model.test_transformer import model_spec
 
 
 def abstract_params(spec: ModelSpec):
@@ -49,8 +50,8 @@ def test_param_count_every_option_on():
 
 @pytest.fixture(scope="module")
 def specs():
-    spec = ModelSpec(vocab_size=50, d_model=32, n_layers=2, n_heads=4, n_kv_heads=2, head_dim=8, d_ff=48,
-                     position="learned", tie_embeddings=False, use_bias=True)
+    spec = model_spec(vocab_size=50, d_model=32, n_layers=2, n_heads=4, n_kv_heads=2, head_dim=8, d_ff=48,
+                      position="learned", tie_embeddings=False, use_bias=True)
     return nn.get_partition_spec(abstract_params(spec))
 
 
@@ -76,7 +77,7 @@ def test_logical_partition_names(specs, path, names):
 
 
 def test_scanned_params_have_leading_layer_axis():
-    spec = ModelSpec(vocab_size=50, d_model=32, n_layers=3, n_heads=4, n_kv_heads=2, head_dim=8, d_ff=48)
+    spec = model_spec(vocab_size=50, d_model=32, n_layers=3, n_heads=4, n_kv_heads=2, head_dim=8, d_ff=48)
     p = nn.unbox(abstract_params(spec))
     assert p["blocks"]["attn"]["wq"].shape == (3, 32, 4, 8)
     assert p["blocks"]["mlp"]["w_down"].shape == (3, 48, 32)

@@ -12,12 +12,19 @@ import numpy as np
 import optax
 import pytest
 
+from lm.config import base_config
 from lm.model.layers import ModelSpec
 from lm.model.transformer import Transformer, init_params
 
+
+def model_spec(**fields) -> ModelSpec:
+    """The config's default model with `fields` changed (ModelSpec holds no defaults of its own)."""
+    return dataclasses.replace(ModelSpec.from_config(base_config().model), **fields)
+
+
 # init_std larger than the default so attention patterns (and any leak) are clearly visible.
-TINY = ModelSpec(vocab_size=64, d_model=32, n_layers=2, n_heads=4, n_kv_heads=2, head_dim=8, d_ff=64,
-                 max_seq_len=16, init_std=0.2)
+TINY = model_spec(vocab_size=64, d_model=32, n_layers=2, n_heads=4, n_kv_heads=2, head_dim=8, d_ff=64,
+                  max_seq_len=16, init_std=0.2)
 
 
 def random_params(model: Transformer, seed: int):

@@ -3,6 +3,7 @@ sequence log-probs over masked-in tokens only, and, through real steps of a tiny
 step 0, live and precomputed references giving the same update, the micro-batch split and a
 (2,2,2) mesh changing nothing, padding pairs counting nowhere, the reward read at the last token."""
 
+import dataclasses
 import math
 
 import jax
@@ -35,7 +36,8 @@ LOGP, REF, COUNT = [[-3.0, -5.0]], [[-4.0, -4.0]], [[2.0, 4.0]]
 
 
 def terms(**settings):
-    loss, chosen, rejected = dpo_terms(DpoSettings(**settings), jnp.array(LOGP), jnp.array(REF), jnp.array(COUNT))
+    s = dataclasses.replace(DpoSettings.from_config(base_config().dpo), **settings)
+    loss, chosen, rejected = dpo_terms(s, jnp.array(LOGP), jnp.array(REF), jnp.array(COUNT))
     return float(loss[0]), float(chosen[0]), float(rejected[0])
 
 

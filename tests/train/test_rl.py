@@ -5,6 +5,7 @@ reference scoring, two minibatch updates) on a (2,2,2) mesh equals one device; a
 LoRA trains its adapters and value head; rewards combine functions, a reward model and a
 truncation penalty by weight."""
 
+import dataclasses
 import math
 
 import jax
@@ -26,6 +27,11 @@ from lm.train.rl_step import RlStep
 from lm.train.rollout import Sampler, Scorer
 
 T, V = 64, 264  # the byte template's prompts take ~40 tokens
+
+
+def rl_settings(**changes) -> RlSettings:
+    """The rl section's defaults with `changes`."""
+    return dataclasses.replace(RlSettings.from_config(base_config().rl), **changes)
 
 
 # ---- the formulas --------------------------------------------------------------------------------
@@ -113,7 +119,7 @@ def test_loss_is_the_plain_policy_gradient_when_ratios_are_one_and_kl_zero(tiny)
     logp = np.asarray(jax.jit(lambda p, b: token_logprobs(run.model, p, b))(params, batch))
     adv = np.array([1.0, -0.5, 2.0, 0.0], np.float32)[:, None] * batch["loss_mask"]
     batch |= {"old_logp": logp, "ref_logp": logp, "advantages": adv}
-    loss_fn = rl_loss(run.model, RlSettings(beta=0.1))
+    loss_fn = rl_loss(run.model, rl_settings(beta=0.1))
     (objective, stats), grads = jax.jit(jax.value_and_grad(loss_fn, has_aux=True))(params, batch, {}, None)
     count = batch["loss_mask"].sum()
 
@@ -135,7 +141,7 @@ def test_a_group_of_equal_rewards_gives_no_gradient(tiny):
     logp = np.asarray(jax.jit(lambda p, b: token_logprobs(run.model, p, b))(params, batch))
     adv = group_advantages(np.array([0.7, 0.7, 0.7, 0.7]), 4)[:, None] * batch["loss_mask"]
     batch |= {"old_logp": logp, "ref_logp": logp, "advantages": adv}
-    grad = jax.jit(jax.grad(lambda p, b: rl_loss(run.model, RlSettings(beta=0.1))(p, b, {}, None)[0]))
+    grad = jax.jit(jax.grad(lambda p, b: rl_loss(run.model, rl_settings(beta=0.1))(p, b, {}, None)[0]))
     largest = lambda g: max(float(jnp.max(jnp.abs(x))) for x in jax.tree.leaves(g))  # noqa: E731
     # the same rows with rewards that differ set the scale: equal rewards give 0 up to rounding
     spread = group_advantages(np.array([0.1, 0.4, 0.7, 1.0]), 4)[:, None] * batch["loss_mask"]

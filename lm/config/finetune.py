@@ -1,0 +1,37 @@
+"""The config of a fine-tuning run (`lm sft`, `lm dpo`, `lm reward`, `lm rl`, `lm distill`), which
+starts from a trained model and keeps its shape."""
+
+from __future__ import annotations
+
+from lm.config.core import ConfigDict, apply_overrides, load_file, merge
+from lm.config.schema import base_config, validate
+
+# Settings that differ from pretraining's (a config file or overrides may change each): a tenth of
+# the pretraining peak learning rate, a short warmup, decay to 0, no weight decay.
+FINETUNE_DEFAULTS = {"optim.warmup_steps": 10, "optim.min_lr_ratio": 0.0, "optim.weight_decay": 0.0,
+                     "eval.every_steps": 50, "checkpoint.every_steps": 100, "train.log_every": 10}
+FINETUNE_LR_FRACTION = 0.1
+
+
+def finetune_config(start: ConfigDict, path: str | None = None, overrides=(), section: str = "sft",
+                    **keys) -> ConfigDict:
+    """The config of a fine-tuning run: the schema, the fine-tuning defaults, the model and sequence
+    length of the run it starts from (`start`, its config), then `path` (only the keys its
+    get_config() sets), `keys` (values of `section`, e.g. sft.init, from the command line) and the
+    overrides; validated."""
+    c = base_config()
+    c.model = ConfigDict(start.model.to_dict())
+    c.data.update(seq_len=start.data.seq_len, cache_dir=start.data.cache_dir)
+    c.optim.lr = start.optim.lr * FINETUNE_LR_FRACTION
+    apply_overrides(c, [f"{k}={v}" for k, v in FINETUNE_DEFAULTS.items()])
+    if path:
+        merge(c, load_file(path))
+    c[section].update({k: v for k, v in keys.items() if v is not None})
+    apply_overrides(c, list(overrides))
+    validate(c)
+    return c
+
+
+def init_of(config) -> str:
+    """The model a fine-tuning run started from (its base, for LoRA adapters): '' for pretraining."""
+    return config.sft.init or config.pairs.init or config.rl.init

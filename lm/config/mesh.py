@@ -1,0 +1,52 @@
+"""The `mesh` section: device mesh axis sizes and the logical-axis rule table.
+
+The rule table lives here, not beside the sharding code, because a config must load without jax.
+"""
+
+from __future__ import annotations
+
+from lm.config.core import require
+
+AXES = ("data", "fsdp", "tensor")
+
+# Logical axis -> mesh axes. ONE table; a config may override entries via mesh.rules.
+DEFAULT_RULES = {
+    # activations
+    "batch": ("data", "fsdp"),
+    "length": (),
+    "cache_length": (),
+    "act_embed": (),
+    "act_heads": ("tensor",),
+    "act_kv_heads": ("tensor",),
+    "act_mlp": ("tensor",),
+    "act_vocab": ("tensor",),
+    # params
+    "vocab": ("tensor",),
+    "embed": ("fsdp",),
+    "q_heads": ("tensor",),
+    "kv_heads": ("tensor",),
+    "head_dim": (),
+    "mlp": ("tensor",),
+    "layers": (),
+    "lora_rank": (),
+    "position": (),
+    "norm": (),
+}
+
+# an axis of -1 takes whatever devices the others leave
+DEFAULTS = dict(data=-1, fsdp=1, tensor=1, rules=dict(DEFAULT_RULES))
+
+
+def rules_table(c) -> tuple[tuple[str, tuple[str, ...]], ...]:
+    """The logical-axis rule table as the hashable sequence flax expects."""
+    return tuple((name, tuple(axes) if axes else None) for name, axes in sorted(c.mesh.rules.items()))
+
+
+def check(c) -> None:
+    for axis in AXES:
+        require(c.mesh[axis] == -1 or c.mesh[axis] > 0, f"mesh.{axis}", c.mesh[axis],
+                "expected a positive size or -1 (whatever devices are left)")
+    require(sum(c.mesh[a] == -1 for a in AXES) <= 1, "mesh", c.mesh.to_dict(), "at most one axis may be -1")
+    for name, axes in c.mesh.rules.items():
+        for axis in axes:
+            require(axis in AXES, f"mesh.rules.{name}", axes, "expected mesh axes among data, fsdp, tensor")

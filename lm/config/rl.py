@@ -1,0 +1,73 @@
+"""The `rl` section (`lm rl`), and `RlSettings`, the loss's frozen form (lm.train.rl_losses)."""
+
+from __future__ import annotations
+
+import dataclasses
+
+from lm.config.core import ON_BAD_RECORD, from_section, require
+
+# GRPO or PPO from a trained model (init) on prompts (data, eval_data: JSONL {"prompt"}
+# or chat {"messages"} lines, lm.data.prompts). A step samples group_size responses to each of
+# prompts_per_step prompts (max_new_tokens, temperature, top_p), scores them (rewards:
+# "module:function[=weight], file.py:function"; reward_model: an `lm reward` run or export,
+# times reward_model_weight; truncation_penalty off responses cut at max_new_tokens), then makes
+# epochs passes over them in minibatches updates (train.batch_size is set to the rows of one).
+# beta: KL to the init model (GRPO: k3 term in the loss; PPO: in the per-token reward; 0: no
+# reference held); eps_low/eps_high: the clip range; scale_rewards: GRPO divides by the group's
+# std (false: Dr. GRPO); PPO: gamma, lam (GAE), vf_coef, value_clip, whiten (advantages to mean 0,
+# std 1 over the batch's response tokens). eval_prompts held-out prompts are answered greedily at
+# every eval; eval_answers as for pairs.
+DEFAULTS = dict(
+    init="", data="", eval_data="", algo="grpo", prompts_per_step=8, group_size=8, max_new_tokens=32,
+    temperature=1.0, top_p=1.0, rewards="", reward_model="", reward_model_weight=1.0,
+    truncation_penalty=0.0, epochs=1, minibatches=1, beta=0.04, eps_low=0.2, eps_high=0.2,
+    scale_rewards=True, adv_eps=1e-4, gamma=1.0, lam=0.95, vf_coef=0.1, value_clip=0.2, whiten=True,
+    on_bad_record="error", max_skipped_fraction=0.01, eval_prompts=256, eval_answers="",
+    eval_examples=256, eval_max_new_tokens=64,
+)
+
+CHOICES = dict(algo=("grpo", "ppo"), on_bad_record=ON_BAD_RECORD)
+
+
+@dataclasses.dataclass(frozen=True)
+class RlSettings:
+    """The loss's settings; no field defaults: the section holds them (`from_config`)."""
+
+    algo: str
+    beta: float
+    eps_low: float
+    eps_high: float
+    scale_rewards: bool
+    adv_eps: float
+    gamma: float
+    lam: float
+    vf_coef: float
+    value_clip: float
+    whiten: bool
+
+    @classmethod
+    def from_config(cls, r) -> RlSettings:
+        return from_section(cls, r)
+
+    @property
+    def needs_reference(self) -> bool:
+        return self.beta > 0
+
+
+def check(c) -> None:
+    r = c.rl
+    for key in ("prompts_per_step", "group_size", "max_new_tokens", "epochs", "minibatches", "eval_prompts",
+                "eval_examples", "eval_max_new_tokens"):
+        require(r[key] >= 1, f"rl.{key}", r[key], "expected a positive integer")
+    require((r.prompts_per_step * r.group_size) % r.minibatches == 0, "rl.minibatches", r.minibatches,
+            f"must divide the {r.prompts_per_step * r.group_size} rollouts of a step "
+            "(rl.prompts_per_step x rl.group_size)")
+    require(r.group_size >= 2 or r.algo == "ppo", "rl.group_size", r.group_size,
+            "GRPO compares the responses to one prompt: at least 2")
+    for key in ("beta", "eps_low", "eps_high", "adv_eps", "vf_coef", "value_clip", "truncation_penalty",
+                "temperature"):
+        require(r[key] >= 0, f"rl.{key}", r[key], "expected >= 0")
+    require(0 < r.top_p <= 1, "rl.top_p", r.top_p, "expected a fraction in (0, 1]")
+    require(0 <= r.gamma <= 1 and 0 <= r.lam <= 1, "rl.gamma/rl.lam", (r.gamma, r.lam), "expected values in [0, 1]")
+    require(0.0 <= r.max_skipped_fraction <= 1.0, "rl.max_skipped_fraction", r.max_skipped_fraction,
+            "expected a fraction in [0, 1]")

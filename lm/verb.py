@@ -1,0 +1,35 @@
+"""What every `lm` verb shares: the (add_parser, run) contract, the config-overrides epilog, and the
+signal a verb raises when a run was stopped (the edge knows the command line to continue it)."""
+
+from __future__ import annotations
+
+import argparse
+from typing import Protocol
+
+OVERRIDES_HELP = """config overrides:
+  any key of the config can be set after the other arguments as --config.SECTION.KEY=VALUE
+  (or --config.SECTION.KEY VALUE), e.g. --config.optim.lr=1e-3 --config.mesh.fsdp=2
+  --config.data.corpus=/path/to/texts; every key, its default and type: lm/config.py base_config().
+  Unknown keys and wrong types stop with the dotted key and what was expected."""
+
+
+class Verb(Protocol):
+    """A verb of `lm`: a module or a small object. Building its parser must not import jax (the CPU
+    flags are set later, in `run`, once the config is known)."""
+
+    def add_parser(self, sub) -> None: ...
+
+    def run(self, args: argparse.Namespace, overrides: list[str]) -> int: ...
+
+
+class Stopped(Exception):
+    """A signal ended a training run after its checkpoint was saved: nothing was lost."""
+
+    def __init__(self, by: str, step: int):
+        super().__init__(f"stopped by {by} at step {step}")
+        self.by, self.step = by, step
+
+
+def with_overrides(sub, name: str, **kw) -> argparse.ArgumentParser:
+    """A verb's parser whose help ends with how to override config keys."""
+    return sub.add_parser(name, epilog=OVERRIDES_HELP, formatter_class=argparse.RawDescriptionHelpFormatter, **kw)

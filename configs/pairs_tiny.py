@@ -1,5 +1,5 @@
 """Preference training of the tiny model (`lm dpo` / `lm reward --config configs/pairs_tiny.py`):
-the keys set here change the fine-tuning defaults (lm/config.py FINETUNE_DEFAULTS); the model
+the keys set here change the fine-tuning defaults (lm/train/finetune.py FINETUNE_DEFAULTS); the model
 comes from --init. The sort task's pairs are short, so rows are 40 tokens, not the model's 256."""
 
 from lm.config import ConfigDict

@@ -1,6 +1,6 @@
 """RL from rewards on the tiny model (`lm rl --config configs/rl_tiny.py`): GRPO on the sort
 task's exact-answer reward (lm.data.synthetic.sort_reward); the keys set here change the
-fine-tuning defaults (lm/config.py FINETUNE_DEFAULTS); the model comes from --init. The task's
+fine-tuning defaults (lm/train/finetune.py FINETUNE_DEFAULTS); the model comes from --init. The task's
 prompts and answers are short, so rows are 40 tokens, 16 of them for the response."""
 
 from lm.config import ConfigDict

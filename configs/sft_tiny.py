@@ -1,5 +1,5 @@
 """Supervised fine-tuning of the tiny model (`lm sft --config configs/sft_tiny.py`): the keys set
-here change the SFT defaults (lm/config.py FINETUNE_DEFAULTS); the model comes from --init."""
+here change the SFT defaults (lm/train/finetune.py FINETUNE_DEFAULTS); the model comes from --init."""
 
 from lm.config import ConfigDict
 

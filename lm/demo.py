@@ -20,7 +20,8 @@ from __future__ import annotations
 import json
 import pathlib
 
-from lm.config import finetune_config, load_config
+from lm.config import load_config
+from lm.train.finetune import finetune_config
 from lm.data.synthetic import write_sort_pairs, write_sort_task
 from lm.store.meta import init_config
 

@@ -9,7 +9,7 @@ from typing import Protocol
 OVERRIDES_HELP = """config overrides:
   any key of the config can be set after the other arguments as --config.SECTION.KEY=VALUE
   (or --config.SECTION.KEY VALUE), e.g. --config.optim.lr=1e-3 --config.mesh.fsdp=2
-  --config.data.corpus=/path/to/texts; every key, its default and type: lm/config.py base_config().
+  --config.data.corpus=/path/to/texts; every key, its default and type: lm/config/ (one module per section).
   Unknown keys and wrong types stop with the dotted key and what was expected."""
 
 

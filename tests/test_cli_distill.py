@@ -63,3 +63,21 @@ def test_a_teacher_of_another_vocabulary_or_none_is_one_line(runs, tmp_path, cap
     assert main(["distill", "--init", str(student), "--data", str(task["train"]), "--workdir", str(tmp_path / "b"),
                  "--teacher", ""]) == 2
     assert "distill.teacher is empty" in capsys.readouterr().err
+
+
+@pytest.mark.slow
+def test_on_policy_steps_sample_the_student_and_resume_exactly(runs, tmp_path):
+    """GKD's mix: about half the steps train on the student's own responses; which ones, and the
+    samples, are drawn from the seed and the step, so a split run equals a straight one."""
+    mix = ["--config.distill.on_policy_fraction=0.5", "--config.distill.max_new_tokens=8",
+           "--config.distill.divergence=reverse_kl"]
+    straight, split = tmp_path / "straight", tmp_path / "split"
+    assert distill(runs, straight, 8, *mix, "--config.train.log_every=1") == 0
+    rows = [json.loads(line) for line in (straight / "metrics.jsonl").read_text().splitlines()]
+    logged = [r for r in rows if "on_policy" in r]
+    assert {r["on_policy"] for r in logged} == {0.0, 1.0}
+    assert all(0 < r["response_length"] <= 8 for r in logged if r["on_policy"] == 1.0)
+    assert distill(runs, split, 4, *mix, "--config.train.log_every=1") == 0
+    assert distill(runs, split, 8, *mix, "--config.train.log_every=1", "--resume") == 0
+    for a, b in zip(jax.tree.leaves(final_params(straight, 8)), jax.tree.leaves(final_params(split, 8))):
+        np.testing.assert_array_equal(a, b)

@@ -10,13 +10,12 @@ where its consumers read one, its frozen dataclass. Nothing here imports jax.
 from lm.config.core import ConfigDict, apply_overrides, load_file, merge, require
 from lm.config.data import data_sources
 from lm.config.eval import parse_sets
-from lm.config.finetune import FINETUNE_DEFAULTS, FINETUNE_LR_FRACTION, finetune_config, init_of
 from lm.config.mesh import DEFAULT_RULES, rules_table
 from lm.config.model import LORA_TARGETS, head_dim
-from lm.config.schema import CHOICES, SECTIONS, base_config, load_config, validate
+from lm.config.schema import CHOICES, SECTIONS, base_config, init_of, load_config, validate
 
 __all__ = [
-    "CHOICES", "DEFAULT_RULES", "FINETUNE_DEFAULTS", "FINETUNE_LR_FRACTION", "LORA_TARGETS", "SECTIONS",
-    "ConfigDict", "apply_overrides", "base_config", "data_sources", "finetune_config", "head_dim", "init_of",
+    "CHOICES", "DEFAULT_RULES", "LORA_TARGETS", "SECTIONS",
+    "ConfigDict", "apply_overrides", "base_config", "data_sources", "head_dim", "init_of",
     "load_config", "load_file", "merge", "parse_sets", "require", "rules_table", "validate",
 ]

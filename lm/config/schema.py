@@ -40,3 +40,8 @@ def load_config(path: str | None, overrides: list[str] = ()) -> ConfigDict:
     apply_overrides(config, list(overrides))
     validate(config)
     return config
+
+
+def init_of(config) -> str:
+    """The model a fine-tuning run started from (its base, for LoRA adapters): '' for pretraining."""
+    return config.sft.init or config.pairs.init or config.rl.init

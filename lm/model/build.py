@@ -53,9 +53,9 @@ class Built:
         boxed = jax.eval_shape(lambda r: init_params(self.module, r), jax.random.PRNGKey(0))
         return nn.unbox(boxed)
 
-    def check(self, params: dict, source: str) -> None:
-        """`params` (all or part of this model's) must have its names and shapes."""
-        check_fits(self.abstract_params(), params, source)
+    def check(self, params: dict, source: str, complete: bool = False) -> None:
+        """`params` (all or part of this model's; all if `complete`) must have its names and shapes."""
+        check_fits(self.abstract_params(), params, source, complete)
 
     def place(self, params: dict, dtype=None) -> dict:
         """Host params (all or part of this model's) on the mesh with their shardings; `dtype`

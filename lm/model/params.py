@@ -63,13 +63,14 @@ def subtree(tree: dict, like: dict) -> dict:
     return {k: subtree(tree[k], v) if isinstance(v, dict) else tree[k] for k, v in like.items()}
 
 
-def check_fits(abstract: dict, given: dict, source: str) -> None:
+def check_fits(abstract: dict, given: dict, source: str, complete: bool = False) -> None:
     """`given` must hold only leaves of `abstract` (a model's params, shapes only), with their
-    shapes: one line naming the first misfits."""
+    shapes (and, if `complete`, all of them): one line naming the first misfits."""
     want = dict(zip(leaf_paths(abstract), [tuple(x.shape) for x in jax.tree.leaves(abstract)]))
     got = dict(zip(leaf_paths(given), [tuple(x.shape) for x in jax.tree.leaves(given)]))
     bad = [f"{p}: {s} (model has {want[p]})" for p, s in got.items() if p in want and want[p] != s]
     bad += [f"{p}: not a param of this model" for p in got if p not in want]
+    bad += [f"{p}: missing" for p in want if p not in got] if complete else []
     if bad:
         raise UserError(f"{source} does not fit the model: " + "; ".join(bad[:5]) +
                         (f"; ... ({len(bad)} in all)" if len(bad) > 5 else ""))

@@ -81,7 +81,7 @@ class FineTune:
         p.add_argument("--eval-data", help=self.eval_data)
         required.append(p.add_argument("--workdir", required=True, help="directory for checkpoints, metrics, plots"))
         p.add_argument("--config", help="a config file whose get_config() sets some keys (default: built-in "
-                                        "fine-tuning defaults, lm/config.py FINETUNE_DEFAULTS)")
+                                        "fine-tuning defaults, lm/train/finetune.py FINETUNE_DEFAULTS)")
         p.add_argument("--resume", action="store_true", help="continue from the newest checkpoint in --workdir")
         p.add_argument("--no-progress", action="store_true", help="no progress bar (logs only)")
         for flag, text, *_ in self.options:
@@ -91,7 +91,7 @@ class FineTune:
     def run(self, args, overrides) -> int:
         from pathlib import Path
 
-        from lm.config import finetune_config
+        from lm.train.finetune import finetune_config
         from lm.cpu_flags import apply_cpu_defaults
         from lm.store.meta import init_config
 

@@ -52,18 +52,22 @@ class Rewards:
     """Scores a rollout batch: (total reward [N], {source: raw rewards [N]})."""
 
     def __init__(self, functions: list[RewardFn], scorer=None, scorer_weight: float = 1.0,
-                 truncation_penalty: float = 0.0):
-        if not functions and scorer is None:
+                 truncation_penalty: float = 0.0, model=None):
+        if not functions and scorer is None and model is None:
             raise UserError("rl: no reward; set rl.rewards (module:function) and/or rl.reward_model")
         self.functions, self.scorer, self.scorer_weight = functions, scorer, scorer_weight
-        self.truncation_penalty = truncation_penalty
+        self.truncation_penalty, self.model = truncation_penalty, model
 
     @classmethod
-    def from_config(cls, r, devices=None) -> Rewards:
-        scorer = None
-        if r.reward_model:
-            scorer = RewardScorer(load_init(r.reward_model), devices=devices)
-        return cls(parse_rewards(r.rewards), scorer, r.reward_model_weight, r.truncation_penalty)
+    def from_config(cls, r) -> Rewards:
+        """The functions (imported now) and the reward model (read now, placed by `place`)."""
+        model = load_init(r.reward_model) if r.reward_model else None
+        return cls(parse_rewards(r.rewards), None, r.reward_model_weight, r.truncation_penalty, model)
+
+    def place(self, mesh) -> None:
+        """The reward model, frozen, on the policy's mesh (its own architecture and rule table)."""
+        if self.model is not None:
+            self.scorer = RewardScorer(self.model, mesh=mesh)
 
     def __call__(self, prompts: list, messages: list[list[dict]], completions: list[str], truncated: np.ndarray,
                  columns: list[dict]) -> tuple[np.ndarray, dict]:

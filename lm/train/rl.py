@@ -93,6 +93,7 @@ class Rl(Stage):
     def batches(self, ctx):
         c, r, run = ctx.config, ctx.config.rl, ctx.run
         prompts, _, rewards = ctx.data
+        rewards.place(run.mesh)
         settings = RlSettings.from_config(r)
         template = ChatTemplate.for_tokenizer(ctx.init.tokenizer)
         sampling = SamplingParams(max_new_tokens=r.max_new_tokens, temperature=r.temperature, top_p=r.top_p)

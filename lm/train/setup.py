@@ -109,7 +109,7 @@ class Run:
             if given is None:
                 raise UserError(f"the frozen model '{name}' needs params: give the run its --init")
             if name in (sources or {}):
-                slot.built.check(given, f"the params of the frozen model '{name}'")
+                slot.built.check(given, f"the params of the frozen model '{name}'", complete=True)
             out[name] = slot.built.place(subtree(given, slot.built.param_shardings), slot.dtype)
         return out or None
 

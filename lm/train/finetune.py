@@ -1,10 +1,9 @@
-"""The config of a fine-tuning run (`lm sft`, `lm dpo`, `lm reward`, `lm rl`, `lm distill`), which
-starts from a trained model and keeps its shape."""
+"""The config of a fine-tuning stage (`lm sft`, `lm dpo`, `lm reward`, `lm rl`, `lm distill`), which
+starts from a trained model and keeps its shape: the stages' shared composition of config sections."""
 
 from __future__ import annotations
 
-from lm.config.core import ConfigDict, apply_overrides, load_file, merge
-from lm.config.schema import base_config, validate
+from lm.config import ConfigDict, apply_overrides, base_config, load_file, merge, validate
 
 # Settings that differ from pretraining's (a config file or overrides may change each): a tenth of
 # the pretraining peak learning rate, a short warmup, decay to 0, no weight decay.
@@ -30,8 +29,3 @@ def finetune_config(start: ConfigDict, path: str | None = None, overrides=(), se
     apply_overrides(c, list(overrides))
     validate(c)
     return c
-
-
-def init_of(config) -> str:
-    """The model a fine-tuning run started from (its base, for LoRA adapters): '' for pretraining."""
-    return config.sft.init or config.pairs.init or config.rl.init

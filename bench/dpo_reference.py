@@ -84,6 +84,7 @@ import numpy as np  # noqa: E402
 from lm import plan  # noqa: E402
 from lm.config import load_config  # noqa: E402
 from lm.train.dpo import build_dpo_run, reference_logps  # noqa: E402
+from lm.train.pair_losses import DpoSettings  # noqa: E402
 from lm.train.pairs import PAIR_EXTRA  # noqa: E402
 from lm.train.setup import host_batch  # noqa: E402
 
@@ -201,7 +202,8 @@ def main(args) -> int:
     print(f"shape: {m.n_layers} layers, d_model {m.d_model}, {m.n_heads} heads, d_ff {m.d_ff}, vocab "
           f"{m.vocab_size}, {m.mlp}, {m.norm}, remat {m.remat}, {m.compute_dtype}; {args.batch_size} pairs x 2 "
           f"rows x seq {args.seq_len} = {args.batch_size * 2 * args.seq_len} tokens/step; "
-          f"{plan.param_count(m) / 1e6:.1f}M params; DPO {live_config.dpo.loss}, beta {live_config.dpo.beta:g}",
+          f"{plan.param_count(m) / 1e6:.1f}M params; DPO {live_config.dpo.loss}, "
+          f"beta {DpoSettings.from_config(live_config.dpo).loss_beta:g}",
           flush=True)
     pre_run = build_dpo_run(pre_config, devices=devices)
     # the init model: the fresh params of a run of the same config, on the host (np.array copies,

@@ -7,12 +7,19 @@ import dataclasses
 from lm.config.core import from_section, require
 
 # loss sigmoid (DPO; label_smoothing > 0: conservative DPO) | ipo | simpo (no reference,
-# length-normalised, margin simpo_gamma); rpo_alpha: weight of an NLL term on the chosen response;
-# reference: live (the init model runs beside the policy, frozen, in the compute dtype; with LoRA:
-# the base with adapters off) | precomputed (its log-probs, computed once before training)
-DEFAULTS = dict(loss="sigmoid", beta=0.1, label_smoothing=0.0, simpo_gamma=0.5, rpo_alpha=0.0, reference="live")
+# length-normalised, margin simpo_gamma); beta 0: the loss's own default (LOSS_BETA);
+# rpo_alpha: weight of an NLL term on the chosen response, averaged per chosen response
+# (rpo_nll=per_response, the RPO paper's) or over the chosen tokens of the batch (per_token,
+# TRL's); reference: live (the init model runs beside the policy, frozen, in the compute dtype;
+# with LoRA: the base with adapters off) | precomputed (its log-probs, computed once before training)
+DEFAULTS = dict(loss="sigmoid", beta=0.0, label_smoothing=0.0, simpo_gamma=1.0, rpo_alpha=0.0,
+                rpo_nll="per_response", reference="live")
 
-CHOICES = dict(loss=("sigmoid", "ipo", "simpo"), reference=("live", "precomputed"))
+# each loss's beta when dpo.beta is 0: TRL's 0.1 for DPO and IPO; SimPO's authors' 2.0 (with
+# simpo_gamma 1.0: their gamma / beta ratio of 0.5)
+LOSS_BETA = dict(sigmoid=0.1, ipo=0.1, simpo=2.0)
+
+CHOICES = dict(loss=tuple(LOSS_BETA), rpo_nll=("per_response", "per_token"), reference=("live", "precomputed"))
 
 
 @dataclasses.dataclass(frozen=True)
@@ -20,14 +27,20 @@ class DpoSettings:
     """No field defaults: the section holds them (`from_config`)."""
 
     loss: str
-    beta: float
+    beta: float  # as in the section: 0 is the loss's default, see `loss_beta`
     label_smoothing: float
     simpo_gamma: float
     rpo_alpha: float
+    rpo_nll: str
 
     @classmethod
     def from_config(cls, d) -> DpoSettings:
         return from_section(cls, d)
+
+    @property
+    def loss_beta(self) -> float:
+        """The beta the loss uses: dpo.beta, or the loss's default when it is 0."""
+        return self.beta or LOSS_BETA[self.loss]
 
     @property
     def needs_reference(self) -> bool:
@@ -36,7 +49,8 @@ class DpoSettings:
 
 def check(c) -> None:
     d = c.dpo
-    require(d.beta > 0, "dpo.beta", d.beta, "expected > 0")
+    require(d.beta >= 0, "dpo.beta", d.beta,
+            f"expected > 0, or 0 for the loss's default ({', '.join(f'{k} {v:g}' for k, v in LOSS_BETA.items())})")
     require(0.0 <= d.label_smoothing < 0.5, "dpo.label_smoothing", d.label_smoothing,
             "expected a fraction in [0, 0.5)")
     require(d.label_smoothing == 0.0 or d.loss == "sigmoid", "dpo.label_smoothing",

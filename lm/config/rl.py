@@ -15,18 +15,26 @@ from lm.config.core import ON_BAD_RECORD, from_section, require
 # beta: KL to the init model (GRPO: k3 term in the loss; PPO: in the per-token reward; 0: no
 # reference held); eps_low/eps_high: the clip range; scale_rewards: GRPO divides by the group's
 # std (false: Dr. GRPO); PPO: gamma, lam (GAE), vf_coef, value_clip, whiten (advantages to mean 0,
-# std 1 over the batch's response tokens). eval_prompts held-out prompts are answered greedily at
-# every eval; eval_answers as for pairs.
+# std 1 over the batch's response tokens). The policy's, the old and the reference log-probs are
+# all taken at `temperature` (logits / temperature, as TRL). loss_type: how the per-token loss is
+# normalised (TRL's names, lm.train.rl_losses): dapo (over the update's response tokens) | grpo
+# (each response's mean, then the mean over responses) | dr_grpo (over responses x
+# max_new_tokens) | bnpo (over each micro-batch's tokens); importance_sampling_level: token |
+# sequence (GSPO: one ratio per response, exp of the mean log-ratio). eval_prompts held-out
+# prompts are answered greedily at every eval; eval_answers as for pairs.
 DEFAULTS = dict(
     init="", data="", eval_data="", algo="grpo", prompts_per_step=8, group_size=8, max_new_tokens=32,
     temperature=1.0, top_p=1.0, rewards="", reward_model="", reward_model_weight=1.0,
     truncation_penalty=0.0, epochs=1, minibatches=1, beta=0.04, eps_low=0.2, eps_high=0.2,
+    loss_type="dapo", importance_sampling_level="token",
     scale_rewards=True, adv_eps=1e-4, gamma=1.0, lam=0.95, vf_coef=0.1, value_clip=0.2, whiten=True,
     on_bad_record="error", max_skipped_fraction=0.01, eval_prompts=256, eval_answers="",
     eval_examples=256, eval_max_new_tokens=64,
 )
 
-CHOICES = dict(algo=("grpo", "ppo"), on_bad_record=ON_BAD_RECORD)
+LOSS_TYPES = ("dapo", "grpo", "dr_grpo", "bnpo")
+CHOICES = dict(algo=("grpo", "ppo"), loss_type=LOSS_TYPES, importance_sampling_level=("token", "sequence"),
+               on_bad_record=ON_BAD_RECORD)
 
 
 @dataclasses.dataclass(frozen=True)
@@ -34,6 +42,10 @@ class RlSettings:
     """The loss's settings; no field defaults: the section holds them (`from_config`)."""
 
     algo: str
+    loss_type: str
+    importance_sampling_level: str
+    temperature: float
+    max_new_tokens: int
     beta: float
     eps_low: float
     eps_high: float
@@ -64,9 +76,10 @@ def check(c) -> None:
             "(rl.prompts_per_step x rl.group_size)")
     require(r.group_size >= 2 or r.algo == "ppo", "rl.group_size", r.group_size,
             "GRPO compares the responses to one prompt: at least 2")
-    for key in ("beta", "eps_low", "eps_high", "adv_eps", "vf_coef", "value_clip", "truncation_penalty",
-                "temperature"):
+    for key in ("beta", "eps_low", "eps_high", "adv_eps", "vf_coef", "value_clip", "truncation_penalty"):
         require(r[key] >= 0, f"rl.{key}", r[key], "expected >= 0")
+    require(r.temperature > 0, "rl.temperature", r.temperature,
+            "expected > 0: rollouts are sampled, and the log-probs are taken at this temperature")
     require(0 < r.top_p <= 1, "rl.top_p", r.top_p, "expected a fraction in (0, 1]")
     require(0 <= r.gamma <= 1 and 0 <= r.lam <= 1, "rl.gamma/rl.lam", (r.gamma, r.lam), "expected values in [0, 1]")
     require(0.0 <= r.max_skipped_fraction <= 1.0, "rl.max_skipped_fraction", r.max_skipped_fraction,

@@ -6,17 +6,22 @@ knows nothing about losses or models.
 Metrics are read back one step late (the device runs step s+1 while the host checks
 step s), except at log, eval and checkpoint steps, where everything is checked first:
 a checkpoint is only written after its step was seen to be healthy.
+
+Progress is a live bar on a terminal; when output goes to a log, a plain line per logged
+step instead (a bar's carriage-return frames would fill the log).
 """
 
 from __future__ import annotations
 
 import dataclasses
+import sys
 import time
 from typing import Callable, Iterator
 
 import jax
 from tqdm import tqdm
 
+from lm.data.progress import bars
 from lm.errors import UserError
 from lm.perf import mfu
 from lm.train.faults import FaultPolicy, Health, StopSignal, agree_any
@@ -35,6 +40,7 @@ class LoopSpec:
     peak_flops: float
     agree_every: int = 1  # multi-host: steps between agreements on signals and timed saves
     updates_per_step: int = 1  # state.step counts updates; a step may make several (RL)
+    measure_peak: Callable[[], float] | None = None  # measures peak_flops again (None: a given figure)
 
 
 @dataclasses.dataclass
@@ -50,12 +56,46 @@ def _due(step: int, every: int, total: int) -> bool:
     return step == total or (every > 0 and step % every == 0)
 
 
+class _Peak:
+    """The peak FLOP/s that MFU divides by.
+
+    A measured peak is only a lower bound on what the devices can do: measured in a slow spell
+    or under load, the run beats it and MFU shows over 100%. Then it is measured once more and
+    the larger figure kept; if the run still beats that, the achieved rate is the best evidence
+    and becomes the peak (that window shows 100%). A given peak (train.peak_flops) is never revised.
+    """
+
+    def __init__(self, spec: LoopSpec):
+        self.flops, self.spec, self.measure = spec.peak_flops, spec, spec.measure_peak
+        self.remeasured, self.raised = None, None  # what happened, for the summary
+
+    def mfu(self, step: int, tokens_per_s: float) -> tuple[float, bool]:
+        """(MFU of a window, whether the peak was revised for it)."""
+        achieved, before = tokens_per_s * self.spec.flops_per_token, self.flops
+        if self.measure is None or achieved <= self.flops:
+            return mfu(tokens_per_s, self.spec.flops_per_token, self.flops), False
+        if self.remeasured is None:  # once per run: a measurement takes a second or more
+            measured = self.measure()
+            self.flops = max(self.flops, measured)
+            self.remeasured = f"re-measured at step {step}: {measured / 1e9:.0f} GFLOP/s"
+        if achieved > self.flops:
+            self.flops = achieved
+            self.raised = f"raised to the achieved {achieved / 1e9:.0f} GFLOP/s at step {step}"
+        return mfu(tokens_per_s, self.spec.flops_per_token, self.flops), self.flops != before
+
+    def figures(self) -> dict:
+        revised = "; ".join(note for note in (self.remeasured, self.raised) if note)
+        return {"peak_flops": self.flops} | ({"peak_flops_revised": revised} if revised else {})
+
+
 class _Logger:
-    """Throughput windows, metrics rows and the progress bar."""
+    """Throughput windows, metrics rows, and the progress bar (a terminal) or lines (a log)."""
 
     def __init__(self, spec: LoopSpec, writer, start: int, show: bool):
-        self.spec, self.writer = spec, writer
-        self.bar = tqdm(total=spec.total_steps, initial=start, disable=not show, unit="step", dynamic_ncols=True)
+        self.spec, self.writer, self.peak = spec, writer, _Peak(spec)
+        self.lines = show and not bars(show)
+        self.bar = tqdm(total=spec.total_steps, initial=start, disable=not show or self.lines, unit="step",
+                        dynamic_ncols=True)
         self.window_start, self.window_steps, self.compile_s, self.logged = None, 0, None, {}
         self.run_steps, self.run_seconds = 0, 0.0  # every timed window of the run, for its summary
 
@@ -70,17 +110,35 @@ class _Logger:
 
     def log(self, step: int, row: dict) -> None:
         now = time.perf_counter()
-        if self.window_steps:
+        timed = self.window_steps > 0
+        if timed:
             row["tokens_per_s"] = self.window_steps * self.spec.tokens_per_step / (now - self.window_start)
-            row["mfu"] = mfu(row["tokens_per_s"], self.spec.flops_per_token, self.spec.peak_flops)
         self._close_window(now)
+        if timed:
+            row["mfu"], revised = self.peak.mfu(step, row["tokens_per_s"])
+            if revised:
+                row["peak_flops"] = self.peak.flops
+                self.pause()  # a measurement is not training time
         self.logged = row | {"compile_s": self.compile_s}
         self.write(step, self.logged)
         self.bar.set_postfix(_postfix(row), refresh=False)
+        if self.lines:
+            shown = ", ".join(f"{k} {v}" for k, v in _postfix(row).items())
+            self.say(f"step {step}/{self.spec.total_steps}: {shown}")
+
+    def say(self, text: str) -> None:
+        """A line of its own (above the bar on a terminal), on disk at once in a log."""
+        self.bar.write(text)
+        sys.stdout.flush()
 
     def write(self, step: int, row: dict) -> None:
         if self.writer:
             self.writer.write(step, row)
+
+    def flush(self) -> None:
+        """Puts what the writer buffers on disk (after a checkpoint: a resume starts from there)."""
+        if getattr(self.writer, "flush", None) is not None:
+            self.writer.flush()
 
     def pause(self) -> None:
         """Eval or checkpoint time is not training time: the next window starts now."""
@@ -100,7 +158,7 @@ class _Logger:
         if not self.run_steps:
             return {}
         tps = self.run_steps * self.spec.tokens_per_step / self.run_seconds
-        return {"run_tokens_per_s": tps, "run_mfu": mfu(tps, self.spec.flops_per_token, self.spec.peak_flops),
+        return {"run_tokens_per_s": tps, "run_mfu": mfu(tps, self.spec.flops_per_token, self.peak.flops),
                 "run_train_seconds": self.run_seconds, "run_timed_steps": self.run_steps}
 
 
@@ -138,18 +196,19 @@ def run_loop(spec: LoopSpec, state, step_fn: Callable, data_iter: Iterator, to_d
         if evaluate is not None and _due(step, spec.eval_every, spec.total_steps):
             last_eval = evaluate(state)
             log.write(step, last_eval)
-            log.bar.write(f"step {step}: " + ", ".join(f"{k} {v:.4f}" for k, v in last_eval.items()
-                                                        if k in EVAL_SHOWN or k.endswith("/bits_per_byte")))
+            log.say(f"step {step}: " + ", ".join(f"{k} {v:.4f}" for k, v in last_eval.items()
+                                                  if k in EVAL_SHOWN or k.endswith("/bits_per_byte")))
             log.pause()
         if ckpt_due:
             checkpointer.save(step, state, data_iter, health=health.state_dict())
+            log.flush()
             log.pause()
         if stop:
             stopped_by = faults.stop.received or "a signal on another process"
             break
     log.bar.close()
-    return state, (log.logged | last_eval | log.run_figures() | {"stopped_by": stopped_by, "stop_step": step}
-                   | health.metrics())
+    return state, (log.logged | last_eval | log.run_figures() | log.peak.figures()
+                   | {"stopped_by": stopped_by, "stop_step": step} | health.metrics())
 
 
 def _agreed_flags(spec: LoopSpec, step: int, stop: StopSignal | None, checkpointer) -> tuple[bool, bool]:
@@ -190,8 +249,8 @@ def _handle(verdict, state, step: int, checkpointer, faults: Faults, health: Hea
     del state  # free the bad state before the restored one arrives
     state, restored_step, _ = checkpointer.restore(faults.abstract_state)
     health.rolled_back()
-    log.bar.write(f"lm: warning: {verdict.reason}; rolled back to step {restored_step} and skipped the "
-                  f"{step - restored_step} batches since ({health.rollbacks} rollback(s) so far)")
+    log.say(f"lm: warning: {verdict.reason}; rolled back to step {restored_step} and skipped the "
+            f"{step - restored_step} batches since ({health.rollbacks} rollback(s) so far)")
     log.write(step, {"rollback_to": restored_step} | health.metrics())
     log.bar.n = restored_step
     log.pause()

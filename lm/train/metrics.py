@@ -1,14 +1,28 @@
-"""Run metrics: one JSON object per line, TensorBoard event files, and PNG curves."""
+"""Run metrics: one JSON object per line, TensorBoard event files, and PNG curves.
+
+`metrics.jsonl` is the record of a run: each row is appended (and the file closed) as it
+comes, and on resume the file is cut back to the restored step, atomically. The TensorBoard
+event file is a view of it, rebuilt from metrics.jsonl whenever a writer opens: after a kill
+and a resume, a reader sees each step once with exactly the values of metrics.jsonl (events
+still buffered at the kill are written again, events past the restored step are gone).
+"""
 
 from __future__ import annotations
 
 import json
 import math
+import os
 import pathlib
+import sys
+import time
+import uuid
 
 import numpy as np
 
 from lm.data.jsonl import iter_jsonl
+
+EXPECTED = "one JSON object of metrics per line"
+FLUSH_SECONDS = 10.0  # a row written this long after the last flush flushes the events (checkpoints do too)
 
 
 class MetricsWriter:
@@ -16,12 +30,11 @@ class MetricsWriter:
 
     def __init__(self, workdir: pathlib.Path, enabled: bool = True):
         self.path = pathlib.Path(workdir) / "metrics.jsonl"
+        self.events_dir = pathlib.Path(workdir) / "tensorboard"
         self.enabled = enabled
-        self._tb = None
+        self._tb, self._flushed = None, time.monotonic()
         if enabled:
-            from tensorboardX import SummaryWriter  # imported lazily: heavy, and only process 0 writes
-
-            self._tb = SummaryWriter(str(pathlib.Path(workdir) / "tensorboard"))
+            self._tb = _fresh_event_file(self.events_dir, read_metrics(self.path) if self.path.exists() else [])
 
     def write(self, step: int, values: dict) -> None:
         if not self.enabled:
@@ -29,13 +42,51 @@ class MetricsWriter:
         row = {"step": int(step)} | {k: _plain(v) for k, v in values.items()}
         with self.path.open("a") as f:
             f.write(json.dumps(row) + "\n")
-        for key, value in row.items():
-            if key != "step" and isinstance(value, (int, float)):
-                self._tb.add_scalar(key, value, int(step))
+        _add_row(self._tb, row)
+        if time.monotonic() - self._flushed >= FLUSH_SECONDS:
+            self.flush()
+
+    def flush(self) -> None:
+        """Puts the buffered TensorBoard events on disk (metrics.jsonl rows are there already)."""
+        if self._tb is not None:
+            self._tb.flush()
+            self._flushed = time.monotonic()
 
     def close(self) -> None:
         if self._tb is not None:
             self._tb.close()
+            self._tb = None
+
+
+def _fresh_event_file(directory: pathlib.Path, rows: list[dict]):
+    """A new event file holding `rows`; the older event files in `directory` are then removed."""
+    from tensorboardX.event_file_writer import EventsWriter  # lazily: heavy, and only process 0 writes
+    from tensorboardX.proto.event_pb2 import Event, SessionLog
+
+    directory.mkdir(parents=True, exist_ok=True)
+    old = list(directory.glob("events.out.tfevents.*"))
+    # Synchronous (no queue): a flush means every event written so far is on disk. The suffix keeps
+    # the name apart from an old file of the same second, which is deleted below.
+    tb = EventsWriter(str(directory / "events"), f".{os.getpid()}.{uuid.uuid4().hex[:8]}")
+    # A restart at step 0: a TensorBoard already showing the old files drops what they held.
+    tb.write_event(Event(wall_time=time.time(), step=0, session_log=SessionLog(status=SessionLog.START)))
+    for row in rows:
+        _add_row(tb, row)
+    tb.flush()
+    for path in old:
+        path.unlink(missing_ok=True)
+    return tb
+
+
+def _add_row(tb, row: dict) -> None:
+    """The numbers of a row as one event at its step (text, e.g. 'nan', stays in metrics.jsonl only)."""
+    from tensorboardX.proto.event_pb2 import Event
+    from tensorboardX.proto.summary_pb2 import Summary
+
+    values = [Summary.Value(tag=k, simple_value=float(v)) for k, v in row.items()
+              if k != "step" and isinstance(v, (int, float))]
+    if values:
+        tb.write_event(Event(wall_time=time.time(), step=row["step"], summary=Summary(value=values)))
 
 
 def _plain(v):
@@ -50,26 +101,72 @@ def json_default(x):
     return float(x) if isinstance(x, (np.floating, float)) and math.isfinite(float(x)) else str(x)
 
 
+def _metrics_row(value):
+    if not isinstance(value, dict) or isinstance(value.get("step"), bool) or not isinstance(value.get("step"), int):
+        raise ValueError(f"expected a JSON object with an integer 'step', got {json.dumps(value)[:80]}")
+    return value
+
+
+def _read_rows(path: pathlib.Path) -> tuple[list[dict], str | None]:
+    """The rows of a metrics file, and a note when its last line was cut short.
+
+    A last line without its newline that does not parse is a row whose writer was killed
+    mid-write: it is dropped. Any other bad line is an error naming FILE:LINE.
+    """
+    path = pathlib.Path(path)
+    data = path.read_bytes() if path.is_file() else b""
+    cut_line = data.count(b"\n") + 1 if data and not data.endswith(b"\n") else None
+    cut = []
+
+    def on_error(bad):
+        if bad.line != cut_line or not isinstance(bad.cause, (json.JSONDecodeError, UnicodeDecodeError)):
+            raise bad
+        cut.append(bad)
+
+    rows = [row for _, row in iter_jsonl(path, _metrics_row, expected=EXPECTED, on_error=on_error)]
+    note = (f"{cut[0].where}: dropped a partial last line (its writer was killed mid-write): "
+            f"{cut[0].problem}") if cut else None
+    return rows, note
+
+
 def read_metrics(path: pathlib.Path) -> list[dict]:
-    return [row for _, row in iter_jsonl(path, expected="one JSON object of metrics per line")]
+    """The rows of a metrics file; a partial last line (a writer killed, or still writing) is left out."""
+    return _read_rows(path)[0]
 
 
 def truncate_after(path: pathlib.Path, step: int) -> None:
-    """On resume, drop rows logged after the restored step so the file reads as one run."""
+    """On resume, drop rows logged after the restored step so the file reads as one run.
+
+    The kept rows go to a temporary file that then replaces the old one: a kill at any moment
+    leaves either file whole.
+    """
     path = pathlib.Path(path)
-    if path.exists():
-        rows = [r for r in read_metrics(path) if r["step"] <= step]
-        path.write_text("".join(json.dumps(r) + "\n" for r in rows))
+    if not path.exists():
+        return
+    rows, note = _read_rows(path)
+    if note:
+        print(f"lm: note: {note}", file=sys.stderr)
+    tmp = path.with_name(path.name + ".tmp")
+    with tmp.open("w") as f:
+        f.write("".join(json.dumps(r) + "\n" for r in rows if r["step"] <= step))
+        f.flush()
+        os.fsync(f.fileno())
+    os.replace(tmp, path)
 
 
-def plot_curves(metrics_path: pathlib.Path, out_path: pathlib.Path, baseline: float | None = None) -> None:
-    """Train and eval loss against step (and the learning rate) as a PNG."""
+def plot_curves(metrics_path: pathlib.Path, out_path: pathlib.Path, baseline: float | None = None,
+                loss_label: str = "loss (nats/token)") -> None:
+    """Train and eval loss against step (and the learning rate) as a PNG; `loss_label` names the
+    loss's unit (a pair stage's loss is per pair, not per token)."""
+    _save(curves_figure(read_metrics(metrics_path), baseline, loss_label), out_path)
+
+
+def curves_figure(rows: list[dict], baseline: float | None = None, loss_label: str = "loss (nats/token)"):
     import matplotlib
 
     matplotlib.use("Agg")
     import matplotlib.pyplot as plt
 
-    rows = read_metrics(metrics_path)
     train = [(r["step"], r["loss"]) for r in rows if isinstance(r.get("loss"), (int, float))]
     evals = [(r["step"], r["eval_loss"]) for r in rows if isinstance(r.get("eval_loss"), (int, float))]
     lrs = [(r["step"], r["lr"]) for r in rows if isinstance(r.get("lr"), (int, float))]
@@ -83,7 +180,7 @@ def plot_curves(metrics_path: pathlib.Path, out_path: pathlib.Path, baseline: fl
         ax.plot(*zip(*evals), "o-", label="held-out loss", lw=1.5)
     if baseline is not None:
         ax.axhline(baseline, color="gray", ls="--", label=f"unigram baseline ({baseline:.2f})")
-    ax.set_ylabel("loss (nats/token)")
+    ax.set_ylabel(loss_label)
     ax.legend()
     ax.grid(alpha=0.3)
     if sets:  # eval.sets: bits per byte of each named set (lm.eval.during)
@@ -94,33 +191,49 @@ def plot_curves(metrics_path: pathlib.Path, out_path: pathlib.Path, baseline: fl
         axes[1].grid(alpha=0.3)
     if lrs:
         ax_lr.plot(*zip(*lrs), color="tab:green")
-    ax_lr.set_ylabel("lr")
+    ax_lr.set_ylabel("learning rate")
     ax_lr.set_xlabel("step")
     fig.tight_layout()
-    fig.savefig(out_path, dpi=100)
-    plt.close(fig)
+    return fig
+
+
+RL_PANELS = (  # (y label, ((metrics key, legend), ...)) per panel
+    ("reward per response", (("reward", "sampled responses (mean)"), ("eval_reward", "held-out greedy responses"))),
+    ("KL to the reference (nats/token)", (("kl", "policy vs reference, per response token"),)),
+    ("response length (tokens)", (("response_length", "mean sampled response"),
+                                  ("eval_response_length", "held-out greedy response"))),
+)
 
 
 def plot_rl(metrics_path: pathlib.Path, out_path: pathlib.Path) -> None:
     """RL curves against step as a PNG: train and held-out reward, KL to the reference, response length."""
+    _save(rl_figure(read_metrics(metrics_path)), out_path)
+
+
+def rl_figure(rows: list[dict]):
     import matplotlib
 
     matplotlib.use("Agg")
     import matplotlib.pyplot as plt
 
-    rows = read_metrics(metrics_path)
     series = lambda key: [(r["step"], r[key]) for r in rows if isinstance(r.get(key), (int, float))]  # noqa: E731
-    fig, axes = plt.subplots(3, 1, figsize=(8, 8), sharex=True)
-    panels = [(("reward", "rollout reward (mean)"), ("eval_reward", "held-out greedy reward")),
-              (("kl", "KL to the reference"),), (("response_length", "response tokens"),)]
-    for ax, panel in zip(axes, panels):
-        for key, label in panel:
+    fig, axes = plt.subplots(len(RL_PANELS), 1, figsize=(8, 8), sharex=True)
+    for ax, (ylabel, lines) in zip(axes, RL_PANELS):
+        for key, label in lines:
             points = series(key)
             if points:
                 ax.plot(*zip(*points), "o-" if key.startswith("eval_") else "-", label=label, lw=1.2)
-        ax.legend()
+        ax.set_ylabel(ylabel)
+        if ax.get_legend_handles_labels()[0]:
+            ax.legend()
         ax.grid(alpha=0.3)
     axes[-1].set_xlabel("step")
     fig.tight_layout()
+    return fig
+
+
+def _save(fig, out_path: pathlib.Path) -> None:
+    import matplotlib.pyplot as plt
+
     fig.savefig(out_path, dpi=100)
     plt.close(fig)

@@ -12,7 +12,13 @@ the summed response log-probs:
   sigmoid  -(1 - eps) log sigmoid(beta z) - eps log sigmoid(-beta z)  (eps > 0: conservative DPO)
   ipo      (z_avg - 1 / (2 beta))^2, z_avg from per-token averaged log-probs (Azar et al. 2023)
   simpo    -log sigmoid(beta (log pi(c) / |c| - log pi(r) / |r|) - gamma), no reference (Meng et al. 2024)
-plus rpo_alpha * (the chosen response's per-token NLL) when rpo_alpha > 0 (RPO, Pang et al. 2024).
+beta is dpo.beta or, when that is 0, the loss's default (lm.config.dpo.LOSS_BETA).
+Plus, when rpo_alpha > 0 (RPO, Pang et al. 2024), rpo_alpha times the chosen responses' NLL:
+  per_response  each pair's chosen NLL / |c| (the paper's), so the step adds the mean over pairs
+  per_token     the summed chosen NLL / the chosen tokens of the micro-batch, the same on every
+                pair (TRL's: a mean over the chosen tokens of its per-device batch); with
+                train.micro_batches > 1 the step adds the pair-weighted mean of the micro-batches'
+                token means, which depends on the split, as TRL's does under accumulation
 The implicit rewards are beta (log pi - log ref) (simpo: beta log pi / length).
 """
 
@@ -47,25 +53,38 @@ def _logits_targets_mask(model, params, batch, rng):
 def dpo_terms(s: DpoSettings, logp, ref, count):
     """Per pair: (loss [B], chosen reward [B], rejected reward [B]) from [B, 2] summed log-probs
     of the policy and the reference (ignored by simpo) and response token counts."""
-    n = jnp.maximum(count, 1.0)  # padding pairs have no tokens: keep their terms finite
+    n, beta = jnp.maximum(count, 1.0), s.loss_beta  # padding pairs have no tokens: keep their terms finite
     if s.loss == "simpo":
-        rewards = s.beta * logp / n
+        rewards = beta * logp / n
         loss = -jax.nn.log_sigmoid(rewards[:, 0] - rewards[:, 1] - s.simpo_gamma)
     else:
         ratio = logp - ref
-        rewards = s.beta * ratio
+        rewards = beta * ratio
         if s.loss == "sigmoid":
             z = rewards[:, 0] - rewards[:, 1]
             eps = s.label_smoothing
             loss = -(1.0 - eps) * jax.nn.log_sigmoid(z) - eps * jax.nn.log_sigmoid(-z)
         elif s.loss == "ipo":
             avg = ratio / n
-            loss = jnp.square(avg[:, 0] - avg[:, 1] - 1.0 / (2.0 * s.beta))
+            loss = jnp.square(avg[:, 0] - avg[:, 1] - 1.0 / (2.0 * beta))
         else:
             raise ValueError(f"dpo loss {s.loss!r}: expected one of {DPO_LOSSES}")
     if s.rpo_alpha > 0:
-        loss = loss - s.rpo_alpha * logp[:, 0] / n[:, 0]
+        loss = loss + s.rpo_alpha * chosen_nll(s.rpo_nll, logp, count)
     return loss, rewards[:, 0], rewards[:, 1]
+
+
+def chosen_nll(mode: str, logp, count):
+    """RPO's NLL per pair [B] from [B, 2] summed log-probs and token counts (the module doc):
+    per_response: -log pi(c) / |c|; per_token: -sum log pi(c) / sum |c| over the real pairs."""
+    if mode == "per_response":
+        return -logp[:, 0] / jnp.maximum(count[:, 0], 1.0)
+    if mode == "per_token":
+        real = jnp.all(count > 0, axis=-1)
+        tokens = jnp.sum(jnp.where(real, count[:, 0], 0.0))
+        mean = -jnp.sum(jnp.where(real, logp[:, 0], 0.0)) / jnp.maximum(tokens, 1.0)
+        return jnp.broadcast_to(mean, logp[:, 0].shape)
+    raise ValueError(f"dpo rpo_nll {mode!r}: expected 'per_response' or 'per_token'")
 
 
 def _pair_stats(valid, loss, **per_pair) -> dict:

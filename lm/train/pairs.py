@@ -12,6 +12,7 @@ from lm.data.pipeline import Source, ready_batches, train_dataset
 from lm.data.preference import describe, prepare_pairs
 from lm.data.sft import SftSettings
 from lm.train.fit import evaluator
+from lm.train.metrics import plot_curves
 from lm.train.stage import Stage, require_data, trainable_count, with_steps
 
 # Every pair row carries its margin (the reward model's; DPO ignores it).
@@ -101,6 +102,9 @@ class PairStage(Stage):
 
     def first_row(self, ctx) -> dict:
         return {"trainable_params": trainable_count(ctx.run), **{f"data/{k}": v for k, v in ctx.data[0].stats.items()}}
+
+    def plot(self, ctx) -> None:  # a pair's loss (-log sigmoid of a margin, or IPO's square) is not per token
+        plot_curves(ctx.workdir / "metrics.jsonl", ctx.workdir / "loss.png", loss_label="loss (mean per pair)")
 
     def held_out_pairs(self, ctx) -> int | None:
         heldout = ctx.data[1]

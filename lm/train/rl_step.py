@@ -2,9 +2,10 @@
 
     prompts (P per step) -> G responses each (sampled on the run's mesh) -> rewards (Python
     functions, a reward model, a truncation penalty) -> the scoring pass (reference log-probs,
-    PPO's values) -> advantages (GRPO: group-relative; PPO: GAE over KL-shaped per-token
-    rewards) -> `epochs` passes over the P*G rows in `minibatches` jitted updates (the shared
-    update routine, lm.train.steps, with rl_loss)
+    PPO's values; the old log-probs at a sampling temperature other than 1) -> advantages
+    (GRPO: group-relative; PPO: GAE over KL-shaped per-token rewards) -> `epochs` passes over
+    the P*G rows in `minibatches` jitted updates (the shared update routine, lm.train.steps,
+    with rl_loss)
 
 The step's sampling key is fold_in(seed, step), and the minibatch order a permutation drawn
 from it, so a resumed run repeats exactly what the killed one would have done.
@@ -21,8 +22,9 @@ from lm.infer.sampling import SamplingParams
 from lm.train.rl_losses import RlSettings, gae, group_advantages, whiten
 from lm.train.rollout import Rollouts, layout
 
-UPDATE_METRICS = ("loss", "policy_loss", "kl", "clip_fraction", "ratio", "entropy", "grad_norm", "lr",
-                  "value_loss", "value_clip_fraction")
+UPDATE_METRICS = ("loss", "grad_norm", "lr")
+# per-token statistics: totals over each update's response tokens (lm.train.rl_losses), reported as means
+TOKEN_METRICS = ("policy_loss", "kl", "clip_fraction", "ratio", "entropy", "value_loss", "value_clip_fraction")
 
 
 def extra_fields(settings: RlSettings) -> dict:
@@ -86,6 +88,8 @@ class RlStep:
                                     [self.prompts.messages[i] for i in index], completions, ro.truncated,
                                     [self.prompts.columns[i] for i in index])
         scored = self.scorer(state.params, self.frozen, ro.rows, self.score_placer)
+        if "old_logp" in scored:  # at a temperature other than 1: the policy's own pass, not the sampler's
+            ro.rows["old_logp"] = scored.pop("old_logp")
         fields, extra = advantages(self.settings, ro, total, scored, self.group)
         rows = ro.rows | fields
         t1 = time.perf_counter()
@@ -111,6 +115,8 @@ class RlStep:
 
     def _metrics(self, ro: Rollouts, total, parts, updates: list, extra: dict, t_sample, t_update) -> dict:
         out = {k: float(np.mean([u[k] for u in updates])) for k in UPDATE_METRICS if k in updates[0]}
+        out |= {k: float(np.mean([u[k] / max(float(u["tokens"]), 1.0) for u in updates]))
+                for k in TOKEN_METRICS if k in updates[0]}
         out["update_skipped"] = float(sum(u["update_skipped"] for u in updates))
         out |= extra
         groups = total.reshape(-1, self.group)

@@ -3,8 +3,11 @@ update rows (the text contract plus per-token fields, see lm.train.rl_losses).
 
 A row is the prompt followed by its sampled response, right-padded to data.seq_len; the loss
 mask covers the response tokens (its end marker included when the sampler stopped there).
-`old_logp` holds the sampler's log-probs of those tokens (the model's own distribution,
-lm.infer.sampling), aligned with `targets`.
+`old_logp` holds the log-probs of those tokens, aligned with `targets`, under the distribution
+they were sampled from, log softmax(logits / rl.temperature) (top-p's cut left out, as TRL): at
+temperature 1 the sampler's own (lm.infer.sampling reports the untempered distribution's), at
+any other the scoring pass recomputes them from the same params. The reference's log-probs are
+taken at the same temperature, so the KL compares like with like.
 """
 
 from __future__ import annotations
@@ -17,9 +20,10 @@ from jax.sharding import NamedSharding, PartitionSpec
 
 from lm.infer.generate import Generation, Generator
 from lm.infer.sampling import SamplingParams
-from lm.model.apply import logits_of, token_logprobs
+from lm.model.apply import logits_of
 from lm.model.lora import merge_lora
 from lm.model.params import merge_trees
+from lm.train.rl_losses import tempered_logprobs
 
 SCORE_FIELDS = ("inputs", "targets", "loss_mask", "segment_ids", "positions")
 
@@ -86,20 +90,29 @@ class Sampler:
 
 class Scorer:
     """One jitted pass over rollout rows for what stays fixed during the updates: the
-    reference's per-token log-probs (when the KL needs them) and PPO's value estimates."""
+    reference's per-token log-probs (when the KL needs them), PPO's value estimates and, at an
+    rl.temperature other than 1, the policy's own log-probs at that temperature (`old_logp`: the
+    sampler reports the untempered ones). Log-probs are at rl.temperature (lm.train.rl_losses)."""
 
     def __init__(self, run, with_values: bool):
+        self.temperature = run.config.rl.temperature
         self.with_reference, self.with_values = "reference" in run.frozen, with_values
-        model, rep = run.model, NamedSharding(run.mesh, PartitionSpec())
+        self.with_policy = with_policy = self.temperature != 1.0
+        model, rep, t = run.model, NamedSharding(run.mesh, PartitionSpec()), self.temperature
         reference = run.frozen["reference"].built.module if self.with_reference else None
 
         def score(params, frozen, rows):
-            out = {}
+            out, full = {}, merge_trees(params, frozen.get("base"))
             if reference is not None:
-                out["ref_logp"] = token_logprobs(reference, frozen["reference"], rows)
-            if with_values:
-                full = merge_trees(params, frozen.get("base"))
+                out["ref_logp"] = tempered_logprobs(logits_of(reference, frozen["reference"], rows), rows["targets"], t)
+            if with_policy and with_values:
+                logits, out["old_values"] = logits_of(model, full, rows, output="logits_and_scalar")
+            elif with_values:
                 out["old_values"] = logits_of(model, full, rows, output="scalar")
+            elif with_policy:
+                logits = logits_of(model, full, rows)
+            if with_policy:
+                out["old_logp"] = tempered_logprobs(logits, rows["targets"], t)
             return out
 
         self._score = jax.jit(score, out_shardings=rep)
@@ -107,7 +120,7 @@ class Scorer:
 
     @property
     def active(self) -> bool:
-        return self.with_reference or self.with_values
+        return self.with_reference or self.with_values or self.with_policy
 
     def __call__(self, params, frozen, rows: dict, placer) -> dict:
         if not self.active:

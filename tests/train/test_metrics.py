@@ -1,8 +1,16 @@
-"""Metrics files: JSONL rows, non-finite values kept visible, truncation on resume, the PNG."""
+"""Metrics files: JSONL rows, non-finite values kept visible, truncation on resume, the plots; and what
+the loop logs: progress in a log, flushes at checkpoints, MFU against a measured peak."""
 
+import dataclasses
+import itertools
+import json
 import math
+from types import SimpleNamespace
 
-from lm.train.metrics import MetricsWriter, plot_curves, read_metrics, truncate_after
+from lm.train import loop, pairs
+from lm.train.loop import LoopSpec, run_loop
+from lm.train.metrics import (MetricsWriter, curves_figure, plot_curves, plot_rl, read_metrics, rl_figure,
+                              truncate_after)
 
 
 def test_rows_truncation_and_plot(tmp_path):
@@ -27,3 +35,99 @@ def test_disabled_writer_writes_nothing(tmp_path):
     writer.write(1, {"loss": 1.0})
     writer.close()
     assert not list(tmp_path.iterdir())
+
+
+def test_plot_labels_say_what_each_axis_holds(tmp_path, monkeypatch):
+    rows = [{"step": s, "loss": 1.0 / s, "eval_loss": 1.2 / s, "lr": 0.1, "reward": 0.1 * s, "eval_reward": 0.2,
+             "kl": 0.01 * s, "response_length": 12.0} for s in (1, 2, 3)]
+    assert [ax.get_ylabel() for ax in curves_figure(rows).axes] == ["loss (nats/token)", "learning rate"]
+    assert curves_figure(rows, loss_label="loss (mean per pair)").axes[0].get_ylabel() == "loss (mean per pair)"
+    labels = [ax.get_ylabel() for ax in rl_figure(rows).axes]
+    assert labels == ["reward per response", "KL to the reference (nats/token)", "response length (tokens)"]
+    # DPO and the reward model (pair stages) plot a per-pair loss
+    calls = []
+    monkeypatch.setattr(pairs, "plot_curves", lambda *a, **k: calls.append(k))
+    pairs.PairStage().plot(SimpleNamespace(workdir=tmp_path))
+    assert calls == [{"loss_label": "loss (mean per pair)"}]
+    (tmp_path / "metrics.jsonl").write_text("".join(json.dumps(r) + "\n" for r in rows))
+    plot_rl(tmp_path / "metrics.jsonl", tmp_path / "rl.png")
+    assert (tmp_path / "rl.png").read_bytes()[:4] == b"\x89PNG"
+
+
+@dataclasses.dataclass
+class FakeState:
+    step: int
+
+
+class Calls:
+    """A checkpointer and a writer that record what the loop asks of them, in order."""
+
+    def __init__(self):
+        self.calls, self.rows = [], []
+
+    def due(self, step):
+        return step % 4 == 0
+
+    def time_due(self):
+        return False
+
+    def save(self, step, state, data_iter, health=None):
+        self.calls.append(("save", step))
+
+    def write(self, step, row):
+        self.rows.append({"step": step} | row)
+        self.calls.append(("write", step))
+
+    def flush(self):
+        self.calls.append(("flush",))
+
+
+def fake_loop(total=8, peak=1e30, measure=None, show=False):
+    spec = LoopSpec(total, 2, 0, tokens_per_step=1000, flops_per_token=1e6, peak_flops=peak, measure_peak=measure)
+    calls = Calls()
+    step_fn = lambda state, batch: (FakeState(state.step + 1), {"loss": 2.0})  # noqa: E731
+    state, last = run_loop(spec, FakeState(0), step_fn, itertools.count(), lambda b: b, writer=calls,
+                           checkpointer=calls, show_progress=show)
+    return calls, last
+
+
+def test_writer_is_flushed_right_after_each_checkpoint():
+    calls, _ = fake_loop()
+    saves = [i for i, c in enumerate(calls.calls) if c[0] == "save"]
+    assert [calls.calls[i][1] for i in saves] == [4, 8]
+    assert all(calls.calls[i + 1] == ("flush",) for i in saves)
+
+
+def test_progress_in_a_log_is_plain_lines_without_carriage_returns(capfd):
+    fake_loop(show=True)  # captured output is not a terminal
+    out, err = capfd.readouterr()
+    assert "\r" not in out + err and "\x1b[" not in out + err
+    lines = [line for line in out.splitlines() if line.startswith("step ")]
+    assert [line.split(":")[0] for line in lines] == ["step 2/8", "step 4/8", "step 6/8", "step 8/8"]
+    assert "loss 2.000" in lines[0] and "mfu" in lines[1]
+
+
+def test_progress_on_a_terminal_is_a_bar(monkeypatch, capfd):
+    monkeypatch.setattr(loop, "bars", lambda show: show)
+    fake_loop(show=True)
+    out, err = capfd.readouterr()
+    assert "\r" in err and not [line for line in out.splitlines() if line.startswith("step ")]
+
+
+def test_mfu_never_exceeds_one_against_a_measured_peak():
+    measured = []
+    # the start-up peak (1 FLOP/s) was measured under load: measured again, the larger figure kept
+    calls, last = fake_loop(peak=1.0, measure=lambda: measured.append(1) or 1e30)
+    mfus = [r["mfu"] for r in calls.rows if "mfu" in r]
+    assert measured == [1] and mfus and all(0 < m < 1e-6 for m in mfus)
+    assert last["peak_flops"] == 1e30 and "re-measured at step 2" in last["peak_flops_revised"]
+    assert [r["peak_flops"] for r in calls.rows if "peak_flops" in r] == [1e30]
+    # measured again and still beaten (the run outpaces the matmul): the achieved rate is the peak
+    calls, last = fake_loop(peak=1.0, measure=lambda: measured.append(2) or 2.0)
+    mfus = [r["mfu"] for r in calls.rows if "mfu" in r]
+    assert measured == [1, 2] and all(0 < m <= 1.0 for m in mfus) and mfus[0] == 1.0
+    assert 0 < last["run_mfu"] <= 1.0 and last["peak_flops"] > 2.0
+    assert "raised to the achieved" in last["peak_flops_revised"]
+    # a given peak (train.peak_flops) is the user's figure: not revised
+    calls, last = fake_loop(peak=1.0)
+    assert all(r["mfu"] > 1 for r in calls.rows if "mfu" in r) and "peak_flops_revised" not in last

@@ -1,4 +1,5 @@
 """Preference losses: each DPO variant and the Bradley-Terry loss against hand-computed values,
+each loss's default beta, RPO's NLL per response or per token (under micro-batch splits too),
 sequence log-probs over masked-in tokens only, and, through real steps of a tiny model: ln 2 at
 step 0, live and precomputed references giving the same update, the micro-batch split and a
 (2,2,2) mesh changing nothing, padding pairs counting nowhere, the reward read at the last token."""
@@ -11,15 +12,18 @@ import jax.numpy as jnp
 import numpy as np
 import pytest
 
-from lm.config import base_config
+from lm.config import base_config, load_config
+from lm.config.dpo import LOSS_BETA
 from lm.data.chat import ChatTemplate
 from lm.data.tokenizer import ByteTokenizer
+from lm.errors import UserError
 from lm.model.apply import last_real, sequence_logprobs, sequence_scores
 from lm.train.dpo import build_dpo_run, reference_logps
-from lm.train.pair_losses import DpoSettings, dpo_terms, reward_terms
+from lm.train.pair_losses import DpoSettings, dpo_loss, dpo_terms, reward_terms
 from lm.train.pairs import PAIR_EXTRA
 from lm.train.reward import build_reward_run
 from lm.train.setup import build_run
+from lm.train.steps import accumulate
 
 T, V = 64, 264
 LN2 = math.log(2.0)
@@ -68,6 +72,39 @@ def test_simpo_is_length_normalised_with_a_margin_and_no_reference():
 def test_rpo_adds_the_chosen_per_token_nll():
     loss, _, _ = terms(loss="sigmoid", beta=0.5, rpo_alpha=2.0)
     assert loss == pytest.approx(-log_sigmoid(1.0) + 2.0 * 3.0 / 2.0, rel=1e-6)
+
+
+def test_rpo_nll_per_response_or_over_the_batch_chosen_tokens():
+    # chosen responses of 2 and 6 tokens (NLL 1.5 and 2 per token), then a padding pair that counts nowhere
+    logp, count = jnp.array([[-3.0, -5.0], [-12.0, -2.0], [0.0, 0.0]]), jnp.array([[2.0, 4.0], [6.0, 1.0], [0.0, 0.0]])
+    base = dataclasses.replace(DpoSettings.from_config(base_config().dpo), beta=0.5, rpo_alpha=2.0)
+    dpo, _, _ = dpo_terms(dataclasses.replace(base, rpo_alpha=0.0), logp, logp - 1.0, count)
+    per_response, _, _ = dpo_terms(base, logp, logp - 1.0, count)
+    per_token, _, _ = dpo_terms(dataclasses.replace(base, rpo_nll="per_token"), logp, logp - 1.0, count)
+    assert base.rpo_nll == "per_response"  # the default: the RPO paper's
+    np.testing.assert_allclose(per_response[:2] - dpo[:2], [2.0 * 3 / 2, 2.0 * 12 / 6], rtol=1e-6)
+    np.testing.assert_allclose(per_token[:2] - dpo[:2], [2.0 * 15 / 8] * 2, rtol=1e-6)  # TRL: (3 + 12) / (2 + 6)
+    # what the step adds (the mean over the real pairs): 2 x 1.75 per response, 2 x 1.875 per token
+    assert float(jnp.mean(per_response[:2] - dpo[:2])) == pytest.approx(3.5, rel=1e-6)
+    assert float(jnp.mean(per_token[:2] - dpo[:2])) == pytest.approx(3.75, rel=1e-6)
+
+
+def test_beta_defaults_to_the_loss_types_own():
+    d = base_config().dpo
+    assert d.beta == 0.0  # the loss's default, held once in LOSS_BETA
+    assert {loss: DpoSettings.from_config(d.to_dict() | {"loss": loss}).loss_beta for loss in LOSS_BETA} == LOSS_BETA
+    assert (LOSS_BETA["sigmoid"], LOSS_BETA["ipo"], LOSS_BETA["simpo"], d.simpo_gamma) == (0.1, 0.1, 2.0, 1.0)
+    loss, chosen, rejected = terms(loss="simpo")  # SimPO's authors': beta 2, gamma / beta 0.5
+    assert (chosen, rejected) == pytest.approx((2.0 * -3 / 2, 2.0 * -5 / 4))
+    assert loss == pytest.approx(-log_sigmoid(-3.0 + 2.5 - 1.0), rel=1e-6)
+    loss, chosen, _ = terms(loss="sigmoid")  # DPO keeps TRL's 0.1: z = 2
+    assert (loss, chosen) == pytest.approx((-log_sigmoid(0.2), 0.1))
+    assert terms(loss="simpo", beta=0.5)[1] == pytest.approx(0.5 * -3 / 2)  # a set beta wins
+    assert load_config(None, ["dpo.loss=simpo"]).dpo.beta == 0.0
+    with pytest.raises(UserError, match=r"^config key 'dpo.beta' = -1.0: expected > 0, or 0 for the loss's default"):
+        load_config(None, ["dpo.beta=-1"])
+    with pytest.raises(UserError, match=r"^config key 'dpo.rpo_nll'"):
+        load_config(None, ["dpo.rpo_nll=mean"])
 
 
 def test_bradley_terry_with_margin_and_centring():
@@ -149,7 +186,7 @@ def test_ln2_at_step_zero_live_and_precomputed_reference_give_the_same_update_pa
     assert float(m_live["loss"]) == pytest.approx(LN2, abs=1e-6)
     # 0 up to rounding: the policy and the reference are separate compiled passes over the same
     # params, so each reward is beta * (a difference of two sums of magnitude |logps|)
-    scale = 1e-6 * config().dpo.beta * (abs(float(m_live["logps/chosen"])) + abs(float(m_live["logps/rejected"])))
+    scale = 1e-6 * DpoSettings.from_config(config().dpo).loss_beta * (abs(float(m_live["logps/chosen"])) + abs(float(m_live["logps/rejected"])))
     for k in ("rewards/chosen", "rewards/rejected", "rewards/margins"):
         assert abs(float(m_live[k])) <= scale, (k, float(m_live[k]), scale)
     assert float(m_live["pairs"]) == len(PAIRS) and float(m_live["logps/chosen"]) < 0
@@ -183,6 +220,50 @@ def test_update_does_not_depend_on_the_micro_batch_split_simpo_holding_no_refere
     two, m2, _ = dpo_step(config(micro=2, loss="simpo"), pair_batch(), base)
     assert float(m1["loss"]) == pytest.approx(float(m2["loss"]), rel=1e-6)
     jax.tree.map(lambda a, b: np.testing.assert_allclose(a, b, rtol=1e-5, atol=1e-6), one, two)
+
+
+class TableModel:
+    """A 'model' whose logits at a position are the row of a [V, V] table for its input token."""
+
+    def apply(self, variables, inputs, segment_ids, positions):
+        return variables["params"]["table"][inputs]
+
+
+@pytest.mark.parametrize("mode", ["per_response", "per_token"])
+def test_rpo_nll_under_micro_batches_matches_numpy(mode):
+    """The update's loss through the accumulation routine: DPO's pair mean plus alpha times the
+    chosen NLL, per response (any split), or over the chosen tokens of each micro-batch (pairs
+    k, k + n, ...; the pair-weighted mean of their token means); padding pairs count nowhere."""
+    rng, v, t, beta, alpha = np.random.default_rng(0), 6, 8, 0.5, 0.7
+    table = rng.normal(size=(v, v)).astype(np.float32)
+    b = 6  # four real pairs, then two padding pairs (one in each micro-batch of two)
+    batch = {"inputs": rng.integers(0, v, (b, 2, t)).astype(np.int32),
+             "targets": rng.integers(0, v, (b, 2, t)).astype(np.int32),
+             "segment_ids": np.ones((b, 2, t), np.int32), "positions": np.tile(np.arange(t, dtype=np.int32), (b, 2, 1)),
+             "loss_mask": np.zeros((b, 2, t), np.float32), "ref_logps": rng.normal(-8, 1, (b, 2)).astype(np.float32)}
+    for i, (c, r) in enumerate([(1, 3), (5, 2), (2, 2), (7, 4)]):
+        batch["loss_mask"][i, 0, t - c:], batch["loss_mask"][i, 1, t - r:] = 1.0, 1.0
+    x = table[batch["inputs"]].astype(np.float64)
+    tok = np.take_along_axis(x, batch["targets"][..., None], -1)[..., 0] - np.log(np.exp(x).sum(-1))
+    logp, n = (tok * batch["loss_mask"]).sum(-1)[:4], batch["loss_mask"].sum(-1)[:4]
+    z = beta * ((logp[:, 0] - batch["ref_logps"][:4, 0]) - (logp[:, 1] - batch["ref_logps"][:4, 1]))
+    dpo = np.log1p(np.exp(-z)).mean()
+    nll = -logp[:, 0]
+    s = dataclasses.replace(DpoSettings.from_config(base_config().dpo), beta=beta, rpo_alpha=alpha, rpo_nll=mode)
+    loss_fn = dpo_loss(TableModel(), s, reference="precomputed")
+    for micro in (1, 2):
+        if mode == "per_response":
+            want = dpo + alpha * np.mean(nll / n[:, 0])
+        elif micro == 1:
+            want = dpo + alpha * nll.sum() / n[:, 0].sum()
+        else:  # micro-batch k: real pairs k and k + 2
+            want = dpo + alpha * np.mean([nll[k::2].sum() / n[k::2, 0].sum() for k in range(2)])
+        _, stats = jax.jit(lambda p, bt, m=micro: accumulate(lambda q, y, r: loss_fn(q, y, {}, r), p, bt,
+                                                             jax.random.PRNGKey(0), m))({"table": table}, batch)
+        assert float(stats["count"]) == 4
+        assert float(stats["loss_sum"] / stats["count"]) == pytest.approx(want, rel=1e-5), micro
+    if mode == "per_token":  # the split matters here, as under TRL's gradient accumulation
+        assert abs(nll.sum() / n[:, 0].sum() - np.mean([nll[k::2].sum() / n[k::2, 0].sum() for k in range(2)])) > 0.01
 
 
 def test_dpo_on_a_2x2x2_mesh_equals_one_device(base):

@@ -7,10 +7,11 @@ JSONL files), optionally curated (`data.curate`, settings in the `curate` sectio
 and tokenized into the cache, or a directory written by `lm tokenize` (used as it
 is). The cache (`lm.data.cache`, shared by all runs) names each entry by a
 fingerprint of what shapes it, so a second run reuses it and a change redoes
-exactly the steps it affects:
+exactly the steps it affects (an entry that no longer matches its manifest is built again):
 
   curated-<key>          input files (paths, sizes, mtimes), the `curate` section, task count
-  tokenizer-spm<N>-<key> the (curated) corpus files, heldout_fraction, N, training settings
+  tokenizer-spm<N>-<key> the (curated) corpus files, heldout_fraction, N, training settings;
+                         holds tokenizer-spm<N>-<key>.model and .vocab
   shards-<tok>-<key>     the (curated) corpus files, the tokenizer's fingerprint,
                          heldout_fraction, max_train_bytes
 """
@@ -28,7 +29,7 @@ from pathlib import Path
 import numpy as np
 
 from lm.config import data_sources
-from lm.data.cache import cached_dir, data_cache_dir, locked
+from lm.data.cache import cached_dir, data_cache_dir
 from lm.data.corpus import resolve_corpus
 from lm.data.pipeline import Pieces, Source, check_weights
 from lm.data.checks import source_label, spm_vocab
@@ -72,14 +73,17 @@ def resolve_tokenizer(name: str, corpus: str | None, heldout_fraction: float, ca
     key = _digest({"version": _SPM_KEY_VERSION, "sentencepiece": importlib.metadata.version("sentencepiece"),
                    "corpus": _files_key(corpus), "heldout_fraction": heldout_fraction, "vocab": vocab,
                    "max_bytes": SPM_MAX_BYTES})
-    prefix = cache / f"tokenizer-spm{vocab}-{key}"
-    model = Path(str(prefix) + ".model")
-    with locked(cache, prefix.name):  # the .model appears whole (atomic rename) when training is done
-        if model.is_file():
-            print(f"tokenizer: reusing {model}")
-            return load_tokenizer(str(model))
-        print(f"training a {vocab}-piece sentencepiece tokenizer on '{corpus}' -> {model}")
-        return train_corpus_tokenizer(corpus, heldout_fraction, prefix, vocab)
+    name = f"tokenizer-spm{vocab}-{key}"
+
+    def train(staging: Path) -> None:
+        print(f"training a {vocab}-piece sentencepiece tokenizer on '{corpus}' -> {cache / name}")
+        train_corpus_tokenizer(corpus, heldout_fraction, staging / name, vocab)
+
+    out, built = cached_dir(cache, name, train)
+    model = out / f"{name}.model"  # the entry's name as the stem: it names the tokenizer (and shard entries)
+    if not built:
+        print(f"tokenizer: reusing {model}")
+    return load_tokenizer(str(model))
 
 
 def _workers(d) -> int:

@@ -111,7 +111,7 @@ def test_runs_share_entries_and_a_change_redoes_only_what_it_shapes(tmp_path, co
     first = _prepare(_config(src))
     assert counts.n == {"curate": 1, "train_tokenizer": 1, "tokenize": 1}
     entries = _entries(cache)
-    assert sorted(n.split("-")[0] for n in entries) == ["curated", "shards", "tokenizer", "tokenizer"]  # .model, .vocab
+    assert sorted(n.split("-")[0] for n in entries) == ["curated", "shards", "tokenizer"]
 
     before = dict(counts.n)
     second = _prepare(_config(src))  # another run (its own workdir), same inputs and settings

@@ -189,7 +189,8 @@ def test_cache_is_reused_and_a_change_builds_a_new_entry(tmp_path, monkeypatch):
     path = jsonl(tmp_path / "c.jsonl", [SHORT, LONG_ANSWER])
     first = prepare(tmp_path, path)
     assert first.built and len(calls) == 1
-    assert {p.name for p in first.path.iterdir()} == {"tokens.npy", "weights.npy", "offsets.npy", "stats.json"}
+    assert {p.name for p in first.path.iterdir()} == {"tokens.npy", "weights.npy", "offsets.npy", "stats.json",
+                                                      ".cache-manifest.json"}
     again = prepare(tmp_path, path)
     assert not again.built and len(calls) == 1  # not tokenized again
     assert again.path == first.path and again.stats == first.stats

@@ -2,7 +2,9 @@
 reads a prompt column, the metrics users read, held-out greedy rewards, the PNG, exact resume
 (prompt stream, sampling keys and several updates per step), and one-line errors."""
 
+import io
 import json
+import sys
 
 import jax
 import numpy as np
@@ -74,3 +76,92 @@ def test_bad_prompts_and_rewards_are_one_line_errors(small_base, task, tmp_path,
     assert "no reward" in error("--data", str(task["train"]))
     assert "rl.group_size" in error("--data", str(task["train"]), "--rewards", task["rewards"],
                                     "--config.rl.group_size=1")
+
+
+BAD_REWARDS = '''
+def lookup(completions):
+    return [{"a": 1.0, "c": 0.5}[c] for c in completions]
+
+
+def picky(prompts, completions, **columns):  # raises on completion "b" only
+    return lookup(completions)
+
+
+def pairs(prompts, completions, **columns):  # raises on batches, never on one completion alone
+    assert len(completions) == 1, "more than one"
+    return [1.0]
+
+
+def constant(prompts, completions, **columns):
+    return 1.0
+'''
+
+
+def _reward(tmp_path, name):
+    from lm.train.rewards import parse_rewards
+
+    path = tmp_path / "bad_rewards.py"
+    path.write_text(BAD_REWARDS)
+    return parse_rewards(f"{path}:{name}")[0]
+
+
+def test_a_raising_reward_function_names_itself_the_completion_and_its_own_traceback(tmp_path):
+    from lm.errors import UserError
+    from lm.train.rewards import call_reward
+
+    picky = _reward(tmp_path, "picky")
+    with pytest.raises(UserError) as e:
+        call_reward(picky, ["p0", "p1", "p2"], ["a", "b", "c"], {"answer": ["x", "y", "z"]})
+    first, *trace = str(e.value).split("\n")
+    assert first == (f"reward function 'picky' ({tmp_path / 'bad_rewards.py'}:picky) raised KeyError on completion 1 "
+                     "of 3 (prompt 'p1'): 'b'")
+    assert trace[0] == "Traceback (most recent call last):" and trace[-1] == "KeyError: 'b'"
+    frames = [line.strip() for line in trace if line.strip().startswith("File ")]
+    assert [f.rpartition(" in ")[2] for f in frames][:2] == ["picky", "lookup"]
+    assert all(str(tmp_path) in f for f in frames)  # the user's frames only
+    with pytest.raises(UserError, match=r"'pairs' .* raised AssertionError on a batch of 2 completions \(on none "
+                                        r"of them alone\): more than one\nTraceback"):
+        call_reward(_reward(tmp_path, "pairs"), ["p0", "p1"], ["a", "b"], {})
+
+
+def test_reward_values_that_are_not_one_finite_float_per_completion_are_named(tmp_path):
+    from lm.errors import UserError
+    from lm.train.rewards import RewardFn, reward_values
+
+    f = RewardFn("judge", None, 1.0, "mine.py:judge")
+    cases = {(1.0, float("nan"), 0.0): r"'judge' \(mine.py:judge\) returned nan for completion 1; expected a finite",
+             (float("-inf"), 1.0, 0.0): "returned -inf for completion 0",
+             (1.0, 2.0): "returned 2 values for 3 completions",
+             (1.0, None, 2.0): "returned None for completion 1; expected a float"}
+    for out, message in cases.items():
+        with pytest.raises(UserError, match=message):
+            reward_values(f, list(out), 3)
+    with pytest.raises(UserError, match="returned float 1.0 for 3 completions; expected a list of 3 floats"):
+        reward_values(f, 1.0, 3)
+    np.testing.assert_array_equal(reward_values(f, np.array([[1], [0], [2]]), 3), [1.0, 0.0, 2.0])
+
+
+class _Terminal(io.StringIO):
+    def isatty(self):
+        return True
+
+
+def test_reward_function_error_starts_on_its_own_line_after_the_progress_bar(small_base, task, tmp_path,
+                                                                             monkeypatch):
+    (tmp_path / "boom.py").write_text("def boom(prompts, completions, **columns):\n    return [1 / 0 for _ in "
+                                      "completions]\n")
+    terminal = _Terminal()
+    monkeypatch.setattr(sys, "stderr", terminal)  # progress bars are drawn on terminals only
+    # the bar is drawn before the first rollout (no held-out rewards at step 0, which come before it)
+    args = [a for a in COMMON if a != "--no-progress" and not a.startswith("--config.eval.every_steps")]
+    assert main(["rl", "--init", str(small_base), "--data", str(task["train"]), "--rewards",
+                 f"{tmp_path / 'boom.py'}:boom", "--workdir", str(tmp_path / "w"), "--config.train.steps=2",
+                 "--config.eval.every_steps=0", *args]) == 2
+    err = terminal.getvalue()
+    assert "0/2" in err  # the bar was drawn
+    lines = err.split("\n")
+    at = [i for i, line in enumerate(lines) if line.startswith("lm: error: reward function 'boom'")]
+    assert len(at) == 1 and "on completion 0 of 8" in lines[at[0]]
+    assert lines[at[0] + 1] == "Traceback (most recent call last):"
+    assert lines[at[0] + 2].strip().startswith(f'File "{tmp_path / "boom.py"}", line 2, in ')
+    assert "ZeroDivisionError: division by zero" in lines[at[0] + 3:]

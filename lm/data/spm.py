@@ -9,8 +9,9 @@ Special tokens (pad, bos, eos and the chat roles) are *control* symbols: a singl
 id each, dropped by decode, and never produced by encoding text, even text that
 contains the literal "<|user|>" or "<s>" (user_defined symbols would be matched).
 
-Known limit: sentencepiece uses U+2581 ("▁") for the space, so a literal U+2581
-in the input decodes as " ".
+Sentencepiece spells the space as U+2581 ("▁") in its pieces and decodes every "▁" of a piece
+as " ", so a literal U+2581 in the input would come back as a space. With byte fallback it is
+encoded as its three byte pieces instead (<0xE2><0x96><0x81>), which decode to "▁" itself.
 """
 
 from __future__ import annotations
@@ -28,6 +29,7 @@ from lm.data.tokens import atomic_open
 from lm.errors import UserError
 
 CHAT_TOKENS = ("<|system|>", "<|user|>", "<|assistant|>", "<|end|>")
+SPACE_MARK = "\u2581"  # how sentencepiece spells a space inside its pieces
 # Fixed ids for models we train: unk, bos, eos, pad first, then the chat roles.
 UNK_ID, BOS_ID, EOS_ID, PAD_ID = 0, 1, 2, 3
 
@@ -67,12 +69,35 @@ class SentencePieceTokenizer:
         pad = self._sp.pad_id()
         self.pad_id = pad if pad >= 0 else max(self._sp.unk_id(), 0)
         self.train_stats: dict | None = None  # set by train_sentencepiece
+        self._space_mark = self._byte_ids(SPACE_MARK)  # None without byte fallback: "▁" decodes as " "
 
     def encode(self, text: str | bytes) -> np.ndarray:
         # Plain-text pieces only: no BOS/EOS added. Invalid UTF-8 becomes U+FFFD.
         if isinstance(text, (bytes, bytearray, memoryview)):
             text = bytes(text).decode("utf-8", errors="replace")
+        if SPACE_MARK in text and self._space_mark is not None:
+            return self._encode_space_marks(text)
         return np.asarray(self._sp.encode(text), dtype=np.int32)
+
+    def _encode_space_marks(self, text: str) -> np.ndarray:
+        """A literal "▁" as its byte pieces: encoded as a stand-in character that is no piece (so it
+        falls back to bytes, and merges with nothing), whose byte ids are then swapped for those of "▁"."""
+        stand_in = next((c for c in map(chr, range(0xE000, 0xF900)) if c not in text and
+                         self._sp.piece_to_id(c) == self._sp.unk_id()), None)  # private-use characters
+        stand_in_ids = self._byte_ids(stand_in) if stand_in else None
+        if stand_in_ids is None:
+            return np.asarray(self._sp.encode(text), dtype=np.int32)
+        ids = np.asarray(self._sp.encode(text.replace(SPACE_MARK, stand_in)), dtype=np.int32)
+        n = len(stand_in_ids)
+        windows = np.lib.stride_tricks.sliding_window_view(ids, n) if len(ids) >= n else np.zeros((0, n))
+        for start in np.flatnonzero((windows == stand_in_ids).all(axis=1)):  # UTF-8: these bytes are the stand-in
+            ids[start:start + n] = self._space_mark
+        return ids
+
+    def _byte_ids(self, char: str) -> np.ndarray | None:
+        """The byte-fallback ids of a character's UTF-8 bytes (None if the model has no byte pieces)."""
+        ids = [self._sp.piece_to_id(f"<0x{b:02X}>") for b in char.encode("utf-8")]
+        return np.asarray(ids, np.int32) if all(self._sp.is_byte(i) for i in ids) else None
 
     def decode(self, ids) -> str:
         ids = np.asarray(ids).reshape(-1)

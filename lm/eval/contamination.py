@@ -15,14 +15,18 @@ or one split of it, decoded with the tokenizer; or a corpus spec (`stdlib`, a di
 a file) of plain files (one document each) and JSONL lines {text}, chat {messages}, {prompt,
 answer} or preference {prompt, chosen, rejected} (one document per line, all its text).
 
+A file named on its own that is not text (a NUL byte, or not UTF-8) is refused, naming it;
+directories and globs skip binary files (a NUL byte in their head), as every corpus reader does.
+
 Report: {"n", "min_words", "train": {"specs", "documents", "bytes", "seconds", "mb_per_s"}, "tasks":
-{FILE STEM: {"path", "examples", "checked", "too_short", "contaminated", "fraction" (of checked),
-"ids" (line numbers), "samples": [{"id", "ngram"}]}}}. `clean_subset` rescores an `lm eval` report
-without the contaminated examples.
+{FILE STEM: {"path", "examples", "checked", "too_short", "contaminated", "fraction" (of checked;
+null when no example was long enough to check), "ids" (line numbers), "samples": [{"id", "ngram"}]}}}.
+`clean_subset` rescores an `lm eval` report without the contaminated examples.
 """
 
 from __future__ import annotations
 
+import codecs
 import dataclasses
 import math
 import pathlib
@@ -153,6 +157,8 @@ def training_source(spec: str, tokenizer=None):
                 yield text, len(text.encode("utf-8"))
         return shards.manifest["n_bytes"], docs()
     _, files = resolve_corpus(spec, "--train")
+    if pathlib.Path(spec).is_file() and not is_jsonl(pathlib.Path(spec)):  # directories skip binary files
+        _check_text(pathlib.Path(spec))
 
     def docs():
         for path in files:
@@ -162,6 +168,26 @@ def training_source(spec: str, tokenizer=None):
                 for doc, _ in iter_documents(path):
                     yield doc.decode("utf-8", errors="replace"), len(doc)
     return sum(p.stat().st_size for p in files), docs()
+
+
+def _check_text(path: pathlib.Path, block: int = 1 << 20) -> None:
+    """A UserError naming `path` unless it is UTF-8 text without NUL bytes (read in blocks)."""
+    decoder, offset = codecs.getincrementaldecoder("utf-8")(), 0
+    with open(path, "rb") as f:
+        while True:
+            data = f.read(block)
+            problem = f"a NUL byte at byte {offset + data.index(0) + 1}" if 0 in data else None
+            pending = len(decoder.getstate()[0])  # bytes of a character the last block cut
+            try:
+                decoder.decode(data, final=not data)
+            except UnicodeDecodeError as e:
+                problem = problem or f"not UTF-8 at byte {offset - pending + e.start + 1}"
+            if problem:
+                raise UserError(f"--train {path}: not a text file ({problem}); expected UTF-8 text, JSONL "
+                                "or a token shard directory (`lm tokenize`)")
+            if not data:
+                return
+            offset += len(data)
 
 
 def _chunks(sources, bar):
@@ -237,7 +263,7 @@ def check(train_specs: list[str], eval_files: list[str], *, n: int = N, min_word
                    for i in dirty[:SAMPLES] for s, k in [first_hit[i]]]
         tasks[_task_key(f, tasks)] = {
             "path": f, "examples": len(mine), "checked": len(mine) - short, "too_short": short,
-            "contaminated": len(dirty), "fraction": len(dirty) / max(len(mine) - short, 1),
+            "contaminated": len(dirty), "fraction": len(dirty) / (len(mine) - short) if len(mine) > short else None,
             "ids": [examples[i][1] for i in dirty], "samples": samples}
     seconds = stats["seconds"]
     train = {"specs": list(train_specs), **stats, "mb_per_s": stats["bytes"] / 1e6 / max(seconds, 1e-9)}
@@ -283,7 +309,11 @@ def table(report: dict, clean: dict | None = None) -> str:
              f"({t['bytes'] / 1e6:,.1f} MB, {t['mb_per_s']:.1f} MB/s)",
              f"{'eval file':<24} {'examples':>8} {'checked':>8} {'contam.':>8} {'fraction':>9}"]
     for name, r in report["tasks"].items():
-        lines.append(f"{name:<24} {r['examples']:>8} {r['checked']:>8} {r['contaminated']:>8} {r['fraction']:>9.2%}")
+        fraction = "n/a" if r["fraction"] is None else f"{r['fraction']:.2%}"
+        lines.append(f"{name:<24} {r['examples']:>8} {r['checked']:>8} {r['contaminated']:>8} {fraction:>9}")
+        if r["fraction"] is None:
+            lines.append(f"    n/a: all {r['examples']} examples are shorter than --min-words ({report['min_words']} "
+                         "words), too short to check")
         lines += [f"    line {s['id']}: \"{s['ngram']}\"" for s in r["samples"]]
     for name, c in (clean or {}).items():
         lines.append(f"{name}: clean {c['n_clean']}, contaminated {c['n_contaminated']}")

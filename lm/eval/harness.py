@@ -234,9 +234,39 @@ def run_harness(*, workdir: str | None = None, params: str | None = None, tasks:
     with _quiet(verbose):
         manager = _task_manager(tasks, include_path)
         model = model or HarnessModel(workdir, params, tokenizer, batch_size=batch_size)
-        return simple_evaluate(model=model, tasks=tasks, task_manager=manager, limit=limit, num_fewshot=num_fewshot,
-                               apply_chat_template=apply_chat_template, bootstrap_iters=bootstrap_iters,
-                               log_samples=log_samples)
+        try:
+            return simple_evaluate(model=model, tasks=tasks, task_manager=manager, limit=limit,
+                                   num_fewshot=num_fewshot, apply_chat_template=apply_chat_template,
+                                   bootstrap_iters=bootstrap_iters, log_samples=log_samples)
+        except Exception as e:
+            task = _downloading_task(e)
+            if task is None:
+                raise
+            raise UserError(_dataset_error(task, e)) from None
+
+
+def _downloading_task(error: BaseException):
+    """The harness task whose dataset download raised `error`, or None when it came from elsewhere."""
+    import traceback
+
+    from lm_eval.api.task import Task
+
+    for frame, _ in traceback.walk_tb(error.__traceback__):
+        task = frame.f_locals.get("self")
+        if frame.f_code.co_name == "download" and isinstance(task, Task):
+            return task
+    return None
+
+
+def _dataset_error(task, error: BaseException) -> str:
+    name = getattr(getattr(task, "config", None), "task", None) or type(task).__name__
+    path, subset = getattr(task, "DATASET_PATH", None), getattr(task, "DATASET_NAME", None)
+    dataset = f"'{path}'" + (f" (subset '{subset}')" if subset else "")
+    reason = " ".join(str(error).split()) or type(error).__name__
+    return (f"lm harness: task '{name}': its dataset {dataset} could not be loaded ({reason}); download it once "
+            "with network access (the datasets library caches it under HF_DATASETS_CACHE, and --offline or "
+            "HF_DATASETS_OFFLINE=1 then reads that cache), or give a local task in --include-path whose YAML reads "
+            "local files (dataset_path: json, dataset_kwargs: {data_files: FILE})")
 
 
 def harness_table(results: dict) -> str:

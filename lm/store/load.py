@@ -14,7 +14,7 @@ from lm.config import ConfigDict, init_of
 from lm.errors import UserError
 from lm.model.lora import merge_lora
 from lm.model.params import merge_trees
-from lm.store.checkpoint import read_checkpoint_params
+from lm.store.checkpoint import read_checkpoint_params, saved_steps
 from lm.store.meta import config_from, saved_config, tokenizer_beside, tokenizer_for
 
 
@@ -32,6 +32,7 @@ def load_trained(workdir: str | None = None, params: str | None = None, tokenize
     if (workdir is None) == (params is None):
         raise UserError("give exactly one of --workdir RUN or --params EXPORT")
     if workdir is not None:
+        _check_run(pathlib.Path(workdir), step)
         values, meta, step = read_checkpoint_params(workdir, step)
         source = f"run '{workdir}' (step {step})"
         config, path = config_from(meta.get("config"), source), pathlib.Path(workdir)
@@ -45,6 +46,23 @@ def load_trained(workdir: str | None = None, params: str | None = None, tokenize
     if config.model.lora_rank > 0:
         config, values = with_base(config, values, source)
     return Loaded(config, values, tok, source)
+
+
+def _check_run(workdir: pathlib.Path, step: int | None) -> None:
+    """A UserError, worded for any command that reads a run, unless `workdir` holds a checkpoint
+    (of `step`, when given)."""
+    steps = saved_steps(workdir / "checkpoints")
+    if steps and (step is None or step in steps):
+        return
+    if steps:
+        raise UserError(f"'{workdir}' has no checkpoint of step {step} (saved steps: {steps})")
+    if not workdir.exists():
+        raise UserError(f"'{workdir}' does not exist; give a run directory with checkpoints (what `lm train "
+                        "--workdir` writes) or an export with --params")
+    if (workdir / "params").is_dir() or workdir.suffix == ".safetensors":
+        raise UserError(f"'{workdir}' is an export, not a run directory: give it with --params '{workdir}'")
+    raise UserError(f"'{workdir}' holds no checkpoint (no {workdir / 'checkpoints'}/STEP) and no export; give a "
+                    "run directory with checkpoints (what `lm train --workdir` writes) or an export with --params")
 
 
 def with_base(config, params: dict, source: str):

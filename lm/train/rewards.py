@@ -11,11 +11,16 @@ prompts: each row's prompt as in the file (a string or chat messages); completio
 response texts; columns: every other key of the prompt lines, one list per key (e.g. `answer`).
 `rl.reward_model` (an `lm reward` run or export) adds its score of the whole conversation,
 times `rl.reward_model_weight`. Each source's raw rewards are logged as `reward/<name>`.
+
+A function that raises stops the run with its own traceback; to name the completion that made it
+raise, it is then called again on each completion alone. A value that is not a finite number, or
+a list of the wrong length, stops the run naming the completion or the counts.
 """
 
 from __future__ import annotations
 
 import dataclasses
+import traceback
 from typing import Callable
 
 import numpy as np
@@ -31,6 +36,10 @@ class RewardFn:
     name: str
     fn: Callable
     weight: float
+    target: str = ""  # as written in rl.rewards (module:function or file.py:function)
+
+    def label(self) -> str:
+        return f"'{self.name}'" + (f" ({self.target})" if self.target and self.target != self.name else "")
 
 
 def parse_rewards(text: str) -> list[RewardFn]:
@@ -44,7 +53,8 @@ def parse_rewards(text: str) -> list[RewardFn]:
             w = float(weight) if weight else 1.0
         except ValueError:
             raise UserError(f"rl.rewards: weight '{weight}' of '{target}' is not a number") from None
-        out.append(RewardFn(target.rpartition(":")[2], load_function(target.strip()), w))
+        target = target.strip()
+        out.append(RewardFn(target.rpartition(":")[2], load_function(target), w, target))
     return out
 
 
@@ -76,13 +86,7 @@ class Rewards:
         kwargs = {k: [c.get(k) for c in columns] for k in keys}
         total, parts = np.zeros(n, np.float64), {}
         for f in self.functions:
-            try:
-                values = np.asarray(f.fn(prompts, completions, **kwargs), np.float64).reshape(-1)
-            except Exception as e:  # a user's function: say whose it is
-                raise UserError(f"reward function '{f.name}' failed: {type(e).__name__}: {e}") from e
-            if len(values) != n or not np.all(np.isfinite(values)):
-                raise UserError(f"reward function '{f.name}' returned {len(values)} values for {n} completions "
-                                "(expected one finite float each)")
+            values = call_reward(f, prompts, completions, kwargs)
             parts[f.name] = values
             total += f.weight * values
         if self.scorer is not None:
@@ -92,3 +96,61 @@ class Rewards:
         if self.truncation_penalty:
             total -= self.truncation_penalty * truncated.astype(np.float64)
         return total.astype(np.float32), parts
+
+
+def call_reward(f: RewardFn, prompts: list, completions: list[str], columns: dict) -> np.ndarray:
+    """A user's reward function on a batch -> its rewards [N]; a UserError naming the function and
+    the completion when it raises (with its traceback) or returns something other than N finite floats."""
+    try:
+        out = f.fn(prompts, completions, **columns)
+    except Exception as e:
+        raise UserError(_raised(f, e, prompts, _failing_row(f, prompts, completions, columns))) from e
+    return reward_values(f, out, len(completions))
+
+
+def reward_values(f: RewardFn, out, n: int) -> np.ndarray:
+    """A reward function's return value -> float64 [n], or a UserError saying what is wrong with it."""
+    head = f"reward function {f.label()} returned"
+    if isinstance(out, np.ndarray):
+        out = out.reshape(-1)
+    elif isinstance(out, (str, bytes, dict)) or not hasattr(out, "__len__"):
+        raise UserError(f"{head} {type(out).__name__} {_short(out)} for {n} completions; expected a list of "
+                        f"{n} floats, one per completion")
+    if len(out) != n:
+        raise UserError(f"{head} {len(out)} values for {n} completions; expected one float per completion")
+    values = np.zeros(n, np.float64)
+    for i, v in enumerate(out):
+        try:
+            values[i] = float(v)
+        except (TypeError, ValueError):
+            raise UserError(f"{head} {_short(v)} for completion {i}; expected a float") from None
+        if not np.isfinite(values[i]):
+            raise UserError(f"{head} {values[i]} for completion {i}; expected a finite float")
+    return values
+
+
+def _failing_row(f: RewardFn, prompts: list, completions: list[str], columns: dict) -> int | None:
+    """The first completion on which the function raises when called on it alone (None: none does)."""
+    for i in range(len(completions)):
+        try:
+            f.fn(prompts[i:i + 1], completions[i:i + 1], **{k: v[i:i + 1] for k, v in columns.items()})
+        except Exception:
+            return i
+    return None
+
+
+def _raised(f: RewardFn, error: BaseException, prompts: list, row: int | None) -> str:
+    """One line naming the function, the completion and the error, then the function's traceback
+    (its own frames, from a new line)."""
+    n = len(prompts)
+    where = (f"on completion {row} of {n} (prompt {_short(prompts[row])})" if row is not None
+             else f"on a batch of {n} completions (on none of them alone)")
+    frames = "".join(traceback.format_exception(type(error), error, error.__traceback__.tb_next)).rstrip()
+    message = " ".join(str(error).split())
+    message = message if len(message) <= 200 else message[:197] + "..."
+    return f"reward function {f.label()} raised {type(error).__name__} {where}: {message}\n{frames}"
+
+
+def _short(value, limit: int = 80) -> str:
+    text = repr(value)
+    return text if len(text) <= limit else text[:limit - 3] + "..."

@@ -14,6 +14,7 @@ pytest.importorskip("datatrove")
 
 from lm.config import load_config  # noqa: E402
 from lm.data.curate import REPORT, curate  # noqa: E402
+from lm.data.curate.report import table  # noqa: E402
 from lm.errors import UserError  # noqa: E402
 
 _WORDS = ("the of and to in that have with be river mountain forest village ocean people history language music "
@@ -142,6 +143,16 @@ def test_skip_mode_counts_bad_records(run):
     bad = run["report"]["stages"]["read"]["reasons"]["bad_record"]
     assert bad["docs"] == 2  # the line that is not JSON and the latin-1 file
     assert bad["bytes"] == len(b"{not json") + len("caf\xe9 ol\xe9".encode("latin-1"))
+
+
+def test_skip_mode_names_the_skipped_records_in_the_report_and_its_table(run):
+    root = run["root"]
+    listed = run["report"]["bad_records"]
+    assert [line.split(": ", 1)[0] for line in listed] == [f"{root / 'a.jsonl'}:4", f"{root / 'latin1.txt'}:1"]
+    assert "not valid JSON" in listed[0] and "invalid UTF-8 (byte 0xe9)" in listed[1]
+    shown = table(run["report"]).splitlines()
+    at = shown.index("skipped 2 unreadable record(s) (curate.on_bad_record=skip; =error stops at the first):")
+    assert shown[at + 1:at + 3] == [f"  {line}" for line in listed]
 
 
 def test_pii_is_redacted(run):

@@ -173,6 +173,24 @@ def test_cli_curate_writes_shards_and_report(tmp_path, capsys):
     assert "bad.jsonl:2: not valid JSON" in capsys.readouterr().err
 
 
+def test_tiny_config_skips_malformed_jsonl_and_names_each_line(tmp_path, capsys):
+    """configs/tiny.py sets curate.on_bad_record=skip (a few stdlib files are not UTF-8): a malformed
+    line is then counted and named, FILE:LINE, in the table and report.json; =error stops at it."""
+    _docs(tmp_path / "in", n=2)
+    bad = tmp_path / "in" / "bad.jsonl"
+    bad.write_text('{"text": "fine"}\nnope\n{"body": 1}\n')
+    args = ["curate", "--input", str(tmp_path / "in"), "--out", str(tmp_path / "out"), "--config",
+            "configs/tiny.py", "--no-progress", "--config.curate.language.enabled=false"]
+    assert cli.main(args) == 0
+    out = capsys.readouterr().out
+    assert "skipped 2 unreadable record(s) (curate.on_bad_record=skip; =error stops at the first):" in out
+    assert f"  {bad}:2: not valid JSON" in out and f"  {bad}:3: no string field 'text'" in out
+    assert [line.split(": ", 1)[0] for line in json.loads((tmp_path / "out" / REPORT).read_text())["bad_records"]] \
+        == [f"{bad}:2", f"{bad}:3"]
+    assert cli.main(args + ["--config.curate.on_bad_record=error"]) == 2
+    assert f"{bad}:2: not valid JSON" in capsys.readouterr().err
+
+
 def test_duplicates_are_found_across_tasks(tmp_path):
     # files go round-robin (sorted) to 3 tasks: d0 -> 0, d1 -> 1, z_exact (7th) -> 0, z_near (8th) -> 1
     _docs(tmp_path / "in", n=6)

@@ -204,3 +204,39 @@ def test_bad_eval_files_are_one_line_errors(tmp_path, rows, message):
     with pytest.raises(UserError, match=message) as err:
         run_cli(["--train", str(tmp_path / "t.txt"), "--eval", bad, "--no-progress"])
     assert "\n" not in str(err.value)
+
+
+def test_a_file_of_examples_all_too_short_to_check_is_not_reported_as_clean(tmp_path, capsys):
+    path = write(tmp_path / "short.jsonl", [{"text": "two words"}, {"prompt": "sort 3 1", "answer": "1 3"}])
+    (tmp_path / "t.txt").write_text(sentence(1, 200))
+    assert run_cli(["--train", str(tmp_path / "t.txt"), "--eval", path, "--no-progress",
+                    "--out", str(tmp_path / "c.json")]) == 0
+    lines = capsys.readouterr().out.splitlines()
+    assert lines[2].split() == ["short", "2", "0", "0", "n/a"]
+    assert lines[3].strip() == "n/a: all 2 examples are shorter than --min-words (8 words), too short to check"
+    task = json.loads((tmp_path / "c.json").read_text())["tasks"]["short"]
+    assert (task["checked"], task["too_short"], task["fraction"]) == (0, 2, None)
+
+
+@pytest.mark.parametrize("content, problem", [
+    (b"text" + b"\0" * 3 + b"more", "a NUL byte at byte 5"),
+    ("caf\u00e9 ".encode() * 3 + b"\xff\xfe", "not UTF-8 at byte 19"),  # 3 x 6 bytes, then 0xff
+    (bytes(range(256)) * 40, "a NUL byte at byte 1"),
+])
+def test_a_binary_training_file_is_refused_naming_it(tmp_path, content, problem):
+    path, _ = eval_file(tmp_path)
+    (tmp_path / "random.bin").write_bytes(content)
+    with pytest.raises(UserError, match=rf"--train {tmp_path / 'random.bin'}: not a text file \({problem}\)") as e:
+        run_cli(["--train", str(tmp_path / "random.bin"), "--eval", path, "--no-progress"])
+    assert "\n" not in str(e.value)
+
+
+def test_a_character_cut_by_a_read_block_is_still_text(tmp_path):
+    from lm.eval.contamination import _check_text
+
+    (tmp_path / "t.txt").write_bytes("a\u00e9b\u20ac".encode() * 5)  # 2- and 3-byte characters across blocks
+    for block in (1, 2, 3, 5):
+        _check_text(tmp_path / "t.txt", block)
+    (tmp_path / "cut.txt").write_bytes("ab\u20ac".encode()[:-1])  # the file ends inside a character
+    with pytest.raises(UserError, match="not UTF-8 at byte 3"):
+        _check_text(tmp_path / "cut.txt", 2)

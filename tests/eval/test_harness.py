@@ -186,3 +186,25 @@ def test_harness_equals_lm_eval_on_the_same_examples(small_base, local_tasks, tm
     assert out["results"]["local_mc"]["acc_norm,none"] == pytest.approx(ours["mc"]["metrics"]["acc_norm"])
     harness_gen = [x["resps"][0][0] for x in sorted(out["samples"]["local_gen"], key=lambda x: x["doc_id"])]
     assert harness_gen == [x["prediction"] for x in ours["gen"]["samples"]]
+
+
+def test_harness_task_without_its_dataset_is_one_line(local_tasks, tmp_path):
+    """A task whose dataset cannot be loaded (offline, never cached; or a missing local file) is a
+    UserError naming the task and its dataset, not the datasets library's traceback."""
+    import types
+
+    from lm.errors import UserError
+    from lm.eval.harness import HarnessModel, run_harness
+
+    model = HarnessModel(scorer=types.SimpleNamespace(tokenizer=None))  # never asked for a score
+    body = TASKS["mc"]
+    (local_tasks / "hub.yaml").write_text(f"task: local_hub\ndataset_path: no_such_org/no_such_set\n"
+                                          f"test_split: test\n{body}")
+    (local_tasks / "gone.yaml").write_text(f"task: local_gone\ndataset_path: json\ndataset_kwargs:\n"
+                                           f"  data_files: {tmp_path / 'gone.jsonl'}\ntest_split: train\n{body}")
+    with pytest.raises(UserError, match=r"task 'local_hub': its dataset 'no_such_org/no_such_set' could not be "
+                                        r"loaded .*HF_DATASETS_OFFLINE.*--include-path") as e:
+        run_harness(tasks=["local_hub"], include_path=str(local_tasks), model=model)
+    assert "\n" not in str(e.value)
+    with pytest.raises(UserError, match=r"task 'local_gone': its dataset 'json' could not be loaded .*gone\.jsonl"):
+        run_harness(tasks=["local_gone"], include_path=str(local_tasks), model=model)

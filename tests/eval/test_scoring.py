@@ -138,3 +138,56 @@ def test_token_shards_are_read_as_stored_and_a_limit_cuts_the_last_document(tmp_
     (tmp_path / "d.jsonl").write_text("".join(json.dumps({"text": "x" * 9}) + "\n" for _ in range(3)))
     cut = sets.read_set(str(tmp_path / "d.jsonl"), TOK, max_tokens=15)  # 10 tokens each, the EOS included
     assert [len(d) for d in cut.ids] == [10, 5] and cut.example_ids == [1, 2] and cut.truncated == 1
+
+
+@pytest.fixture(scope="module")
+def spm_models(tmp_path_factory):
+    """A small BPE as `lm` trains them, and the same pieces with a dummy prefix (as Llama's)."""
+    import sysconfig
+    from pathlib import Path
+
+    from sentencepiece import sentencepiece_model_pb2
+
+    from lm.data.spm import SentencePieceTokenizer, train_sentencepiece
+
+    stdlib = Path(sysconfig.get_paths()["stdlib"])
+    docs = [(stdlib / name).read_text() for name in ("abc.py", "bisect.py", "colorsys.py", "heapq.py")]
+    ours = train_sentencepiece(docs, tmp_path_factory.mktemp("spm") / "tok", vocab_size=400)
+    proto = sentencepiece_model_pb2.ModelProto()
+    proto.ParseFromString(ours.path.read_bytes())
+    proto.normalizer_spec.add_dummy_prefix = True
+    prefixed = ours.path.with_name("prefixed.model")
+    prefixed.write_bytes(proto.SerializeToString())
+    return ours, SentencePieceTokenizer(prefixed)
+
+
+TEXTS = ["def f(x):\n    return x  # the end\n", "a \u2581 b\u2581\u2581c \u2581the", "h\u00e9llo w\u00f6rld \u65e5\u672c \U0001f642\t\r\n",
+         "\u2581", "  \n\n\t  x", "x\u2581" + "\ue000 \ue001"]
+
+
+def test_token_bytes_of_sentencepiece_pieces_by_hand(spm_models):
+    ours, prefixed = spm_models
+    for tok in (ours, prefixed):
+        sp, table = tok._sp, token_bytes(tok)
+        piece = {sp.id_to_piece(i): i for i in range(tok.vocab_size)}
+        # "\u2581" in a piece is the space it stands for, leading one included (the dummy prefix
+        # is dropped only at the very start of a text); byte pieces are one byte; controls none
+        assert table[piece["\u2581"]] == 1 and table[piece["\u2581\u2581"]] == 2 and table[piece["\u2581heap"]] == 5
+        assert table[piece["<0xE2>"]] == 1 and table[piece["\n"]] == 1 and table[piece[")\n"]] == 2
+        assert table[[tok.bos_id, tok.eos_id, tok.pad_id, sp.unk_id(), piece["<|user|>"]]].tolist() == [0] * 5
+    # a literal "\u2581" in the text is its three bytes, as byte pieces: it decodes back as itself
+    ids = ours.encode("a\u2581b")
+    assert [ours._sp.id_to_piece(int(i)) for i in ids] == ["a", "<0xE2>", "<0x96>", "<0x81>", "b"]
+    assert token_bytes(ours)[ids].tolist() == [1, 1, 1, 1, 1]
+
+
+def test_token_bytes_add_up_to_the_bytes_of_the_text(spm_models):
+    ours, prefixed = spm_models
+    for text in TEXTS:
+        ids = ours.encode(text)
+        assert ours.decode(ids) == text
+        assert int(token_bytes(ours)[ids].sum()) == len(text.encode("utf-8")), text
+        # a dummy-prefix model spells one space more than the text at its start, and no other
+        ids = prefixed.encode(text)
+        assert prefixed.decode(ids) == text
+        assert int(token_bytes(prefixed)[ids].sum()) == len(text.encode("utf-8")) + 1, text

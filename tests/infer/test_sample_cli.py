@@ -73,3 +73,22 @@ def test_a_tokenizer_larger_than_the_model_is_refused(export, tmp_path, capsys, 
     assert main(["sample", "--params", str(export), "--prompt", "x", "--tokenizer", str(tmp_path / "tok.model")]) == 2
     err = capsys.readouterr().err
     assert "does not match the tokenizer" in err or "not the model's tokenizer" in err
+
+
+def test_a_directory_without_checkpoints_is_named_without_blaming_another_command(export, tmp_path, capsys):
+    empty = tmp_path / "empty"
+    (empty / "checkpoints").mkdir(parents=True)
+    commands = [["sample", "--prompt", "x"], ["eval", "--tasks", "t=t.jsonl"]]
+    for command in commands:
+        for workdir, words in [(empty, f"'{empty}' holds no checkpoint"), (tmp_path / "gone", "does not exist"),
+                               (export, f"is an export, not a run directory: give it with --params '{export}'")]:
+            assert main([command[0], "--workdir", str(workdir), *command[1:]]) == 2
+            err = capsys.readouterr().err.strip()
+            assert err.startswith("lm: error:") and words in err and "\n" not in err, err
+            assert "lm export" not in err, err
+    from lm.errors import UserError
+    from lm.store.load import load_trained
+
+    (empty / "checkpoints" / "5").mkdir()
+    with pytest.raises(UserError, match=r"has no checkpoint of step 7 \(saved steps: \[5\]\)"):
+        load_trained(workdir=str(empty), step=7)

@@ -97,7 +97,9 @@ def test_matmul_value_and_grads_match_einsum(spec, a_shape, b_shape):
     def reference(a, b):
         return jnp.sum(jnp.einsum(spec, a, b) * w)
 
-    np.testing.assert_allclose(ours(a, b), reference(a, b), rtol=1e-6)
+    # a sum of products: its rounding scales with the sum of their magnitudes, not with the sum
+    np.testing.assert_allclose(ours(a, b), reference(a, b), rtol=0,
+                               atol=1e-6 * float(jnp.sum(jnp.abs(jnp.einsum(spec, a, b) * w))))
     for g, r in zip(jax.grad(ours, (0, 1))(a, b), jax.grad(reference, (0, 1))(a, b)):
         np.testing.assert_allclose(g, r, rtol=1e-5, atol=1e-6)
     bf16 = matmul(spec, a.astype(jnp.bfloat16), b)  # a float32 weight is cast to the activation's dtype
@@ -121,7 +123,8 @@ def test_matmuls_share_the_activation_and_sum_its_gradients():
 
     ours = loss(lambda x, ws: matmuls(x, specs, ws))
     reference = loss(lambda x, ws: [jnp.einsum(s, x, w) for s, w in zip(specs, ws)])
-    np.testing.assert_allclose(ours(x, ws), reference(x, ws), rtol=1e-6)
+    magnitude = sum(float(jnp.sum(jnp.abs(jnp.einsum(s, x, w) * c))) for s, w, c in zip(specs, ws, cots))
+    np.testing.assert_allclose(ours(x, ws), reference(x, ws), rtol=0, atol=1e-6 * magnitude)  # a sum of products
     got, want = jax.grad(ours, (0, 1))(x, ws), jax.grad(reference, (0, 1))(x, ws)
     for g, r in zip(jax.tree.leaves(got), jax.tree.leaves(want)):
         np.testing.assert_allclose(g, r, rtol=1e-5, atol=1e-6)
@@ -191,7 +194,8 @@ def test_swiglu_down_value_and_grads_match_autodiff():
     cot = jnp.asarray(rng.normal(size=(2, 3, 4)), jnp.float32)
     reference = lambda g, u, w: jnp.sum(jnp.einsum("btf,fd->btd", jax.nn.silu(g) * u, w) * cot)
     ours = lambda g, u, w: jnp.sum(swiglu_down(g, u, w) * cot)
-    np.testing.assert_allclose(ours(gate, up, w), reference(gate, up, w), rtol=1e-6)
+    magnitude = float(jnp.sum(jnp.abs(jnp.einsum("btf,fd->btd", jax.nn.silu(gate) * up, w) * cot)))
+    np.testing.assert_allclose(ours(gate, up, w), reference(gate, up, w), rtol=0, atol=1e-6 * magnitude)
     for got, want in zip(jax.grad(ours, (0, 1, 2))(gate, up, w), jax.grad(reference, (0, 1, 2))(gate, up, w)):
         assert float(jnp.abs(want).max()) > 1e-2
         np.testing.assert_allclose(got, want, rtol=1e-5, atol=1e-6)

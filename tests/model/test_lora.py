@@ -70,7 +70,8 @@ def test_zero_b_starts_at_the_base_and_merging_equals_the_adapted_model():
     base_apply = jax.jit(lambda p: base_model.apply({"params": p}, ids, seg, pos))
     lora_apply = jax.jit(lambda p: lora_model.apply({"params": p}, ids, seg, pos))
     want = base_apply(base)
-    np.testing.assert_array_equal(lora_apply(with_base), want)
+    # B = 0 adds exact zeros, but the two programs may fuse and sum differently: a few ulp of the logits
+    np.testing.assert_allclose(lora_apply(with_base), want, rtol=0, atol=1e-6 * float(jnp.abs(want).max()))
     # with trained-looking adapters (B != 0) the output moves, and the merged plain model equals it
     rng = np.random.default_rng(3)
     moved = jax.tree_util.tree_map_with_path(

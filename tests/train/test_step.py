@@ -112,6 +112,14 @@ def max_abs_diff(a, b):
                zip(jax.tree.leaves(a), jax.tree.leaves(b)))
 
 
+def max_rel_diff(a, b):
+    """The largest difference of two trees, each leaf's relative to the largest magnitude in it:
+    float32 sums taken in another order (micro-batches, another processor's kernels) differ by
+    a few units in the last place of the values summed, whatever their size."""
+    return max(float(np.max(np.abs(np.asarray(x) - np.asarray(y)))) / max(float(np.max(np.abs(np.asarray(y)))), 1e-30)
+               for x, y in zip(jax.tree.leaves(a), jax.tree.leaves(b)))
+
+
 def uneven_mask():
     """Rows with very different numbers of loss tokens. Micro-batch i of 4 holds rows i and i+4
     (interleaved), so the micro-batches carry 32, 2, 7 and 20 loss tokens."""
@@ -137,15 +145,15 @@ def test_accumulation_matches_single_batch(setup, uneven):
     batch = make_batch(seed=2, mask=uneven_mask() if uneven else None, n_docs=2)
     p1, m1 = setup.sgd_update(batch, 1)
     p4, m4 = setup.sgd_update(batch, 4)
-    assert max_abs_diff(p1, p4) < 1e-6
-    np.testing.assert_allclose(m1["loss"], m4["loss"], rtol=1e-6)
+    assert max_rel_diff(p1, p4) < 1e-5
+    np.testing.assert_allclose(m1["loss"], m4["loss"], rtol=1e-5)  # a mean of B*T terms, summed in 1 or 4 parts
     np.testing.assert_allclose(m1["grad_norm"], m4["grad_norm"], rtol=1e-5)
     assert float(m4["tokens"]) == batch["loss_mask"].sum()
 
     # Independent reference: with SGD(lr=1), new params = params0 - grad(global token mean).
     g = reference_grads(setup, batch)
     expected = jax.tree.map(lambda p, gi: p - gi, setup.params0, g)
-    assert max_abs_diff(p4, expected) < 1e-6
+    assert max_rel_diff(p4, expected) < 1e-5
     grad_norm = math.sqrt(sum(float(np.sum(np.square(x))) for x in jax.tree.leaves(g)))
     np.testing.assert_allclose(m4["grad_norm"], grad_norm, rtol=1e-4)
 
@@ -175,8 +183,8 @@ def test_masked_tokens_do_not_affect_the_update(setup):
     other["inputs"][:, -4:] = rng.integers(0, V, (B, 4))  # padding tokens' content
     assert not np.array_equal(other["targets"], batch["targets"])
     p_other, m_other = setup.sgd_update(other, 1)
-    assert max_abs_diff(p_ref, p_other) < 1e-7
-    assert float(m_ref["loss"]) == pytest.approx(float(m_other["loss"]), rel=1e-7)
+    assert max_rel_diff(p_ref, p_other) < 1e-6  # masked terms are zeros; their order may differ elsewhere
+    assert float(m_ref["loss"]) == pytest.approx(float(m_other["loss"]), rel=1e-6)
     assert float(m_ref["tokens"]) == float(m_other["tokens"]) == mask.sum()
 
     # control: changing a target that *is* in the loss changes the update

@@ -72,19 +72,25 @@ class SimplifiedTextWords(WordTokenizer):
         return [(0, len(text))]
 
 
+LISTED_BAD_RECORDS = 20  # skipped records named in the report (per task; the report keeps this many)
+
+
 class InputReader(PipelineStep):
-    """Reads this task's share of the input files (round-robin by sorted path)."""
+    """Reads this task's share of the input files (round-robin by sorted path). With
+    on_bad_record=skip, the first skipped records ("FILE:LINE: problem") go to
+    `bad_records/<rank>.txt` for the report."""
 
     type = "📖 - READER"
     name = "lm:read"
 
-    def __init__(self, files: list[InputFile], text_key: str, on_bad_record: str, progress: bool):
+    def __init__(self, files: list[InputFile], text_key: str, on_bad_record: str, progress: bool,
+                 bad_records: str | None = None):
         super().__init__()
         self.files, self.text_key = files, text_key
-        self.on_bad_record, self.progress = on_bad_record, progress
+        self.on_bad_record, self.progress, self.bad_records = on_bad_record, progress, bad_records
 
     def run(self, data=None, rank: int = 0, world_size: int = 1):
-        mine = self.files[rank::world_size]
+        mine, skipped = self.files[rank::world_size], []
         for f in tqdm(mine, desc=f"read+filter [{rank}]", unit="file", disable=not self.progress, leave=False):
             for rec in read_records(f, self.text_key):
                 self.stat_update("in_docs")
@@ -94,11 +100,17 @@ class InputReader(PipelineStep):
                         raise UserError(f"{rec.where}: {rec.problem} "
                                         "(set curate.on_bad_record=skip to count and skip such records)")
                     _count(self, "drop", "bad_record", rec.nbytes)
+                    if len(skipped) < LISTED_BAD_RECORDS:
+                        skipped.append(f"{rec.where}: {rec.problem}")
                 elif not rec.text.strip():
                     _count(self, "drop", "empty", rec.nbytes)
                 else:
                     yield Document(text=rec.text, id=rec.record_id,
                                    metadata={"source": f.path, BYTES_IN: rec.nbytes})
+        if skipped and self.bad_records:
+            folder = Path(self.bad_records)
+            folder.mkdir(parents=True, exist_ok=True)
+            (folder / f"{rank:05d}.txt").write_text("".join(" ".join(line.split()) + "\n" for line in skipped))
 
 
 class ShardReader(PipelineStep):

@@ -26,7 +26,7 @@ from datatrove.pipeline.dedup.minhash import (
 from datatrove.pipeline.writers import JsonlWriter
 
 from lm.data.curate import blocks
-from lm.data.curate.read import InputFile
+from lm.data.curate.read import BAD_RECORDS, InputFile
 from lm.data.curate.settings import DEDUP_STAGES, n_gram_fracs
 
 SHARD_PATTERN = "part-${rank}.jsonl.gz"
@@ -83,7 +83,7 @@ def build_passes(cfg, files: list[InputFile], tasks: int, work: Path, progress: 
     """All passes for this config; `work` holds intermediates, `work/final` the output shards."""
     final = work / "final"
     dedups = [name for name in DEDUP_STAGES if cfg[name].enabled]
-    reader = blocks.InputReader(files, cfg.text_key, cfg.on_bad_record, progress)
+    reader = blocks.InputReader(files, cfg.text_key, cfg.on_bad_record, progress, str(work / BAD_RECORDS))
     head = [reader, *filter_blocks(cfg)]
     if not dedups:
         return [Pass("filter", head + _final_tail(cfg, final), tasks)]

@@ -23,6 +23,7 @@ from lm.errors import UserError
 
 JSONL_SUFFIXES = (".jsonl", ".jsonl.gz", ".jsonl.zst")
 DATA_SUFFIXES = JSONL_SUFFIXES + (".parquet",)  # formats read as records, even though binary
+BAD_RECORDS = "bad_records"  # under a run's work dir: the records each task skipped (on_bad_record=skip)
 
 
 @dataclass(frozen=True)

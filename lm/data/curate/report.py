@@ -11,6 +11,7 @@ from __future__ import annotations
 from lm.data.curate.settings import DEDUP_STAGES, FILTER_STAGES
 
 STAGES = ("read",) + FILTER_STAGES + DEDUP_STAGES
+SHOWN_BAD_RECORDS = 5  # skipped records the table names (report.json lists more)
 
 # Why a document was dropped, for the report and the table (datatrove's reason names).
 REASONS = {
@@ -67,13 +68,15 @@ def _stage(totals: dict) -> dict:
 
 
 def build(stats: dict, cfg, inputs: list[str], n_files: int, skipped_binary: list[str], tasks: int,
-          seconds: float) -> dict:
+          seconds: float, bad_records: list[str] = ()) -> dict:
+    """The report; `bad_records`: the first records skipped by on_bad_record=skip ("FILE:LINE: problem")."""
     read = stats.get("read", {})
     kept = stats.get("tally:kept", {})
     report = {
         "inputs": inputs,
         "files": n_files,
         "skipped_binary_files": skipped_binary,
+        "bad_records": list(bad_records),
         "tasks": tasks,
         "in": {"docs": int(read.get("in_docs", 0)), "bytes": int(read.get("in_bytes", 0))},
         "kept": {"docs": int(kept.get("docs", 0)), "bytes": int(kept.get("bytes_in", 0)),
@@ -121,6 +124,14 @@ def table(report: dict) -> str:
                 f"{report['seconds']:.1f} s, {report['mb_per_s']:.2f} MB/s")
     if report["redacted"]:
         rows.append("redacted: " + ", ".join(f"{n:,} {kind}" for kind, n in report["redacted"].items()))
+    bad = report["stages"].get("read", {}).get("reasons", {}).get("bad_record", {}).get("docs", 0)
+    if bad:
+        listed = report.get("bad_records", [])
+        rows.append(f"skipped {bad:,} unreadable record(s) (curate.on_bad_record=skip; =error stops at the first)"
+                    + (f", the first {len(listed)} in report.json:" if len(listed) < bad else ":"))
+        rows += [f"  {line}" for line in listed[:SHOWN_BAD_RECORDS]]
+        if len(listed) > SHOWN_BAD_RECORDS:
+            rows.append(f"  ... ({len(listed) - SHOWN_BAD_RECORDS} more in report.json)")
     if report["skipped_binary_files"]:
         rows.append(f"skipped {len(report['skipped_binary_files'])} binary files (listed in report.json)")
     for reason, text in report["reasons_explained"].items():

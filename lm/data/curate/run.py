@@ -9,6 +9,7 @@ import json
 import math
 import multiprocessing
 import os
+import re
 import shutil
 import sys
 import time
@@ -160,6 +161,19 @@ def collect_stats(log_dirs: list[Path]) -> dict[str, dict[str, float]]:
     return out
 
 
+def skipped_records(work: Path) -> list[str]:
+    """The first skipped records ("FILE:LINE: problem") the readers of all tasks listed, in order."""
+    from lm.data.curate.blocks import LISTED_BAD_RECORDS
+    from lm.data.curate.read import BAD_RECORDS
+
+    def place(line: str) -> tuple[str, int]:  # (file, line number): line 10 after line 9
+        m = re.match(r"(.*?)(?::(\d+))?: ", line)
+        return (m.group(1), int(m.group(2) or 0)) if m else (line, 0)
+
+    lines = [line for f in sorted((work / BAD_RECORDS).glob("*.txt")) for line in f.read_text().splitlines()]
+    return sorted(lines, key=place)[:LISTED_BAD_RECORDS]
+
+
 def _publish(work: Path, out_dir: Path) -> list[str]:
     names = []
     for shard in sorted((work / "final").glob("part-*.jsonl.gz")):
@@ -191,7 +205,8 @@ def curate(inputs: list[str] | str, out_dir: Path, cfg, workers: int = 1, progre
     _clear_previous(out_dir, work)
     start = time.perf_counter()
     stats = collect_stats(_run_local(cfg, files, tasks, work, workers, progress))
-    report = reports.build(stats, cfg, inputs, len(files), skipped_binary, tasks, time.perf_counter() - start)
+    report = reports.build(stats, cfg, inputs, len(files), skipped_binary, tasks, time.perf_counter() - start,
+                           bad_records=skipped_records(work))
     report["fingerprint"] = fingerprint
     report["shards"] = _publish(work, out_dir)
     write_json(out_dir / REPORT, report)

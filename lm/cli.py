@@ -4,6 +4,7 @@ config overrides split off, user errors as one line (exit 2), huge pages for the
 from __future__ import annotations
 
 import argparse
+import contextlib
 import shlex
 import sys
 
@@ -15,11 +16,15 @@ from lm.eval import contamination_cli, harness_cli
 from lm.infer import cli as infer_cli
 from lm.store import cli as store_cli
 from lm.train import cli as train_cli
+from lm.train.faults import StopRequested, StopSignal
 from lm.verb import Stopped, Verb
 
+# the verbs that train: SIGTERM/SIGINT stop them cleanly from start-up on (lm.train.faults.StopSignal)
+TRAINING: tuple[Verb, ...] = (train_cli.Pretrain, train_cli.SFT, train_cli.DPO, train_cli.REWARD, train_cli.RL,
+                              train_cli.DISTILL)
 # in `lm --help` order; none imports jax before its `run` (the CPU flags come first)
 VERBS: tuple[Verb, ...] = (
-    train_cli.Pretrain, train_cli.SFT, train_cli.DPO, train_cli.REWARD, train_cli.RL, train_cli.DISTILL, demo_cli,
+    *TRAINING, demo_cli,
     data_cli.Tokenizer, store_cli, data_cli.Tokenize, data_cli.Curate, plan_cli,
     infer_cli, eval_cli, contamination_cli, harness_cli,
 )
@@ -60,17 +65,41 @@ def main(argv: list[str] | None = None) -> int:
         rest, overrides = _split_overrides(argv)
         parser, reaches = _parser()
         args = parser.parse_args(rest)
-        return reaches[args.verb].run(args, overrides)
+        with _signals(reaches[args.verb], args):
+            return reaches[args.verb].run(args, overrides)
     except UserError as e:
+        _close_progress_bars()
         print(f"lm: error: {e}", file=sys.stderr)
         return 2
     except Stopped as e:  # after a checkpoint: say how to continue; exit 0 (nothing was lost)
         again = shlex.join(a for a in argv if a != "--resume")
         print(f"lm: {e}; checkpoint saved. Continue with: lm {again} --resume", file=sys.stderr)
         return 0
+    except StopRequested as e:  # outside the loop: nothing to save; say how to go on; exit 0
+        if e.saved:
+            again = shlex.join([*(a for a in argv if a != "--resume"), "--resume"])
+            print(f"lm: {e}; finish it with: lm {again}", file=sys.stderr)
+        else:
+            print(f"lm: {e}; run again with the same command: lm {shlex.join(argv)}", file=sys.stderr)
+        return 0
     except KeyboardInterrupt:
         print("lm: interrupted", file=sys.stderr)
         return 130
+
+
+def _signals(verb: Verb, args):
+    """A training command handles SIGTERM/SIGINT from its start (data preparation included), not
+    only in its loop; `lm reward score` is not training."""
+    if verb in TRAINING and getattr(args, "action", None) is None:
+        return StopSignal("start-up", defer=False, saved=False)
+    return contextlib.nullcontext()
+
+
+def _close_progress_bars() -> None:
+    """Bars a failed command left open end their line, so that its error starts on a line of its own."""
+    tqdm = sys.modules.get("tqdm")
+    for bar in list(getattr(getattr(tqdm, "tqdm", None), "_instances", ())):
+        bar.close()
 
 
 def run() -> None:

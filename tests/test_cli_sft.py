@@ -88,3 +88,20 @@ def test_bad_data_is_one_line_naming_file_and_line(base_run, tmp_path, capsys):
     assert len(errors) == 1 and f"{bad}:2" in errors[0] and "robot" in errors[0]
     assert main(["sft", "--init", str(tmp_path / "nope"), "--data", str(bad), "--workdir", str(tmp_path / "w")]) == 2
     assert "--init" in capsys.readouterr().err
+
+
+def test_a_refused_resume_leaves_the_run_as_it_was(base_run, tmp_path, capsys):
+    """A resume its checkpoint refuses (adapters asked of a full fine-tune) writes nothing: the run
+    still says lora_rank=0, so an `lm dpo --init` of it trains the full model, not adapters."""
+    from lm.store.meta import init_config
+
+    root, task = base_run
+    work = tmp_path / "full"
+    assert sft(root, task, work, 2, held_out=False) == 0
+    before = {p: p.read_bytes() for p in work.rglob("*") if p.is_file()}
+    capsys.readouterr()
+    assert sft(root, task, work, 4, "--config.model.lora_rank=8", "--resume", held_out=False) == 2
+    err = capsys.readouterr().err
+    assert "does not fit this config" in err and "model.lora_rank=0 (checkpoint) vs 8 (now)" in err
+    assert {p: p.read_bytes() for p in work.rglob("*") if p.is_file()} == before
+    assert init_config(str(work)).model.lora_rank == 0

@@ -5,6 +5,9 @@ import math
 import os
 import pathlib
 import shutil
+import signal
+import subprocess
+import sys
 
 import numpy as np
 import orbax.checkpoint as ocp
@@ -155,8 +158,8 @@ def test_default_config_curates_trains_a_tokenizer_then_pretrains(tmp_path, corp
     assert report["in"]["docs"] == 13 and report["stages"]["exact_dedup"]["reasons"]["exact_duplicate"]["docs"] == 1
     stats = json.loads((tmp_path / "w" / "data_stats.json").read_text())
     assert stats["train_docs"] + stats["heldout_docs"] == report["kept"]["docs"]
-    assert list(cache.glob("tokenizer-spm512-*.model"))
-    assert (tmp_path / "w" / "tokenizer.model").read_bytes() == next(cache.glob("tokenizer-spm512-*.model")).read_bytes()
+    assert list(cache.glob("tokenizer-spm512-*/*.model"))
+    assert (tmp_path / "w" / "tokenizer.model").read_bytes() == next(cache.glob("tokenizer-spm512-*/*.model")).read_bytes()
     rows = [json.loads(line) for line in (tmp_path / "w" / "metrics.jsonl").read_text().splitlines()]
     assert rows[-1]["step"] == 2 and rows[-1]["eval_loss"] < 1.5 * math.log(512)
 
@@ -167,3 +170,154 @@ def test_help_mentions_config_overrides(capsys):
             main([verb, "--help"])
         out = capsys.readouterr().out
         assert "--config.SECTION.KEY=VALUE" in out and "--config.optim.lr=1e-3" in out, verb
+
+
+# ---- the life of a workdir: every check before any write, one writer, signals from the start ----
+
+ROOT = pathlib.Path(__file__).resolve().parents[1]
+SLOW = """
+import sys, time
+import {module} as patched
+def slow(*args, **kwargs):
+    print("{marker}", flush=True)
+    time.sleep(600)  # until a signal ends it
+patched.{name} = slow
+from lm.cli import main
+sys.exit(main(sys.argv[1:]))
+"""
+
+
+def no_data_work(*args, **kwargs):
+    raise AssertionError("data preparation began before every check had passed")
+
+
+def files(workdir) -> dict:
+    return {p.relative_to(workdir): p.read_bytes() for p in pathlib.Path(workdir).rglob("*") if p.is_file()}
+
+
+@pytest.fixture(scope="module")
+def done_run(tmp_path_factory, corpus):
+    """A finished 4-step run (its final checkpoint, metrics, plot, sample and summary); copy it to change it."""
+    workdir = tmp_path_factory.mktemp("done") / "run"
+    assert train(workdir, corpus, 4) == 0
+    return workdir
+
+
+def test_a_refused_resume_changes_no_file(done_run, tmp_path, corpus, capsys):
+    work = tmp_path / "run"
+    shutil.copytree(done_run, work)
+    before = files(work)
+    capsys.readouterr()
+    assert train(work, corpus, 8, "--resume", "--config.model.n_layers=3") == 2
+    err = capsys.readouterr().err.strip()
+    assert "does not fit this config" in err and "model.n_layers=2 (checkpoint) vs 3 (now)" in err
+    assert err.startswith("lm: error:") and "\n" not in err
+    assert files(work) == before  # config.json still says n_layers=2: `lm sft --init` of it still works
+
+
+def test_a_run_killed_after_its_final_checkpoint_finishes_on_resume(done_run, tmp_path, corpus, capsys):
+    """A kill during the end-of-run evaluation, sample or plot: --resume restores the final
+    checkpoint and does the end-of-run work, with the same result as the first time."""
+    work = tmp_path / "run"
+    shutil.copytree(done_run, work)
+    for name in ("summary.json", "loss.png", "sample.txt"):
+        (work / name).unlink()
+    metrics = (work / "metrics.jsonl").read_bytes()
+    assert train(work, corpus, 4, "--resume") == 0
+    assert json.loads((work / "summary.json").read_text()) == json.loads((done_run / "summary.json").read_text())
+    assert (work / "sample.txt").read_text() == (done_run / "sample.txt").read_text()
+    assert (work / "loss.png").read_bytes() == (done_run / "loss.png").read_bytes()
+    assert (work / "metrics.jsonl").read_bytes() == metrics  # nothing trained, nothing logged
+    capsys.readouterr()
+    assert train(work, corpus, 4, "--resume") == 0 and "nothing left to do" in capsys.readouterr().err
+
+    # killed before even the loop's final metrics were kept: the summary takes those logged at the last step
+    (work / "summary.json").unlink()
+    (work / "final_metrics.json").unlink()
+    assert train(work, corpus, 4, "--resume") == 0 and "final_metrics.json is missing" in capsys.readouterr().err
+    first, again = (json.loads((w / "summary.json").read_text()) for w in (done_run, work))
+    assert {k: again[k] for k in ("step", "loss", "eval_loss", "compile_s")} == \
+        {k: first[k] for k in ("step", "loss", "eval_loss", "compile_s")} and again["run_tokens_per_s"] is None
+
+
+def test_a_second_writer_is_refused_naming_the_first(tmp_path, corpus, capsys, monkeypatch):
+    import socket
+
+    import lm.train.pretrain
+    from lm.train.workdir import lock_workdir
+
+    monkeypatch.setattr(lm.train.pretrain, "prepare_pretrain_data", no_data_work)
+    with lock_workdir(tmp_path / "w"):
+        assert train(tmp_path / "w", corpus, 4) == 2
+    err = capsys.readouterr().err.strip()
+    assert err.startswith("lm: error:") and "\n" not in err
+    assert f"in use by another run (pid {os.getpid()} on host {socket.gethostname()} since" in err
+
+
+def test_unwritable_outputs_are_one_line_before_any_data_work(tmp_path, corpus, capsys, monkeypatch):
+    import lm.train.pretrain
+    from tests.train.test_workdir import _permissions_apply
+
+    if not _permissions_apply():
+        pytest.skip("root ignores file permissions")
+    monkeypatch.setattr(lm.train.pretrain, "prepare_pretrain_data", no_data_work)
+    locked = tmp_path / "locked"
+    (locked / "w").mkdir(parents=True)
+    (tmp_path / "m").mkdir()
+    (tmp_path / "m" / "metrics.jsonl").write_text("")
+    (tmp_path / "c" / "checkpoints").mkdir(parents=True)  # a fresh run would train, then fail its first save
+    cases = [(locked / "w" / "run", locked / "w"), (tmp_path / "m", tmp_path / "m" / "metrics.jsonl"),
+             (tmp_path / "c", tmp_path / "c" / "checkpoints")]
+    for _, unwritable in cases:
+        unwritable.chmod(0o555)
+    try:
+        for workdir, unwritable in cases:
+            assert train(workdir, corpus, 4) == 2
+            err = capsys.readouterr().err.strip()
+            assert err.startswith("lm: error:") and "\n" not in err and f"'{unwritable}'" in err, err
+    finally:
+        for _, unwritable in cases:
+            unwritable.chmod(0o755)
+
+
+def start_patched(module: str, name: str, marker: str, args: list[str]):
+    """`lm ARGS` in a subprocess whose `module.name` announces itself on stdout, then waits for a signal."""
+    from tests.conftest import xla_flags
+
+    script = SLOW.format(module=module, name=name, marker=marker)
+    env = os.environ | {"XLA_FLAGS": xla_flags(8), "JAX_PLATFORMS": "cpu"}
+    proc = subprocess.Popen([sys.executable, "-c", script, *args], cwd=ROOT, env=env, stdout=subprocess.PIPE,
+                            stderr=subprocess.PIPE, text=True)
+    for line in iter(proc.stdout.readline, ""):
+        if line.strip() == marker:
+            return proc
+    raise AssertionError(f"it ended before '{marker}': {proc.communicate()[1][-2000:]}")
+
+
+def test_sigterm_during_data_preparation_stops_cleanly(tmp_path, corpus):
+    work = tmp_path / "w"
+    args = ["train", "--workdir", str(work), f"--config.data.corpus={corpus}", *SMALL]
+    proc = start_patched("lm.data.prepare", "prepare_pretrain_data", "preparing data", args)
+    proc.send_signal(signal.SIGTERM)
+    _, err = proc.communicate(timeout=120)
+    assert proc.returncode == 0, err[-2000:]
+    last = err.strip().splitlines()[-1]
+    assert last.startswith("lm: stopped by SIGTERM during data preparation; nothing is lost"), err[-2000:]
+    assert "run again with the same command" in last and "--resume" not in last
+    assert not work.exists()  # nothing was written, not even the lock
+
+
+@pytest.mark.slow
+def test_sigterm_during_the_end_of_run_work_finishes_on_resume(tmp_path, corpus, capsys):
+    work = tmp_path / "w"
+    args = ["train", "--workdir", str(work), f"--config.data.corpus={corpus}", "--config.train.steps=2",
+            "--config.eval.every_steps=2", *SMALL]
+    proc = start_patched("lm.train.pretrain", "_sample", "sampling", args)
+    proc.send_signal(signal.SIGTERM)
+    _, err = proc.communicate(timeout=120)
+    assert proc.returncode == 0, err[-2000:]
+    last = err.strip().splitlines()[-1]
+    assert last.startswith("lm: stopped by SIGTERM during the end-of-run evaluation"), err[-2000:]
+    assert last.endswith("--resume") and not (work / "summary.json").exists()
+    assert main(args + ["--resume"]) == 0
+    assert json.loads((work / "summary.json").read_text())["step"] == 2 and (work / "loss.png").is_file()

@@ -181,3 +181,34 @@ def test_fault_config_keys_are_validated(override, words):
         load_config(None, [override])
     policy = FaultPolicy.from_config(load_config(None, ["train.on_bad=stop", "train.spike_window=50"]).train)
     assert policy.on_bad == "stop" and policy.spike_window == 50
+
+
+def test_a_signal_stops_at_once_outside_the_loop_and_at_a_step_inside_it():
+    import os
+    import signal
+    import time
+
+    from lm.train.faults import StopRequested, StopSignal
+
+    before = signal.getsignal(signal.SIGTERM)
+    with StopSignal("start-up", defer=False, saved=False) as stop:
+        stop.enter("data preparation")
+        with pytest.raises(StopRequested) as stopped:
+            os.kill(os.getpid(), signal.SIGTERM)
+            time.sleep(30)  # never reached: the handler raises as the signal arrives
+        assert str(stopped.value) == "stopped by SIGTERM during data preparation; nothing is lost"
+        assert not stopped.value.saved and not isinstance(stopped.value, Exception)  # no `except Exception` eats it
+    assert signal.getsignal(signal.SIGTERM) is before
+
+    with StopSignal("start-up", defer=False, saved=False) as stop:
+        with StopSignal() as inner:  # a stage or the loop inside a command: one handler, one flag
+            assert inner is stop and StopSignal.active is stop
+        stop.enter("training", defer=True, saved=True)
+        os.kill(os.getpid(), signal.SIGTERM)
+        time.sleep(0.01)
+        assert stop.received == "SIGTERM"  # deferred: the loop stops at its next step, with a checkpoint
+        # a signal the loop did not act on (it came after the last step) stops the run at the next phase
+        with pytest.raises(StopRequested, match="during training; the training is saved") as stopped:
+            stop.enter("the end-of-run evaluation", saved=True)
+        assert stopped.value.saved
+    assert signal.getsignal(signal.SIGTERM) is before and StopSignal.active is None

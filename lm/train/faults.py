@@ -1,7 +1,9 @@
 """What the loop does when something goes wrong: signals, non-finite steps, loss spikes.
 
-- SIGTERM/SIGINT set a flag; the loop finishes the step, saves and exits (a second SIGINT
-  interrupts at once).
+- SIGTERM/SIGINT are handled from the start of a training command (lm.cli) to its end. In the
+  training loop they set a flag: the loop finishes the step, saves and exits (a second SIGINT
+  interrupts at once). Anywhere else (data preparation, a reference pass, the end-of-run
+  evaluation) there is nothing to save: the run stops at once with `StopRequested`.
 - Non-finite steps are already skipped inside the jitted step; `Health` counts them and,
   after `max_bad_steps` in a row or on a loss spike, asks the loop to roll back or stop.
 - On several processes every decision taken from host-local facts (a signal, the clock)
@@ -14,38 +16,83 @@ import collections
 import dataclasses
 import signal
 
-import jax
 import numpy as np
 
 
+class StopRequested(KeyboardInterrupt):
+    """A signal stopped a run outside its training loop, where stopping loses nothing. `saved`:
+    the training is in its final checkpoint (--resume does the rest); else run the command again.
+    A KeyboardInterrupt: what cleans up after Ctrl-C cleans up after it, and no `except Exception`
+    takes it for a fault of its own (a damaged cache entry or checkpoint)."""
+
+    def __init__(self, by: str, phase: str, saved: bool):
+        lost = "the training is saved in its checkpoints" if saved else "nothing is lost"
+        super().__init__(f"stopped by {by} during {phase}; {lost}")
+        self.by, self.phase, self.saved = by, phase, saved
+
+
 class StopSignal:
-    """Context manager: SIGTERM/SIGINT request a clean stop instead of killing the process."""
+    """Context manager: SIGTERM/SIGINT request a clean stop instead of killing the process.
+
+    Entered once for a whole command (lm.cli) or a stage (lm.train.stage); entering again while
+    one is active returns that one, so a signal is never lost between phases. A run moves
+    through named phases (`enter`): in a deferring one (the training loop) a signal only sets
+    `received`, and the loop stops at its next step with a checkpoint; in any other it raises
+    StopRequested at once. A fresh one defers (a bare `with StopSignal()` around a loop).
+    """
 
     SIGNALS = (signal.SIGTERM, signal.SIGINT)
+    active: "StopSignal | None" = None  # the one whose handlers are installed
 
-    def __init__(self):
+    def __init__(self, phase: str = "training", defer: bool = True, saved: bool = True):
         self.received: str | None = None
+        self.phase, self.defer, self.saved = phase, defer, saved
         self._previous = {}
+        self._outer: StopSignal | None = None
+
+    def enter(self, phase: str, defer: bool = False, saved: bool = False) -> None:
+        """Begins `phase` (saved: a stop there keeps the training, in its checkpoints). A safe point
+        too: a signal received in a deferring phase that nothing acted on stops the run here."""
+        if self.received is not None:
+            raise StopRequested(self.received, self.phase, self.saved)
+        self.phase, self.defer, self.saved = phase, defer, saved
+        if StopSignal.active is self:  # again: jax.distributed.initialize puts its own SIGTERM handler in
+            for sig in self.SIGNALS:
+                signal.signal(sig, self._handle)
 
     def _handle(self, signum, frame):
         if self.received is not None and signum == signal.SIGINT:
             raise KeyboardInterrupt  # a second Ctrl-C: the user really wants out now
-        self.received = signal.Signals(signum).name
-        print(f"lm: {self.received} received; finishing the current step and saving a checkpoint", flush=True)
+        name = signal.Signals(signum).name
+        self.received = self.received or name
+        if not self.defer:
+            raise StopRequested(name, self.phase, self.saved)
+        print(f"lm: {name} received; finishing the current step and saving a checkpoint", flush=True)
 
-    def __enter__(self):
+    def __enter__(self) -> "StopSignal":
+        if StopSignal.active is not None:
+            self._outer = StopSignal.active
+            return self._outer
         for sig in self.SIGNALS:
             self._previous[sig] = signal.signal(sig, self._handle)
+        StopSignal.active = self
         return self
 
     def __exit__(self, *exc):
+        if self._outer is not None:
+            self._outer = None
+            return False
         for sig, handler in self._previous.items():
             signal.signal(sig, handler)
+        self._previous = {}
+        StopSignal.active = None
         return False
 
 
 def agree_any(flags: list[bool]) -> list[bool]:
     """Element-wise OR of `flags` over all processes (one tiny allgather; free on one process)."""
+    import jax  # here: the CLI installs StopSignal before jax may be imported
+
     if jax.process_count() == 1:
         return [bool(f) for f in flags]
     from jax.experimental import multihost_utils

@@ -7,8 +7,10 @@ evaluation, then calls `fit`; what it does before and after is its own.
 
 from __future__ import annotations
 
+import json
 import math
 import pathlib
+import sys
 from typing import Callable
 
 import jax
@@ -16,11 +18,15 @@ import jax
 from lm import plan
 from lm.errors import UserError
 from lm.perf import measure_matmul_peak
-from lm.store.checkpoint import Checkpointer, saved_steps
+from lm.model.params import leaf_paths
+from lm.store.checkpoint import Checkpointer, IncompatibleCheckpoint, read_meta, saved_steps
 from lm.train.faults import FaultPolicy, StopSignal
 from lm.train.loop import Faults, LoopSpec, run_loop
-from lm.train.metrics import MetricsWriter, truncate_after
+from lm.train.metrics import MetricsWriter, json_default, read_metrics, truncate_after
 from lm.train.steps import summarize
+from lm.train.workdir import write_atomic
+
+FINAL_METRICS = "final_metrics.json"  # the loop's final metrics: what the end-of-run work reports
 
 
 def check_resume(directory: pathlib.Path, resume: bool, total_steps: int) -> int | None:
@@ -35,6 +41,72 @@ def check_resume(directory: pathlib.Path, resume: bool, total_steps: int) -> int
         raise UserError(f"'{directory.parent}' already holds checkpoints (steps {steps[0]}..{steps[-1]}); "
                         "pass --resume to continue, or use a new --workdir")
     return steps[-1] if resume and steps[-1] >= total_steps else None
+
+
+def check_fits(run, directory: pathlib.Path) -> None:
+    """The newest checkpoint must hold the arrays `run` has: checked on its metadata before a resume
+    writes anything (restoring checks each checkpoint again). A step whose metadata cannot be read
+    is left to the restore, which sets damaged checkpoints aside."""
+    for step in reversed(saved_steps(directory)):
+        try:
+            meta = read_meta(directory, step)
+            saved = dict(meta["shapes"])
+        except Exception:  # damaged: not this check's business
+            continue
+        now = _shapes(run.abstract_state())
+        diffs = [f"{p}: saved {saved[p][0]} {saved[p][1]}, now {now[p][0]} {now[p][1]}"
+                 for p in now if p in saved and list(saved[p]) != now[p]]
+        diffs += [f"{p}: missing in the checkpoint" for p in now if p not in saved]
+        diffs += [f"{p}: not in this config" for p in saved if p not in now]
+        if diffs:
+            diffs = [d for d in diffs if d.startswith("params/")] or diffs  # the optimizer state mirrors them
+            shown = "; ".join(diffs[:10]) + (f"; ... ({len(diffs)} in all)" if len(diffs) > 10 else "")
+            raise IncompatibleCheckpoint(f"checkpoint step {step} in '{directory}' does not fit this config: {shown}"
+                                         f"{_model_keys(meta.get('config'), run.config)}; use the config it was "
+                                         "trained with or a new --workdir")
+        return
+
+
+def _shapes(tree) -> dict:
+    return {p: [list(x.shape), str(x.dtype)] for p, x in zip(leaf_paths(tree), jax.tree.leaves(tree))}
+
+
+def _model_keys(saved: dict | None, config) -> str:
+    """The model keys whose values differ between a checkpoint's config and `config`, as text."""
+    if not isinstance(saved, dict):
+        return ""
+    before, after = _flat(saved.get("model") or {}), _flat(json.loads(config.to_json()).get("model", {}))
+    changed = [f"model.{k}={before.get(k)!r} (checkpoint) vs {after.get(k)!r} (now)"
+               for k in sorted(before.keys() | after.keys()) if before.get(k) != after.get(k)]
+    return f"; config differs in {', '.join(changed)}" if changed else ""
+
+
+def _flat(d: dict, prefix: str = "") -> dict:
+    out = {}
+    for k, v in d.items():
+        out |= _flat(v, f"{prefix}{k}.") if isinstance(v, dict) else {f"{prefix}{k}": v}
+    return out
+
+
+def save_final_metrics(workdir, last: dict) -> None:
+    """Keeps the loop's final metrics (throughput included), for a run killed during its end-of-run work."""
+    write_atomic(pathlib.Path(workdir) / FINAL_METRICS, json.dumps(last, default=json_default))
+
+
+def final_metrics(workdir, step: int) -> dict:
+    """The loop's final metrics of a run trained to `step`: as saved at its end, or (killed before they
+    were saved) rebuilt from its metrics.jsonl rows at that step, without the run-wide throughput."""
+    workdir = pathlib.Path(workdir)
+    try:
+        last = json.loads((workdir / FINAL_METRICS).read_text())
+        if last.get("stop_step") == step and not last.get("stopped_by"):
+            return last
+    except (OSError, ValueError, AttributeError):
+        pass
+    print(f"lm: note: {workdir / FINAL_METRICS} is missing or not of step {step}; the summary takes the metrics "
+          f"logged at step {step} (no run-wide throughput)", file=sys.stderr)
+    rows = [r for r in read_metrics(workdir / "metrics.jsonl") if r["step"] == step]
+    return {k: v for r in rows for k, v in r.items() if k != "step"} | {"stopped_by": None, "stop_step": step}
 
 
 def evaluator(eval_fn, batches: list, placer, frozen=None, prefix: str = "eval", metrics=("loss",)) -> Callable:
@@ -64,13 +136,17 @@ def peak_flops(config) -> tuple[float, str]:
                             "vendor's figure for a stable MFU")
 
 
-def fit(run, workdir, data_iter, *, resume: bool, init: Callable, evaluate: Callable | None = None,
-        first_row: dict | None = None, frozen=None, signature: dict | None = None,
+def fit(run, workdir, data_iter, *, resume: bool, init: Callable, ready: Callable[[], None] = lambda: None,
+        evaluate: Callable | None = None, first_row: dict | None = None, frozen=None, signature: dict | None = None,
         show_progress: bool = True, flops_per_token: float | None = None, step_fn: Callable | None = None):
     """Trains `run` from a fresh `init()` state (or the newest checkpoint when resuming) to
     config.train.steps. Returns (state, last) where last holds the final logged and eval metrics,
     run throughput, `stopped_by` (a signal's name when one ended the run early) and the peak.
 
+    ready: called once the state is restored (or made), before fit writes anything: a resume the
+    checkpoints refuse leaves the workdir as it was.
+    A resumed run whose checkpoint already reached train.steps (killed during its end-of-run work)
+    trains no further: its state comes back with the loop's final metrics (`final_metrics`).
     first_row: step-0 metrics of a fresh run (evaluate(state) is added to it).
     flops_per_token: for MFU (default: the trained model's, lm.plan.flops_per_token).
     step_fn: `step(state, host batch) -> (state, metrics)` of a stage whose step is more than the
@@ -87,11 +163,16 @@ def fit(run, workdir, data_iter, *, resume: bool, init: Callable, evaluate: Call
     if resume:
         state, step, meta = checkpointer.restore(target, data_iter)
         health = meta.get("health")
+        ready()
+        if step >= t.steps:
+            checkpointer.close()
+            return state, final_metrics(workdir, step)
         if is_main:
             truncate_after(workdir / "metrics.jsonl", step)
         print(f"resumed from step {step}")
     else:
         state = init()
+        ready()
         if is_main and (workdir / "metrics.jsonl").exists():  # a run that died before its first checkpoint
             (workdir / "metrics.jsonl").replace(workdir / "metrics.jsonl.prev")
     step_fn = step_fn or run.bind(run.train_step(signature), frozen)
@@ -103,11 +184,13 @@ def fit(run, workdir, data_iter, *, resume: bool, init: Callable, evaluate: Call
         writer.write(0, dict(first_row or {}) | {"flops_per_token": flops, "peak_flops": peak} |
                      (evaluate(state) if evaluate else {}))
     spec = LoopSpec(t.steps, t.log_every, config.eval.every_steps, math.prod(signature["inputs"].shape), flops, peak,
-                    config.checkpoint.agree_every_steps, run.updates_per_step)
+                    config.checkpoint.agree_every_steps, run.updates_per_step,
+                    measure_peak=None if t.peak_flops > 0 else lambda: peak_flops(config)[0])
     with StopSignal() as stop:
         faults = Faults(FaultPolicy.from_config(t), stop, target, health)
         state, last = run_loop(spec, state, step_fn, data_iter, to_device, evaluate=evaluate, writer=writer,
                                checkpointer=checkpointer, faults=faults, show_progress=show_progress and is_main)
         checkpointer.close()  # a signal during the last save still lets it finish
     writer.close()
-    return state, last | {"peak_flops": peak, "peak_flops_source": peak_source}
+    revised = last.get("peak_flops_revised")  # the run beat the start-up figure (lm.train.loop._Peak)
+    return state, last | {"peak_flops_source": f"{peak_source}; {revised}" if revised else peak_source}

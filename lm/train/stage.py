@@ -2,15 +2,24 @@
 a declaration over `run_stage` — its data, its run (loss, trained params, frozen models), its
 batches and evaluators, what it reports. The runner does the rest, in this order:
 
-    cheap checks -> resume checks (before any data work) -> the init model -> the data ->
-    settings derived from the data (epochs -> steps: a new config) -> nothing left to do? ->
-    the run -> batch checks -> run files -> state and frozen models (the frozen ones from their
-    sources on every start, a resume included) -> batches, evaluators (+ config.eval.sets) ->
-    the one loop (lm.train.fit) -> stop reason -> the stage's report, the plot, summary.json
+    cheap checks -> resume checks -> the workdir claimed: writable, locked (all before any data
+    work) -> the init model -> the data -> settings derived from the data (epochs -> steps: a
+    new config) -> nothing left to do? -> the run -> batch checks -> a resume's checkpoint fits
+    the run (its metadata) -> state and frozen models (the frozen ones from their sources on
+    every start, a resume included) -> batches, evaluators (+ config.eval.sets) -> the one loop
+    (lm.train.fit; the run files are written there, once the state is restored or made) ->
+    stop reason -> the stage's report, the plot, summary.json
+
+Nothing in the workdir changes until every check has passed, and only one run writes there at a
+time. summary.json is written last: a run whose training ended but whose end-of-run work was
+cut short (a kill during the final evaluation, sample or plot) has none, and --resume restores
+its final checkpoint and does that work. SIGTERM/SIGINT stop a run cleanly in every phase
+(lm.train.faults.StopSignal): inside the loop with a checkpoint, elsewhere at once.
 """
 
 from __future__ import annotations
 
+import contextlib
 import dataclasses
 import json
 import math
@@ -25,8 +34,10 @@ from lm.eval.during import with_sets
 from lm.model.params import merge_trees
 from lm.store.load import Loaded, load_init
 from lm.store.meta import save_tokenizer
-from lm.train.fit import check_resume, fit
+from lm.train.faults import StopSignal, agree_any
+from lm.train.fit import check_fits, check_resume, fit, save_final_metrics
 from lm.train.metrics import json_default, plot_curves, read_metrics
+from lm.train.workdir import check_writable, lock_workdir, write_atomic
 
 ALL_STEPS = 2**62  # "any step": a resume check that needs no step count yet
 
@@ -47,10 +58,19 @@ class Ctx:
     last: dict = dataclasses.field(default_factory=dict)  # the loop's final metrics
     params: dict | None = None  # the trained model's full params at the end (frozen base merged in)
     returned: dict = dataclasses.field(default_factory=dict)  # returned beside the summary, not written
+    stop: StopSignal | None = None  # signals, handled in every phase
 
     @property
     def is_main(self) -> bool:
         return jax.process_index() == 0
+
+    @property
+    def checkpoints(self) -> pathlib.Path:
+        return self.workdir / "checkpoints"
+
+    def phase(self, name: str, **kw) -> None:
+        """The run enters phase `name` (what a stop by signal names; lm.train.faults.StopSignal.enter)."""
+        self.stop.enter(name, **kw)
 
 
 class Stage:
@@ -105,43 +125,106 @@ class Stage:
 
 def run_stage(stage: Stage, config, workdir, resume: bool = False, show_progress: bool = True) -> dict:
     ctx = Ctx(config, pathlib.Path(workdir), resume, show_progress)
-    stage.check(config)
-    checkpoints = ctx.workdir / "checkpoints"
-    check_resume(checkpoints, resume, ALL_STEPS)
+    with StopSignal() as ctx.stop:  # the command's own when lm.cli installed one at start-up
+        ctx.phase("the checks")
+        stage.check(config)
+        check_resume(ctx.checkpoints, resume, ALL_STEPS)
+        with _claimed(ctx):
+            _prepare(stage, ctx)
+            finished = check_resume(ctx.checkpoints, resume, ctx.config.train.steps)
+            if finished is not None and _summarized(ctx.workdir, finished):
+                return {"step": finished, "nothing_to_do": True, "stopped_by": None, "eval_loss": None}
+            if finished is not None:
+                print(f"lm: training ended at step {finished} but its end-of-run work did not (no summary.json): "
+                      "restoring the final checkpoint to do it", flush=True)
+            _build(stage, ctx)
+            _train(stage, ctx)
+            if ctx.last["stopped_by"]:
+                return {"step": ctx.last["stop_step"], "stopped_by": ctx.last["stopped_by"], "eval_loss": None}
+            return _finish(stage, ctx)
+
+
+@contextlib.contextmanager
+def _claimed(ctx: Ctx):
+    """The workdir for this run alone, and writable wherever the run writes: before any data work.
+    The processes of one run share it: process 0 holds the lock, and all refuse together."""
+    with contextlib.ExitStack() as held:
+        problem = None
+        try:
+            check_writable(ctx.workdir)
+            if ctx.is_main:
+                held.enter_context(lock_workdir(ctx.workdir))
+        except UserError as e:
+            problem = e
+        if agree_any([problem is not None])[0]:
+            raise problem or UserError(f"another process of this run refused --workdir {ctx.workdir} (see its error)")
+        yield
+
+
+def _prepare(stage: Stage, ctx: Ctx) -> None:
+    """The init model, the data, and the settings that follow from the data (a new config)."""
     if stage.init_section:
-        ctx.init = load_init(config[stage.init_section].init)
+        ctx.phase("loading the init model")
+        ctx.init = load_init(ctx.config[stage.init_section].init)
+    ctx.phase("data preparation")
     ctx.data = stage.read(ctx)
     ctx.config = stage.configure(ctx)
-    finished = check_resume(checkpoints, resume, ctx.config.train.steps)
-    if finished is not None:
-        return {"step": finished, "nothing_to_do": True, "stopped_by": None, "eval_loss": None}
+
+
+def _build(stage: Stage, ctx: Ctx) -> None:
+    """The run and its batch checks; a resume's checkpoint must fit it (read from its metadata,
+    before anything is written)."""
+    ctx.phase("building the run")
     ctx.run = run = stage.build(ctx)
     t, e = ctx.config.train, ctx.config.eval
     run.check_batch(t.batch_size, t.micro_batches)
     if stage.check_eval_batch:
         run.check_batch(e.batch_size, 1, key="eval.batch_size")
-    _write_run_files(stage, ctx)
-    base = ctx.init.params if ctx.init is not None else None
+    if ctx.resume:
+        check_fits(run, ctx.checkpoints)
+
+
+def _train(stage: Stage, ctx: Ctx) -> None:
+    """State and frozen models, batches and evaluators, the one loop; the run files are written once
+    the state is restored (or made)."""
+    run, base = ctx.run, (ctx.init.params if ctx.init is not None else None)
+    ctx.phase("placing the models")
     # A fresh run builds its state; frozen params (a LoRA base, a reference, a teacher) come from
     # their sources on every start, a resume included.
-    if run.trainable is not None or not resume:
+    if run.trainable is not None or not ctx.resume:
         state0, ctx.frozen = run.init(base=base, sources=stage.sources(ctx))
     else:
         state0, ctx.frozen = None, run.frozen_params(base, stage.sources(ctx))
+    ctx.phase("preparing the batches and evaluators")  # a DPO reference pass included
     data_iter, signature, step_fn = stage.batches(ctx)
-    evaluate = with_sets(stage.evaluator(ctx), e, run.built, stage.tokenizer(ctx), ctx.frozen)
-    ctx.state, ctx.last = fit(run, ctx.workdir, data_iter, resume=resume, init=lambda: state0, evaluate=evaluate,
+    evaluate = with_sets(stage.evaluator(ctx), ctx.config.eval, run.built, stage.tokenizer(ctx), ctx.frozen)
+    ctx.phase("training", defer=True, saved=True)
+    ctx.state, ctx.last = fit(run, ctx.workdir, data_iter, resume=ctx.resume, init=lambda: state0,
+                              ready=lambda: _write_run_files(stage, ctx), evaluate=evaluate,
                               first_row=stage.first_row(ctx), frozen=ctx.frozen, signature=signature,
-                              show_progress=show_progress, flops_per_token=stage.flops_per_token(ctx),
+                              show_progress=ctx.show_progress, flops_per_token=stage.flops_per_token(ctx),
                               step_fn=step_fn)
-    if ctx.last["stopped_by"]:
-        return {"step": ctx.last["stop_step"], "stopped_by": ctx.last["stopped_by"], "eval_loss": None}
+    if ctx.is_main and not ctx.last["stopped_by"]:
+        save_final_metrics(ctx.workdir, ctx.last)
+
+
+def _finish(stage: Stage, ctx: Ctx) -> dict:
+    """The stage's report, the plot, then summary.json: written last and whole, it marks the run done."""
+    ctx.phase("the end-of-run evaluation", saved=True)
     ctx.params = merge_trees(ctx.state.params, (ctx.frozen or {}).get("base"))
     summary = stage.finish(ctx)
     if ctx.is_main:
         stage.plot(ctx)
-        (ctx.workdir / "summary.json").write_text(json.dumps(summary, indent=2, default=json_default))
+        write_atomic(ctx.workdir / "summary.json", json.dumps(summary, indent=2, default=json_default))
     return summary | ctx.returned
+
+
+def _summarized(workdir: pathlib.Path, step: int) -> bool:
+    """Whether the run's summary.json is there and reports `step` (one from a shorter run does not count)."""
+    try:
+        return json.loads((workdir / "summary.json").read_text()).get("step") == step
+    except (OSError, ValueError, AttributeError):
+        return False
 
 
 def _write_run_files(stage: Stage, ctx: Ctx) -> None:
@@ -149,8 +232,8 @@ def _write_run_files(stage: Stage, ctx: Ctx) -> None:
     if not ctx.is_main:
         return
     ctx.workdir.mkdir(parents=True, exist_ok=True)
-    (ctx.workdir / "config.json").write_text(ctx.config.to_json(indent=2))
-    (ctx.workdir / "data_stats.json").write_text(json.dumps(stage.stats(ctx), indent=2))
+    write_atomic(ctx.workdir / "config.json", ctx.config.to_json(indent=2))
+    write_atomic(ctx.workdir / "data_stats.json", json.dumps(stage.stats(ctx), indent=2))
     save_tokenizer(stage.tokenizer(ctx), ctx.workdir)
 
 

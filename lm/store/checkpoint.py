@@ -3,16 +3,20 @@
 One checkpoint is a step directory with three items written together:
   state/  the TrainState (step, params, optimizer state, rng), sharded, one layout whatever
           the mesh or remat policy (layers are always scanned: a leading `layers` axis);
-  data/   the grain iterator state (a resumed run sees exactly the batches it would have seen);
-  meta/   JSON: the resolved config, the shape of every state leaf, a checksum of every leaf,
-          and the loop's fault counters.
+  data/   the grain iterator state of each process, process_I-of-N.json (a resumed run sees
+          exactly the batches, or RL prompts, it would have seen);
+  meta/   JSON: the resolved config, the shape and checksum of every state leaf, the sha256 of
+          every process's data state, the loop's fault counters, and a sha256 of itself
+          (lm.store.checkpoint_checks).
 Orbax writes each step to a temporary directory and renames it when complete, so a crash,
 a kill or a full disk during a save never touches the checkpoints already there.
 
-On resume the newest checkpoint is checked (meta readable, shapes match the config, every
-array restorable, checksums equal) and, if damaged, moved to `rejected_checkpoints/` with a
-warning naming the fault; the next newest is tried. Shapes that do not fit the config are
-refused outright: that is a wrong config, not a damaged file.
+On resume the newest checkpoint is checked (meta readable and equal to its digest, shapes match
+the config, every array restorable, state checksums and data digests equal) and, if damaged,
+moved to `rejected_checkpoints/` with a one-line warning naming the fault and the file; the next
+newest is tried. Shapes that do not fit the config, or a data position saved by another number
+of processes, are refused outright: that is a wrong setup, not a damaged file. A checkpoint
+written before meta and data digests existed is restored with a warning that they are unchecked.
 """
 
 from __future__ import annotations
@@ -26,34 +30,29 @@ import time
 
 import grain
 import jax
-import jax.numpy as jnp
 import numpy as np
 import orbax.checkpoint as ocp
 
 from lm.errors import UserError
 from lm.model.params import leaf_paths
+from lm.store.checkpoint_checks import (
+    Damaged,
+    checksums,
+    data_checksums,
+    data_file,
+    describe,
+    quiet_background_threads,
+    seal,
+    verify_array_files,
+    verify_data,
+    verify_meta,
+)
 
 ITEMS = ("state", "data", "meta")
 
 
 class IncompatibleCheckpoint(UserError):
     """The checkpoint's arrays do not have the shapes this config gives."""
-
-
-def _as_u32(x):
-    bits = {4: jnp.uint32, 2: jnp.uint16, 1: jnp.uint8}[x.dtype.itemsize]
-    return jax.lax.bitcast_convert_type(x, bits).astype(jnp.uint32)
-
-
-@jax.jit
-def _leaf_sums(tree):
-    # uint32 addition wraps, so the sum is exact and independent of sharding and reduction order
-    return [jnp.sum(_as_u32(x), dtype=jnp.uint32) for x in jax.tree.leaves(tree)]
-
-
-def checksums(tree) -> list[int]:
-    """One wrapping uint32 sum of the raw bits per leaf: any changed byte changes it (p ~ 1 - 2^-32)."""
-    return [int(v) for v in jax.device_get(_leaf_sums(tree))]
 
 
 def _shapes(tree) -> dict:
@@ -84,7 +83,8 @@ class Checkpointer:
                                                enable_async_checkpointing=True, cleanup_tmp_directories=True)
         self.manager = ocp.CheckpointManager(self.directory, options=options, item_names=ITEMS)
         self._last_save = time.monotonic()
-        self._pending_step = None
+        self._pending_step = None  # the step whose asynchronous save may still be running
+        quiet_background_threads()
 
     @classmethod
     def from_config(cls, directory, config) -> "Checkpointer":
@@ -107,9 +107,11 @@ class Checkpointer:
         return sorted(self.manager.all_steps())
 
     def save(self, step: int, state, data_iter, health: dict | None = None) -> None:
-        """Starts an async save of everything at `step`; returns once the arrays are copied off device."""
-        meta = {"step": int(step), "shapes": _shapes(state), "checksums": checksums(state),
-                "config": self.config, "health": health}
+        """Starts an async save of everything at `step`; returns once the arrays are copied off device.
+        A failure of the previous save is reported first, under that save's step."""
+        self.wait()
+        meta = seal({"step": int(step), "shapes": _shapes(state), "checksums": checksums(state),
+                     "data_checksums": data_checksums(data_iter), "config": self.config, "health": health})
         args = ocp.args.Composite(state=ocp.args.StandardSave(state), data=grain.checkpoint.CheckpointSave(data_iter),
                                   meta=ocp.args.JsonSave(meta))
         with self._reporting(step):
@@ -119,6 +121,7 @@ class Checkpointer:
     def wait(self) -> None:
         with self._reporting(self._pending_step):
             self.manager.wait_until_finished()
+        self._pending_step = None
 
     def close(self) -> None:
         self.wait()
@@ -133,9 +136,10 @@ class Checkpointer:
         except UserError:
             raise
         except Exception as error:
-            raise UserError(f"saving the checkpoint of step {step} in '{self.directory}' failed "
-                            f"({type(error).__name__}: {_one_line(error)}); the checkpoints already there are "
-                            f"intact (steps {self.all_steps()}); free space or fix permissions, then --resume"
+            self._pending_step = None  # reported once; the manager has given up on that save
+            raise UserError(f"saving the checkpoint of step {step} in '{self.directory}' failed: "
+                            f"{describe(error)}; the checkpoints already there are intact "
+                            f"(steps {self.all_steps()}); free space or fix permissions, then --resume"
                             ) from error
 
     # ---- restoring -------------------------------------------------------------------------
@@ -156,7 +160,7 @@ class Checkpointer:
             except IncompatibleCheckpoint:
                 raise
             except Exception as e:  # any damage: missing files, garbage bytes, bad metadata
-                reason = f"{type(e).__name__}: {_one_line(e)}"
+                reason = describe(e, self.directory / str(s))
                 problems.append(f"step {s}: {reason}")
                 self._reject(s, reason)
                 continue
@@ -164,19 +168,46 @@ class Checkpointer:
         raise UserError(f"no intact checkpoint in '{self.directory}' (" + "; ".join(problems) + ")")
 
     def _restore_checked(self, step: int, abstract_state, data_iter):
-        meta = self.manager.restore(step, args=ocp.args.Composite(meta=ocp.args.JsonRestore()))["meta"]
+        step_dir = self.directory / str(step)
+        try:
+            meta = self.manager.restore(step, args=ocp.args.Composite(meta=ocp.args.JsonRestore()))["meta"]
+        except FileNotFoundError as e:
+            raise Damaged(f"meta '{step}/meta/metadata' is missing") from e
+        except Exception as e:
+            raise Damaged(f"meta '{step}/meta/metadata' cannot be read ({describe(e)})") from e
         if not isinstance(meta, dict) or not {"shapes", "checksums"} <= meta.keys():
-            raise ValueError("meta item lacks shapes/checksums")
+            raise Damaged(f"meta '{step}/meta/metadata' lacks shapes/checksums")
+        sealed = "meta_checksum" in meta
+        if sealed:
+            verify_meta(meta, step_dir)
+            if meta.get("step") != step:
+                raise Damaged(f"meta '{step}/meta/metadata' belongs to step {meta.get('step')}")
         self._check_compatible(step, meta, abstract_state)
+        verify_array_files(step_dir / "state")
         self._check_array_metadata(step, meta)
         items = {"state": ocp.args.StandardRestore(abstract_state)}
         if data_iter is not None:
+            if "data_checksums" in meta:
+                self._check_processes(step, meta["data_checksums"])
+                verify_data(step_dir, meta["data_checksums"])
             items["data"] = grain.checkpoint.CheckpointRestore(data_iter)
+        if not sealed or (data_iter is not None and "data_checksums" not in meta):
+            print(f"lm: warning: checkpoint step {step} in '{self.directory}' predates the checksums of its meta "
+                  "and data items; restoring them unchecked (the state's arrays are checked)", flush=True)
         state = self.manager.restore(step, args=ocp.args.Composite(**items))["state"]
         for path, want, got in zip(leaf_paths(state), meta["checksums"], checksums(state)):
             if want != got:
-                raise ValueError(f"contents of '{path}' differ from what was saved (checksum {got} != {want})")
+                raise Damaged(f"state array '{path}' differs from what was saved (checksum {got} != {want})")
         return state, meta
+
+    def _check_processes(self, step: int, saved: dict) -> None:
+        """grain keeps one iterator state per process: resuming needs the same number of them."""
+        count = jax.process_count()
+        if set(saved) != {data_file(i, count) for i in range(count)}:
+            raise IncompatibleCheckpoint(
+                f"checkpoint step {step} in '{self.directory}' holds the data position of {len(saved)} "
+                f"process(es) ({', '.join(sorted(saved))}), this run has {count}; resume with "
+                f"{len(saved)} process(es) or start a new --workdir")
 
     def _check_array_metadata(self, step: int, meta: dict) -> None:
         """Orbax's own tree metadata must be there and agree: exports and other tools read it."""
@@ -184,7 +215,7 @@ class Checkpointer:
         tree = getattr(tree, "tree", tree)
         listed = {p: [list(m.shape), str(m.dtype)] for p, m in zip(leaf_paths(tree), jax.tree.leaves(tree))}
         if listed != meta["shapes"]:
-            raise ValueError("the state's array metadata disagrees with the shapes recorded at save time")
+            raise Damaged(f"state metadata '{step}/state/_METADATA' disagrees with the shapes recorded at save time")
 
     def _check_compatible(self, step: int, meta: dict, abstract_state) -> None:
         now = _shapes(abstract_state)
@@ -207,25 +238,27 @@ class Checkpointer:
                                      f"{shown}{keys}; use the config it was trained with or a new --workdir")
 
     def _reject(self, step: int, reason: str) -> None:
-        """Moves a damaged step out of the manager's sight (kept for inspection) and says why."""
+        """Moves a damaged step out of the manager's sight (kept for inspection) and says why.
+        Every process checks every item, so all reject the same step; process 0 moves it once
+        all of them are done reading it."""
         target = self.rejected_dir / str(step)
         print(f"lm: warning: checkpoint step {step} is damaged ({reason}); moved to '{target}', "
               "trying the previous one", flush=True)
+        _barrier(f"lm_checked_checkpoint_{step}")
         if jax.process_index() == 0:
             self.rejected_dir.mkdir(parents=True, exist_ok=True)
             if target.exists():
                 shutil.rmtree(target)
             shutil.move(str(self.directory / str(step)), str(target))
-        if jax.process_count() > 1:
-            from jax.experimental import multihost_utils
-
-            multihost_utils.sync_global_devices(f"lm_reject_checkpoint_{step}")
+        _barrier(f"lm_reject_checkpoint_{step}")
         self.manager.reload()
 
 
-def _one_line(error: BaseException) -> str:
-    text = str(error).strip().splitlines()
-    return (text[0] if text else repr(error))[:300]
+def _barrier(name: str) -> None:
+    if jax.process_count() > 1:
+        from jax.experimental import multihost_utils
+
+        multihost_utils.sync_global_devices(name)
 
 
 def saved_steps(directory) -> list[int]:

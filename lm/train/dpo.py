@@ -15,6 +15,8 @@ printed, and with `pairs.eval_answers` the exact match of their greedy answers.
 from __future__ import annotations
 
 import dataclasses
+import os
+import pathlib
 
 import jax
 import numpy as np
@@ -78,19 +80,67 @@ def reference_logps(run, base: dict, rows, batch_size: int) -> np.ndarray:
 
 def _precomputed(ctx) -> tuple:
     """(ref_logps of the train pairs, of the held-out pairs or None), computed once and kept in the
-    workdir (a resumed run reads them back; a fresh one computes them anew)."""
+    workdir (a resumed run reads them back, recomputing them if the file is damaged; a fresh one
+    computes them anew)."""
     path, (train, heldout) = ctx.workdir / REF_FILE, ctx.data
     if ctx.resume and path.is_file():
-        saved = np.load(path)
-        return saved["train"], (saved["heldout"] if heldout is not None else None)
+        saved = read_reference(path, len(train), len(heldout) if heldout is not None else None)
+        if saved is not None:
+            return saved
     bs, base = ctx.config.eval.batch_size, ctx.init.params
     print(f"reference log-probs: one pass over {len(train)} pairs", flush=True)
     out = reference_logps(ctx.run, base, train, bs)
     held = reference_logps(ctx.run, base, heldout, bs) if heldout is not None else None
     if ctx.is_main:
-        ctx.workdir.mkdir(parents=True, exist_ok=True)
-        np.savez(path, train=out, **({"heldout": held} if held is not None else {}))
+        write_reference(path, out, held)
     return out, held
+
+
+def write_reference(path: pathlib.Path, train: np.ndarray, heldout: np.ndarray | None) -> None:
+    """Written beside and renamed into place: a kill or a full disk never leaves half a file."""
+    path.parent.mkdir(parents=True, exist_ok=True)
+    tmp = path.with_name(f".{path.name}.{os.getpid()}.tmp")
+    try:
+        with open(tmp, "wb") as f:
+            np.savez(f, train=train, **({"heldout": heldout} if heldout is not None else {}))
+            f.flush()
+            os.fsync(f.fileno())
+        os.replace(tmp, path)
+    finally:
+        tmp.unlink(missing_ok=True)
+
+
+def read_reference(path: pathlib.Path, n_train: int, n_heldout: int | None) -> tuple | None:
+    """The saved reference log-probs if they fit the data ([pairs, 2] floats, finite), else None
+    after a one-line warning (they are then computed again)."""
+    want = {"train": n_train} | ({"heldout": n_heldout} if n_heldout is not None else {})
+    try:
+        with np.load(path, allow_pickle=False) as saved:
+            arrays = {k: saved[k] for k in want if k in saved.files}
+    except Exception as e:  # a truncated or garbled file: zipfile, zlib, numpy format errors
+        problem = f"unreadable: {type(e).__name__}: {(str(e).strip().splitlines() or [''])[0][:200]}"
+    else:
+        problem = _reference_problem(arrays, want)
+        if problem is None:
+            held = arrays["heldout"].astype(np.float32) if n_heldout is not None else None
+            return arrays["train"].astype(np.float32), held
+    print(f"lm: warning: the precomputed reference '{path}' is damaged or does not fit the data ({problem}); "
+          "computing it again", flush=True)
+    return None
+
+
+def _reference_problem(arrays: dict, want: dict) -> str | None:
+    for k, n in want.items():
+        if k not in arrays:
+            return f"no '{k}' array"
+        a = arrays[k]
+        if a.shape != (n, 2):
+            return f"'{k}' has shape {list(a.shape)}, the data need [{n}, 2]"
+        if not np.issubdtype(a.dtype, np.floating):
+            return f"'{k}' has dtype {a.dtype}, not float"
+        if not np.isfinite(a).all():
+            return f"'{k}' holds non-finite values"
+    return None
 
 
 SUMMARY_KEYS = ("loss", "tokens_per_s", "run_tokens_per_s", "run_mfu", "peak_flops_source", "compile_s")
@@ -119,6 +169,7 @@ class Dpo(pairs.PairStage):
         c, last = ctx.config, ctx.last
         before, after = first_eval(ctx.workdir), {k: v for k, v in last.items() if k.startswith("eval_")}
         summary = {"step": c.train.steps, "init": c.pairs.init, "loss_name": c.dpo.loss,
+                   "beta": DpoSettings.from_config(c.dpo).loss_beta,
                    "reference": reference_mode(c), "lora_rank": c.model.lora_rank, "data": ctx.data[0].stats,
                    "eval_init": before, "eval": after} | {k: last.get(k) for k in SUMMARY_KEYS}
         if before or after:

@@ -1,5 +1,5 @@
 # The two entry points: `make demo` (install + pretrain the tiny model on the Python
-# standard library, then fine-tune, preference-train, RL-train and evaluate it) and `make test` (install + run the test suite).
+# standard library, then fine-tune, preference-train, RL-train, distil and evaluate it) and `make test` (install + run the test suite).
 PYTHON ?= python3
 VENV ?= .venv
 PY := $(VENV)/bin/python

@@ -321,3 +321,32 @@ def test_sigterm_during_the_end_of_run_work_finishes_on_resume(tmp_path, corpus,
     assert last.endswith("--resume") and not (work / "summary.json").exists()
     assert main(args + ["--resume"]) == 0
     assert json.loads((work / "summary.json").read_text())["step"] == 2 and (work / "loss.png").is_file()
+
+
+def test_a_stop_swallowed_where_it_landed_still_keeps_the_run_unfinished(tmp_path, corpus, monkeypatch, capsys):
+    """Python drops an exception raised inside a gc callback (jax has one): the stop it carried must
+    still stop the run at the next safe point, before summary.json marks the run done."""
+    import lm.train.pretrain as pretrain
+    from lm.train.faults import StopRequested
+
+    sample = pretrain._sample
+
+    def swallowed(*a, **k):
+        try:
+            os.kill(os.getpid(), signal.SIGTERM)
+            for _ in range(1000):  # the handler runs at the next bytecode boundary
+                pass
+        except StopRequested:
+            pass  # what a gc callback does to it
+        return sample(*a, **k)
+
+    monkeypatch.setattr(pretrain, "_sample", swallowed)
+    work = tmp_path / "w"
+    args = ["train", "--workdir", str(work), f"--config.data.corpus={corpus}", "--config.train.steps=2",
+            "--config.eval.every_steps=2", *SMALL]
+    assert main(args) == 0
+    assert "lm: stopped by SIGTERM" in capsys.readouterr().err
+    assert not (work / "summary.json").exists()
+    monkeypatch.setattr(pretrain, "_sample", sample)
+    assert main(args + ["--resume"]) == 0
+    assert json.loads((work / "summary.json").read_text())["step"] == 2

@@ -215,6 +215,10 @@ def _finish(stage: Stage, ctx: Ctx) -> dict:
     summary = stage.finish(ctx)
     if ctx.is_main:
         stage.plot(ctx)
+    # A safe point: a signal whose StopRequested was swallowed where it landed (Python drops
+    # exceptions raised inside a gc callback, e.g. jax's) still stops the run before it is marked done.
+    ctx.phase("writing the summary", saved=True)
+    if ctx.is_main:
         write_atomic(ctx.workdir / "summary.json", json.dumps(summary, indent=2, default=json_default))
     return summary | ctx.returned
 

@@ -1,6 +1,7 @@
 """Numerical faults: non-finite steps leave no trace, counters, spike detection, and the loop's
 rollback (restore the last good checkpoint, skip ahead in the data) or stop."""
 
+import sys
 import math
 
 import grain
@@ -212,3 +213,27 @@ def test_a_signal_stops_at_once_outside_the_loop_and_at_a_step_inside_it():
             stop.enter("the end-of-run evaluation", saved=True)
         assert stopped.value.saved
     assert signal.getsignal(signal.SIGTERM) is before and StopSignal.active is None
+
+
+def test_a_stop_python_must_drop_is_not_printed_but_other_errors_are():
+    """A stop raised inside a gc callback or __del__ is dropped by Python: no traceback for it (the
+    next phase stops the run), while any other dropped error is still reported."""
+    from lm.train.faults import StopRequested, StopSignal
+
+    class Drops:
+        def __init__(self, error):
+            self.error = error
+
+        def __del__(self):
+            raise self.error
+
+    reported = []
+    before, sys.unraisablehook = sys.unraisablehook, lambda u: reported.append(u.exc_value)
+    try:
+        with StopSignal("start-up", defer=False, saved=False):
+            Drops(StopRequested("SIGTERM", "start-up", False))
+            Drops(ValueError("a real bug"))
+        assert sys.unraisablehook is not before  # ours again, the recorder above
+    finally:
+        sys.unraisablehook = before
+    assert [type(e) for e in reported] == [ValueError]

@@ -15,6 +15,7 @@ from __future__ import annotations
 import collections
 import dataclasses
 import signal
+import sys
 
 import numpy as np
 
@@ -75,8 +76,15 @@ class StopSignal:
             return self._outer
         for sig in self.SIGNALS:
             self._previous[sig] = signal.signal(sig, self._handle)
+        self._previous_hook, sys.unraisablehook = sys.unraisablehook, self._unraisable
         StopSignal.active = self
         return self
+
+    def _unraisable(self, unraisable) -> None:
+        """A stop raised where Python must drop it (a gc callback, e.g. jax's) is not printed as a
+        traceback: `received` keeps it, and the next phase (a safe point) stops the run."""
+        if not isinstance(unraisable.exc_value, StopRequested):
+            self._previous_hook(unraisable)
 
     def __exit__(self, *exc):
         if self._outer is not None:
@@ -85,6 +93,7 @@ class StopSignal:
         for sig, handler in self._previous.items():
             signal.signal(sig, handler)
         self._previous = {}
+        sys.unraisablehook = self._previous_hook
         StopSignal.active = None
         return False
 

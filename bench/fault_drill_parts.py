@@ -17,6 +17,8 @@ import time
 
 import numpy as np
 
+from lm.store.checkpoint_checks import index_entries
+
 ROOT = pathlib.Path(__file__).resolve().parents[1]
 # Values that measure the machine, not the computation: left out of the bitwise comparison.
 TIMING = re.compile(r"(_per_s|_s|mfu|sampling_share|peak_flops|peak_flops_source)$")
@@ -287,30 +289,11 @@ def damage_checkpoint(workdir: pathlib.Path, kind: str) -> dict:
 def referenced_ends(item_dir: pathlib.Path) -> dict[pathlib.Path, int]:
     """{array file: the end of the last byte an array chunk is read from} of an OCDBT item (a file
     may hold bytes past that end that nothing reads: cutting those damages nothing)."""
-    import tensorstore as ts
-    from tensorstore import ocdbt
-
-    base = ts.KvStore.open(f"file://{item_dir}/").result()
-    pending = [ocdbt.dump(base).result()["versions"][-1]["root"]["location"]]
     ends: dict[pathlib.Path, int] = {}
-    while pending:
-        location = pending.pop()
-        kind, prefix, rel, offset, length = location.split(":")
+    for kind, _, path, end in index_entries(item_dir):
         if kind == "value":
-            path = item_dir / prefix / rel
-            ends[path] = max(ends.get(path, 0), int(offset) + int(length))
-            continue
-        for entry in ocdbt.dump(base, location).result().get("entries", []):
-            pending += [v for v in _strings(entry) if v.startswith(("btreenode:", "value:"))]
+            ends[path] = max(ends.get(path, 0), end)
     return ends
-
-
-def _strings(entry: dict):
-    for value in entry.values():
-        if isinstance(value, dict):
-            yield from _strings(value)
-        elif isinstance(value, str):
-            yield value
 
 
 def _bump_number(path: pathlib.Path, pattern: str, fallback: str) -> None:

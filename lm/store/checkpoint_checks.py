@@ -171,7 +171,7 @@ def _file_fault(path: pathlib.Path, end: int | None) -> str | None:
     return f"is truncated ({size} of {end} bytes)" if end is not None and size < end else None
 
 
-def _index(item_dir: pathlib.Path):
+def index_entries(item_dir: pathlib.Path):
     """(kind, key, file, end) of every B-tree node and every chunk kept outside it, from the item's
     OCDBT manifest; the node files are checked before they are read."""
     import tensorstore as ts
@@ -207,7 +207,7 @@ def verify_array_files(item_dir: pathlib.Path) -> None:
     if not (item_dir / "manifest.ocdbt").is_file():
         return  # not an OCDBT item: orbax's own checks apply
     step_dir = item_dir.parent
-    for kind, key, path, end in _index(item_dir):
+    for kind, key, path, end in index_entries(item_dir):
         fault = _file_fault(path, end)
         if fault:
             what = f"array '{_array(key)}'" if kind == "value" else "index"
@@ -217,7 +217,7 @@ def verify_array_files(item_dir: pathlib.Path) -> None:
 def _file_of(database: pathlib.Path, key: bytes) -> pathlib.Path | None:
     """The file that holds the chunk `key` in an OCDBT database (None if unknown)."""
     try:
-        return next((path for kind, k, path, _ in _index(database) if kind == "value" and k == key), None)
+        return next((path for kind, k, path, _ in index_entries(database) if kind == "value" and k == key), None)
     except Exception:  # noqa: BLE001 - naming the file is a courtesy; the fault is reported anyway
         return None
 

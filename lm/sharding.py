@@ -10,6 +10,7 @@ import math
 
 import flax.linen as nn
 import jax
+import jax.numpy as jnp
 import numpy as np
 from jax.sharding import Mesh, NamedSharding, PartitionSpec
 
@@ -81,6 +82,27 @@ def param_shardings(boxed_abstract_params, mesh: Mesh, rules):
 
     jax.tree_util.tree_map_with_path(check, nn.unbox(boxed_abstract_params), shardings)
     return shardings
+
+
+def placed_dtype(source, dtype=None) -> np.dtype:
+    """The dtype a leaf is placed in: `dtype` for floating leaves, but never wider than the
+    source (a frozen bf16 checkpoint stays bf16 in a float32 run)."""
+    source = np.dtype(source)
+    if dtype is None or not jnp.issubdtype(source, jnp.floating):
+        return source
+    dtype = np.dtype(dtype)
+    return dtype if dtype.itemsize <= source.itemsize else source
+
+
+def place_leaf(x, sharding: NamedSharding, dtype=None) -> jax.Array:
+    """A host leaf (numpy, or a lazy leaf that reads only the index it is given) as a global array
+    with `sharding`: each local device's shard is read and put on its own, so the whole array is
+    never gathered on the host (multi-host: each process reads only its devices' shards)."""
+    target = placed_dtype(x.dtype, dtype)
+    if isinstance(x, jax.Array) and x.sharding == sharding and x.dtype == target:
+        return x
+    return jax.make_array_from_callback(tuple(x.shape), sharding,
+                                        lambda index: np.asarray(x[index]).astype(target, copy=False))
 
 
 def split_count(mesh: Mesh, axes) -> int:

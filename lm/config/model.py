@@ -11,6 +11,32 @@ from lm.config.core import require
 # The projections LoRA can adapt (lm.model.lora), by param name.
 LORA_TARGETS = ("wq", "wk", "wv", "wo", "w_gate", "w_up", "w_down", "w_in")
 
+# Variations that published architectures need (lm.model.families maps them from a Hugging Face
+# config.json); the defaults are the plain decoder trained here.
+ARCHITECTURE = dict(
+    family="",  # the Hugging Face model_type it was imported from ("": trained here; exported as llama)
+    qkv_bias=False,  # biases on the q/k/v projections only (Qwen2); use_bias puts them everywhere
+    qk_norm=False,  # RMSNorm over head_dim on queries and keys before RoPE (Qwen3, Gemma 3)
+    post_norms=False,  # a norm on each sub-block's output before the residual add (Gemma 2/3)
+    embed_scale=False,  # embeddings times sqrt(d_model) (Gemma)
+    attn_scale=0.0,  # attention logits times this; 0: head_dim ** -0.5
+    attn_softcap=0.0,  # attention logits -> cap * tanh(logits / cap); 0: off (Gemma 2)
+    final_softcap=0.0,  # the same on the output logits (Gemma 2)
+    sliding_window=0,  # keys seen by a "local" layer: this many positions back, itself included
+    layer_types=(),  # per layer "global" or "local" (sliding window); empty: all global
+    rope_local_theta=0.0,  # RoPE base of local layers, never scaled; 0: rope_theta (Gemma 3: 1e4)
+    rope_scaling="none",  # linear | llama3 | yarn: the frequencies of long-context checkpoints
+    rope_factor=1.0,
+    rope_low_freq_factor=1.0,  # llama3
+    rope_high_freq_factor=4.0,  # llama3
+    rope_original_max_len=8192,  # llama3, yarn
+    rope_beta_fast=32.0,  # yarn
+    rope_beta_slow=1.0,  # yarn
+    rope_attention_factor=0.0,  # yarn: cos/sin times this; 0: 0.1 ln(factor) + 1
+    rope_truncate=True,  # yarn: correction range rounded to whole dims
+)
+LAYER_TYPES = ("global", "local")
+
 # head_dim 0: d_model // n_heads. LoRA (lm.model.lora): rank 0 = off; targets among LORA_TARGETS.
 DEFAULTS = dict(
     vocab_size=320, d_model=128, n_layers=4, n_heads=4, n_kv_heads=2, head_dim=0,
@@ -18,10 +44,12 @@ DEFAULTS = dict(
     max_seq_len=256, rope_theta=10000.0, norm_eps=1e-5, tie_embeddings=True,
     compute_dtype="float32", attention="blockwise", remat="none", init_std=0.02, kernels="auto",
     lora_rank=0, lora_alpha=16.0, lora_dropout=0.0, lora_targets=LORA_TARGETS,
+    **ARCHITECTURE,
 )
 
 CHOICES = dict(
-    mlp=("swiglu", "gelu"),
+    mlp=("swiglu", "geglu", "gelu"),
+    rope_scaling=("none", "linear", "llama3", "yarn"),
     norm=("rmsnorm", "layernorm"),
     position=("rope", "learned"),
     compute_dtype=("float32", "bfloat16"),
@@ -51,5 +79,11 @@ def check(c) -> None:
             f"expected names among {LORA_TARGETS}")
     require(m.n_heads % m.n_kv_heads == 0, "model.n_kv_heads", m.n_kv_heads,
             f"must divide model.n_heads={m.n_heads}")
+    require(set(m.layer_types) <= set(LAYER_TYPES) and len(m.layer_types) in (0, m.n_layers), "model.layer_types",
+            m.layer_types, f"expected {m.n_layers} names among {LAYER_TYPES}, or none (all global)")
+    require("local" not in m.layer_types or m.sliding_window > 0, "model.sliding_window", m.sliding_window,
+            "expected > 0: model.layer_types has local layers")
+    require(m.rope_scaling == "none" or m.rope_factor >= 1.0, "model.rope_factor", m.rope_factor,
+            "expected >= 1 with model.rope_scaling")
     require(m.position != "rope" or head_dim(m) % 2 == 0, "model.head_dim", head_dim(m),
             "RoPE needs an even head dimension")

@@ -14,74 +14,60 @@ import jax
 import jax.numpy as jnp
 
 from lm.model.blockwise import blockwise_attention
-from lm.model.layers import ModelSpec, Partitioning, matmul, matmuls, normal
+from lm.model.layers import ModelSpec, Norm, Partitioning, matmul, matmuls, normal
 from lm.model.lora import lora_delta, targeted
 from lm.model.params import param
+from lm.model.rope import apply_rope
 
 MASKED = float(jnp.finfo(jnp.float32).min)
 CACHE_AXES = ("batch", "kv_heads", "cache_length", "head_dim")
 
 
-def rope_tables(positions: jax.Array, head_dim: int, theta: float) -> tuple[jax.Array, jax.Array]:
-    """(cos, sin), each [B, T, 1, 2, H/2] float32, for `apply_rope`; sin carries the rotation's sign.
-
-    Computed once per forward pass: a fused consumer would otherwise recompute the sines
-    and cosines for every head of every layer.
-    """
-    half = head_dim // 2
-    freqs = theta ** (-jnp.arange(half, dtype=jnp.float32) / half)
-    angles = positions.astype(jnp.float32)[..., None] * freqs  # [B, T, H/2]
-    cos, sin = jnp.cos(angles), jnp.sin(angles)
-    return jnp.stack([cos, cos], axis=-2)[:, :, None], jnp.stack([-sin, sin], axis=-2)[:, :, None]
-
-
-def apply_rope(x: jax.Array, tables: tuple[jax.Array, jax.Array]) -> jax.Array:
-    """Rotates channel pairs (i, i + H/2) of x [B, T, N, H] by the angles in `tables`.
-
-    The halves are swapped by reversing a size-2 axis rather than by split and concatenate,
-    so forward and backward each stay one elementwise pass.
-    """
-    cos, sin = tables
-    b, t, n, h = x.shape
-    xf = x.astype(jnp.float32).reshape(b, t, n, 2, h // 2)
-    return (xf * cos + xf[..., ::-1, :] * sin).reshape(x.shape).astype(x.dtype)
-
-
-def rope(x: jax.Array, positions: jax.Array, theta: float) -> jax.Array:
-    """RoPE of x [B, T, N, H] at integer positions [B, T]."""
-    return apply_rope(x, rope_tables(positions, x.shape[-1], theta))
-
-
-def segment_causal_mask(segment_ids: jax.Array) -> jax.Array:
-    """[B, 1, T, T] bool: query t sees key s iff s <= t and both are in the same document."""
+def segment_causal_mask(segment_ids: jax.Array, window=None) -> jax.Array:
+    """[B, 1, T, T] bool: query t sees key s iff s <= t and both are in the same document (and,
+    with a window, t - s < window: a sliding-window layer)."""
     t = segment_ids.shape[1]
     causal = jnp.tril(jnp.ones((t, t), dtype=bool))
+    if window is not None:
+        causal = causal & (jnp.arange(t)[:, None] - jnp.arange(t)[None, :] < window)
     same = segment_ids[:, :, None] == segment_ids[:, None, :]
     return (causal[None] & same)[:, None]
 
 
-def reference_attention(q, k, v, mask) -> jax.Array:
-    """Plain softmax attention, float32 softmax. q: [B,T,N,H], k/v: [B,S,K,H], mask [B,1,T,S]."""
+def softcap(x: jax.Array, cap: float) -> jax.Array:
+    """cap * tanh(x / cap): logits bounded smoothly (0: unchanged)."""
+    return x if not cap else jnp.tanh(x / cap) * cap
+
+
+def reference_attention(q, k, v, mask, scale: float = 0.0, cap: float = 0.0) -> jax.Array:
+    """Plain softmax attention, float32 softmax. q: [B,T,N,H], k/v: [B,S,K,H], mask [B,1,T,S].
+    scale: logits' factor (0: 1/sqrt(H)); cap: their soft cap (0: none)."""
     groups = q.shape[2] // k.shape[2]
     k, v = jnp.repeat(k, groups, axis=2), jnp.repeat(v, groups, axis=2)
     logits = jnp.einsum("btnh,bsnh->bnts", q, k, preferred_element_type=jnp.float32)
-    logits = logits / jnp.sqrt(q.shape[-1]).astype(jnp.float32)
+    if scale:
+        logits = softcap(logits * scale, cap)
+    else:
+        logits = softcap(logits / jnp.sqrt(q.shape[-1]).astype(jnp.float32), cap)
     logits = jnp.where(mask, logits, jnp.finfo(jnp.float32).min)
     probs = jax.nn.softmax(logits, axis=-1).astype(v.dtype)
     return jnp.einsum("bnts,bsnh->btnh", probs, v)
 
 
-def attend(q, k, v, segment_ids, implementation: str) -> jax.Array:
-    """Causal attention within documents. q: [B,T,N,H], k/v: [B,T,K,H], segment_ids: [B,T]."""
-    if implementation == "blockwise":
+def attend(q, k, v, segment_ids, implementation: str, window=None, scale: float = 0.0, cap: float = 0.0) -> jax.Array:
+    """Causal attention within documents. q: [B,T,N,H], k/v: [B,T,K,H], segment_ids: [B,T].
+    window (a traced per-layer value is fine), scale and cap as `reference_attention`; blockwise
+    has none of them and hands such a layer to the reference path."""
+    plain = window is None and not scale and not cap
+    if implementation == "blockwise" and plain:
         return blockwise_attention(q, k, v, segment_ids)
-    mask = segment_causal_mask(segment_ids)
-    if implementation == "reference":
-        return reference_attention(q, k, v, mask)
-    return jax.nn.dot_product_attention(q, k, v, mask=mask, implementation=implementation)
+    mask = segment_causal_mask(segment_ids, window)
+    if implementation in ("reference", "blockwise") or cap:
+        return reference_attention(q, k, v, mask, scale, cap)
+    return jax.nn.dot_product_attention(q, k, v, mask=mask, scale=scale or None, implementation=implementation)
 
 
-def cached_attention(q, k_cache, v_cache, mask) -> jax.Array:
+def cached_attention(q, k_cache, v_cache, mask, scale: float = 0.0, cap: float = 0.0) -> jax.Array:
     """q [B,t,N,H] against the whole cache [B,K,S,H]; mask [B,t,S] bool -> [B,t,N,H].
 
     Batch and kv-head axes are folded into one batch axis, and a kv head's query heads and
@@ -92,11 +78,11 @@ def cached_attention(q, k_cache, v_cache, mask) -> jax.Array:
     b, t, n, h = q.shape
     kv, s = k_cache.shape[1], k_cache.shape[2]
     g = n // kv
-    qg = (q * jnp.asarray(h ** -0.5, q.dtype)).reshape(b, t, kv, g, h).transpose(0, 2, 1, 3, 4).reshape(b * kv, t * g, h)
+    qg = (q * jnp.asarray(scale or h ** -0.5, q.dtype)).reshape(b, t, kv, g, h).transpose(0, 2, 1, 3, 4).reshape(b * kv, t * g, h)
     batched = ((0,), (0,))
     logits = jax.lax.dot_general(qg, k_cache.reshape(b * kv, s, h), (((2,), (2,)), batched),
                                  preferred_element_type=jnp.float32).reshape(b, kv, t, g, s)
-    logits = jnp.where(mask[:, None, :, None, :], logits, MASKED)
+    logits = jnp.where(mask[:, None, :, None, :], softcap(logits, cap), MASKED) if cap else jnp.where(mask[:, None, :, None, :], logits, MASKED)
     probs = jax.nn.softmax(logits, axis=-1).astype(v_cache.dtype).reshape(b * kv, t * g, s)
     out = jax.lax.dot_general(probs, v_cache.reshape(b * kv, s, h), (((2,), (1,)), batched),
                               preferred_element_type=jnp.float32)
@@ -115,10 +101,12 @@ class Attention(nn.Module):
     decode: bool = False
 
     @nn.compact
-    def __call__(self, x, segment_ids, rope_cs, cache_slots=None, cache_mask=None):
+    def __call__(self, x, segment_ids, rope_cs, cache_slots=None, cache_mask=None, local=None):
         """rope_cs: `rope_tables` of the positions, or None without RoPE. In decode mode,
         cache_slots [B,t] (where each token's key goes; >= max_len: nowhere) and cache_mask
-        [B,t,S] (which slots each query sees) come from the decoder."""
+        [B,t,S] (which slots each query sees) come from the decoder. A model with local
+        (sliding-window) layers gets `local` (this layer's flag, traced) and pairs (global,
+        local) of rope_cs and cache_mask."""
         s, dt, c = self.spec, self.spec.dtype, self.part.constrain
         init, out_init = normal(s.init_std), normal(s.init_std / (2 * s.n_layers) ** 0.5)
 
@@ -129,17 +117,24 @@ class Attention(nn.Module):
         qkv = [y + lora_delta(self, s, name, x, "btd,dnh->btnh", (s.d_model, n, s.head_dim),
                               ("embed", axis, "head_dim")) if targeted(s, name) else y
                for y, (name, (n, axis)) in zip(qkv, heads.items())]
-        if s.use_bias:
+        if s.use_bias or s.qkv_bias:
             qkv = [y + param(self, name + "_bias", nn.initializers.zeros, (n, s.head_dim), (axis, "head_dim")).astype(dt)
                    for y, (name, (n, axis)) in zip(qkv, heads.items())]
         q = c(qkv[0], ("batch", "length", "act_heads", None))
         k, v = (c(y, ("batch", "length", "act_kv_heads", None)) for y in qkv[1:])
+        if s.qk_norm:
+            q, k = Norm(s, s.head_dim, name="q_norm")(q), Norm(s, s.head_dim, name="k_norm")(k)
+        if local is not None:  # this layer's half of each (global, local) pair
+            pick = lambda pair: jax.tree.map(lambda g, l: jnp.where(local, l, g), *pair)
+            rope_cs = pick(rope_cs) if rope_cs is not None else None
+            cache_mask = pick(cache_mask) if cache_mask is not None else None
         if rope_cs is not None:
             q, k = apply_rope(q, rope_cs), apply_rope(k, rope_cs)
         if self.decode:
             y = self._attend_cache(q, k, v, cache_slots, cache_mask)
         else:
-            y = attend(q, k, v, segment_ids, s.attention)
+            window = None if local is None else jnp.where(local, s.sliding_window, x.shape[1] + 1)
+            y = attend(q, k, v, segment_ids, s.attention, window, s.attn_scale, s.attn_softcap)
         y = c(y, ("batch", "length", "act_heads", None))
         wo = param(self, "wo", out_init, (s.n_heads, s.head_dim, s.d_model), ("q_heads", "head_dim", "embed"))
         if self.decode:  # heads flattened on both sides: XLA:CPU would otherwise re-lay-out wo every step
@@ -166,4 +161,4 @@ class Attention(nn.Module):
         v_cache = self.variable("cache", "v", zeros, shape, s.dtype)
         k_cache.value = write_cache(k_cache.value, k, slots)
         v_cache.value = write_cache(v_cache.value, v, slots)
-        return cached_attention(q, k_cache.value, v_cache.value, mask)
+        return cached_attention(q, k_cache.value, v_cache.value, mask, s.attn_scale, s.attn_softcap)

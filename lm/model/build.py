@@ -12,7 +12,6 @@ from typing import Callable
 
 import flax.linen as nn
 import jax
-import numpy as np
 from jax.sharding import Mesh
 
 from lm.config import rules_table
@@ -20,7 +19,7 @@ from lm.model.apply import logits_of
 from lm.model.layers import ModelSpec, Partitioning
 from lm.model.params import check_fits, subtree
 from lm.model.transformer import Transformer, init_params
-from lm.sharding import batch_sharding, batch_shardings, make_mesh, param_shardings, split_count
+from lm.sharding import batch_sharding, batch_shardings, make_mesh, param_shardings, place_leaf, split_count
 
 
 @dataclasses.dataclass(frozen=True)
@@ -58,11 +57,10 @@ class Built:
         check_fits(self.abstract_params(), params, source, complete)
 
     def place(self, params: dict, dtype=None) -> dict:
-        """Host params (all or part of this model's) on the mesh with their shardings; `dtype`
-        casts floating leaves first (a frozen copy in the compute dtype)."""
-        if dtype is not None:
-            params = jax.tree.map(lambda x: np.asarray(x).astype(dtype), params)
-        return jax.device_put(params, subtree(self.param_shardings, params))
+        """Host params (all or part of this model's; numpy or lazy leaves) on the mesh with their
+        shardings, shard by shard; `dtype` narrows floating leaves (a frozen copy in the compute
+        dtype), never widens them (lm.sharding.placed_dtype)."""
+        return jax.tree.map(lambda x, sh: place_leaf(x, sh, dtype), params, subtree(self.param_shardings, params))
 
     def batch_shardings(self, signature: dict) -> dict:
         return batch_shardings(self.mesh, self.rules, signature)

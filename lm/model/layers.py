@@ -46,12 +46,38 @@ class ModelSpec:
     lora_alpha: float
     lora_dropout: float
     lora_targets: tuple
+    # published architectures' variations (lm.config.model.ARCHITECTURE says what each does)
+    qkv_bias: bool
+    qk_norm: bool
+    post_norms: bool
+    embed_scale: bool
+    attn_scale: float
+    attn_softcap: float
+    final_softcap: float
+    sliding_window: int
+    layer_types: tuple
+    rope_local_theta: float
+    rope_scaling: str
+    rope_factor: float
+    rope_low_freq_factor: float
+    rope_high_freq_factor: float
+    rope_original_max_len: int
+    rope_beta_fast: float
+    rope_beta_slow: float
+    rope_attention_factor: float
+    rope_truncate: bool
 
     @classmethod
     def from_config(cls, m) -> "ModelSpec":
         fields = {f.name: m[f.name] for f in dataclasses.fields(cls)}
         fields["head_dim"] = head_dim(m)
+        fields["layer_types"] = tuple(fields["layer_types"])
+        fields["lora_targets"] = tuple(fields["lora_targets"])
         return cls(**fields)
+
+    @property
+    def has_local_layers(self) -> bool:
+        return "local" in self.layer_types
 
     @property
     def dtype(self):
@@ -117,22 +143,24 @@ def normal(std: float):
 
 
 class Norm(nn.Module):
-    """RMSNorm or LayerNorm, computed in float32, returned in the compute dtype."""
+    """RMSNorm or LayerNorm over the last axis (d_model, or `dim`: a per-head q/k norm), computed in
+    float32, returned in the compute dtype."""
 
     spec: ModelSpec
+    dim: int = 0  # 0: d_model
 
     @nn.compact
     def __call__(self, x: jax.Array) -> jax.Array:
-        s = self.spec
-        scale = param(self, "scale", nn.initializers.ones, (s.d_model,), ("norm",))
+        s, dim = self.spec, self.dim or self.spec.d_model
+        scale = param(self, "scale", nn.initializers.ones, (dim,), ("norm",))
         y = scale_norm(s, x, scale)
         if s.norm == "layernorm" and s.use_bias:
-            y = y + param(self, "bias", nn.initializers.zeros, (s.d_model,), ("norm",))
+            y = y + param(self, "bias", nn.initializers.zeros, (dim,), ("norm",))
         return y.astype(s.dtype)
 
 
 class Mlp(nn.Module):
-    """SwiGLU (gate, up, down) or GELU (in, out) feed-forward."""
+    """SwiGLU or GeGLU (gate, up, down), or GELU (in, out) feed-forward."""
 
     spec: ModelSpec
     part: Partitioning
@@ -158,6 +186,11 @@ class Mlp(nn.Module):
             gate, up = dense_in("w_gate", "w_up")
             y = swiglu_down(s, gate, up, w_out())
             hidden = lambda: (nn.silu(gate.astype(jnp.float32)) * up.astype(jnp.float32)).astype(dt)
+        elif s.mlp == "geglu":  # gelu (tanh approximation) gate, as Gemma's
+            gate, up = dense_in("w_gate", "w_up")
+            h = (nn.gelu(gate.astype(jnp.float32), approximate=True) * up.astype(jnp.float32)).astype(dt)
+            y = matmul(s, "btf,fd->btd", h, w_out())
+            hidden = lambda: h
         else:
             h = nn.gelu(dense_in("w_in")[0], approximate=True)
             y = matmul(s, "btf,fd->btd", h, w_out())

@@ -12,10 +12,11 @@ import flax.linen as nn
 import jax
 import jax.numpy as jnp
 
-from lm.model.attention import Attention, rope_tables
+from lm.model.attention import Attention, softcap
 from lm.model.heads import ScalarHead
 from lm.model.layers import Mlp, ModelSpec, Norm, Partitioning, matmul, normal
 from lm.model.params import param
+from lm.model.rope import spec_tables
 
 REMAT_POLICIES = {
     "full": jax.checkpoint_policies.nothing_saveable,
@@ -26,17 +27,21 @@ OUTPUTS = ("logits", "hidden", "scalar", "logits_and_scalar")
 
 
 class Block(nn.Module):
-    """Pre-norm residual block: x + attn(norm(x)), then x + mlp(norm(x))."""
+    """Pre-norm residual block: x + attn(norm(x)), then x + mlp(norm(x)); with post_norms each
+    sub-block's output is normed again before the add (Gemma 2/3)."""
 
     spec: ModelSpec
     part: Partitioning
     decode: bool = False
 
     @nn.compact
-    def __call__(self, x, segment_ids, rope_cs, cache_slots=None, cache_mask=None):
-        attn = Attention(self.spec, self.part, self.decode, name="attn")
-        x = x + attn(Norm(self.spec, name="attn_norm")(x), segment_ids, rope_cs, cache_slots, cache_mask)
-        x = x + Mlp(self.spec, self.part, name="mlp")(Norm(self.spec, name="mlp_norm")(x))
+    def __call__(self, x, segment_ids, rope_cs, cache_slots=None, cache_mask=None, local=None):
+        s = self.spec
+        attn = Attention(s, self.part, self.decode, name="attn")
+        h = attn(Norm(s, name="attn_norm")(x), segment_ids, rope_cs, cache_slots, cache_mask, local)
+        x = x + (Norm(s, name="attn_post_norm")(h) if s.post_norms else h)
+        h = Mlp(s, self.part, name="mlp")(Norm(s, name="mlp_norm")(x))
+        x = x + (Norm(s, name="mlp_post_norm")(h) if s.post_norms else h)
         return x, None
 
 
@@ -50,7 +55,7 @@ def scanned_blocks(spec: ModelSpec, decode: bool = False):
         block,
         variable_axes={"params": 0, "cache": 0},
         split_rngs={"params": True, "dropout": True},
-        in_axes=(nn.broadcast,) * 4,
+        in_axes=(nn.broadcast,) * 4 + (0,),  # the last: each layer's local flag (or None)
         length=spec.n_layers,
         metadata_params={nn.PARTITION_NAME: "layers"},
     )
@@ -79,17 +84,28 @@ class Transformer(nn.Module):
         # Gather the fsdp-split table first (as FSDP does for every weight); a vocab-split
         # lookup then stays local per shard instead of replicating the whole activation.
         x = jnp.take(c(embedding, ("vocab", None)), inputs, axis=0).astype(s.dtype)
+        if s.embed_scale:
+            x = x * jnp.asarray(s.d_model ** 0.5, s.dtype)
         if s.position == "learned":
             table = param(self, "pos_embedding", normal(s.init_std), (s.max_seq_len, s.d_model), ("position", "embed"))
             x = x + jnp.take(table, positions, axis=0).astype(s.dtype)
         x = c(x, ("batch", "length", "act_embed"))
-        rope_cs = rope_tables(positions, s.head_dim, s.rope_theta) if s.position == "rope" else None
+        rope_cs = spec_tables(s, positions) if s.position == "rope" else None
         slots, mask = self._cache_slots_and_mask(segment_ids, positions) if decode else (None, None)
+        local = None
+        if s.has_local_layers:  # per-layer flags; rope tables and cache masks as (global, local) pairs
+            local = jnp.asarray([t == "local" for t in s.layer_types])
+            rope_cs = (rope_cs, spec_tables(s, positions, local=True)) if rope_cs is not None else None
+            if decode:
+                back = positions[:, :, None] - jnp.arange(mask.shape[-1])[None, None, :]
+                mask = (mask, mask & (back < s.sliding_window))
         if self.unstacked:
             for i in range(s.n_layers):
-                x, _ = Block(s, self.part, decode, name=f"layer_{i}")(x, segment_ids, rope_cs, slots, mask)
+                flag = None if local is None else local[i]
+                x, _ = Block(s, self.part, decode, name=f"layer_{i}")(x, segment_ids, rope_cs, slots, mask, flag)
         else:
-            x, _ = scanned_blocks(s, decode)(s, self.part, decode, name="blocks")(x, segment_ids, rope_cs, slots, mask)
+            x, _ = scanned_blocks(s, decode)(s, self.part, decode, name="blocks")(x, segment_ids, rope_cs, slots,
+                                                                                  mask, local)
         x = Norm(s, name="final_norm")(x)
         if output not in OUTPUTS:
             raise ValueError(f"output={output!r}: expected one of {OUTPUTS}")
@@ -107,6 +123,7 @@ class Transformer(nn.Module):
         head = embedding.T if s.tie_embeddings else \
             param(self, "head", normal(s.init_std), (s.d_model, s.vocab_size), ("embed", "vocab"))
         logits = c(matmul(s, "btd,dv->btv", x, head, out_dtype="float32"), ("batch", "length", "act_vocab"))
+        logits = softcap(logits, s.final_softcap)
         return (logits, scalar) if output == "logits_and_scalar" else logits
 
     def _cache_slots_and_mask(self, segment_ids, positions):

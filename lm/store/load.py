@@ -3,7 +3,6 @@
 
 from __future__ import annotations
 
-import dataclasses
 import pathlib
 
 import jax
@@ -15,22 +14,23 @@ from lm.errors import UserError
 from lm.model.lora import merge_lora
 from lm.model.params import merge_trees
 from lm.store.checkpoint import read_checkpoint_params, saved_steps
+from lm.store.hf import is_hf_dir, load_hf
+from lm.store.loaded import Loaded
 from lm.store.meta import config_from, saved_config, tokenizer_beside, tokenizer_for
 
-
-@dataclasses.dataclass
-class Loaded:
-    config: object  # the training config (ConfigDict)
-    params: dict  # numpy arrays
-    tokenizer: object
-    source: str  # what was loaded, for messages
+__all__ = ["Loaded", "load_trained", "load_init", "load_params", "with_base"]
 
 
 def load_trained(workdir: str | None = None, params: str | None = None, tokenizer: str | None = None,
-                 step: int | None = None) -> Loaded:
-    """From an `lm train` workdir (its newest checkpoint, or `step`) or an `lm export` (dir or .safetensors)."""
+                 step: int | None = None, merge_adapters: bool = True) -> Loaded:
+    """From an `lm train` workdir (its newest checkpoint, or `step`), an `lm export` (dir or
+    .safetensors) or a Hugging Face model directory (lazy params: lm.store.hf). A LoRA model's
+    adapters are folded into its base unless merge_adapters=False (then its params and config
+    are as saved: the adapters, alone or beside the base, and model.lora_rank > 0)."""
     if (workdir is None) == (params is None):
-        raise UserError("give exactly one of --workdir RUN or --params EXPORT")
+        raise UserError("give exactly one of --workdir RUN or --params EXPORT_OR_HF_DIR")
+    if params is not None and is_hf_dir(params):
+        return load_hf(params, tokenizer)
     if workdir is not None:
         _check_run(pathlib.Path(workdir), step)
         values, meta, step = read_checkpoint_params(workdir, step)
@@ -43,7 +43,7 @@ def load_trained(workdir: str | None = None, params: str | None = None, tokenize
         values, source = load_params(path), f"export '{params}'"
         config = config_from(saved_config(path), source)
     tok = tokenizer_for(config, tokenizer_beside(path), tokenizer, source)
-    if config.model.lora_rank > 0:
+    if config.model.lora_rank > 0 and merge_adapters:
         config, values = with_base(config, values, source)
     return Loaded(config, values, tok, source)
 
@@ -81,12 +81,14 @@ def with_base(config, params: dict, source: str):
 
 def load_init(init: str) -> Loaded:
     """The model a fine-tuning run starts from: an `lm train`/`lm sft` workdir (its newest
-    checkpoint) or an `lm export`."""
+    checkpoint), an `lm export` or a Hugging Face model directory."""
     if not init:
-        raise UserError("no model to start from (init is empty); give --init RUN_OR_EXPORT (an `lm train` workdir or an `lm export`)")
+        raise UserError("no model to start from (init is empty); give --init RUN_OR_EXPORT (an `lm train` workdir, "
+                        "an `lm export` or a Hugging Face model directory)")
     path = pathlib.Path(init)
     if not path.exists():
-        raise UserError(f"--init {init}: no such file or directory; expected an `lm train` workdir or an `lm export`")
+        raise UserError(f"--init {init}: no such file or directory; expected an `lm train` workdir, an `lm export` "
+                        "or a Hugging Face model directory")
     if (path / "checkpoints").is_dir():
         return load_trained(workdir=init)
     return load_trained(params=init)

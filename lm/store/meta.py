@@ -10,13 +10,19 @@ import shutil
 from lm.config import base_config, merge
 from lm.data.tokenizer import load_tokenizer
 from lm.errors import UserError
+from lm.store.hf_config import hf_config, is_hf_dir
 
 
 def tokenizer_beside(path: pathlib.Path) -> pathlib.Path | None:
     """The sentencepiece model kept with a run (WORKDIR/tokenizer.model) or an export
-    (EXPORT/tokenizer.model, or NAME.tokenizer.model beside NAME.safetensors)."""
+    (EXPORT/tokenizer.model, or NAME.tokenizer.model beside NAME.safetensors), or the Hugging
+    Face tokenizer files kept with an export (EXPORT/tokenizer/, or NAME.tokenizer/)."""
     candidates = [path / "tokenizer.model", path.with_name(path.stem + ".tokenizer.model")]
-    return next((p for p in candidates if p.is_file()), None)
+    found = next((p for p in candidates if p.is_file()), None)
+    if found is None:
+        folders = [path / "tokenizer", path.with_name(path.stem + ".tokenizer")]
+        found = next((p for p in folders if (p / "tokenizer.json").is_file()), None)
+    return found
 
 
 def save_tokenizer(tok, workdir: pathlib.Path) -> None:
@@ -34,7 +40,7 @@ def tokenizer_for(config, saved: pathlib.Path | None, given: str | None, source:
         tok = load_tokenizer(given)
         if saved is not None:
             expected = load_tokenizer(str(saved)).fingerprint()
-        elif trained_with == "byte" or pathlib.Path(trained_with).is_file():
+        elif trained_with == "byte" or pathlib.Path(trained_with).exists():
             expected = load_tokenizer(trained_with).fingerprint()
         else:
             expected = None
@@ -43,11 +49,11 @@ def tokenizer_for(config, saved: pathlib.Path | None, given: str | None, source:
                             f"({tok.fingerprint()} != {expected}); leave --tokenizer out to use the run's own")
     elif saved is not None:
         tok = load_tokenizer(str(saved))
-    elif trained_with == "byte" or pathlib.Path(trained_with).is_file():
+    elif trained_with == "byte" or pathlib.Path(trained_with).exists():  # a .model file or an HF directory
         tok = load_tokenizer(trained_with)
     else:
-        raise UserError(f"{source}: no tokenizer.model beside it and data.tokenizer='{trained_with}' is not a file; "
-                        "pass --tokenizer PATH.model")
+        raise UserError(f"{source}: no tokenizer beside it and data.tokenizer='{trained_with}' does not exist; "
+                        "pass --tokenizer PATH.model (or a Hugging Face tokenizer directory)")
     if tok.vocab_size > config.model.vocab_size:
         raise UserError(f"the tokenizer has {tok.vocab_size} ids but {source} has model.vocab_size="
                         f"{config.model.vocab_size}: it is not the model's tokenizer")
@@ -76,5 +82,8 @@ def saved_config(path) -> dict | None:
 
 
 def init_config(path: str):
-    """The config a run or an export was trained with, read without loading params (or jax)."""
+    """The config a run or an export was trained with (for a Hugging Face model directory: its
+    architecture and tokenizer), read without loading params."""
+    if is_hf_dir(path):
+        return hf_config(path)
     return config_from(saved_config(path), f"'{path}'")

@@ -22,7 +22,7 @@ from lm.model.build import Built, ModelFn, build_model
 from lm.model.layers import ModelSpec
 from lm.model.params import split_params, subtree
 from lm.model.transformer import Transformer
-from lm.sharding import BatchPlacer, batch_shardings, split_count
+from lm.sharding import BatchPlacer, batch_shardings, place_leaf, split_count
 from lm.train import state as train_state
 from lm.train.losses import pretrain_loss
 from lm.train.optim import make_optimizer
@@ -96,7 +96,10 @@ class Run:
             return None
         if base is not None:
             train_state.check_base(self.model, base, "the initial params")
-        own = jax.device_put(split_params(base, self.trainable)[1], self.base_shardings) if self.trainable else None
+        own = None
+        if self.trainable:
+            frozen = split_params(base, self.trainable)[1]
+            own = jax.tree.map(place_leaf, frozen, subtree(self.base_shardings, frozen))
         return self._frozen(own, base, sources)
 
     def _frozen(self, own, base, sources) -> dict | None:

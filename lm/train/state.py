@@ -18,7 +18,7 @@ import optax
 
 from lm.model.params import check_fits, merge_trees, split_params, subtree
 from lm.model.transformer import init_params
-from lm.sharding import param_shardings, replicated
+from lm.sharding import param_shardings, place_leaf, replicated
 
 
 @flax.struct.dataclass
@@ -40,11 +40,14 @@ def state_shardings(model, optimizer, mesh, rules, trainable=None):
     return TrainState(step=rep, params=p_shard, opt_state=o_shard, rng=rep), f_shard
 
 
-def _with_base(params: dict, base: dict | None) -> dict:
-    """params with every leaf that `base` holds replaced by base's (same shapes, checked before)."""
-    if base is None:
+def _with_base(params: dict | None, base: dict | None, cast: bool) -> dict | None:
+    """params with every leaf that `base` holds replaced by base's (same shapes, checked before):
+    in the params' dtype if `cast` (trained: float32), else in base's (frozen: a bf16 checkpoint
+    stays bf16)."""
+    if base is None or params is None:
         return params
-    return {k: (_with_base(v, base.get(k)) if isinstance(v, dict) else base.get(k, v).astype(v.dtype))
+    return {k: (_with_base(v, base.get(k), cast) if isinstance(v, dict) else
+                base[k].astype(v.dtype) if cast and k in base else base.get(k, v))
             for k, v in params.items()}
 
 
@@ -56,7 +59,8 @@ def check_base(model, base: dict, source: str) -> None:
 def _init_fn(model, optimizer, trainable=None):
     def init(rng, base=None):
         param_rng, state_rng = jax.random.split(rng)
-        params, frozen = split_params(_with_base(nn.unbox(init_params(model, param_rng)), base), trainable)
+        params, frozen = split_params(nn.unbox(init_params(model, param_rng)), trainable)
+        params, frozen = _with_base(params, base, cast=True), _with_base(frozen, base, cast=False)
         return TrainState(step=jnp.zeros((), jnp.int32), params=params,
                           opt_state=optimizer.init(params), rng=state_rng), frozen
 
@@ -73,6 +77,7 @@ def create_state(model, optimizer, mesh, rules, seed: int, trainable=None, base:
     else:
         all_shard = merge_trees(shardings.params, f_shard)
         base_shard = jax.tree.map(lambda _, sh: sh, base, subtree(all_shard, base))
+        base = jax.tree.map(place_leaf, base, base_shard)  # shard by shard: no whole host copy
         state, frozen = jax.jit(init, in_shardings=(replicated(mesh), base_shard),
                                 out_shardings=(shardings, f_shard))(jax.random.PRNGKey(seed), base)
     return state, frozen, shardings

@@ -4,7 +4,8 @@ import jax.numpy as jnp
 import numpy as np
 import pytest
 
-from lm.model.attention import attend, reference_attention, rope, segment_causal_mask
+from lm.model.attention import attend, reference_attention, segment_causal_mask
+from lm.model.rope import rope
 
 
 def np_rope(x, positions, theta):
@@ -43,7 +44,7 @@ def np_attention(q, k, v, mask):
 
 
 def test_rope_tables_are_computed_once_and_match_rope():
-    from lm.model.attention import apply_rope, rope_tables
+    from lm.model.rope import apply_rope, rope_tables
 
     rng = np.random.default_rng(4)
     x = rng.normal(size=(2, 5, 3, 8)).astype(np.float32)

@@ -1,0 +1,182 @@
+"""What the Hugging Face families share: tensor maps, the layout transforms, RoPE parameters in
+both config.json spellings, and refusing what a family does not support.
+
+A tensor map names, for one leaf of our params tree ('blocks/attn/wq', stacked over layers when
+its path starts with 'blocks/'), the Hugging Face tensor ('model.layers.{i}.self_attn.q_proj.weight')
+and the layout transform between them:
+
+- "T1": a linear weight, HF [out, in] <-> ours [in, out...] (one input axis: wq [d, n, h], w_gate [d, f])
+- "T2": the same with two input axes (wo [n, h, d] <- o_proj [d, n*h])
+- "id": the same values, reshaped (norms, biases, the embedding)
+- "id+1": a norm stored as (1 + w) by Gemma: ours holds the product's factor itself
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import math
+
+import numpy as np
+
+from lm.errors import UserError
+
+
+@dataclasses.dataclass(frozen=True)
+class TensorMap:
+    lm: str  # params-tree path, '/'-joined
+    hf: str  # the HF tensor's name; '{i}' stands for the layer index when stacked
+    kind: str = "id"
+
+    @property
+    def stacked(self) -> bool:
+        return self.lm.startswith("blocks/")
+
+
+def to_lm(kind: str, x: np.ndarray, shape: tuple) -> np.ndarray:
+    """An HF tensor as our per-layer leaf of `shape` (float dtypes kept)."""
+    if kind in ("T1", "T2"):
+        return np.ascontiguousarray(x.T).reshape(shape)
+    if kind == "id+1":
+        return (x.astype(np.float32) + 1.0).reshape(shape)
+    return x.reshape(shape)
+
+
+def to_hf(kind: str, x: np.ndarray, like_2d: bool = False) -> np.ndarray:
+    """Our per-layer leaf as the HF tensor (the inverse of `to_lm`)."""
+    if kind in ("T1", "T2"):
+        n_in = 1 if kind == "T1" else 2
+        rows = math.prod(x.shape[:n_in])
+        return np.ascontiguousarray(x.reshape(rows, -1).T)
+    if kind == "id+1":
+        return (np.asarray(x, np.float32) - 1.0).reshape(-1)
+    return x if like_2d else x.reshape(-1)
+
+
+def llama_like(spec, norm_kind: str = "id", bias: bool = False, qk_norm: bool = False,
+               post_norms: bool = False) -> list[TensorMap]:
+    """The decoder's tensors under the names Llama, Mistral, Qwen and Gemma share."""
+    layer = "model.layers.{i}."
+    maps = [TensorMap("embedding", "model.embed_tokens.weight"),
+            TensorMap("final_norm/scale", "model.norm.weight", norm_kind),
+            TensorMap("blocks/attn_norm/scale", layer + "input_layernorm.weight", norm_kind)]
+    for ours, theirs in (("wq", "q_proj"), ("wk", "k_proj"), ("wv", "v_proj")):
+        maps.append(TensorMap(f"blocks/attn/{ours}", layer + f"self_attn.{theirs}.weight", "T1"))
+        if bias:
+            maps.append(TensorMap(f"blocks/attn/{ours}_bias", layer + f"self_attn.{theirs}.bias"))
+    maps.append(TensorMap("blocks/attn/wo", layer + "self_attn.o_proj.weight", "T2"))
+    if qk_norm:
+        maps += [TensorMap("blocks/attn/q_norm/scale", layer + "self_attn.q_norm.weight", norm_kind),
+                 TensorMap("blocks/attn/k_norm/scale", layer + "self_attn.k_norm.weight", norm_kind)]
+    if post_norms:
+        maps += [TensorMap("blocks/attn_post_norm/scale", layer + "post_attention_layernorm.weight", norm_kind),
+                 TensorMap("blocks/mlp_norm/scale", layer + "pre_feedforward_layernorm.weight", norm_kind),
+                 TensorMap("blocks/mlp_post_norm/scale", layer + "post_feedforward_layernorm.weight", norm_kind)]
+    else:
+        maps.append(TensorMap("blocks/mlp_norm/scale", layer + "post_attention_layernorm.weight", norm_kind))
+    for ours, theirs in (("w_gate", "gate_proj"), ("w_up", "up_proj"), ("w_down", "down_proj")):
+        maps.append(TensorMap(f"blocks/mlp/{ours}", layer + f"mlp.{theirs}.weight", "T1"))
+    if not spec.tie_embeddings:
+        maps.append(TensorMap("head", "lm_head.weight", "T1"))
+    return maps
+
+
+def refuse(hf: dict, source: str, **unsupported) -> None:
+    """One clear error naming the first config key whose value this importer cannot honour:
+    unsupported = {key: predicate(value) -> True when the value is unsupported}."""
+    for key, bad in unsupported.items():
+        if key in hf and hf[key] is not None and bad(hf[key]):
+            raise UserError(f"{source}: config.json key '{key}' = {hf[key]!r} is not supported for "
+                            f"model_type '{hf.get('model_type')}' (the model would compute something else)")
+
+
+def rope_parameters(hf: dict, layer_type: str | None = None) -> dict:
+    """The RoPE parameters of a config.json in either spelling: `rope_theta` + `rope_scaling` (the
+    checkpoints on the Hub) or `rope_parameters` (transformers 5), per layer type when nested."""
+    params = hf.get("rope_parameters") or {}
+    if layer_type is not None and isinstance(params.get(layer_type), dict):
+        params = params[layer_type]
+    out = {k: v for k, v in params.items() if not isinstance(v, dict)}
+    out.update(hf.get("rope_scaling") or {})
+    if "rope_theta" not in out:
+        out["rope_theta"] = hf.get("rope_theta", 10000.0)
+    out["rope_type"] = out.get("rope_type") or out.get("type") or "default"
+    return out
+
+
+def rope_config(rope: dict, hf: dict, source: str) -> dict:
+    """Our model-section keys for one set of RoPE parameters."""
+    kind = rope["rope_type"]
+    out = dict(rope_theta=float(rope["rope_theta"]))
+    if rope.get("partial_rotary_factor", 1.0) != 1.0:
+        raise UserError(f"{source}: partial_rotary_factor={rope['partial_rotary_factor']} is not supported")
+    if kind == "default":
+        return out | dict(rope_scaling="none")
+    factor = float(rope.get("factor") or 1.0)
+    if kind == "linear":
+        return out | dict(rope_scaling="linear", rope_factor=factor)
+    original = int(rope.get("original_max_position_embeddings") or hf.get("max_position_embeddings") or 8192)
+    if kind == "llama3":
+        return out | dict(rope_scaling="llama3", rope_factor=factor, rope_original_max_len=original,
+                          rope_low_freq_factor=float(rope.get("low_freq_factor", 1.0)),
+                          rope_high_freq_factor=float(rope.get("high_freq_factor", 4.0)))
+    if kind == "yarn":
+        if not rope.get("factor"):
+            factor = hf["max_position_embeddings"] / original
+        attention = rope.get("attention_factor")
+        mscale, mscale_all = rope.get("mscale"), rope.get("mscale_all_dim")
+        if attention is None and mscale and mscale_all:
+            m = lambda s: 1.0 if factor <= 1 else 0.1 * s * math.log(factor) + 1.0
+            attention = m(mscale) / m(mscale_all)
+        return out | dict(rope_scaling="yarn", rope_factor=factor, rope_original_max_len=original,
+                          rope_beta_fast=float(rope.get("beta_fast") or 32), rope_beta_slow=float(rope.get("beta_slow") or 1),
+                          rope_attention_factor=float(attention or 0.0), rope_truncate=bool(rope.get("truncate", True)))
+    raise UserError(f"{source}: RoPE type '{kind}' is not supported (supported: default, linear, llama3, yarn)")
+
+
+def rope_to_hf(m) -> dict:
+    """Our RoPE keys as transformers 5's `rope_parameters` (one set)."""
+    out = {"rope_theta": m.rope_theta}
+    if m.rope_scaling == "none":
+        return out | {"rope_type": "default"}
+    out |= {"rope_type": m.rope_scaling, "factor": m.rope_factor}
+    if m.rope_scaling == "llama3":
+        out |= {"low_freq_factor": m.rope_low_freq_factor, "high_freq_factor": m.rope_high_freq_factor,
+                "original_max_position_embeddings": m.rope_original_max_len}
+    if m.rope_scaling == "yarn":
+        out |= {"original_max_position_embeddings": m.rope_original_max_len, "beta_fast": m.rope_beta_fast,
+                "beta_slow": m.rope_beta_slow, "truncate": m.rope_truncate}
+        if m.rope_attention_factor:
+            out["attention_factor"] = m.rope_attention_factor
+    return out
+
+
+def base_config(hf: dict, source: str) -> dict:
+    """The model-section keys every family reads the same way."""
+    try:
+        n_heads = int(hf["num_attention_heads"])
+        d_model = int(hf["hidden_size"])
+        return dict(vocab_size=int(hf["vocab_size"]), d_model=d_model, n_layers=int(hf["num_hidden_layers"]),
+                    n_heads=n_heads, n_kv_heads=int(hf.get("num_key_value_heads") or n_heads),
+                    head_dim=int(hf.get("head_dim") or d_model // n_heads), d_ff=int(hf["intermediate_size"]),
+                    max_seq_len=int(hf.get("max_position_embeddings") or 2048),
+                    norm_eps=float(hf.get("rms_norm_eps") or 1e-6), norm="rmsnorm", position="rope",
+                    tie_embeddings=bool(hf.get("tie_word_embeddings", False)), family=hf["model_type"])
+    except KeyError as e:
+        raise UserError(f"{source}: config.json has no '{e.args[0]}' (model_type '{hf.get('model_type')}')") from None
+
+
+def layer_types(hf: dict, n_layers: int, default) -> tuple:
+    """Per layer 'global'/'local' from config.json's layer_types, else default(i) -> local?."""
+    given = hf.get("layer_types")
+    if given:
+        return tuple("local" if t == "sliding_attention" else "global" for t in given)
+    return tuple("local" if default(i) else "global" for i in range(n_layers))
+
+
+def hf_base(m, architecture: str) -> dict:
+    """The config.json keys every family writes the same way, from our model section."""
+    return {"architectures": [architecture], "model_type": m.family, "vocab_size": m.vocab_size,
+            "hidden_size": m.d_model, "intermediate_size": m.d_ff, "num_hidden_layers": m.n_layers,
+            "num_attention_heads": m.n_heads, "num_key_value_heads": m.n_kv_heads, "head_dim": m.head_dim or
+            m.d_model // m.n_heads, "max_position_embeddings": m.max_seq_len, "rms_norm_eps": m.norm_eps,
+            "tie_word_embeddings": m.tie_embeddings}

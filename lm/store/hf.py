@@ -1,0 +1,128 @@
+"""Hugging Face checkpoints in: a model directory (config.json, *.safetensors, tokenizer files) as a
+`Loaded` model that any stage, sampler or evaluator takes.
+
+Its params are lazy: each leaf is a `LazyTensor` that reads its Hugging Face tensors (one per
+layer for stacked leaves) only when asked, and only the part asked for. `Built.place` asks each
+device for its own shard, so a checkpoint goes from disk to its sharding on the run's mesh
+without a whole-model host copy, in the checkpoint's dtype (bf16 stays bf16).
+"""
+
+from __future__ import annotations
+
+import math
+import pathlib
+
+import flax.linen as nn
+import jax
+import numpy as np
+
+from lm.data.tokenizer import load_tokenizer
+from lm.errors import UserError
+from lm.model.families import family_of
+from lm.model.families.common import to_lm
+from lm.model.layers import ModelSpec
+from lm.model.params import leaf_paths
+from lm.model.transformer import Transformer, init_params
+from lm.store.hf_config import hf_config, is_hf_dir, read_hf_config
+from lm.store.loaded import Loaded
+
+__all__ = ["LazyTensor", "hf_config", "is_hf_dir", "lazy_params", "load_hf"]
+from lm.store.safetensors_files import TensorFiles
+
+
+class LazyTensor:
+    """A params leaf read on demand from an HF checkpoint: `x[index]` reads only that part."""
+
+    def __init__(self, files: TensorFiles, names: list[str], kind: str, shape: tuple, dtype):
+        self.files, self.names, self.kind = files, names, kind
+        self.shape, self.dtype = tuple(shape), np.dtype(dtype)
+        self.stacked = len(names) > 1 or len(shape) > len(self._layer_shape(names[0]))
+
+    @property
+    def ndim(self) -> int:
+        return len(self.shape)
+
+    @property
+    def size(self) -> int:
+        return math.prod(self.shape)
+
+    @property
+    def nbytes(self) -> int:
+        return self.size * self.dtype.itemsize
+
+    def _layer_shape(self, name):
+        return self.files.shape(name)
+
+    def _layer(self, name: str, per_layer: tuple, index: tuple) -> np.ndarray:
+        rows = self._rows(name, per_layer, index)
+        x = self.files.read(name, rows)
+        if rows is not None:  # the embedding's vocab rows: read only the part this shard holds
+            return x[(slice(None),) + tuple(index[1:])]
+        return to_lm(self.kind, x, per_layer)[index]
+
+    def _rows(self, name: str, per_layer: tuple, index: tuple) -> slice | None:
+        """A row range to read when the leaf is the tensor as it is (the embedding)."""
+        if self.kind != "id" or not index or len(per_layer) < 2 or self.files.shape(name) != per_layer:
+            return None
+        first = index[0]
+        start, stop, step = first.indices(per_layer[0])
+        return slice(start, stop) if step == 1 else None
+
+    def __getitem__(self, index) -> np.ndarray:
+        index = index if isinstance(index, tuple) else (index,)
+        index = tuple(index) + (slice(None),) * (self.ndim - len(index))
+        if not self.stacked:
+            return self._layer(self.names[0], self.shape, index)
+        layers = range(self.shape[0])[index[0]]
+        return np.stack([self._layer(self.names[i], self.shape[1:], index[1:]) for i in layers])
+
+    def __array__(self, dtype=None, copy=None):
+        x = self[()]
+        return x if dtype is None else x.astype(dtype)
+
+    def astype(self, dtype):
+        return np.asarray(self).astype(dtype)
+
+
+def lazy_params(path, spec: ModelSpec, source: str) -> dict:
+    """Our params tree of LazyTensors over the checkpoint in `path`: every tensor the family maps
+    must be there with the shape it implies (checked here, before anything is read)."""
+    hf = read_hf_config(path)
+    family = family_of(hf.get("model_type", "?"), source)
+    files = TensorFiles(path)
+    abstract = nn.unbox(jax.eval_shape(lambda r: init_params(Transformer(spec), r), jax.random.PRNGKey(0)))
+    shapes = dict(zip(leaf_paths(abstract), [tuple(x.shape) for x in jax.tree.leaves(abstract)]))
+    tree: dict = {}
+    for m in family.tensors(spec):
+        if m.lm not in shapes:
+            raise UserError(f"{source}: internal mapping names '{m.lm}', which the model does not have")
+        shape = shapes[m.lm]
+        names = [m.hf.format(i=i) for i in range(spec.n_layers)] if m.stacked else [m.hf]
+        per_layer = shape[1:] if m.stacked else shape
+        for name in names:
+            if name not in files:
+                raise UserError(f"{source}: tensor '{name}' is missing from the checkpoint")
+            if math.prod(files.shape(name)) != math.prod(per_layer):
+                raise UserError(f"{source}: tensor '{name}' has shape {files.shape(name)}; config.json implies "
+                                f"{math.prod(per_layer)} values ({per_layer} here)")
+        dtype = np.float32 if m.kind == "id+1" else files.dtype(names[0])
+        node = tree
+        *parents, leaf = m.lm.split("/")
+        for part in parents:
+            node = node.setdefault(part, {})
+        node[leaf] = LazyTensor(files, names, m.kind, shape, dtype)
+    return tree
+
+
+def load_hf(path, tokenizer: str | None = None):
+    """`Loaded(config, lazy params, tokenizer, source)` for an HF model directory."""
+    path = pathlib.Path(path)
+    source = f"Hugging Face model '{path}'"
+    config = hf_config(path)
+    spec = ModelSpec.from_config(config.model)
+    params = lazy_params(path, spec, source)
+    tok = load_tokenizer(tokenizer or str(path))
+    if tok.vocab_size > config.model.vocab_size:
+        raise UserError(f"the tokenizer has {tok.vocab_size} ids but {source} has vocab_size="
+                        f"{config.model.vocab_size}: it is not the model's tokenizer")
+    return Loaded(config, params, tok, source)

@@ -1,0 +1,13 @@
+"""What every loader returns: a model's config, params, tokenizer and where they came from."""
+
+from __future__ import annotations
+
+import dataclasses
+
+
+@dataclasses.dataclass
+class Loaded:
+    config: object  # the training config (ConfigDict)
+    params: dict  # numpy arrays, or lazy leaves that read their part on demand (lm.store.hf)
+    tokenizer: object
+    source: str  # what was loaded, for messages

@@ -1,0 +1,142 @@
+"""Hugging Face checkpoints in: every architecture variant gives transformers' logits and greedy
+tokens, loads sharded exactly as on one device, reads only what each device holds, and refuses
+what it cannot honour with one line."""
+
+import json
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+import pytest
+
+torch = pytest.importorskip("torch")
+pytest.importorskip("transformers")
+
+from lm.errors import UserError  # noqa: E402
+from lm.model.build import build_model  # noqa: E402
+from lm.store import safetensors_files  # noqa: E402
+from lm.store.hf import lazy_params  # noqa: E402
+from lm.store.hf_config import hf_config  # noqa: E402
+from lm.model.layers import ModelSpec  # noqa: E402
+from tests.hf_models import VARIANTS, write_model  # noqa: E402
+
+IDS = np.array([[1, 5, 9, 33, 2, 7, 100, 200] * 4, [4, 8, 15, 16, 23, 42, 99, 250] * 4], np.int32)
+
+
+@pytest.fixture(scope="module")
+def models(tmp_path_factory):
+    root = tmp_path_factory.mktemp("hf")
+    out = {}
+    for name in VARIANTS:
+        model = write_model(name, root / name)
+        with torch.no_grad():
+            logits = model(torch.tensor(IDS, dtype=torch.long)).logits.numpy()
+        out[name] = (root / name, model, logits)
+    return out
+
+
+def ours(path, mesh=(1, 1, 1), **model_keys):
+    config = hf_config(path)
+    config.mesh.update(dict(zip(("data", "fsdp", "tensor"), mesh)))
+    for k, v in model_keys.items():
+        config.model[k] = v
+    n = int(np.prod(mesh))
+    built = build_model(config, jax.devices()[:n])
+    return built, built.place(lazy_params(path, built.spec, str(path)))
+
+
+def logits_of(built, params, ids=IDS):
+    seg = jnp.ones(ids.shape, jnp.int32)
+    pos = jnp.broadcast_to(jnp.arange(ids.shape[1], dtype=jnp.int32), ids.shape)
+    return np.asarray(jax.jit(built.module.apply)({"params": params}, jnp.asarray(ids), seg, pos))
+
+
+@pytest.mark.parametrize("name", list(VARIANTS))
+def test_logits_equal_transformers(models, name):
+    path, _, expected = models[name]
+    built, params = ours(path)  # the default path: blockwise attention, CPU kernels
+    got = logits_of(built, params)
+    np.testing.assert_allclose(got, expected, atol=1e-4 * max(1.0, np.abs(expected).max()), rtol=0)
+
+
+@pytest.mark.parametrize("name", ["llama3", "mistral", "qwen2", "qwen3", "gemma2", "gemma3"])
+def test_greedy_generation_equals_transformers(models, name):
+    from lm.infer.generate import Generator
+    from lm.infer.sampling import SamplingParams
+
+    path, model, _ = models[name]
+    built, params = ours(path)
+    prompts = [IDS[0, :5].tolist(), IDS[1, :11].tolist()]
+    gen = Generator(built.module, params, SamplingParams(max_new_tokens=32, temperature=0), eos_id=-1, max_len=64,
+                    mesh=built.mesh, rules=built.rules)
+    got = gen(prompts).ids
+    for prompt, ids in zip(prompts, got):
+        with torch.no_grad():
+            want = model.generate(torch.tensor([prompt]), max_new_tokens=32, do_sample=False, eos_token_id=None,
+                                  pad_token_id=0, min_new_tokens=32)[0, len(prompt):].tolist()
+        assert ids.tolist() == want
+
+
+@pytest.mark.parametrize("name", ["qwen3", "gemma3"])
+def test_sharded_import_equals_one_device(models, name):
+    path = models[name][0]
+    one = logits_of(*ours(path))
+    built, params = ours(path, mesh=(2, 2, 2))
+    wq = params["blocks"]["attn"]["wq"]
+    assert wq.sharding.spec == built.param_shardings["blocks"]["attn"]["wq"].spec
+    assert len(wq.addressable_shards) == 8 and wq.addressable_shards[0].data.size < wq.size  # not replicated
+    np.testing.assert_allclose(logits_of(built, params), one, atol=1e-5 * max(1.0, np.abs(one).max()), rtol=0)
+
+
+def test_each_device_reads_only_its_rows_of_the_embedding(models, monkeypatch):
+    path = models["qwen3"][0]
+    read = []
+    original = safetensors_files.TensorFiles.read
+
+    def counting(self, name, rows=None):
+        out = original(self, name, rows)
+        read.append((name, out.nbytes))
+        return out
+
+    monkeypatch.setattr(safetensors_files.TensorFiles, "read", counting)
+    config = hf_config(path)
+    config.mesh.update(dict(data=1, fsdp=1, tensor=2))  # vocab -> tensor: each device half of the rows
+    built = build_model(config, jax.devices()[:2])
+    built.place({"embedding": lazy_params(path, built.spec, str(path))["embedding"]})
+    full = 300 * 64 * 4
+    assert [n for name, n in read if name == "model.embed_tokens.weight"] == [full // 2] * 2
+
+
+def test_bf16_checkpoint_stays_bf16_when_frozen(tmp_path):
+    write_model("qwen3", tmp_path, dtype="bfloat16")
+    config = hf_config(tmp_path)
+    built = build_model(config, jax.devices()[:1])
+    lazy = lazy_params(tmp_path, built.spec, str(tmp_path))
+    placed = built.place(lazy, "float32")  # a frozen copy "in the compute dtype" is never widened
+    assert placed["blocks"]["attn"]["wq"].dtype == jnp.bfloat16
+    assert built.place(lazy, "bfloat16")["embedding"].dtype == jnp.bfloat16
+
+
+def test_unsupported_architectures_and_keys_are_one_line(tmp_path, models):
+    from lm.store.hf import load_hf
+
+    path = models["llama3"][0]
+    config = json.loads((path / "config.json").read_text())
+    bad = tmp_path / "bad"
+    bad.mkdir()
+    (bad / "model.safetensors").write_bytes((path / "model.safetensors").read_bytes())
+    for change, pattern in [({"model_type": "gpt2"}, "model_type 'gpt2' is not supported"),
+                            ({"hidden_act": "gelu"}, "'hidden_act' = 'gelu' is not supported"),
+                            ({"rope_scaling": {"rope_type": "dynamic", "factor": 2.0}}, "RoPE type 'dynamic'"),
+                            ({"attention_bias": True}, "'attention_bias' = True")]:
+        (bad / "config.json").write_text(json.dumps(config | change))
+        with pytest.raises(UserError, match=pattern):
+            hf_config(bad)
+    (bad / "config.json").write_text(json.dumps(config | {"num_hidden_layers": 4}))
+    with pytest.raises(UserError, match=r"tensor 'model.layers.3.input_layernorm.weight' is missing"):
+        lazy_params(bad, ModelSpec.from_config(hf_config(bad).model), "m")
+    (bad / "config.json").write_text(json.dumps(config))
+    data = (path / "model.safetensors").read_bytes()
+    (bad / "model.safetensors").write_bytes(data[: len(data) // 2])
+    with pytest.raises(UserError, match=r"model.safetensors: tensor '.*' is cut short"):
+        load_hf(bad)

@@ -25,7 +25,7 @@ TRAINING: tuple[Verb, ...] = (train_cli.Pretrain, train_cli.SFT, train_cli.DPO, 
 # in `lm --help` order; none imports jax before its `run` (the CPU flags come first)
 VERBS: tuple[Verb, ...] = (
     *TRAINING, demo_cli,
-    data_cli.Tokenizer, store_cli, data_cli.Tokenize, data_cli.Curate, plan_cli,
+    data_cli.Tokenizer, store_cli.Export, store_cli.Import, data_cli.Tokenize, data_cli.Curate, plan_cli,
     infer_cli, eval_cli, contamination_cli, harness_cli,
 )
 

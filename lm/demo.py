@@ -10,7 +10,9 @@
    beside the same student trained by SFT alone on the same data and steps;
 7. `lm eval` of every model on the same tasks (held-out bits per byte of the pretraining text,
    exact match on the task) and a 13-gram contamination check of the task's held-out split;
-8. one table: held-out response loss and exact-match accuracy of greedy answers, base vs SFT
+8. the GRPO model exported as a Hugging Face checkpoint, reloaded by transformers, answering 16
+   held-out prompts greedily as `lm sample --chat` does;
+9. one table: held-out response loss and exact-match accuracy of greedy answers, base vs SFT
    vs SFT-LoRA vs DPO vs GRPO vs the half-width students, then the preference evidence on held-out pairs and the RL
    reward and KL; written to WORKDIR/demo_summary.json as well.
 """
@@ -91,11 +93,27 @@ def run_demo(workdir, show_progress: bool = True, pretrain_overrides=(), sft_ove
                           "response_loss": distilled.get("eval_nll"), "exact_match": distilled.get("exact_match")}
     _stage("9. evaluation of every model: held-out bits per byte, exact match, contamination")
     summary["eval"] = evaluate_all(root, paths)
+    _stage("10. the GRPO model as a Hugging Face checkpoint, reloaded by transformers")
+    summary["hf"] = export_and_reload(root / "grpo", root / "grpo-hf", paths["heldout"])
     text = evidence(summary, n_heldout)
     print("\n" + text)
     (root / "demo_summary.json").write_text(json.dumps(summary, indent=2))
     (root / "demo_summary.txt").write_text(text + "\n")
     return summary
+
+
+def export_and_reload(workdir: pathlib.Path, out: pathlib.Path, heldout, n: int = 16) -> dict:
+    """`lm export --format hf` of a run, then transformers' greedy answers against ours."""
+    from lm.eval.hf_check import compare_with_transformers
+    from lm.store.hf_export import export_hf
+    from lm.store.load import load_trained
+
+    done = export_hf(load_trained(workdir=str(workdir), merge_adapters=False), out)
+    check = compare_with_transformers(workdir, out, heldout, n=n)
+    print(f"exported {done['architecture']} to {out}; transformers' greedy answers equal lm's on "
+          f"{check['same_answers']} of {check['n']} held-out prompts (chat-template ids equal on "
+          f"{check['same_prompt_ids']})")
+    return {"architecture": done["architecture"], "out": str(out)} | {k: v for k, v in check.items() if k != "examples"}
 
 
 def evaluate_all(root: pathlib.Path, paths: dict) -> dict:
@@ -166,6 +184,11 @@ def evidence(summary: dict, n_heldout: int) -> str:
         lines.append(table(summary["eval"]))
     if "distill" in summary:
         lines += _distill_lines(summary["distill"], (summary.get("eval") or {}).get("distilled_vs_sft_half"))
+    if "hf" in summary:
+        h = summary["hf"]
+        lines.append(f"Hugging Face export (GRPO model as {h['architecture']}): transformers' greedy answers equal "
+                     f"lm sample's on {h['same_answers']} of {h['n']} held-out prompts (prompt ids from "
+                     f"apply_chat_template equal ours on {h['same_prompt_ids']})")
     return "\n".join(lines)
 
 

@@ -29,14 +29,15 @@ VARIANTS = {
 }
 
 
-def write_model(name: str, out, seed: int = 0, dtype: str = "float32"):
-    """Saves the variant's random model to `out`; returns the torch model (eval mode)."""
+def write_model(name: str, out, seed: int = 0, dtype: str = "float32", **shape):
+    """Saves the variant's random model to `out` (SHAPE keys overridden by `shape`); returns the
+    torch model (eval mode)."""
     import torch
     import transformers
 
     config_cls, model_cls, keys = VARIANTS[name]
     torch.manual_seed(seed)
-    config = getattr(transformers, config_cls)(**SHAPE, **keys)
+    config = getattr(transformers, config_cls)(**(SHAPE | shape), **keys)
     model = getattr(transformers, model_cls)(config).eval()
     with torch.no_grad():  # norms away from their init, so a mis-mapped norm shows
         for n, p in model.named_parameters():

@@ -11,8 +11,8 @@ from lm.errors import UserError
 from lm.train import cli as train_cli
 from lm.verb import Stopped
 
-VERBS = {"train", "sft", "dpo", "reward", "rl", "distill", "demo", "tokenizer", "export", "tokenize", "curate", "plan",
-         "sample", "eval", "contamination", "harness"}
+VERBS = {"train", "sft", "dpo", "reward", "rl", "distill", "demo", "tokenizer", "export", "import", "tokenize",
+         "curate", "plan", "sample", "eval", "contamination", "harness"}
 
 
 def test_every_verb_exposes_add_parser_and_run():

@@ -43,5 +43,5 @@ def load_config(path: str | None, overrides: list[str] = ()) -> ConfigDict:
 
 
 def init_of(config) -> str:
-    """The model a fine-tuning run started from (its base, for LoRA adapters): '' for pretraining."""
-    return config.sft.init or config.pairs.init or config.rl.init
+    """The model a run started from (its base, for LoRA adapters): '' for pretraining from scratch."""
+    return config.sft.init or config.pairs.init or config.rl.init or config.train.init

@@ -11,6 +11,7 @@ DEFAULTS = dict(
     steps=500, batch_size=16, micro_batches=1, seed=0, log_every=10,
     peak_flops=0.0, sample_tokens=200, sample_prompt="def",  # no trailing space: BPE attaches it to the next word
     max_bad_steps=5, on_bad="restore", spike_window=0, spike_threshold=8.0, max_rollbacks=3,
+    init="",  # continued pretraining: a run, an export or a Hugging Face model to start from ("" = fresh)
 )
 
 CHOICES = dict(on_bad=("restore", "stop"))

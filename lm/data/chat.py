@@ -1,7 +1,9 @@
 """The chat template: conversations -> token ids and loss weights, and prompts for generation.
 
-One template for the whole project (SFT, preference training, RL, evaluation and
-sampling), so a model is always trained and queried in the same format:
+One template per model, chosen in one place (`ChatTemplate.for_tokenizer`) and used by SFT,
+preference training, RL, evaluation and sampling alike, so a model is always trained and
+queried in the same format. An imported checkpoint whose tokenizer carries its own jinja
+template gets that one (`lm.data.hf_chat`); every other model gets ours:
 
     [BOS] <|system|>\\n{content}<|end|>\\n <|user|>\\n{content}<|end|>\\n <|assistant|>\\n{content}<|end|>\\n ...
 
@@ -21,48 +23,21 @@ import sys
 
 import numpy as np
 
+from lm.data.messages import ROLES, TRAIN_ON, check_messages  # noqa: F401 (check_messages: re-exported)
 from lm.data.spm import CHAT_TOKENS
 from lm.errors import UserError
 
-ROLES = ("system", "user", "assistant")
 END = "<|end|>"
-TRAIN_ON = ("all", "last")
 VERSION = 1  # bump when the rendered ids change for the same messages (cache keys use it)
 
 _MARKERS = dict(zip(ROLES + ("end",), CHAT_TOKENS))
 _warned: set[str] = set()  # tokenizers already reported as lacking chat tokens
 
 
-def check_messages(messages, *, for_training: bool = False, for_prompt: bool = False) -> None:
-    """ValueError naming the first bad message; the caller adds where the messages came from."""
-    if not isinstance(messages, list) or not messages:
-        raise ValueError(f"'messages' is {type(messages).__name__} {_short(messages)}; expected a non-empty list")
-    for i, m in enumerate(messages):
-        if not isinstance(m, dict):
-            raise ValueError(f"messages[{i}] is {type(m).__name__} {_short(m)}; "
-                             "expected an object with 'role' and 'content'")
-        if m.get("role") not in ROLES:
-            raise ValueError(f"messages[{i}]: role {_short(m.get('role'))} is not one of {', '.join(ROLES)}")
-        content = m.get("content")
-        if not isinstance(content, str):
-            raise ValueError(f"messages[{i}] ({m['role']}): content is {type(content).__name__} "
-                             f"{_short(content)}; expected a non-empty string")
-        if not content:
-            raise ValueError(f"messages[{i}] ({m['role']}): content is empty; expected a non-empty string")
-    roles = [m["role"] for m in messages]
-    if for_training and "assistant" not in roles:
-        raise ValueError(f"no assistant turn (roles: {', '.join(roles)}); expected at least one to train on")
-    if for_prompt and roles[-1] != "user":
-        raise ValueError(f"the last message has role '{roles[-1]}'; expected a user turn to end a prompt")
-
-
-def _short(value, limit: int = 40) -> str:
-    text = repr(value)
-    return text if len(text) <= limit else text[: limit - 3] + "..."
-
-
 class ChatTemplate:
     """Renders conversations for one tokenizer. Build it with `for_tokenizer`."""
+
+    key = VERSION  # names the rendering in cache keys
 
     def __init__(self, tok, markers: dict[str, np.ndarray], special: bool):
         self.tok, self.special = tok, special
@@ -72,6 +47,13 @@ class ChatTemplate:
 
     @classmethod
     def for_tokenizer(cls, tok) -> ChatTemplate:
+        """The ONE place a template is chosen: a tokenizer's own chat template (an imported HF
+        checkpoint's, lm.data.hf_chat.HFChatTemplate, same interface) when it has one, else ours."""
+        source = tok.chat_template() if hasattr(tok, "chat_template") else None
+        if source:
+            from lm.data.hf_chat import HFChatTemplate  # lazy: needs jinja2
+
+            return HFChatTemplate(tok, source)
         ids = _special_ids(tok)
         if ids is not None:
             return cls(tok, {k: np.array([i], np.int32) for k, i in zip(_MARKERS, ids)}, special=True)

@@ -85,7 +85,8 @@ def cache_key(path: Path, tokenizer, settings: SftSettings, version: int = _VERS
     with open(path, "rb") as f:
         for block in iter(lambda: f.read(1 << 20), b""):
             digest.update(block)
-    key = {"version": version, "template": chat.VERSION, "file": digest.hexdigest(),
+    template = chat.ChatTemplate.for_tokenizer(tokenizer).key
+    key = {"version": version, "template": template, "file": digest.hexdigest(),
            "tokenizer": tokenizer.fingerprint(), "settings": dataclasses.asdict(settings)}
     return hashlib.sha256(json.dumps(key, sort_keys=True).encode()).hexdigest()[:16]
 

@@ -114,6 +114,27 @@ class SentencePieceTokenizer:
                             "(plain text could produce it), not a control token")
         return i
 
+    def token_bytes(self) -> np.ndarray:
+        """[vocab] int32: bytes per id as sentencepiece itself decodes it; 0 for control, unknown
+        and unused ids (BOS, EOS, PAD, roles), which count in neither the nats nor the bytes of
+        bits per byte. A "\u2581" in a piece is the space it decodes to (sentencepiece decodes every
+        one so; a literal U+2581 of a text is encoded as byte pieces), and byte-fallback pieces
+        (<0xNN>) are one byte each. Each id is decoded after a plain piece: decoded first, a piece
+        would lose the leading space that a dummy-prefix model (Llama's) strips from a text's start."""
+        sp = self._sp
+        out = np.zeros(self.vocab_size, np.int32)
+        text = [i for i in range(self.vocab_size) if not (sp.is_control(i) or sp.is_unknown(i) or sp.is_unused(i))]
+        out[[i for i in text if sp.is_byte(i)]] = 1
+        pieces = [i for i in text if not sp.is_byte(i)]
+        ref = next((i for i in pieces if SPACE_MARK not in sp.id_to_piece(i) and sp.decode([i]) == sp.id_to_piece(i)),
+                   None)
+        if ref is None:  # no plain piece to lead with: each id alone
+            out[pieces] = [len(t.encode("utf-8")) for t in sp.decode([[i] for i in pieces])]
+            return out
+        lead = len(sp.decode([ref]).encode("utf-8"))
+        out[pieces] = [len(t.encode("utf-8")) - lead for t in sp.decode([[ref, i] for i in pieces])]
+        return out
+
     def fingerprint(self) -> str:
         return "spm:" + hashlib.sha256(self._model).hexdigest()[:16]
 

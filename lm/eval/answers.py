@@ -17,6 +17,7 @@ from lm.data.jsonl import ONE_OBJECT, iter_jsonl
 from lm.data.sft import parse_record
 from lm.errors import UserError
 from lm.eval.complete import completions
+from lm.infer.generate import generation_context
 from lm.model.build import build_model
 from lm.model.layers import ModelSpec
 from lm.model.lora import merge_lora
@@ -40,7 +41,7 @@ def exact_match(model, params, tokenizer, conversations: list, *, max_new_tokens
     """{'exact_match', 'n', 'examples': the first `keep` (prompt, reference, answer)}."""
     template = ChatTemplate.for_tokenizer(tokenizer)
     prompts = [template.prompt(c[:-1]) for c in conversations]
-    room = model.spec.max_seq_len - max(len(p) for p in prompts)
+    room = generation_context(model.spec) - max(len(p) for p in prompts)
     if room < 1:
         raise UserError("exact match: a held-out prompt fills the model's whole context")
     done = completions(model, params, tokenizer, prompts, max_new_tokens=min(max_new_tokens, room),
@@ -57,7 +58,8 @@ def plain_model(config, params):
     m = config.model
     built = build_model(config, spec=dataclasses.replace(ModelSpec.from_config(m), lora_rank=0))
     if m.lora_rank == 0:
-        return built, params
+        return built, built.place(params)
+    params = build_model(config, mesh=built.mesh).place(params)  # host or lazy leaves, shard by shard
     merged = jax.jit(lambda p: merge_lora(p, m.lora_alpha, m.lora_rank), out_shardings=built.param_shardings)(params)
     return built, merged
 

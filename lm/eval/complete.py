@@ -3,7 +3,7 @@ strings. Generation tasks, held-out exact match and the lm-evaluation-harness ad
 
 from __future__ import annotations
 
-from lm.infer.generate import Generator
+from lm.infer.generate import Generator, generation_context
 from lm.infer.sampling import SamplingParams
 from lm.infer.text import complete_ids
 
@@ -14,7 +14,7 @@ def completions(model, params, tokenizer, prompts: list, *, max_new_tokens: int,
     """{'text', 'ids', 'finish_reason', 'prompt_cut'} per prompt (token ids). A prompt that leaves
     fewer than max_new_tokens positions in the model's context loses its oldest tokens
     (prompt_cut counts them); greedy unless temperature > 0."""
-    max_len = model.spec.max_seq_len
+    max_len = generation_context(model.spec)
     new = max(1, min(max_new_tokens, max_len - 1))
     sampling = SamplingParams(max_new_tokens=new, temperature=temperature, seed=seed)
     generator = Generator(model, params, sampling, eos_id=eos_ids or (tokenizer.eos_id,), mesh=mesh, rules=rules)

@@ -129,9 +129,7 @@ class HarnessModel(LM):
     @property
     def tokenizer_name(self) -> str:
         """Names the tokenizer and template version in the harness's request-cache keys."""
-        from lm.data.chat import VERSION
-
-        return f"lm-{self.tok.fingerprint()}-chat-v{VERSION}"
+        return f"lm-{self.tok.fingerprint()}-chat-v{self._template().key}"
 
     def get_model_info(self) -> dict:
         return {"lm_source": self.source}

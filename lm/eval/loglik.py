@@ -31,31 +31,7 @@ LENGTH_QUANTUM = 64  # row lengths are rounded up to a multiple of this: one com
 def token_bytes(tokenizer) -> np.ndarray:
     """[vocab] int32: the UTF-8 bytes each id stands for; 0 for control ids (BOS, EOS, PAD, roles),
     which therefore count in neither the nats nor the bytes of bits per byte."""
-    if getattr(tokenizer, "name", "") == "byte":
-        out = np.zeros(tokenizer.vocab_size, np.int32)
-        out[:256] = 1
-        return out
-    return _sentencepiece_bytes(tokenizer._sp, tokenizer.vocab_size)
-
-
-def _sentencepiece_bytes(sp, vocab_size: int) -> np.ndarray:
-    """Bytes per id as sentencepiece itself decodes it: a "\u2581" in a piece is the space it
-    decodes to (sentencepiece decodes every one so; a literal U+2581 of a text is encoded as
-    byte pieces, lm.data.spm), and byte-fallback pieces (<0xNN>) are one byte each. Each id is
-    decoded after a plain piece: decoded first, a piece would lose the leading space that a
-    dummy-prefix model (Llama's) strips from the start of a text."""
-    out = np.zeros(vocab_size, np.int32)
-    text = [i for i in range(vocab_size) if not (sp.is_control(i) or sp.is_unknown(i) or sp.is_unused(i))]
-    out[[i for i in text if sp.is_byte(i)]] = 1
-    pieces = [i for i in text if not sp.is_byte(i)]
-    ref = next((i for i in pieces if "\u2581" not in sp.id_to_piece(i) and sp.decode([i]) == sp.id_to_piece(i)),
-               None)
-    if ref is None:  # no plain piece to lead with: each id alone
-        out[pieces] = [len(t.encode("utf-8")) for t in sp.decode([[i] for i in pieces])]
-        return out
-    lead = len(sp.decode([ref]).encode("utf-8"))
-    out[pieces] = [len(t.encode("utf-8")) - lead for t in sp.decode([[ref, i] for i in pieces])]
-    return out
+    return np.asarray(tokenizer.token_bytes(), np.int32)
 
 
 @dataclasses.dataclass(frozen=True)

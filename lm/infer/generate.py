@@ -26,6 +26,14 @@ from lm.model.transformer import unstack_layers
 from lm.sharding import batch_sharding, split_count
 
 NO_TOKEN = -1
+# The most positions one generation allocates a KV cache for: a long-context checkpoint's whole
+# window (128k positions for Llama 3.1) would otherwise be allocated for every row.
+MAX_CACHE = 4096
+
+
+def generation_context(spec) -> int:
+    """Positions a prompt and its new tokens may take: the model's context, at most MAX_CACHE."""
+    return min(spec.max_seq_len, MAX_CACHE)
 
 
 @dataclasses.dataclass
@@ -96,7 +104,8 @@ def _compiled(model, sampling: SamplingParams, eos_id: tuple[int, ...]):
 class Generator:
     """Compiled generation for one model and sampling setting, on a mesh or one device.
 
-    max_len: the cache length (prompt + new tokens must fit; at most the model's max_seq_len).
+    max_len: the cache length (prompt + new tokens must fit; default and upper bound: the model's
+    context, see `generation_context`).
     unstack: decode with the layers as separate buffers (`Transformer.unstacked`); default: on
     the CPU kernel path, where slicing stacked layers on every step copies them. It costs one
     copy of the params per call.
@@ -110,7 +119,7 @@ class Generator:
         self.model = model.clone(unstacked=True) if self.unstack else model
         model = self.model
         self._prepare = jax.jit(unstack_layers) if self.unstack else (lambda p: p)
-        self.max_len = max_len or model.spec.max_seq_len
+        self.max_len = max_len or generation_context(model.spec)
         if self.max_len > model.spec.max_seq_len:
             raise UserError(f"generation: max_len {self.max_len} exceeds the model's context "
                             f"({model.spec.max_seq_len} positions)")

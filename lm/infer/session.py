@@ -4,7 +4,7 @@ from __future__ import annotations
 
 from lm.data.chat import ChatTemplate, check_messages
 from lm.errors import UserError
-from lm.infer.generate import Generator
+from lm.infer.generate import Generator, generation_context
 from lm.infer.sampling import SamplingParams
 from lm.infer.text import complete, complete_ids
 from lm.model.build import build_model
@@ -26,7 +26,7 @@ class Session:
         if (sampling, eos_id) not in self._generators:
             self._generators[(sampling, eos_id)] = Generator(
                 self.built.module, self.params, sampling, eos_id=eos_id,
-                max_len=self.built.spec.max_seq_len, mesh=self.built.mesh, rules=self.built.rules)
+                max_len=generation_context(self.built.spec), mesh=self.built.mesh, rules=self.built.rules)
         return self._generators[(sampling, eos_id)]
 
     def complete(self, prompts: list[str], sampling: SamplingParams, stop=(), stream=None) -> list[dict]:

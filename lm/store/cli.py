@@ -1,23 +1,123 @@
-"""`lm export`: the params of a training checkpoint as an orbax directory or a .safetensors file."""
+"""`lm export`: a model as an orbax directory or a .safetensors file (our layout), a Hugging Face
+model directory, or a LoRA run's adapters as a PEFT adapter. `lm import hf`: a Hugging Face model
+directory into our layout."""
 
 from __future__ import annotations
 
+import re
 
-def add_parser(sub) -> None:
-    ex = sub.add_parser("export", help="write the params of a training checkpoint (orbax dir or .safetensors)")
-    ex.add_argument("--workdir", required=True, help="the `lm train` workdir holding checkpoints/")
-    ex.add_argument("--step", type=int, help="which checkpoint (default: the newest)")
-    ex.add_argument("--out", required=True, help="a directory (orbax) or a file ending in .safetensors")
-    ex.add_argument("--format", choices=["orbax", "safetensors"], help="default: from the --out suffix")
-    ex.add_argument("--merge", action="store_true",
-                    help="a LoRA run: fold the adapters into their base and export a plain model (default: the "
-                         "adapters alone, which `lm sample` folds into the base named in their config)")
+from lm.errors import UserError
+
+FORMATS = ("orbax", "safetensors", "hf", "peft")
+UNITS = {"": 1, "B": 1, "KB": 10**3, "MB": 10**6, "GB": 10**9, "KIB": 2**10, "MIB": 2**20, "GIB": 2**30}
 
 
-def run(args, overrides=()) -> int:
-    from lm.store.export import export_params
+def byte_size(text: str) -> int:
+    """'5GB', '500MB', '2GiB' or a plain number of bytes."""
+    match = re.fullmatch(r"\s*(\d+(?:\.\d+)?)\s*([A-Za-z]*)\s*", text)
+    unit = match.group(2).upper() if match else ""
+    if not match or unit not in UNITS or float(match.group(1)) * UNITS[unit] < 1:
+        raise UserError(f"--shard-size {text!r}: expected a size such as 5GB, 500MB or 2GiB")
+    return int(float(match.group(1)) * UNITS[unit])
 
-    done = export_params(args.workdir, args.out, args.step, args.format, merge=args.merge)
-    print(f"wrote {done['params']:,} params of step {done['step']} to {done['out']} ({done['format']}); "
-          "read them with lm.store.load.load_params")
+
+class Export:
+    """`lm export`: the params of a run (or of an export, or an HF directory) for use elsewhere."""
+
+    @staticmethod
+    def add_parser(sub) -> None:
+        ex = sub.add_parser("export", help="write a model: orbax dir, .safetensors, Hugging Face dir or PEFT adapter")
+        source = ex.add_mutually_exclusive_group(required=True)
+        source.add_argument("--workdir", help="the `lm train` workdir holding checkpoints/")
+        source.add_argument("--params", help="an `lm export` (dir or .safetensors) or a Hugging Face model directory")
+        ex.add_argument("--step", type=int, help="which checkpoint of --workdir (default: the newest)")
+        ex.add_argument("--out", required=True, help="a directory (orbax, hf, peft) or a file ending in .safetensors")
+        ex.add_argument("--format", choices=FORMATS,
+                        help="orbax | safetensors (our layout; default: from the --out suffix), hf (a directory "
+                             "transformers' AutoModelForCausalLM and AutoTokenizer load), peft (a LoRA run's adapters "
+                             "as a PEFT adapter over its base)")
+        ex.add_argument("--merge", action="store_true",
+                        help="a LoRA run: fold the adapters into their base and export a plain model (default: the "
+                             "adapters alone, which `lm sample` folds into the base named in their config; --format "
+                             "hf needs --merge)")
+        ex.add_argument("--dtype", choices=("float32", "bfloat16", "float16"),
+                        help="hf and peft: the tensors' dtype (default: as held; float32 for a model trained here)")
+        ex.add_argument("--shard-size", default="5GB", help="hf: the largest safetensors shard (default 5GB)")
+        ex.add_argument("--base-model", help="peft: base_model_name_or_path in adapter_config.json (default: the "
+                                             "Hugging Face directory the run started from, when it did)")
+
+    @staticmethod
+    def run(args, overrides=()) -> int:
+        fmt = args.format
+        if args.step is not None and args.params:
+            raise UserError("lm export: --step picks a checkpoint of --workdir; an export or HF directory has one")
+        if args.dtype and fmt not in ("hf", "peft"):
+            raise UserError("lm export: --dtype applies to --format hf and peft (our layouts keep the params as held)")
+        if args.base_model and fmt != "peft":
+            raise UserError("lm export: --base-model applies to --format peft")
+        if fmt in ("hf", "peft"):
+            return _export_hf(args)
+        if args.params:
+            from lm.store.export import export_loaded
+            from lm.store.load import load_trained
+
+            done = export_loaded(load_trained(params=args.params, merge_adapters=False), args.out, fmt, args.merge)
+            what = args.params
+        else:
+            from lm.store.export import export_params
+
+            done = export_params(args.workdir, args.out, args.step, fmt, merge=args.merge)
+            what = f"step {done['step']}"
+        print(f"wrote {done['params']:,} params of {what} to {done['out']} ({done['format']}); "
+              "read them with lm.store.load.load_params")
+        return 0
+
+
+def _export_hf(args) -> int:
+    from lm.store.hf_export import export_hf, export_peft
+    from lm.store.load import load_trained
+
+    max_bytes = byte_size(args.shard_size)
+    model = load_trained(workdir=args.workdir, params=args.params, step=args.step, merge_adapters=False)
+    if args.format == "hf":
+        done = export_hf(model, args.out, merge=args.merge, dtype=args.dtype, max_bytes=max_bytes)
+        print(f"wrote {done['params']:,} params as {done['architecture']} ({done['dtype']}, {len(done['files'])} "
+              f"weight file(s)) with its tokenizer to {done['out']}; load it with "
+              "transformers.AutoModelForCausalLM.from_pretrained")
+        return 0
+    if args.merge:
+        raise UserError("lm export: --merge writes a plain model; use --format hf --merge (--format peft writes the "
+                        "adapters alone)")
+    done = export_peft(model, args.out, base=args.base_model, dtype=args.dtype)
+    base = done["base"] or ("its base (write it with `lm export --params BASE --format hf` and name it with "
+                            "--base-model)")
+    print(f"wrote LoRA adapters (r={done['rank']}, {', '.join(done['targets'])}; {done['params']:,} params) to "
+          f"{done['out']}; load them with peft.PeftModel.from_pretrained over {base}")
     return 0
+
+
+class Import:
+    """`lm import hf DIR --out EXPORT`: a Hugging Face model directory as our export."""
+
+    @staticmethod
+    def add_parser(sub) -> None:
+        im = sub.add_parser("import", help="convert a Hugging Face model directory into an lm export")
+        im.add_argument("kind", choices=["hf"], help="hf: a directory save_pretrained wrote (config.json, safetensors)")
+        im.add_argument("path", help="the Hugging Face model directory")
+        im.add_argument("--out", required=True, help="a directory (orbax) or a file ending in .safetensors")
+        im.add_argument("--format", choices=("orbax", "safetensors"), help="default: from the --out suffix")
+
+    @staticmethod
+    def run(args, overrides=()) -> int:
+        from lm.store.hf_config import is_hf_dir
+
+        if not is_hf_dir(args.path):
+            raise UserError(f"lm import hf: '{args.path}' is not a Hugging Face model directory (no config.json "
+                            "naming a model_type)")
+        from lm.store.export import export_loaded
+        from lm.store.hf import load_hf
+
+        done = export_loaded(load_hf(args.path), args.out, args.format)
+        print(f"wrote {done['params']:,} params of {args.path} to {done['out']} ({done['format']}); use it with "
+              f"--params {done['out']}")
+        return 0

@@ -14,6 +14,8 @@ leading axis of size n_layers because the blocks are scanned, whatever the remat
 
 A run trained with a sentencepiece tokenizer also gets its tokenizer beside the params:
 PATH/tokenizer.model, or NAME.tokenizer.model beside NAME.safetensors (`lm sample` reads it).
+A model with a Hugging Face tokenizer (imported from an HF directory by `export_loaded`, which
+`lm import hf` calls) gets its tokenizer files in PATH/tokenizer/ or NAME.tokenizer/.
 
 `lm.store.load.load_params(path)` reads either back as a nested dict of numpy arrays.
 """
@@ -33,14 +35,13 @@ from lm.config import merge as merge_config
 from lm.errors import UserError
 from lm.model.params import leaf_paths
 from lm.store.checkpoint import read_checkpoint_params
+from lm.store.hf_tokenizer_export import TOKENIZER_FILES
 from lm.store.load import with_base
+from lm.store.loaded import Loaded
+from lm.store.safetensors_files import write_streamed
 
 
-def export_params(workdir, out, step: int | None = None, fmt: str | None = None, merge: bool = False) -> dict:
-    """Writes the params of `step` (default: newest) to `out`; returns a short summary.
-
-    A LoRA run's checkpoints hold its adapters alone: they are exported alone (with the config
-    naming their base, sft.init), or with merge=True folded into the base as a plain model."""
+def _layout(out, fmt: str | None) -> tuple[pathlib.Path, str]:
     out = pathlib.Path(out)
     if fmt is None and out.suffix not in ("", ".safetensors"):
         raise UserError(f"lm export: --out {out}: a '{out.suffix}' file is neither form lm writes; give a file "
@@ -48,6 +49,15 @@ def export_params(workdir, out, step: int | None = None, fmt: str | None = None,
     fmt = fmt or ("safetensors" if out.suffix == ".safetensors" else "orbax")
     if fmt not in ("orbax", "safetensors"):
         raise UserError(f"lm export: --format {fmt!r}: expected 'orbax' or 'safetensors'")
+    return out, fmt
+
+
+def export_params(workdir, out, step: int | None = None, fmt: str | None = None, merge: bool = False) -> dict:
+    """Writes the params of `step` (default: newest) to `out`; returns a short summary.
+
+    A LoRA run's checkpoints hold its adapters alone: they are exported alone (with the config
+    naming their base, sft.init), or with merge=True folded into the base as a plain model."""
+    out, fmt = _layout(out, fmt)
     params, meta, step = read_checkpoint_params(workdir, step)
     saved = meta.get("config") or {}
     if merge:
@@ -80,3 +90,51 @@ def export_params(workdir, out, step: int | None = None, fmt: str | None = None,
         shutil.copyfile(tokenizer, tokenizer_out)
     n = sum(int(np.prod(x.shape)) for x in jax.tree.leaves(params))
     return {"step": step, "format": fmt, "params": n, "out": str(out)}
+
+
+def export_loaded(model: Loaded, out, fmt: str | None = None, merge: bool = False) -> dict:
+    """Writes a loaded model (an export, or a Hugging Face directory's lazy params: `lm import hf`)
+    in our layout, with its config (the model section as imported) and its tokenizer, so that
+    `--params OUT` reads it back anywhere. The safetensors layout is streamed one leaf at a time;
+    the orbax layout holds the params on the host once. merge: fold LoRA adapters into the base."""
+    out, fmt = _layout(out, fmt)
+    config, params = model.config, model.params
+    if merge:
+        if not config.model.lora_rank:
+            raise UserError(f"lm export --merge: {model.source} has no LoRA adapters to merge (model.lora_rank=0)")
+        config, params = with_base(config, params, model.source)
+    saved = json.dumps(config.to_dict())
+    leaves = list(zip(leaf_paths(params), jax.tree.leaves(params)))
+    if fmt == "safetensors":
+        write_streamed(out, leaves, metadata={"lm_config": saved, "lm_step": "0"})
+        beside = out.with_name(out.stem + ".tokenizer")
+    else:
+        if out.exists():
+            shutil.rmtree(out)
+        out.mkdir(parents=True)
+        ckptr = ocp.PyTreeCheckpointer()
+        ckptr.save((out / "params").absolute(), args=ocp.args.PyTreeSave(jax.tree.map(np.asarray, params)))
+        ckptr.close()
+        (out / "config.json").write_text(saved)
+        (out / "export.json").write_text(json.dumps({"step": 0, "source": model.source}))
+        beside = out / "tokenizer"
+    _keep_tokenizer(model.tokenizer, beside)
+    n = sum(int(np.prod(x.shape)) for _, x in leaves)
+    return {"step": 0, "format": fmt, "params": n, "out": str(out)}
+
+
+def _keep_tokenizer(tok, beside: pathlib.Path) -> None:
+    """A sentencepiece model as BESIDE.model; a Hugging Face tokenizer's files in BESIDE/."""
+    path = getattr(tok, "path", None)
+    if path is None:  # the byte tokenizer: its name in the config is enough
+        return
+    path = pathlib.Path(path)
+    if path.suffix == ".model" and path.is_file():
+        shutil.copyfile(path, beside.with_name(beside.name + ".model"))
+    elif (path / "tokenizer.json").is_file():
+        if beside.exists():
+            shutil.rmtree(beside)
+        beside.mkdir(parents=True)
+        for name in TOKENIZER_FILES + ("generation_config.json",):
+            if (path / name).is_file():
+                shutil.copyfile(path / name, beside / name)

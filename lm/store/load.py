@@ -59,6 +59,9 @@ def _check_run(workdir: pathlib.Path, step: int | None) -> None:
     if not workdir.exists():
         raise UserError(f"'{workdir}' does not exist; give a run directory with checkpoints (what `lm train "
                         "--workdir` writes) or an export with --params")
+    if is_hf_dir(workdir):
+        raise UserError(f"'{workdir}' is a Hugging Face model directory, not a run directory: give it with --params "
+                        f"'{workdir}'")
     if (workdir / "params").is_dir() or workdir.suffix == ".safetensors":
         raise UserError(f"'{workdir}' is an export, not a run directory: give it with --params '{workdir}'")
     raise UserError(f"'{workdir}' holds no checkpoint (no {workdir / 'checkpoints'}/STEP) and no export; give a "

@@ -87,3 +87,19 @@ def init_config(path: str):
     if is_hf_dir(path):
         return hf_config(path)
     return config_from(saved_config(path), f"'{path}'")
+
+
+def tokenizer_source(path: str, config) -> str:
+    """What data.tokenizer must name to tokenize text for the model in `path` (its config given):
+    a Hugging Face directory itself, the tokenizer.model kept beside a run or an export, or the
+    tokenizer it was trained with ('byte' or a .model file)."""
+    p = pathlib.Path(path)
+    if is_hf_dir(p):
+        return str(p)
+    beside = tokenizer_beside(p)
+    if beside is not None:
+        return str(beside)
+    trained_with = config.data.tokenizer
+    if trained_with == "byte" or pathlib.Path(trained_with).is_file():
+        return trained_with
+    raise UserError(f"'{path}': no tokenizer.model beside it and data.tokenizer='{trained_with}' is not a file")

@@ -20,6 +20,8 @@ class Pretrain:
         t = with_overrides(sub, "train", help="pretrain a model (default: tiny model on the Python standard library)")
         t.add_argument("--config", default="configs/tiny.py", help="a Python config file with get_config()")
         t.add_argument("--workdir", required=True, help="directory for checkpoints, metrics, plots")
+        t.add_argument("--init", help="continue pretraining a model: an `lm train` workdir, an `lm export` or a "
+                                      "Hugging Face model directory (its architecture and tokenizer are used)")
         t.add_argument("--resume", action="store_true", help="continue from the newest checkpoint in --workdir")
         t.add_argument("--no-progress", action="store_true", help="no progress bar (logs only)")
         t.add_argument("--distributed", action="store_true",
@@ -34,6 +36,15 @@ class Pretrain:
         from lm.cpu_flags import apply_cpu_defaults
 
         config = load_config(args.config, overrides)
+        if args.init:
+            from pathlib import Path
+
+            from lm.store.meta import init_config, tokenizer_source
+            from lm.train.finetune import continued_config
+
+            init = str(Path(args.init).absolute())
+            start = init_config(init)
+            config = continued_config(config, start, init, tokenizer_source(init, start))
         apply_cpu_defaults(config.model.compute_dtype)  # before anything imports jax
         if args.distributed:
             import jax

@@ -26,6 +26,8 @@ from lm import plan
 from lm.data.pipeline import ready_batches
 from lm.eval.answers import compare_answers
 from lm.model.lora import is_adapter
+from lm.model.params import subtree
+from lm.sharding import place_leaf
 from lm.train import pairs
 from lm.train.pair_losses import DpoSettings, dpo_loss, pair_logprobs
 from lm.train.setup import build_run, reference_slot
@@ -73,7 +75,7 @@ def reference_logps(run, base: dict, rows, batch_size: int) -> np.ndarray:
     rep = NamedSharding(run.mesh, PartitionSpec())
     fn = jax.jit(lambda p, b: pair_logprobs(model, p, b)[0], in_shardings=(shardings, run.batch_shardings(signature)),
                  out_shardings=rep)
-    params = jax.device_put(base, shardings)
+    params = jax.tree.map(place_leaf, base, subtree(shardings, base))  # shard by shard (lazy leaves too)
     out = [np.asarray(jax.device_get(fn(params, placer.from_global(b)))) for b in ready_batches(rows, batch_size)]
     return np.concatenate(out)[: len(rows)].astype(np.float32)
 

@@ -29,3 +29,15 @@ def finetune_config(start: ConfigDict, path: str | None = None, overrides=(), se
     apply_overrides(c, list(overrides))
     validate(c)
     return c
+
+
+def continued_config(config: ConfigDict, start: ConfigDict, init: str, tokenizer: str) -> ConfigDict:
+    """A pretraining config that continues `init` (train.init): the model section of the model it
+    starts from (`start`, its config) and its tokenizer, everything else from `config`; validated."""
+    c = ConfigDict(config.to_dict())
+    c.model = ConfigDict(start.model.to_dict())
+    c.data.tokenizer = tokenizer
+    c.data.seq_len = min(c.data.seq_len, c.model.max_seq_len)
+    c.train.init = init
+    validate(c)
+    return c

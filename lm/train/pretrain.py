@@ -14,7 +14,7 @@ from lm.data.cache import data_cache_dir
 from lm.data.checks import check_data_config
 from lm.data.pipeline import eval_batches, train_dataset
 from lm.data.prepare import describe, prepare_pretrain_data
-from lm.infer.generate import Generator
+from lm.infer.generate import Generator, generation_context
 from lm.infer.sampling import SamplingParams
 from lm.infer.text import complete
 from lm.train.fit import evaluator
@@ -27,6 +27,9 @@ SUMMARY_KEYS = ("loss", "eval_loss", "tokens_per_s", "mfu", "run_tokens_per_s", 
 
 
 class Pretrain(Stage):
+    init_section = "train"  # train.init: continued pretraining from a trained or imported model
+    init_optional = True
+
     def check(self, config) -> None:
         # everything that can fail without data, before curation and tokenization
         check_data_config(config)
@@ -87,7 +90,7 @@ class Pretrain(Stage):
 def _sample(config, run, params, tok) -> str:
     """What the trained model writes after `train.sample_prompt` (the KV-cache sampler, on the run's mesh)."""
     prompt, t = config.train.sample_prompt, config.train
-    room = run.spec.max_seq_len - len(tok.encode(prompt))
+    room = generation_context(run.spec) - len(tok.encode(prompt))
     sampling = SamplingParams(max_new_tokens=max(1, min(t.sample_tokens, room)), temperature=0.8, seed=t.seed)
     generator = Generator(run.model, params, sampling, eos_id=tok.eos_id, mesh=run.mesh, rules=run.rules)
     return prompt + complete(generator, tok, [prompt])[0]["text"]

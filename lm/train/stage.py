@@ -77,6 +77,7 @@ class Stage:
     """A training stage as a declaration: override what differs."""
 
     init_section: str | None = None  # the config section whose `init` names the start model
+    init_optional: bool = False  # an empty `init` starts from scratch instead of failing (pretraining)
     check_eval_batch = True  # eval.batch_size must split over the mesh like train.batch_size
 
     def check(self, config) -> None:
@@ -163,7 +164,7 @@ def _claimed(ctx: Ctx):
 
 def _prepare(stage: Stage, ctx: Ctx) -> None:
     """The init model, the data, and the settings that follow from the data (a new config)."""
-    if stage.init_section:
+    if stage.init_section and (ctx.config[stage.init_section].init or not stage.init_optional):
         ctx.phase("loading the init model")
         ctx.init = load_init(ctx.config[stage.init_section].init)
     ctx.phase("data preparation")

@@ -45,7 +45,7 @@ def tensors(spec):
 def hf_config(m) -> dict:
     gemma3 = m.family == "gemma3_text"
     out = hf_base(m, "Gemma3ForCausalLM" if gemma3 else "Gemma2ForCausalLM")
-    out |= {"hidden_activation": "gelu_pytorch_tanh", "query_pre_attn_scalar": round(m.attn_scale ** -2, 6),
+    out |= {"hidden_activation": "gelu_pytorch_tanh", "query_pre_attn_scalar": _scalar(m.attn_scale),
             "attn_logit_softcapping": m.attn_softcap or None, "final_logit_softcapping": m.final_softcap or None,
             "sliding_window": m.sliding_window or None, "attention_bias": False,
             "layer_types": [("sliding_attention" if t == "local" else "full_attention") for t in m.layer_types] or None}
@@ -55,3 +55,9 @@ def hf_config(m) -> dict:
     else:
         out["rope_parameters"] = rope_to_hf(m)
     return out
+
+
+def _scalar(scale: float):
+    """query_pre_attn_scalar from our scale (scalar ** -0.5): an int where it is one, as transformers requires."""
+    value = round(scale ** -2, 6)
+    return int(value) if value == int(value) else value

@@ -87,7 +87,7 @@ class FineTune:
         """The verb's parser and its required arguments."""
         p = with_overrides(sub, self.name, help=self.help, description=self.description)
         required = [p.add_argument("--init", required=True,
-                                   help="an `lm train`/`lm sft` workdir or an `lm export` to start from"),
+                                   help="an `lm train`/`lm sft` workdir, an `lm export` or a Hugging Face model directory to start from"),
                     p.add_argument("--data", required=True, help=self.data)]
         p.add_argument("--eval-data", help=self.eval_data)
         required.append(p.add_argument("--workdir", required=True, help="directory for checkpoints, metrics, plots"))
@@ -108,7 +108,7 @@ class FineTune:
 
         if not Path(args.init).exists():
             raise UserError(f"--init {args.init}: no such file or directory; expected an `lm train`/`lm sft` "
-                            "workdir or an `lm export`")
+                            "workdir, an `lm export` or a Hugging Face model directory")
         init = str(Path(args.init).absolute())  # the run records where its base lives
         keys, elsewhere = {"init": init, "data": args.data, "eval_data": args.eval_data}, []
         for flag, _, *key in self.options:

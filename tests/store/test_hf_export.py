@@ -30,7 +30,7 @@ from lm.store.hf import load_hf  # noqa: E402
 from lm.store.hf_export import export_hf, export_peft  # noqa: E402
 from lm.store.load import load_trained  # noqa: E402
 from lm.store.loaded import Loaded  # noqa: E402
-from tests.hf_models import write_model, write_tokenizer  # noqa: E402
+from tests.hf_models import VARIANTS, write_model, write_tokenizer  # noqa: E402
 
 STDLIB = pathlib.Path(sysconfig.get_paths()["stdlib"])
 CHAT = [{"role": "system", "content": "You answer briefly."}, {"role": "user", "content": "What is 2 + 2?"},
@@ -194,7 +194,7 @@ def imported(name: str, root: pathlib.Path):
     return path, model
 
 
-@pytest.mark.parametrize("name", ["qwen3", "gemma2"])
+@pytest.mark.parametrize("name", list(VARIANTS))
 def test_imported_model_goes_back_with_its_logits(name, tmp_path):
     path, original = imported(name, tmp_path)
     out = tmp_path / "out"

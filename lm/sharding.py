@@ -6,6 +6,7 @@ and is passed explicitly everywhere; nothing is read from a global context.
 
 from __future__ import annotations
 
+import gc
 import math
 
 import flax.linen as nn
@@ -94,6 +95,9 @@ def placed_dtype(source, dtype=None) -> np.dtype:
     return dtype if dtype.itemsize <= source.itemsize else source
 
 
+BIG_LEAF = 64 * 2**20  # bytes
+
+
 def place_leaf(x, sharding: NamedSharding, dtype=None) -> jax.Array:
     """A host leaf (numpy, or a lazy leaf that reads only the index it is given) as a global array
     with `sharding`: each local device's shard is read and put on its own, so the whole array is
@@ -101,8 +105,12 @@ def place_leaf(x, sharding: NamedSharding, dtype=None) -> jax.Array:
     target = placed_dtype(x.dtype, dtype)
     if isinstance(x, jax.Array) and x.sharding == sharding and x.dtype == target:
         return x
-    return jax.make_array_from_callback(tuple(x.shape), sharding,
-                                        lambda index: np.asarray(x[index]).astype(target, copy=False))
+    out = jax.make_array_from_callback(tuple(x.shape), sharding,
+                                       lambda index: np.asarray(x[index]).astype(target, copy=False))
+    if out.nbytes >= BIG_LEAF:  # jax lets go of the host pieces it copied at the next collection
+        out.block_until_ready()
+        gc.collect()
+    return out
 
 
 def split_count(mesh: Mesh, axes) -> int:

@@ -76,14 +76,7 @@ def export_params(workdir, out, step: int | None = None, fmt: str | None = None,
         save_file(flat, str(out), metadata={"lm_config": config, "lm_step": str(step)})
         tokenizer_out = out.with_name(out.stem + ".tokenizer.model")
     else:
-        if out.exists():
-            shutil.rmtree(out)
-        out.mkdir(parents=True)
-        ckptr = ocp.PyTreeCheckpointer()
-        ckptr.save((out / "params").absolute(), args=ocp.args.PyTreeSave(params))
-        ckptr.close()
-        (out / "config.json").write_text(config)
-        (out / "export.json").write_text(json.dumps({"step": step, "checkpoint": str(pathlib.Path(workdir).absolute())}))
+        _write_orbax(out, params, config, {"step": step, "checkpoint": str(pathlib.Path(workdir).absolute())})
         tokenizer_out = out / "tokenizer.model"
     tokenizer = pathlib.Path(workdir) / "tokenizer.model"  # a sentencepiece run's; byte runs have none
     if tokenizer.is_file():
@@ -109,18 +102,23 @@ def export_loaded(model: Loaded, out, fmt: str | None = None, merge: bool = Fals
         write_streamed(out, leaves, metadata={"lm_config": saved, "lm_step": "0"})
         beside = out.with_name(out.stem + ".tokenizer")
     else:
-        if out.exists():
-            shutil.rmtree(out)
-        out.mkdir(parents=True)
-        ckptr = ocp.PyTreeCheckpointer()
-        ckptr.save((out / "params").absolute(), args=ocp.args.PyTreeSave(jax.tree.map(np.asarray, params)))
-        ckptr.close()
-        (out / "config.json").write_text(saved)
-        (out / "export.json").write_text(json.dumps({"step": 0, "source": model.source}))
+        _write_orbax(out, jax.tree.map(np.asarray, params), saved, {"step": 0, "source": model.source})
         beside = out / "tokenizer"
     _keep_tokenizer(model.tokenizer, beside)
     n = sum(int(np.prod(x.shape)) for _, x in leaves)
     return {"step": 0, "format": fmt, "params": n, "out": str(out)}
+
+
+def _write_orbax(out: pathlib.Path, params: dict, config_json: str, info: dict) -> None:
+    """The orbax layout: OUT/params (a PyTree checkpoint), OUT/config.json, OUT/export.json."""
+    if out.exists():
+        shutil.rmtree(out)
+    out.mkdir(parents=True)
+    ckptr = ocp.PyTreeCheckpointer()
+    ckptr.save((out / "params").absolute(), args=ocp.args.PyTreeSave(params))
+    ckptr.close()
+    (out / "config.json").write_text(config_json)
+    (out / "export.json").write_text(json.dumps(info))
 
 
 def _keep_tokenizer(tok, beside: pathlib.Path) -> None:

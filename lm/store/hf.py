@@ -19,7 +19,7 @@ import numpy as np
 from lm.data.tokenizer import load_tokenizer
 from lm.errors import UserError
 from lm.model.families import family_of
-from lm.model.families.common import to_lm
+from lm.model.families.common import layout_view
 from lm.model.layers import ModelSpec
 from lm.model.params import leaf_paths
 from lm.model.transformer import Transformer, init_params
@@ -27,7 +27,7 @@ from lm.store.hf_config import hf_config, is_hf_dir, read_hf_config
 from lm.store.loaded import Loaded
 
 __all__ = ["LazyTensor", "hf_config", "is_hf_dir", "lazy_params", "load_hf"]
-from lm.store.safetensors_files import TensorFiles
+from lm.store.safetensors_files import TensorFiles, aligned_empty
 
 
 class LazyTensor:
@@ -53,28 +53,48 @@ class LazyTensor:
     def _layer_shape(self, name):
         return self.files.shape(name)
 
-    def _layer(self, name: str, per_layer: tuple, index: tuple) -> np.ndarray:
+    def __getitem__(self, index) -> np.ndarray:
+        """The part `index` (basic slices) selects: each layer's tensor is read (the embedding: only
+        the rows asked for) and only the selected part is copied, layer by layer, into one aligned
+        array (which XLA:CPU then takes without a copy of its own)."""
+        index = index if isinstance(index, tuple) else (index,)
+        index = tuple(index) + (slice(None),) * (self.ndim - len(index))
+        shape = tuple(len(range(*i.indices(n))) for i, n in zip(index, self.shape))
+        if not self.stacked:
+            whole = self._whole_rows(index)
+            if whole is not None:
+                return whole
+        out = aligned_empty(shape, self.dtype)
+        if self.stacked:
+            for j, i in enumerate(range(self.shape[0])[index[0]]):
+                self._fill(out[j], self.names[i], self.shape[1:], index[1:])
+        else:
+            self._fill(out, self.names[0], self.shape, index)
+        if self.kind == "id+1":
+            out += 1.0
+        return out
+
+    def _fill(self, out: np.ndarray, name: str, per_layer: tuple, index: tuple) -> None:
         rows = self._rows(name, per_layer, index)
         x = self.files.read(name, rows)
-        if rows is not None:  # the embedding's vocab rows: read only the part this shard holds
-            return x[(slice(None),) + tuple(index[1:])]
-        return to_lm(self.kind, x, per_layer)[index]
+        part = x[(slice(None),) + index[1:]] if rows is not None else layout_view(self.kind, x, per_layer)[index]
+        if out.dtype == part.dtype and out.dtype.itemsize == 2:  # numpy copies bfloat16 slowly: as uint16
+            out, part = out.view(np.uint16), part.view(np.uint16)
+        np.copyto(out, part, casting="unsafe")
+
+    def _whole_rows(self, index: tuple) -> np.ndarray | None:
+        """The read itself, when a shard is a range of whole rows of the tensor as it is stored."""
+        rows = self._rows(self.names[0], self.shape, index)
+        if rows is None or any(i.indices(n) != (0, n, 1) for i, n in zip(index[1:], self.shape[1:])):
+            return None
+        return self.files.read(self.names[0], rows)
 
     def _rows(self, name: str, per_layer: tuple, index: tuple) -> slice | None:
         """A row range to read when the leaf is the tensor as it is (the embedding)."""
         if self.kind != "id" or not index or len(per_layer) < 2 or self.files.shape(name) != per_layer:
             return None
-        first = index[0]
-        start, stop, step = first.indices(per_layer[0])
+        start, stop, step = index[0].indices(per_layer[0])
         return slice(start, stop) if step == 1 else None
-
-    def __getitem__(self, index) -> np.ndarray:
-        index = index if isinstance(index, tuple) else (index,)
-        index = tuple(index) + (slice(None),) * (self.ndim - len(index))
-        if not self.stacked:
-            return self._layer(self.names[0], self.shape, index)
-        layers = range(self.shape[0])[index[0]]
-        return np.stack([self._layer(self.names[i], self.shape[1:], index[1:]) for i in layers])
 
     def __array__(self, dtype=None, copy=None):
         x = self[()]

@@ -29,6 +29,18 @@ NAMES = {np.dtype(v): k for k, v in DTYPES.items()}
 SINGLE, INDEX = "model.safetensors", "model.safetensors.index.json"
 
 
+ALIGN = 64  # XLA:CPU takes a host buffer without copying it only when it is 64-byte aligned
+
+
+def aligned_empty(shape: tuple, dtype) -> np.ndarray:
+    """np.empty, starting on an ALIGN-byte boundary (numpy's large arrays start 16 bytes past a page)."""
+    dtype = np.dtype(dtype)
+    nbytes = math.prod(shape) * dtype.itemsize
+    raw = np.empty(nbytes + ALIGN, np.uint8)
+    start = (-raw.ctypes.data) % ALIGN
+    return raw[start:start + nbytes].view(dtype).reshape(shape)
+
+
 class TensorFiles:
     """The tensors of a checkpoint directory, by name: shape, dtype, and reads of all or some rows."""
 
@@ -86,7 +98,7 @@ class TensorFiles:
         path, dtype, shape, offset = self.entries[name]
         start, stop = (0, shape[0] if shape else 1) if rows is None else (rows.start or 0, rows.stop)
         row = math.prod(shape[1:]) * dtype.itemsize if shape else dtype.itemsize
-        out = np.empty(((stop - start),) + shape[1:] if shape else (), dtype)
+        out = aligned_empty(((stop - start),) + shape[1:] if shape else (), dtype)
         with open(path, "rb") as f:
             n = os.preadv(f.fileno(), [memoryview(out.reshape(-1).view(np.uint8))], offset + start * row)
         if n != out.nbytes:

@@ -209,6 +209,29 @@ def test_imported_model_goes_back_with_its_logits(name, tmp_path):
     assert generation["eos_token_id"] == [1, 299] and generation["temperature"] == 0.7
 
 
+@pytest.mark.parametrize("name", list(VARIANTS))
+def test_adapters_on_an_imported_model_load_in_peft(name, tmp_path):
+    """Every family's projections carry adapters under PEFT's names: transformers + peft over the
+    original checkpoint give the logits of our model with the same adapters."""
+    from peft import PeftModel
+
+    path, original = imported(name, tmp_path)
+    loaded = load_hf(path)
+    config = loaded.config.copy_and_resolve_references()
+    config.model.update(lora_rank=4, lora_alpha=8.0)
+    adapters = random_params(config, seed=5)
+    adapters["blocks"] = {m: {k: v for k, v in sub.items() if "_lora_" in k} for m, sub in adapters["blocks"].items()}
+    adapters = {"blocks": {m: sub for m, sub in adapters["blocks"].items() if sub}}
+    base = jax.tree.map(np.asarray, loaded.params)
+    params = {k: v for k, v in base.items() if k != "blocks"}
+    params["blocks"] = {m: sub | adapters["blocks"].get(m, {}) for m, sub in base["blocks"].items()}
+    export_peft(Loaded(config, params, loaded.tokenizer, "lora"), tmp_path / "adapter")
+    ids = ids_for(300, 4)
+    want = our_logits(config, params, ids)
+    assert np.abs(want - hf_logits(original, ids)).max() > 1e-2  # the adapters change the logits
+    close(hf_logits(PeftModel.from_pretrained(original, tmp_path / "adapter").eval(), ids), want)
+
+
 def test_import_verb_and_export_from_params(tmp_path, capsys):
     path, original = imported("qwen3", tmp_path)
     export = tmp_path / "qwen3.safetensors"

@@ -59,7 +59,7 @@ def test_logits_equal_transformers(models, name):
     np.testing.assert_allclose(got, expected, atol=1e-4 * max(1.0, np.abs(expected).max()), rtol=0)
 
 
-@pytest.mark.parametrize("name", ["llama3", "mistral", "qwen2", "qwen3", "gemma2", "gemma3"])
+@pytest.mark.parametrize("name", list(VARIANTS))
 def test_greedy_generation_equals_transformers(models, name):
     from lm.infer.generate import Generator
     from lm.infer.sampling import SamplingParams
@@ -140,3 +140,32 @@ def test_unsupported_architectures_and_keys_are_one_line(tmp_path, models):
     (bad / "model.safetensors").write_bytes(data[: len(data) // 2])
     with pytest.raises(UserError, match=r"model.safetensors: tensor '.*' is cut short"):
         load_hf(bad)
+
+
+@pytest.mark.parametrize("name", list(VARIANTS))
+def test_five_lora_steps_on_an_imported_bf16_checkpoint(tmp_path, name):
+    """The base stays frozen in the checkpoint's dtype (bf16) beside float32 adapters, and five
+    LoRA steps on a repeated batch lower its loss."""
+    from lm.model.lora import is_adapter
+    from lm.train.losses import sft_loss
+    from lm.train.setup import build_run
+
+    write_model(name, tmp_path, dtype="bfloat16")
+    config = hf_config(tmp_path)
+    config.model.update(lora_rank=4, lora_alpha=8.0)
+    config.optim.update(lr=1e-2, warmup_steps=0, weight_decay=0.0)
+    config.train.update(batch_size=2, steps=5)
+    run = build_run(config, sft_loss, devices=jax.devices()[:1], trainable=is_adapter)
+    state, frozen = run.init(seed=0, base=lazy_params(tmp_path, run.spec, str(tmp_path)))
+    assert frozen["base"]["blocks"]["attn"]["wq"].dtype == jnp.bfloat16
+    assert state.params["blocks"]["attn"]["wq_lora_a"].dtype == jnp.float32
+    batch = {"inputs": IDS, "targets": np.roll(IDS, -1, axis=1), "segment_ids": np.ones_like(IDS),
+             "positions": np.broadcast_to(np.arange(IDS.shape[1], dtype=np.int32), IDS.shape).copy(),
+             "loss_mask": np.ones(IDS.shape, np.float32)}
+    signature = run.signature(2)
+    step, placer = run.bind(run.train_step(signature), frozen), run.placer(signature)
+    losses = []
+    for _ in range(5):
+        state, metrics = step(state, placer.from_global(batch))
+        losses.append(float(metrics["loss"]))
+    assert all(np.isfinite(losses)) and losses[-1] < losses[0]

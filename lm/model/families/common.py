@@ -32,17 +32,14 @@ class TensorMap:
         return self.lm.startswith("blocks/")
 
 
-def to_lm(kind: str, x: np.ndarray, shape: tuple) -> np.ndarray:
-    """An HF tensor as our per-layer leaf of `shape` (float dtypes kept)."""
-    if kind in ("T1", "T2"):
-        return np.ascontiguousarray(x.T).reshape(shape)
-    if kind == "id+1":
-        return (x.astype(np.float32) + 1.0).reshape(shape)
-    return x.reshape(shape)
+def layout_view(kind: str, x: np.ndarray, shape: tuple) -> np.ndarray:
+    """An HF tensor as our per-layer leaf of `shape`, as a strided view where numpy can make one
+    (a loader slices it and copies only the part a device holds); "id+1" leaves still need their +1."""
+    return (x.T if kind in ("T1", "T2") else x).reshape(shape)
 
 
 def to_hf(kind: str, x: np.ndarray, like_2d: bool = False) -> np.ndarray:
-    """Our per-layer leaf as the HF tensor (the inverse of `to_lm`)."""
+    """Our per-layer leaf as the HF tensor (the inverse of `layout_view`, +1 included)."""
     if kind in ("T1", "T2"):
         n_in = 1 if kind == "T1" else 2
         rows = math.prod(x.shape[:n_in])

@@ -37,7 +37,9 @@ def write_model(name: str, out, seed: int = 0, dtype: str = "float32", **shape):
 
     config_cls, model_cls, keys = VARIANTS[name]
     torch.manual_seed(seed)
-    config = getattr(transformers, config_cls)(**(SHAPE | shape), **keys)
+    # eager attention: the reference computation itself (transformers 5.17 defaults Gemma 2 to SDPA,
+    # which drops its attention soft-capping: 5e-4 off on these logits)
+    config = getattr(transformers, config_cls)(**(SHAPE | shape), **keys, attn_implementation="eager")
     model = getattr(transformers, model_cls)(config).eval()
     with torch.no_grad():  # norms away from their init, so a mis-mapped norm shows
         for n, p in model.named_parameters():

@@ -54,9 +54,9 @@ class LazyTensor:
         return self.files.shape(name)
 
     def __getitem__(self, index) -> np.ndarray:
-        """The part `index` (basic slices) selects: each layer's tensor is read (the embedding: only
-        the rows asked for) and only the selected part is copied, layer by layer, into one aligned
-        array (which XLA:CPU then takes without a copy of its own)."""
+        """The part `index` (basic slices) selects: from each layer's tensor only the rows that hold
+        it are read (`_plan`), and only the selected part is copied, layer by layer, into one
+        aligned array (which XLA:CPU then takes without a copy of its own)."""
         index = index if isinstance(index, tuple) else (index,)
         index = tuple(index) + (slice(None),) * (self.ndim - len(index))
         shape = tuple(len(range(*i.indices(n))) for i, n in zip(index, self.shape))
@@ -75,26 +75,38 @@ class LazyTensor:
         return out
 
     def _fill(self, out: np.ndarray, name: str, per_layer: tuple, index: tuple) -> None:
-        rows = self._rows(name, per_layer, index)
-        x = self.files.read(name, rows)
-        part = x[(slice(None),) + index[1:]] if rows is not None else layout_view(self.kind, x, per_layer)[index]
+        rows, shape, index = self._plan(name, per_layer, index)
+        part = layout_view(self.kind, self.files.read(name, rows), shape)[index]
         if out.dtype == part.dtype and out.dtype.itemsize == 2:  # numpy copies bfloat16 slowly: as uint16
             out, part = out.view(np.uint16), part.view(np.uint16)
         np.copyto(out, part, casting="unsafe")
 
     def _whole_rows(self, index: tuple) -> np.ndarray | None:
         """The read itself, when a shard is a range of whole rows of the tensor as it is stored."""
-        rows = self._rows(self.names[0], self.shape, index)
-        if rows is None or any(i.indices(n) != (0, n, 1) for i, n in zip(index[1:], self.shape[1:])):
+        rows, shape, rest = self._plan(self.names[0], self.shape, index)
+        if self.kind != "id" or rows is None or any(i != slice(None) for i in rest[1:]):
             return None
-        return self.files.read(self.names[0], rows)
+        return self.files.read(self.names[0], rows).reshape(shape)
 
-    def _rows(self, name: str, per_layer: tuple, index: tuple) -> slice | None:
-        """A row range to read when the leaf is the tensor as it is (the embedding)."""
-        if self.kind != "id" or not index or len(per_layer) < 2 or self.files.shape(name) != per_layer:
-            return None
-        start, stop, step = index[0].indices(per_layer[0])
-        return slice(start, stop) if step == 1 else None
+    def _plan(self, name: str, per_layer: tuple, index: tuple) -> tuple:
+        """(the stored tensor's rows to read, our layout of those rows, the index into it): only the
+        rows that hold the part asked for, when they are one range. The stored rows are our
+        output axes, flattened (a linear weight [out, in]: "T1" our axes 1.., "T2" our last axis),
+        or our first axis (the embedding, as stored)."""
+        everything = (None, per_layer, index)
+        if self.kind == "id" and len(per_layer) >= 2 and self.files.shape(name) == per_layer:
+            out_axes = [0]
+        elif self.kind in ("T1", "T2"):
+            out_axes = list(range(1, len(per_layer))) if self.kind == "T1" else [len(per_layer) - 1]
+        else:
+            return everything
+        first = out_axes[0]
+        start, stop, step = index[first].indices(per_layer[first])
+        if step != 1 or any(index[a].indices(per_layer[a]) != (0, per_layer[a], 1) for a in out_axes[1:]):
+            return everything
+        inner = math.prod(per_layer[a] for a in out_axes[1:])
+        shape = per_layer[:first] + (stop - start,) + per_layer[first + 1:]
+        return slice(start * inner, stop * inner), shape, index[:first] + (slice(None),) + index[first + 1:]
 
     def __array__(self, dtype=None, copy=None):
         x = self[()]

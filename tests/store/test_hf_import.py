@@ -88,7 +88,7 @@ def test_sharded_import_equals_one_device(models, name):
     np.testing.assert_allclose(logits_of(built, params), one, atol=1e-5 * max(1.0, np.abs(one).max()), rtol=0)
 
 
-def test_each_device_reads_only_its_rows_of_the_embedding(models, monkeypatch):
+def test_each_device_reads_only_the_rows_it_holds(models, monkeypatch):
     path = models["qwen3"][0]
     read = []
     original = safetensors_files.TensorFiles.read
@@ -102,9 +102,20 @@ def test_each_device_reads_only_its_rows_of_the_embedding(models, monkeypatch):
     config = hf_config(path)
     config.mesh.update(dict(data=1, fsdp=1, tensor=2))  # vocab -> tensor: each device half of the rows
     built = build_model(config, jax.devices()[:2])
-    built.place({"embedding": lazy_params(path, built.spec, str(path))["embedding"]})
+    lazy = lazy_params(path, built.spec, str(path))
+    placed = built.place(lazy)
     full = 300 * 64 * 4
     assert [n for name, n in read if name == "model.embed_tokens.weight"] == [full // 2] * 2
+    # heads -> tensor: each device reads its half of q_proj's rows [heads * head_dim, d]; o_proj [d, heads *
+    # head_dim] is split along its inputs there, so its rows are read whole
+    assert [n for name, n in read if name == "model.layers.0.self_attn.q_proj.weight"] == [4 * 24 * 64 * 4 // 2] * 2
+    assert [n for name, n in read if name == "model.layers.0.self_attn.o_proj.weight"] == [64 * 4 * 24 * 4] * 2
+    for leaf in (("blocks", "attn", "wq"), ("blocks", "attn", "wo"), ("embedding",), ("blocks", "mlp", "w_down"),
+                 ("blocks", "attn", "q_norm", "scale")):
+        want, got = lazy, placed
+        for k in leaf:
+            want, got = want[k], got[k]
+        np.testing.assert_array_equal(np.asarray(got), np.asarray(want))
 
 
 def test_bf16_checkpoint_stays_bf16_when_frozen(tmp_path):

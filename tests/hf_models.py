@@ -28,6 +28,9 @@ VARIANTS = {
                     rope_scaling={"rope_type": "linear", "factor": 4.0})),
 }
 
+# One variant per family: where a test trains or adapts, the RoPE variants add nothing.
+FAMILIES = ("llama3", "mistral", "qwen2", "qwen3", "gemma2", "gemma3")
+
 
 def write_model(name: str, out, seed: int = 0, dtype: str = "float32", **shape):
     """Saves the variant's random model to `out` (SHAPE keys overridden by `shape`); returns the

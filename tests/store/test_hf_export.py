@@ -30,7 +30,7 @@ from lm.store.hf import load_hf  # noqa: E402
 from lm.store.hf_export import export_hf, export_peft  # noqa: E402
 from lm.store.load import load_trained  # noqa: E402
 from lm.store.loaded import Loaded  # noqa: E402
-from tests.hf_models import VARIANTS, write_model, write_tokenizer  # noqa: E402
+from tests.hf_models import FAMILIES, VARIANTS, write_model, write_tokenizer  # noqa: E402
 
 STDLIB = pathlib.Path(sysconfig.get_paths()["stdlib"])
 CHAT = [{"role": "system", "content": "You answer briefly."}, {"role": "user", "content": "What is 2 + 2?"},
@@ -209,7 +209,7 @@ def test_imported_model_goes_back_with_its_logits(name, tmp_path):
     assert generation["eos_token_id"] == [1, 299] and generation["temperature"] == 0.7
 
 
-@pytest.mark.parametrize("name", list(VARIANTS))
+@pytest.mark.parametrize("name", FAMILIES)
 def test_adapters_on_an_imported_model_load_in_peft(name, tmp_path):
     """Every family's projections carry adapters under PEFT's names: transformers + peft over the
     original checkpoint give the logits of our model with the same adapters."""

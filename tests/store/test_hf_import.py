@@ -18,7 +18,7 @@ from lm.store import safetensors_files  # noqa: E402
 from lm.store.hf import lazy_params  # noqa: E402
 from lm.store.hf_config import hf_config  # noqa: E402
 from lm.model.layers import ModelSpec  # noqa: E402
-from tests.hf_models import VARIANTS, write_model  # noqa: E402
+from tests.hf_models import FAMILIES, VARIANTS, write_model  # noqa: E402
 
 IDS = np.array([[1, 5, 9, 33, 2, 7, 100, 200] * 4, [4, 8, 15, 16, 23, 42, 99, 250] * 4], np.int32)
 
@@ -153,7 +153,7 @@ def test_unsupported_architectures_and_keys_are_one_line(tmp_path, models):
         load_hf(bad)
 
 
-@pytest.mark.parametrize("name", list(VARIANTS))
+@pytest.mark.parametrize("name", FAMILIES)
 def test_five_lora_steps_on_an_imported_bf16_checkpoint(tmp_path, name):
     """The base stays frozen in the checkpoint's dtype (bf16) beside float32 adapters, and five
     LoRA steps on a repeated batch lower its loss."""

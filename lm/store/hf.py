@@ -30,6 +30,9 @@ __all__ = ["LazyTensor", "hf_config", "is_hf_dir", "lazy_params", "load_hf"]
 from lm.store.safetensors_files import TensorFiles, aligned_empty
 
 
+TRANSPOSE_ROWS = 64
+
+
 class LazyTensor:
     """A params leaf read on demand from an HF checkpoint: `x[index]` reads only that part."""
 
@@ -79,7 +82,16 @@ class LazyTensor:
         part = layout_view(self.kind, self.files.read(name, rows), shape)[index]
         if out.dtype == part.dtype and out.dtype.itemsize == 2:  # numpy copies bfloat16 slowly: as uint16
             out, part = out.view(np.uint16), part.view(np.uint16)
-        np.copyto(out, part, casting="unsafe")
+        if self.kind not in ("T1", "T2"):
+            np.copyto(out, part, casting="unsafe")
+            return
+        # A transposing copy, in blocks of ~64 stored rows: twice as fast as one strided copy.
+        axis = 1 if self.kind == "T1" else out.ndim - 1
+        inner = math.prod(out.shape[axis + 1:]) if self.kind == "T1" else 1
+        step = max(1, TRANSPOSE_ROWS // inner)
+        for start in range(0, out.shape[axis], step):
+            block = (slice(None),) * axis + (slice(start, start + step),)
+            np.copyto(out[block], part[block], casting="unsafe")
 
     def _whole_rows(self, index: tuple) -> np.ndarray | None:
         """The read itself, when a shard is a range of whole rows of the tensor as it is stored."""

@@ -25,21 +25,18 @@ from lm.model.params import leaf_paths
 from lm.model.transformer import Transformer, init_params
 from lm.store.hf_config import hf_config, is_hf_dir, read_hf_config
 from lm.store.loaded import Loaded
-
-__all__ = ["LazyTensor", "hf_config", "is_hf_dir", "lazy_params", "load_hf"]
 from lm.store.safetensors_files import TensorFiles, aligned_empty
 
-
-TRANSPOSE_ROWS = 64
+__all__ = ["LazyTensor", "hf_config", "is_hf_dir", "lazy_params", "load_hf"]
+TRANSPOSE_ROWS = 64  # stored rows per block of a transposing copy
 
 
 class LazyTensor:
     """A params leaf read on demand from an HF checkpoint: `x[index]` reads only that part."""
 
-    def __init__(self, files: TensorFiles, names: list[str], kind: str, shape: tuple, dtype):
-        self.files, self.names, self.kind = files, names, kind
+    def __init__(self, files: TensorFiles, names: list[str], kind: str, shape: tuple, dtype, stacked: bool):
+        self.files, self.names, self.kind, self.stacked = files, names, kind, stacked
         self.shape, self.dtype = tuple(shape), np.dtype(dtype)
-        self.stacked = len(names) > 1 or len(shape) > len(self._layer_shape(names[0]))
 
     @property
     def ndim(self) -> int:
@@ -52,9 +49,6 @@ class LazyTensor:
     @property
     def nbytes(self) -> int:
         return self.size * self.dtype.itemsize
-
-    def _layer_shape(self, name):
-        return self.files.shape(name)
 
     def __getitem__(self, index) -> np.ndarray:
         """The part `index` (basic slices) selects: from each layer's tensor only the rows that hold
@@ -154,7 +148,7 @@ def lazy_params(path, spec: ModelSpec, source: str) -> dict:
         *parents, leaf = m.lm.split("/")
         for part in parents:
             node = node.setdefault(part, {})
-        node[leaf] = LazyTensor(files, names, m.kind, shape, dtype)
+        node[leaf] = LazyTensor(files, names, m.kind, shape, dtype, m.stacked)
     return tree
 
 

@@ -16,6 +16,7 @@ from __future__ import annotations
 import json
 import pathlib
 
+import jax
 import ml_dtypes
 import numpy as np
 
@@ -180,8 +181,6 @@ def _layer(leaf, i: int) -> np.ndarray:
 
 
 def _leaves(params: dict) -> dict:
-    import jax
-
     return dict(zip(leaf_paths(params), jax.tree.leaves(params)))
 
 

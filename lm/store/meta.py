@@ -100,6 +100,6 @@ def tokenizer_source(path: str, config) -> str:
     if beside is not None:
         return str(beside)
     trained_with = config.data.tokenizer
-    if trained_with == "byte" or pathlib.Path(trained_with).is_file():
+    if trained_with == "byte" or pathlib.Path(trained_with).exists():  # a .model file or an HF directory
         return trained_with
-    raise UserError(f"'{path}': no tokenizer.model beside it and data.tokenizer='{trained_with}' is not a file")
+    raise UserError(f"'{path}': no tokenizer beside it and data.tokenizer='{trained_with}' does not exist")

@@ -147,7 +147,7 @@ def rope_to_hf(m) -> dict:
     return out
 
 
-def base_config(hf: dict, source: str) -> dict:
+def shared_keys(hf: dict, source: str) -> dict:
     """The model-section keys every family reads the same way."""
     try:
         n_heads = int(hf["num_attention_heads"])

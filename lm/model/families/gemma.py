@@ -6,7 +6,7 @@ beside global ones, each kind with its own RoPE base (Gemma 3)."""
 from __future__ import annotations
 
 from lm.errors import UserError
-from lm.model.families.common import base_config, hf_base, layer_types, llama_like, refuse, rope_config, rope_parameters, rope_to_hf
+from lm.model.families.common import shared_keys, hf_base, layer_types, llama_like, refuse, rope_config, rope_parameters, rope_to_hf
 
 MODEL_TYPES = ("gemma2", "gemma3_text")
 
@@ -17,7 +17,7 @@ def model_config(hf: dict, source: str) -> dict:
     refuse(hf, source, attention_bias=bool, use_bidirectional_attention=bool)
     if act not in ("gelu_pytorch_tanh", "gelu_tanh"):
         raise UserError(f"{source}: config.json key 'hidden_activation' = {act!r} is not supported (Gemma's is gelu_pytorch_tanh)")
-    out = base_config(hf, source) | dict(mlp="geglu", post_norms=True, embed_scale=True, qk_norm=gemma3,
+    out = shared_keys(hf, source) | dict(mlp="geglu", post_norms=True, embed_scale=True, qk_norm=gemma3,
                                          tie_embeddings=True)
     out["attn_scale"] = float(hf.get("query_pre_attn_scalar") or out["head_dim"]) ** -0.5
     out["attn_softcap"] = float(hf.get("attn_logit_softcapping") or 0.0)

@@ -3,7 +3,7 @@ trained here have this shape and export as Llama."""
 
 from __future__ import annotations
 
-from lm.model.families.common import base_config, hf_base, llama_like, refuse, rope_config, rope_parameters, rope_to_hf
+from lm.model.families.common import shared_keys, hf_base, llama_like, refuse, rope_config, rope_parameters, rope_to_hf
 
 MODEL_TYPES = ("llama", "mistral")
 
@@ -11,7 +11,7 @@ MODEL_TYPES = ("llama", "mistral")
 def model_config(hf: dict, source: str) -> dict:
     refuse(hf, source, hidden_act=lambda v: v != "silu", attention_bias=bool, mlp_bias=bool,
            pretraining_tp=lambda v: v != 1)
-    out = base_config(hf, source) | dict(mlp="swiglu")
+    out = shared_keys(hf, source) | dict(mlp="swiglu")
     out |= rope_config(rope_parameters(hf), hf, source)
     window = hf.get("sliding_window") if hf["model_type"] == "mistral" else None
     if window:

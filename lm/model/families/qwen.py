@@ -3,7 +3,7 @@
 
 from __future__ import annotations
 
-from lm.model.families.common import base_config, hf_base, layer_types, llama_like, refuse, rope_config, rope_parameters, rope_to_hf
+from lm.model.families.common import shared_keys, hf_base, layer_types, llama_like, refuse, rope_config, rope_parameters, rope_to_hf
 
 MODEL_TYPES = ("qwen2", "qwen3")
 
@@ -11,7 +11,7 @@ MODEL_TYPES = ("qwen2", "qwen3")
 def model_config(hf: dict, source: str) -> dict:
     qwen3 = hf["model_type"] == "qwen3"
     refuse(hf, source, hidden_act=lambda v: v != "silu", attention_bias=lambda v: qwen3 and bool(v))
-    out = base_config(hf, source) | dict(mlp="swiglu", qkv_bias=not qwen3 or bool(hf.get("attention_bias")),
+    out = shared_keys(hf, source) | dict(mlp="swiglu", qkv_bias=not qwen3 or bool(hf.get("attention_bias")),
                                          qk_norm=qwen3)
     out |= rope_config(rope_parameters(hf), hf, source)
     if hf.get("use_sliding_window") and hf.get("sliding_window"):

@@ -1,5 +1,6 @@
-"""`lm plan`: params, FLOPs and memory of a config; with --compile, the train step compiled ahead of
-time (lm.aot), which is why this verb sits above lm.aot."""
+"""`lm plan`: params, FLOPs and per-device memory of a config's steps on a target; with --compile,
+each step compiled ahead of time for it (lm.aot) with the compiler's figures beside the planner's;
+with --fit, the first setting that fits. This verb sits above lm.aot."""
 
 from __future__ import annotations
 
@@ -7,40 +8,54 @@ import os
 
 from lm.verb import with_overrides
 
+STEP_HELP = "pretrain,sft,sft_lora,dpo,rl,decode"
+
 
 def add_parser(sub) -> None:
-    pl = with_overrides(sub, "plan", help="params, FLOPs and memory of a config")
+    pl = with_overrides(sub, "plan", help="params, FLOPs and per-device memory of a config on a target")
     pl.add_argument("--config", default="configs/tiny.py")
+    pl.add_argument("--target", default="",
+                    help="what to plan for: a Cloud TPU slice (v4-N, v5e-N, v5p-N, v6e-N; N as in the slice's "
+                         "name) or cpu:N (N simulated CPU devices); default: the summary alone")
+    pl.add_argument("--steps", default="pretrain", help=f"comma-separated, among {STEP_HELP} (or 'all')")
     pl.add_argument("--compile", action="store_true",
-                    help="also compile the train step ahead of time on the mesh (nothing is allocated)")
-    pl.add_argument("--devices", type=int, default=0,
-                    help="plan for this many devices (a -1 mesh axis takes what is left); with --compile, "
-                         "simulate them as CPU devices (for meshes larger than this machine)")
+                    help="compile each step ahead of time for the target (a TPU slice needs lm[tpu]); "
+                         "nothing is allocated")
+    pl.add_argument("--fit", action="store_true",
+                    help="if a step does not fit, search remat, micro-batches and fsdp x tensor for the first "
+                         "setting that does, compiled to confirm")
+
+
+def _steps(text: str) -> tuple:
+    from lm.aot_steps import STEPS
+    from lm.errors import UserError
+
+    steps = STEPS if text == "all" else tuple(s.strip() for s in text.split(",") if s.strip())
+    unknown = [s for s in steps if s not in STEPS]
+    if unknown or not steps:
+        raise UserError(f"--steps {text}: unknown {unknown or 'nothing'}; expected some of {STEP_HELP} or 'all'")
+    return steps
 
 
 def run(args, overrides) -> int:
     from lm import plan
     from lm.config import load_config
-    from lm.cpu_flags import apply_cpu_defaults
+    from lm.hardware import parse_target
 
     config = load_config(args.config, overrides)
-    apply_cpu_defaults(config.model.compute_dtype)  # before anything imports jax
+    target = parse_target(args.target) if args.target else None
+    steps = _steps(args.steps)
     print(plan.summary(config.model, config.data.seq_len))
-    if args.devices:  # must happen before jax is first imported
-        os.environ["JAX_PLATFORMS"] = "cpu"
-        os.environ["XLA_FLAGS"] = f"--xla_force_host_platform_device_count={args.devices}"
-    fsdp, tensor = config.mesh.fsdp, config.mesh.tensor
-    if args.devices:
-        from lm.sharding import mesh_shape
+    if target is None:
+        return 0
+    # before jax is first imported: simulated CPU devices, or the CPU backend beside a TPU topology
+    os.environ["JAX_PLATFORMS"] = "cpu"
+    if target.platform == "cpu":
+        from lm.cpu_flags import apply_cpu_defaults
 
-        _, fsdp, tensor = mesh_shape(config.mesh, args.devices)
-    if fsdp > 0 and tensor > 0:  # a -1 among them takes what is left of --devices
-        print(plan.memory_summary(config.model, fsdp=fsdp, tensor=tensor))
-    if args.compile:
-        from lm.aot import compile_train_step
+        apply_cpu_defaults(config.model.compute_dtype)
+        os.environ["XLA_FLAGS"] = f"{os.environ.get('XLA_FLAGS', '')} " \
+                                  f"--xla_force_host_platform_device_count={target.chips}".strip()
+    from lm.plan_report import plan_target
 
-        figures = compile_train_step(config)
-        micro_rows = config.train.batch_size // config.train.micro_batches
-        rows = max(1, micro_rows // (figures["mesh"]["data"] * figures["mesh"]["fsdp"]))
-        print(plan.compile_report(figures, config.model, config.data.seq_len, rows))
-    return 0
+    return plan_target(config, target, steps, compile_=args.compile or args.fit, fit=args.fit)

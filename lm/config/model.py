@@ -87,3 +87,5 @@ def check(c) -> None:
             "expected >= 1 with model.rope_scaling")
     require(m.position != "rope" or head_dim(m) % 2 == 0, "model.head_dim", head_dim(m),
             "RoPE needs an even head dimension")
+    require(m.attention != "cudnn" or m.compute_dtype == "bfloat16", "model.attention", m.attention,
+            "cuDNN's fused attention takes bfloat16 only: set model.compute_dtype=bfloat16 (or another attention)")

@@ -29,6 +29,14 @@ def _abstract_cache(model, batch_size: int, max_len: int):
     return jax.eval_shape(init, jax.random.PRNGKey(0))
 
 
+def abstract_cache(model, batch_size: int, max_len: int, shardings=None):
+    """The cache's ShapeDtypeStructs (unboxed), carrying `shardings` when given: an AOT input."""
+    shapes = nn.unbox(_abstract_cache(model, batch_size, max_len))
+    if shardings is None:
+        return shapes
+    return jax.tree.map(lambda a, sh: jax.ShapeDtypeStruct(a.shape, a.dtype, sharding=sh), shapes, shardings)
+
+
 def init_cache(model, batch_size: int, max_len: int, shardings=None):
     """A zero cache for `batch_size` rows of up to `max_len` positions (placed with `shardings`)."""
     leaves, tree = jax.tree.flatten(shardings)

@@ -1,0 +1,76 @@
+#!/usr/bin/env bash
+# Checks lm on the accelerator JAX sees (GPU or TPU), prints one table (check | result | figure |
+# tolerance/target) and exits non-zero if any check failed or any step crashed.
+#
+#   make install && .venv/bin/pip install 'jax[cuda12]==0.10.2'   # GPU host ('jax[tpu]==0.10.2' on a TPU VM)
+#   bench/accelerator_check.sh
+#   ALLOW_CPU=1 bench/accelerator_check.sh        # no accelerator: everything on CPU, a smoke test
+#   QUICK=1 ...                                   # skip step 1, fewer tests in step 2, small shapes
+# Environment: PYTHON (default .venv/bin/python), TEST_WORKERS (step 1's pytest workers, default 4),
+# ACCEL_TESTS (step 2's test paths).
+#
+# 1. The whole test suite on this host's CPU, as `make test` runs it. tests/conftest.py sets
+#    JAX_PLATFORMS=cpu and 8 simulated devices: the mesh tests need 8 devices, which one accelerator
+#    does not have, and many xdist workers must not share one GPU or TPU.
+# 2. The model and loss numerics tests again, on the accelerator: JAX_PLATFORMS set but empty, which
+#    conftest keeps and jax reads as "pick the accelerator". One process (a TPU admits one), no GPU
+#    memory preallocation, and JAX_DEFAULT_MATMUL_PRECISION=highest, since the tests' float32
+#    tolerances assume exact float32 matmuls, not TF32. Three tests are left out: two are about XLA:CPU
+#    (kernels=auto picking the CPU kernels, the CPU compiler's bf16 residuals), one needs 8 devices.
+# 3. Attention: cudnn, xla and blockwise against the reference, on packed documents, kernel and model
+#    (bench/accelerator_check.py attention). No cuDNN on TPU or CPU: those rows are skipped, with why.
+# 4. Throughput: bench/train_throughput.py's bf16 train step, MFU against the chip's vendor bf16 peak
+#    (lm/hardware.py), or against the measured matmul peak when the chip is unknown (the row says so).
+set -uo pipefail
+cd "$(dirname "$0")/.." || exit 2
+py=${PYTHON:-.venv/bin/python}
+quick=${QUICK:-0}
+if [[ ! -x $py ]]; then
+    echo "no $py: run 'make install' first (or set PYTHON)" >&2
+    exit 2
+fi
+work=$(mktemp -d)
+trap 'rm -rf "$work"' EXIT
+rows=$work/rows.jsonl
+check() { "$py" bench/accelerator_check.py "$@" --rows "$rows"; }
+summary() { grep -E '[0-9]+ (passed|failed|error)' "$1" | tail -n 1; }
+
+export JAX_PLATFORMS=  # jax picks the accelerator; conftest keeps a set (even empty) value
+platform=$(check probe) || exit $?
+[[ $quick == 1 ]] && q=(--quick) || q=()
+
+echo "== 1. test suite on CPU"
+if [[ $quick == 1 ]]; then
+    check record --check "tests: whole suite (CPU)" --skip --figure "QUICK=1"
+else
+    JAX_PLATFORMS=cpu "$py" -m pytest -q -n "${TEST_WORKERS:-4}" --dist loadfile 2>&1 | tee "$work/suite.log"
+    rc=${PIPESTATUS[0]}
+    check record --check "tests: whole suite (CPU, 8 simulated devices)" --rc "$rc" \
+        --figure "$(summary "$work/suite.log")" --target "all pass"
+fi
+
+if [[ -n ${ACCEL_TESTS:-} ]]; then
+    read -ra tests <<<"$ACCEL_TESTS"
+elif [[ $quick == 1 ]]; then
+    tests=(tests/model/test_attention.py tests/model/test_blockwise.py)
+else
+    tests=(tests/model tests/train/test_losses.py tests/train/test_step.py)
+fi
+echo "== 2. numerics tests on $platform: ${tests[*]}"
+JAX_DEFAULT_MATMUL_PRECISION=highest XLA_PYTHON_CLIENT_PREALLOCATE=false "$py" -m pytest -q "${tests[@]}" \
+    --deselect tests/model/test_kernels.py::test_auto_picks_cpu_kernels_on_cpu \
+    --deselect tests/model/test_transformer.py::test_bfloat16_residuals_are_not_stacked_as_float32 \
+    --deselect tests/model/test_cache.py::test_cache_shardings_split_batch_and_kv_heads 2>&1 | tee "$work/accel.log"
+rc=${PIPESTATUS[0]}
+check record --check "tests: numerics on $platform" --rc "$rc" \
+    --figure "$(summary "$work/accel.log")" --target "all pass (3 CPU/mesh tests left out)"
+
+for step in attention throughput; do
+    echo "== ${step}"
+    if ! check "$step" "${q[@]}"; then
+        check record --check "$step step" --rc 1 --figure "crashed: see the log above"
+    fi
+done
+
+echo
+check table

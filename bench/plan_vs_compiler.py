@@ -1,0 +1,77 @@
+"""The planner (lm.plan_memory, no compile) against the TPU compiler (libtpu, ahead of time on this
+CPU machine) for the pretraining step of each config and slice below: per-device total bytes and
+the error. Needs the `tpu` extra. Prints one row per case as it compiles, then the table.
+
+    JAX_PLATFORMS=cpu python bench/plan_vs_compiler.py [--only 70b] [--steps pretrain,dpo]
+
+Settings: the config's own, except the micro-batch count (and for 8B the batch and mesh) chosen so
+that every chip holds one or a few rows of each micro-batch, as a run on that slice would.
+"""
+
+from __future__ import annotations
+
+import argparse
+import os
+import sys
+import time
+
+os.environ.setdefault("JAX_PLATFORMS", "cpu")
+sys.path.insert(0, os.path.join(os.path.dirname(__file__), ".."))
+
+from lm.aot import compile_step, target_devices  # noqa: E402
+from lm.config import load_config  # noqa: E402
+from lm.hardware import parse_target  # noqa: E402
+from lm.plan_memory import estimate  # noqa: E402
+
+CASES = [  # name, config, target, overrides
+    ("tiny", "configs/tiny.py", "v5e-4", []),
+    ("124M", "configs/gpt2_124m.py", "v5e-4", ["train.micro_batches=16"]),
+    ("Llama-3-8B", "configs/llama3_8b.py", "v5p-8", ["train.batch_size=32", "train.micro_batches=8"]),
+    ("Llama-3-8B", "configs/llama3_8b.py", "v5e-16",
+     ["train.batch_size=32", "train.micro_batches=8", "mesh.fsdp=4", "mesh.tensor=4", "data.seq_len=4096"]),
+    ("Llama-3-70B", "configs/llama3_70b.py", "v5p-64", ["train.micro_batches=256"]),
+    ("Llama-3-70B", "configs/llama3_70b.py", "v5p-128", ["train.micro_batches=128"]),
+    ("Llama-3.1-405B", "configs/llama3_405b.py", "v5p-512", []),
+]
+GiB = 2**30
+
+
+def main() -> int:
+    ap = argparse.ArgumentParser()
+    ap.add_argument("--only", default="", help="cases whose name or target contains this")
+    ap.add_argument("--steps", default="pretrain")
+    args = ap.parse_args()
+    rows = []
+    for name, path, target_name, overrides in CASES:
+        if args.only and args.only.lower() not in f"{name} {target_name}".lower():
+            continue
+        target = parse_target(target_name)
+        config = load_config(path, overrides)
+        devices = target_devices(target)
+        for step in args.steps.split(","):
+            est = estimate(config, step, target.chips, chip=target.chip)
+            start = time.perf_counter()
+            c = compile_step(step, config, devices)
+            took = time.perf_counter() - start
+            got = c.total
+            err = (est.total - got) / got if got else float("nan")
+            fits = "refused" if c.error else ("yes" if got <= target.hbm_bytes else "no")
+            row = (name, target_name, step, " ".join(overrides), est.total / GiB, (got or 0) / GiB, err,
+                   target.hbm_bytes / GiB, fits, took)
+            rows.append(row)
+            print(" | ".join(str(x) for x in row), flush=True)
+            if c.error:
+                print(f"  compiler: {c.error}", flush=True)
+    print()
+    print("| model | slice | step | settings | planner GiB | compiler GiB | error | HBM GiB | fits | compile s |")
+    print("|---|---|---|---|---:|---:|---:|---:|---|---:|")
+    for name, target, step, ov, est, got, err, hbm, fits, took in rows:
+        print(f"| {name} | {target} | {step} | {ov or '(config)'} | {est:.2f} | {got:.2f} | {err:+.1%} | {hbm:.0f} "
+              f"| {fits} | {took:.0f} |")
+    worst = max((abs(r[6]) for r in rows), default=0.0)
+    print(f"\nlargest error: {worst:.1%} (target: within 15%)")
+    return 0 if worst <= 0.15 else 1
+
+
+if __name__ == "__main__":
+    sys.exit(main())

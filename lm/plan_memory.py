@@ -1,0 +1,183 @@
+"""`lm plan`'s per-device memory of each step, without compiling: what a user can check before
+renting a pod, and what `lm plan --compile` puts beside the TPU compiler's figures.
+
+The state part is exact: every param's shape and logical axes come from the model itself
+(`jax.eval_shape` of its init: nothing is allocated), and the rule table says how many ways each
+is split on the mesh. The activations are a model of what XLA keeps alive at the peak of a
+step, in the terms of the step's shapes (rows per device, sequence, widths split over `tensor`):
+
+    the residual stream saved at every layer (the scan's carry; more under lighter remat)
+  + the backward pass of one layer, recomputed (attention scores of the `xla` path, MLP)
+  + the float32 logits with their gradient
+  + one layer's weights gathered over fsdp, in the compute dtype
+
+The coefficients of that model were fitted to the TPU compiler's figures for the configs in
+bench/plan_vs_compiler.py, whose table the README shows with the errors.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import math
+
+import flax.linen as nn
+import jax
+import numpy as np
+
+from lm.config import rules_table
+from lm.infer.generate import generation_context
+from lm.model.layers import ModelSpec
+from lm.model.transformer import Transformer, init_params
+from lm.sharding import mesh_shape
+
+ADAM_MOMENTS = 2  # float32 first and second moments per trained param
+# Fitted to the TPU compiler (bench/plan_vs_compiler.py): residual streams saved per layer by remat
+# policy, MLP-wide activations saved per layer without full remat, float32 buffers of the width of
+# the stream + MLP live in one layer's backward, float32 logits copies, and the temporaries of the
+# update when tensor parallelism splits it (in units of the trained float32 params).
+SAVED_STREAMS = {"full": 1.0, "dots_saveable": 4.0, "dots_with_no_batch_dims_saveable": 4.0, "none": 6.0}
+SAVED_MLP = 3.0
+LAYER_WORK = 8.0
+LOGIT_COPIES = 1.5
+TP_UPDATE = 1.9
+CODE_BYTES = 8 * 2**20
+TRAIN_STEPS = ("pretrain", "sft", "sft_lora", "dpo", "rl")
+
+
+@dataclasses.dataclass(frozen=True)
+class Leaf:
+    path: str
+    shape: tuple
+    names: tuple  # logical axis per dimension
+
+    @property
+    def size(self) -> int:
+        return math.prod(self.shape)
+
+
+def param_leaves(spec: ModelSpec) -> list[Leaf]:
+    """Every param of the model: shape and logical axes (from its init, abstractly)."""
+    boxed = jax.eval_shape(lambda r: init_params(Transformer(spec), r), jax.random.PRNGKey(0))
+    specs = nn.get_partition_spec(boxed)
+    shapes = nn.unbox(boxed)
+    out = []
+    for (path, leaf), names in zip(jax.tree_util.tree_leaves_with_path(shapes), jax.tree.leaves(
+            specs, is_leaf=lambda x: isinstance(x, jax.sharding.PartitionSpec))):
+        out.append(Leaf(jax.tree_util.keystr(path), tuple(leaf.shape), tuple(names)))
+    return out
+
+
+def splits(names, rules: dict, mesh: dict) -> int:
+    """How many ways the mesh splits an array with these logical axes (each mesh axis used once)."""
+    used, total = set(), 1
+    for name in names:
+        for axis in rules.get(name) or ():
+            if axis not in used:
+                used.add(axis)
+                total *= mesh[axis]
+    return total
+
+
+def leaf_bytes(leaf: Leaf, rules: dict, mesh: dict, itemsize: int) -> int:
+    return -(-leaf.size * itemsize // splits(leaf.names, rules, mesh))
+
+
+@dataclasses.dataclass
+class Estimate:
+    parts: dict  # name -> bytes per device
+
+    @property
+    def total(self) -> int:
+        return sum(self.parts.values())
+
+
+def mesh_sizes(config, devices: int) -> dict:
+    return dict(zip(("data", "fsdp", "tensor"), mesh_shape(config.mesh, devices)))
+
+
+def _is_adapter(path: str) -> bool:
+    return "lora_" in path
+
+
+def estimate(config, step: str, devices: int, lora_rank: int = 16, chip=None) -> Estimate:
+    """Per-device bytes of `step` (lm.aot_steps.STEPS) of `config` on `devices` devices."""
+    mesh = mesh_sizes(config, devices)
+    rules = dict(rules_table(config))
+    m = config.model
+    lora = step == "sft_lora"
+    spec = ModelSpec.from_config(m)
+    spec = dataclasses.replace(spec, lora_rank=(m.lora_rank or lora_rank) if lora else 0)
+    leaves = param_leaves(dataclasses.replace(spec, attention="xla", kernels="plain"))  # same params; traceable here
+    compute = np.dtype(m.compute_dtype).itemsize
+    if step == "decode":
+        return _decode(config, spec, leaves, rules, mesh, compute)
+    trained = [x for x in leaves if _is_adapter(x.path)] if lora else leaves
+    frozen = [x for x in leaves if not _is_adapter(x.path)] if lora else []
+    state = sum(leaf_bytes(x, rules, mesh, 4) for x in trained)
+    parts = {"params": state, "optimizer": ADAM_MOMENTS * state,
+             "grads": state * (2 if config.train.micro_batches > 1 else 1)}
+    if frozen:
+        parts["frozen base"] = sum(leaf_bytes(x, rules, mesh, compute) for x in frozen)
+    if step in ("dpo", "rl") and _has_reference(config, step):
+        parts["reference"] = sum(leaf_bytes(x, rules, mesh, compute) for x in leaves if not _is_adapter(x.path))
+    parts |= activations(config, step, spec, leaves, rules, mesh, compute, state)
+    if chip is not None and chip.vmem_bytes:  # temporaries this small stay in the chip's VMEM
+        temps = sum(v for k, v in parts.items() if k not in ("params", "optimizer", "frozen base", "reference"))
+        parts["in on-chip memory"] = -min(temps, chip.vmem_bytes)
+    parts["code"] = CODE_BYTES
+    return Estimate(parts)
+
+
+def _has_reference(config, step) -> bool:
+    if step == "dpo":
+        return config.dpo.loss != "simpo"
+    return config.rl.beta > 0 or config.rl.algo == "ppo"
+
+
+def batch_rows(config, step: str, mesh: dict, rules: dict) -> int:
+    """Rows of one micro-batch on one device (a preference pair counts twice)."""
+    t = config.train
+    rows = t.batch_size
+    if step == "rl":
+        r = config.rl
+        rows = r.prompts_per_step * r.group_size // r.minibatches
+    rows //= t.micro_batches
+    rows = -(-rows // splits(("batch",), rules, mesh))
+    return rows * (2 if step == "dpo" else 1)
+
+
+def activations(config, step, spec: ModelSpec, leaves, rules, mesh, c, trained_f32: int) -> dict:
+    """The activation terms (see the module doc) of one micro-batch on one device."""
+    r, T = batch_rows(config, step, mesh, rules), config.data.seq_len
+    d, ff, L, V = spec.d_model, spec.d_ff, spec.n_layers, spec.vocab_size
+    heads = spec.n_heads / splits(("act_heads",), rules, mesh)
+    mlp = ff / splits(("act_mlp",), rules, mesh)
+    vocab = V / splits(("act_vocab",), rules, mesh)
+    length = T / splits(("length",), rules, mesh)
+    embed = d / splits(("act_embed",), rules, mesh)
+    stream = r * length * embed * c  # one layer's residual stream
+    saved = SAVED_STREAMS.get(spec.remat, SAVED_STREAMS["none"])
+    parts = {"saved residuals": int(L * (saved * stream + (spec.remat != "full") * SAVED_MLP * r * length * mlp * c))}
+    if spec.attention in ("xla", "reference", "cudnn"):
+        parts["attention scores"] = int(r * heads * length * T * (4 + 2 * c))
+    parts["layer backward"] = int(LAYER_WORK * r * length * (embed + mlp) * 4)
+    parts["logits"] = int(LOGIT_COPIES * r * length * vocab * 4)
+    # the embedding's and head's gradients before they are split over fsdp (float32)
+    parts["table gradients"] = int(3 * V / splits(("vocab",), rules, mesh) * d * 4)
+    if c < 4:
+        parts["params in compute dtype"] = int(trained_f32 * c / 4)
+    if mesh["tensor"] > 1:
+        parts["tensor-parallel update"] = int(TP_UPDATE * trained_f32)
+    return parts
+
+
+def _decode(config, spec, leaves, rules, mesh, c) -> Estimate:
+    """One decode step: params in the compute dtype, the KV cache, one layer's working set."""
+    batch = splits(("batch",), rules, mesh)
+    rows = -(-config.eval.batch_size // batch) * batch // batch
+    length = generation_context(spec)
+    kv = spec.n_kv_heads / splits(("act_kv_heads",), rules, mesh)
+    parts = {"params": sum(leaf_bytes(x, rules, mesh, c) for x in leaves),
+             "kv cache": int(2 * spec.n_layers * rows * kv * length * spec.head_dim * c),
+             "logits": int(rows * spec.vocab_size / splits(("act_vocab",), rules, mesh) * 4)}
+    return Estimate(parts)

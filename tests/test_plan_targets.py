@@ -1,0 +1,76 @@
+"""Compile targets (Cloud TPU slice names, simulated CPU devices), the planner's exact state
+bytes, `lm plan --fit`'s candidates and the one-line refusals."""
+
+import importlib.util
+
+import pytest
+
+from lm import plan
+from lm.config import load_config
+from lm.errors import UserError
+from lm.hardware import GPUS, TPUS, chip_of_kind, parse_target
+from lm.plan_fit import candidates
+from lm.plan_memory import estimate
+
+
+@pytest.mark.parametrize("name, chips, topology", [
+    ("v5p-8", 4, "v5p:2x2x1"), ("v5p-64", 32, "v5p:2x4x4"), ("v5p-512", 256, "v5p:4x8x8"),
+    ("v4-8", 4, "v4:2x2x1"), ("v5e-4", 4, "v5e:2x2"), ("v5e-16", 16, "v5e:4x4"), ("v6e-256", 256, "v6e:16x16"),
+])
+def test_slice_names_map_to_chips_and_topologies(name, chips, topology):
+    t = parse_target(name)
+    assert (t.platform, t.chips, t.topology) == ("tpu", chips, topology)
+    assert t.hbm_bytes == TPUS[name.split("-")[0]].hbm_bytes
+
+
+def test_cpu_target_and_refusals():
+    assert (parse_target("cpu:8").platform, parse_target("cpu:8").chips) == ("cpu", 8)
+    for bad, says in [("v5p-6", "no v5p slice of that size"), ("v9-8", "expected cpu:N or a TPU slice"),
+                      ("cpu:0", "expected cpu:N"), ("v5e-12", "sizes: v5e-1, v5e-4")]:
+        with pytest.raises(UserError, match=says):
+            parse_target(bad)
+
+
+def test_device_kinds_name_their_chips():
+    assert chip_of_kind("TPU v5 lite") is TPUS["v5e"]
+    assert chip_of_kind("NVIDIA H100 80GB HBM3") is GPUS["H100"]
+    assert chip_of_kind("NVIDIA H200") is GPUS["H200"]
+    assert chip_of_kind("cpu") is None
+
+
+def test_planner_state_is_exact_for_llama3_8b():
+    # fsdp=8 splits every weight 8 ways except the norms (replicated): 266,240 norm params stay whole
+    config = load_config("configs/llama3_8b.py", ["mesh.fsdp=8", "train.micro_batches=1"])
+    parts = estimate(config, "pretrain", 8).parts
+    n, norms = plan.param_count(config.model), plan.param_breakdown(config.model)["norms"]
+    assert parts["params"] == 4 * ((n - norms) // 8 + norms)
+    assert parts["optimizer"] == 2 * parts["params"] and parts["grads"] == parts["params"]
+    two = estimate(load_config("configs/llama3_8b.py", ["mesh.fsdp=8", "train.micro_batches=2"]), "pretrain", 8)
+    assert two.parts["grads"] == 2 * parts["params"]  # the accumulator beside one micro-batch's
+
+
+def test_lora_and_reference_steps_hold_their_frozen_models():
+    config = load_config("configs/llama3_8b.py", ["mesh.fsdp=8"])
+    full = estimate(config, "pretrain", 8).parts
+    lora = estimate(config, "sft_lora", 8).parts
+    assert lora["frozen base"] == pytest.approx(full["params"] / 2, rel=1e-3)  # bf16, not float32
+    assert lora["params"] < full["params"] / 20  # rank-16 adapters only
+    dpo = estimate(config, "dpo", 8).parts
+    assert dpo["reference"] == pytest.approx(full["params"] / 2, rel=1e-3)
+
+
+def test_fit_candidates_start_with_the_config_and_change_little():
+    config = load_config("configs/llama3_70b.py")
+    found = candidates(config, "pretrain", 32)
+    first = found[0]
+    assert (first.model.remat, first.train.micro_batches, first.mesh.fsdp, first.mesh.tensor) == ("full", 4, 4, 8)
+    assert all(c.train.batch_size == 1024 for c in found)
+    assert any(c.train.micro_batches == 256 for c in found)
+
+
+def test_tpu_target_without_libtpu_says_what_to_install(monkeypatch):
+    from lm import aot
+
+    monkeypatch.setattr(importlib.util, "find_spec", lambda name: None)
+    with pytest.raises(UserError, match=r"pip install 'lm\[tpu\]'"):
+        aot.target_devices(parse_target("v5p-64"))

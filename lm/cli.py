@@ -104,8 +104,12 @@ def _close_progress_bars() -> None:
 
 def run() -> None:
     """The `lm` console script: huge-page malloc for the step's temporaries (lm.hugepages), then main."""
+    import os
+
+    from lm.hardware import quiet_absent_tpu
     from lm.hugepages import reexec_with_hugepages
 
+    quiet_absent_tpu(os.environ)
     reexec_with_hugepages()
     sys.exit(main())
 

@@ -93,3 +93,31 @@ def parse_target(text: str) -> Target:
         sizes = ", ".join(f"{prefix}-{c * chip.cores_per_chip_in_name}" for c in shapes)
         raise UserError(f"--target {text}: no {prefix} slice of that size; sizes: {sizes}")
     return Target("tpu", text, chips, chip, f"{prefix}:{shapes[chips]}")
+
+
+GOOGLE_PCI_VENDOR = "0x1ae0"
+
+
+def has_tpu(pci_root: str = "/sys/bus/pci/devices") -> bool:
+    """Whether this machine has TPU chips (Google's PCI vendor id), as jax itself decides."""
+    import glob
+
+    for vendor in glob.glob(f"{pci_root}/*/vendor"):
+        try:
+            with open(vendor) as f:
+                if f.read().strip() == GOOGLE_PCI_VENDOR:
+                    return True
+        except OSError:
+            continue
+    return False
+
+
+def quiet_absent_tpu(environ) -> None:
+    """With libtpu installed (lm[tpu]) but no TPU here, jax still starts the TPU runtime, which looks
+    for its VM's metadata and prints a screen of warnings on every command: say there is none.
+    Call before jax starts a backend; the user's own settings win."""
+    if environ.get("JAX_PLATFORMS") or has_tpu():
+        return
+    environ.setdefault("TPU_SKIP_MDS_QUERY", "1")
+    environ.setdefault("TPU_ACCELERATOR_TYPE", "v5e-1")  # any known type; there are no chips to match it
+    environ.setdefault("TPU_WORKER_HOSTNAMES", "localhost")

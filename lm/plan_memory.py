@@ -29,6 +29,7 @@ from lm.infer.generate import generation_context
 from lm.model.layers import ModelSpec
 from lm.model.transformer import Transformer, init_params
 from lm.sharding import mesh_shape
+from lm.train.rl_losses import RlSettings
 
 ADAM_MOMENTS = 2  # float32 first and second moments per trained param
 # Fitted to the TPU compiler (bench/plan_vs_compiler.py): residual streams saved per layer by remat
@@ -39,8 +40,8 @@ SAVED_STREAMS = {"full": 1.0, "dots_saveable": 4.0, "dots_with_no_batch_dims_sav
 SAVED_MLP = 3.0
 LAYER_WORK = 8.0
 LOGIT_COPIES = 1.5
-TP_UPDATE = 1.9
-CODE_BYTES = 8 * 2**20
+TP_UPDATE = 1.5
+CODE_BYTES = 6 * 2**20
 TRAIN_STEPS = ("pretrain", "sft", "sft_lora", "dpo", "rl")
 
 
@@ -85,6 +86,7 @@ def leaf_bytes(leaf: Leaf, rules: dict, mesh: dict, itemsize: int) -> int:
 @dataclasses.dataclass
 class Estimate:
     parts: dict  # name -> bytes per device
+    resident: dict = dataclasses.field(default_factory=dict)  # held beside the step, not read by it
 
     @property
     def total(self) -> int:
@@ -118,20 +120,23 @@ def estimate(config, step: str, devices: int, lora_rank: int = 16, chip=None) ->
              "grads": state * (2 if config.train.micro_batches > 1 else 1)}
     if frozen:
         parts["frozen base"] = sum(leaf_bytes(x, rules, mesh, compute) for x in frozen)
+    resident = {}
     if step in ("dpo", "rl") and _has_reference(config, step):
-        parts["reference"] = sum(leaf_bytes(x, rules, mesh, compute) for x in leaves if not _is_adapter(x.path))
+        reference = sum(leaf_bytes(x, rules, mesh, compute) for x in leaves if not _is_adapter(x.path))
+        # RL's update reads the reference's log-probs from its batch (the scoring pass made them)
+        (resident if step == "rl" else parts)["reference"] = reference
     parts |= activations(config, step, spec, leaves, rules, mesh, compute, state)
     if chip is not None and chip.vmem_bytes:  # temporaries this small stay in the chip's VMEM
         temps = sum(v for k, v in parts.items() if k not in ("params", "optimizer", "frozen base", "reference"))
         parts["in on-chip memory"] = -min(temps, chip.vmem_bytes)
     parts["code"] = CODE_BYTES
-    return Estimate(parts)
+    return Estimate(parts, resident)
 
 
 def _has_reference(config, step) -> bool:
     if step == "dpo":
         return config.dpo.loss != "simpo"
-    return config.rl.beta > 0 or config.rl.algo == "ppo"
+    return RlSettings.from_config(config.rl).needs_reference
 
 
 def batch_rows(config, step: str, mesh: dict, rules: dict) -> int:
@@ -159,7 +164,9 @@ def activations(config, step, spec: ModelSpec, leaves, rules, mesh, c, trained_f
     saved = SAVED_STREAMS.get(spec.remat, SAVED_STREAMS["none"])
     parts = {"saved residuals": int(L * (saved * stream + (spec.remat != "full") * SAVED_MLP * r * length * mlp * c))}
     if spec.attention in ("xla", "reference", "cudnn"):
-        parts["attention scores"] = int(r * heads * length * T * (4 + 2 * c))
+        parts["attention scores"] = int(r * heads * length * T * (4 + c))  # float32 scores, probs
+    elif spec.remat != "full":  # blockwise keeps q, k, v and its output per layer for its backward
+        parts["saved residuals"] += int(L * 4 * r * length * heads * spec.head_dim * c)
     parts["layer backward"] = int(LAYER_WORK * r * length * (embed + mlp) * 4)
     parts["logits"] = int(LOGIT_COPIES * r * length * vocab * 4)
     # the embedding's and head's gradients before they are split over fsdp (float32)

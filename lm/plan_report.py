@@ -13,7 +13,9 @@ from lm.plan_memory import Estimate, batch_rows, estimate, mesh_sizes
 
 
 def _gib(n) -> str:
-    return "-" if n is None else f"{n / 2**30:.2f} GiB"
+    if n is None:
+        return "-"
+    return f"{n / 2**30:.2f} GiB" if abs(n) >= 2**30 else f"{n / 2**20:.1f} MiB"
 
 
 def error(estimated: int, compiled: int | None) -> str:
@@ -35,7 +37,9 @@ def step_table(name: str, config, target: Target, est: Estimate, compiled=None) 
             lines.append(f"  {part:<24}{'':>12}{_gib(getattr(compiled, part)):>12}")
     got = compiled.total if compiled is not None else None
     lines.append(f"  {'total':<24}{_gib(est.total):>12}{_gib(got):>12}  {error(est.total, got)}")
-    lines.append(_fits(target, est.total, compiled))
+    for part, value in est.resident.items():
+        lines.append(f"  also resident: {part} {_gib(value)} (not read by this step; add it to the total)")
+    lines.append(_fits(target, est.total + sum(est.resident.values()), compiled))
     if compiled is not None and compiled.flops:
         lines += _cost(target, compiled)
     if compiled is not None and compiled.error:
@@ -67,7 +71,7 @@ def _cost(target: Target, compiled) -> list[str]:
 
 
 def plan_target(config, target: Target, steps, compile_: bool, fit: bool) -> int:
-    """Prints a table per step; returns 1 when a step does not fit (after --fit's search), else 0."""
+    """Prints a table per step; returns 1 when --fit found no setting for a step that does not fit, else 0."""
     from lm.aot import compile_step, target_devices
 
     devices = target_devices(target) if compile_ else None
@@ -77,10 +81,8 @@ def plan_target(config, target: Target, steps, compile_: bool, fit: bool) -> int
         compiled = compile_step(name, config, devices) if compile_ else None
         print()
         print(step_table(name, config, target, est, compiled))
-        ok = _ok(target, est, compiled)
-        if not ok and fit:
-            ok = _fit(config, name, target, devices)
-        worst = max(worst, 0 if ok else 1)
+        if fit and not _ok(target, est, compiled) and not _fit(config, name, target, devices):
+            worst = 1
     return worst
 
 

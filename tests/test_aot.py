@@ -1,8 +1,14 @@
-"""Ahead-of-time compilation of a full-size config on 8 simulated devices (nothing allocated)."""
+"""Ahead-of-time compilation on 8 simulated CPU devices (nothing allocated): a full-size config's
+train step, and every stage's step of a small one, each with the planner's state bytes exact."""
+
+import pytest
 
 from lm import plan
-from lm.aot import compile_train_step
+from lm.aot import compile_step, compile_train_step, target_devices
+from lm.aot_steps import STEPS
 from lm.config import load_config
+from lm.hardware import parse_target
+from lm.plan_memory import estimate
 
 
 def test_llama3_8b_compiles_fully_sharded():
@@ -12,3 +18,18 @@ def test_llama3_8b_compiles_fully_sharded():
     # Arguments are params + Adam's two moments, all float32 and split 8 ways.
     expected = 12 * plan.param_count(config.model) / 8
     assert abs(figures["argument_bytes_per_device"] - expected) / expected < 0.01
+
+
+SMALL = ["mesh.data=2", "mesh.fsdp=2", "mesh.tensor=2", "train.batch_size=8", "data.seq_len=64",
+         "model.max_seq_len=64", "eval.batch_size=8", "rl.prompts_per_step=4", "rl.group_size=2"]
+
+
+@pytest.mark.parametrize("step", STEPS)
+def test_every_step_compiles_and_its_arguments_are_the_planners(step):
+    config = load_config("configs/tiny.py", SMALL)
+    c = compile_step(step, config, target_devices(parse_target("cpu:8")))
+    assert c.error is None and c.arguments > 0
+    parts = estimate(config, step, 8).parts
+    args = sum(parts.get(k, 0) for k in ("params", "optimizer", "frozen base", "reference", "kv cache"))
+    # the planner's state and frozen models against the compiler's arguments (plus the batch, the step, the rng)
+    assert abs(c.arguments - args) / args < 0.05, (step, c.arguments, parts)

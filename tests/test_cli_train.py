@@ -123,10 +123,12 @@ def test_empty_corpus_is_a_user_error(tmp_path, capsys):
 def test_plan_prints_counts(capsys):
     assert main(["plan", "--config", "configs/llama3_8b.py"]) == 0
     out = capsys.readouterr().out
-    assert "8,030,261,248" in out and "per device" not in out  # fsdp=-1 needs a device count
-    assert main(["plan", "--config", "configs/llama3_8b.py", "--devices", "16"]) == 0
-    # 8.03e9 params / 16 devices x (4 + 4 + 8) bytes = 8.03e9 bytes per device
-    assert "fsdp=16 x tensor=1" in (out := capsys.readouterr().out) and "total 8.03GB" in out
+    assert "8,030,261,248" in out and "per device" not in out  # no target: the counts alone
+    assert main(["plan", "--config", "configs/llama3_8b.py", "--target", "v5p-32"]) == 0
+    # 8.03e9 params / 16 chips x 4 bytes = 1.87 GiB, Adam's moments twice that
+    out = capsys.readouterr().out
+    assert "fsdp=16 tensor=1" in out and "params                      1.87 GiB" in out
+    assert "optimizer                   3.74 GiB" in out and "does NOT fit" in out  # 32 rows of 8192 a chip
 
 
 def test_tokenizer_train_then_pretrain_with_it(tmp_path, capsys, corpus):

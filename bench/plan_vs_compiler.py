@@ -38,6 +38,10 @@ GiB = 2**30
 STATE = ("params", "optimizer", "frozen base", "reference", "code")  # arguments, not temporaries
 
 
+def size(gib: float) -> str:
+    return f"{gib:.2f}" if gib >= 1 else f"{gib * 1024:.1f} MiB"
+
+
 def main() -> int:
     ap = argparse.ArgumentParser()
     ap.add_argument("--only", default="", help="cases whose name or target contains this")
@@ -71,7 +75,7 @@ def main() -> int:
     print("| model | slice | step | settings | planner GiB | compiler GiB | error | HBM GiB | fits | compile s |")
     print("|---|---|---|---|---:|---:|---:|---:|---|---:|")
     for name, target, step, ov, est, got, err, hbm, fits, took in rows:
-        print(f"| {name} | {target} | {step} | {ov or '(config)'} | {est:.2f} | {got:.2f} | {err:+.1%} | {hbm:.0f} "
+        print(f"| {name} | {target} | {step} | {ov or '(config)'} | {size(est)} | {size(got)} | {err:+.1%} | {hbm:.0f} "
               f"| {fits} | {took:.0f} |")
     worst = max((abs(r[6]) for r in rows), default=0.0)
     print(f"\nlargest error: {worst:.1%} (target: within 15%)")

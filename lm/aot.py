@@ -83,9 +83,13 @@ class Compiled:
 
 
 def compile_step(name: str, config, devices) -> Compiled:
-    """Lowers and compiles step `name` of `config` for `devices`; never raises for memory."""
-    build = build_step(name, config, devices)
+    """Lowers and compiles step `name` of `config` for `devices`; a setting the step refuses (a batch
+    the mesh cannot split) or a program over the chip's memory comes back as `error`."""
     start = time.perf_counter()
+    try:
+        build = build_step(name, config, devices)
+    except UserError as e:
+        return Compiled(name, config, 0, time.perf_counter() - start, error=str(e))
     try:
         compiled = build.fn.lower(*build.args).compile()
     except jax.errors.JaxRuntimeError as e:

@@ -33,3 +33,34 @@ class Stopped(Exception):
 def with_overrides(sub, name: str, **kw) -> argparse.ArgumentParser:
     """A verb's parser whose help ends with how to override config keys."""
     return sub.add_parser(name, epilog=OVERRIDES_HELP, formatter_class=argparse.RawDescriptionHelpFormatter, **kw)
+
+
+def add_distributed(p: argparse.ArgumentParser) -> None:
+    """The multi-host flags every verb that runs a model takes (`start_distributed` acts on them)."""
+    g = p.add_argument_group("multi-host", "every process runs the same command; process 0 alone writes files "
+                                           "and prints results")
+    g.add_argument("--distributed", action="store_true",
+                   help="call jax.distributed.initialize() (auto-detects TPU pods, Slurm, ...)")
+    g.add_argument("--coordinator", help="host:port of process 0 (else auto-detected; implies --distributed)")
+    g.add_argument("--num-processes", type=int, help="number of processes (implies --distributed)")
+    g.add_argument("--process-id", type=int, help="this process's index (implies --distributed)")
+
+
+def start_distributed(args: argparse.Namespace) -> None:
+    """jax.distributed.initialize() when the flags of `add_distributed` ask for it: after the CPU
+    flags are set, before any computation. A coordinator, a count or an index alone also asks (a
+    process that ran alone would write the same files as its peers). Calling it again is a no-op."""
+    values = (args.coordinator, args.num_processes, args.process_id)
+    if not args.distributed and all(v is None for v in values):
+        return
+    import jax
+
+    if not jax.distributed.is_initialized():
+        jax.distributed.initialize(*values)
+
+
+def is_main() -> bool:
+    """Whether this process prints results and writes files (process 0; the only one without --distributed)."""
+    import jax
+
+    return jax.process_index() == 0

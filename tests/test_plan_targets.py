@@ -74,3 +74,22 @@ def test_tpu_target_without_libtpu_says_what_to_install(monkeypatch):
     monkeypatch.setattr(importlib.util, "find_spec", lambda name: None)
     with pytest.raises(UserError, match=r"pip install 'lm\[tpu\]'"):
         aot.target_devices(parse_target("v5p-64"))
+
+
+def test_plan_compiles_on_cpu_devices_and_prints_both_columns(capsys):
+    from lm.cli import main
+
+    args = ["plan", "--config", "configs/tiny.py", "--target", "cpu:8", "--compile", "--steps", "pretrain,decode",
+            "--config.mesh.data=4", "--config.mesh.fsdp=2", "--config.train.batch_size=8"]
+    assert main(args) == 0
+    out = capsys.readouterr().out
+    assert "pretrain: mesh data=4 fsdp=2 tensor=1" in out and "decode: mesh" in out
+    assert out.count("arguments") == 2 and out.count("temporaries") == 2  # the compiler's column, per step
+    assert "FLOPs per device" in out and "(CPU devices: no memory limit to check)" in out
+
+
+def test_plan_rejects_unknown_steps(capsys):
+    from lm.cli import main
+
+    assert main(["plan", "--config", "configs/tiny.py", "--target", "cpu:8", "--steps", "pretrain,warmup"]) == 2
+    assert "--steps pretrain,warmup: unknown ['warmup']" in capsys.readouterr().err

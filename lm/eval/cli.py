@@ -6,6 +6,7 @@ import json
 import pathlib
 
 from lm.errors import UserError
+from lm.verb import add_distributed, is_main, start_distributed
 
 
 def add_parser(sub) -> None:
@@ -22,6 +23,7 @@ def add_parser(sub) -> None:
     p.add_argument("--batch-size", type=int, default=0, help="rows per scoring batch (default: eval.batch_size)")
     p.add_argument("--tokenizer", help="a sentencepiece .model (default: the one the model was trained with)")
     p.add_argument("--no-progress", action="store_true", help="no progress bars")
+    add_distributed(p)
 
 
 def evaluate(loaded, specs: list[str], batch_size: int = 0, progress: bool = True, overrides=()) -> dict:
@@ -68,11 +70,15 @@ def run(args, overrides=()) -> int:
     from lm.cpu_flags import apply_cpu_defaults
 
     apply_cpu_defaults("float32")
+    start_distributed(args)
     from lm.store.load import load_trained
 
+    # every process scores every request (the model spans them all) and so holds the whole report
+    main = is_main()
     report = evaluate(load_trained(args.workdir, args.params, args.tokenizer), args.tasks, args.batch_size,
-                      not args.no_progress, overrides)
-    print(table(report))
-    if args.out:
-        pathlib.Path(args.out).write_text(json.dumps(report, indent=1))
+                      not args.no_progress and main, overrides)
+    if main:
+        print(table(report))
+        if args.out:
+            pathlib.Path(args.out).write_text(json.dumps(report, indent=1))
     return 0

@@ -6,6 +6,8 @@ import json
 import os
 import pathlib
 
+from lm.verb import add_distributed, is_main, start_distributed
+
 
 def add_parser(sub) -> None:
     p = sub.add_parser("harness", help="run lm-evaluation-harness tasks against a run or an export",
@@ -26,6 +28,7 @@ def add_parser(sub) -> None:
     p.add_argument("--offline", action="store_true", help="never reach the Hugging Face Hub (local datasets only)")
     p.add_argument("--verbose", action="store_true", help="the harness's own info logs and progress bars")
     p.add_argument("--out", help="write the harness's results (JSON) here")
+    add_distributed(p)
 
 
 def run(args, overrides=()) -> int:
@@ -35,6 +38,7 @@ def run(args, overrides=()) -> int:
     from lm.cpu_flags import apply_cpu_defaults
 
     apply_cpu_defaults("float32")
+    start_distributed(args)
     from lm.eval.harness import harness_table, run_harness
 
     if args.verbose:
@@ -46,7 +50,9 @@ def run(args, overrides=()) -> int:
                           include_path=args.include_path, limit=args.limit, batch_size=args.batch_size,
                           num_fewshot=args.num_fewshot, tokenizer=args.tokenizer,
                           apply_chat_template=args.apply_chat_template, verbose=args.verbose)
-    print(harness_table(results))
-    if args.out:
-        pathlib.Path(args.out).write_text(json.dumps(results, indent=1, default=str))
+    # each process is the harness's only rank (it shards no requests), so all hold the same results
+    if is_main():
+        print(harness_table(results))
+        if args.out:
+            pathlib.Path(args.out).write_text(json.dumps(results, indent=1, default=str))
     return 0

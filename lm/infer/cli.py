@@ -3,11 +3,13 @@
 from __future__ import annotations
 
 import json
+import os
 import pathlib
 import sys
 
 from lm.data.jsonl import read_jsonl
 from lm.errors import UserError
+from lm.verb import add_distributed, is_main, start_distributed
 
 BATCH = 16  # prompts decoded together from a --prompts file
 
@@ -36,6 +38,7 @@ def add_parser(sub) -> None:
     p.add_argument("--chat", action="store_true",
                    help="answer as the assistant with the chat template: --prompt is a user turn; --prompts lines "
                         "may hold {\"messages\": [...]} (ending with a user turn) instead of a prompt")
+    add_distributed(p)
 
 
 def read_prompts(path: str, chat: bool = False) -> list[dict]:
@@ -60,6 +63,7 @@ def read_prompts(path: str, chat: bool = False) -> list[dict]:
 
 
 def run(args, overrides=()) -> int:
+    start_distributed(args)
     from lm.infer.sampling import SamplingParams
     from lm.infer.session import Session
     from lm.store.load import load_trained
@@ -71,6 +75,9 @@ def run(args, overrides=()) -> int:
     rows = read_prompts(args.prompts, args.chat) if args.prompts else None
     session = Session(load_trained(args.workdir, args.params, args.tokenizer))
     stop = tuple(args.stop)
+    # every process decodes every prompt (the model spans them all, and the same seed draws the
+    # same tokens); process 0 alone shows and writes the results
+    main = is_main()
 
     def generate(prompts: list, **kw):
         if not args.chat:
@@ -79,12 +86,17 @@ def run(args, overrides=()) -> int:
         return session.chat(turns, sampling, stop=stop, **kw)
 
     if rows is None:
-        if not args.chat:
+        if not args.chat and main:
             sys.stdout.write(args.prompt)
-        result = generate([args.prompt], stream=lambda piece: (sys.stdout.write(piece), sys.stdout.flush()))[0]
-        print(f"\n[{result['finish_reason']}: {len(result['ids'])} tokens]", file=sys.stderr)
+        shown = (lambda piece: (sys.stdout.write(piece), sys.stdout.flush())) if main else (lambda piece: None)
+        result = generate([args.prompt], stream=shown)[0]
+        if main:
+            print(f"\n[{result['finish_reason']}: {len(result['ids'])} tokens]", file=sys.stderr)
         return 0
-    out = open(args.out, "w", encoding="utf-8") if args.out else sys.stdout
+    if not main:
+        out = open(os.devnull, "w", encoding="utf-8")
+    else:
+        out = open(args.out, "w", encoding="utf-8") if args.out else sys.stdout
     try:
         for start in range(0, len(rows), args.batch_size):
             batch = rows[start: start + args.batch_size]
@@ -92,8 +104,8 @@ def run(args, overrides=()) -> int:
                 out.write(json.dumps(row | {"completion": result["text"], "finish_reason": result["finish_reason"],
                                             "tokens": result["ids"], "logprobs": result["logprobs"]}) + "\n")
     finally:
-        if args.out:
+        if out is not sys.stdout:
             out.close()
-    if args.out:
+    if args.out and main:
         print(f"wrote {len(rows)} completions to {args.out}", file=sys.stderr)
     return 0

@@ -9,7 +9,7 @@ from typing import Callable
 
 from lm.errors import UserError
 from lm.infer import score_cli
-from lm.verb import Stopped, with_overrides
+from lm.verb import Stopped, add_distributed, is_main, start_distributed, with_overrides
 
 
 class Pretrain:
@@ -24,11 +24,7 @@ class Pretrain:
                                       "Hugging Face model directory (its architecture and tokenizer are used)")
         t.add_argument("--resume", action="store_true", help="continue from the newest checkpoint in --workdir")
         t.add_argument("--no-progress", action="store_true", help="no progress bar (logs only)")
-        t.add_argument("--distributed", action="store_true",
-                       help="multi-host: call jax.distributed.initialize() (auto-detects TPU pods, Slurm, ...)")
-        t.add_argument("--coordinator", help="with --distributed: host:port of process 0 (else auto-detected)")
-        t.add_argument("--num-processes", type=int, help="with --distributed: number of processes")
-        t.add_argument("--process-id", type=int, help="with --distributed: this process's index")
+        add_distributed(t)
 
     @staticmethod
     def run(args, overrides) -> int:
@@ -46,10 +42,7 @@ class Pretrain:
             start = init_config(init)
             config = continued_config(config, start, init, tokenizer_source(init, start))
         apply_cpu_defaults(config.model.compute_dtype)  # before anything imports jax
-        if args.distributed:
-            import jax
-
-            jax.distributed.initialize(args.coordinator, args.num_processes, args.process_id)
+        start_distributed(args)
         from lm.train.pretrain import train
 
         summary = train(config, args.workdir, resume=args.resume, show_progress=not args.no_progress)
@@ -60,7 +53,7 @@ class Pretrain:
                   f"{config.train.steps}); nothing left to do, no file was changed. To train further, "
                   "raise --config.train.steps", file=sys.stderr)
             return 0
-        if summary["eval_loss"] is not None:
+        if summary["eval_loss"] is not None and is_main():
             print(f"done: step {summary['step']}, held-out loss {summary['eval_loss']:.4f} "
                   f"(unigram baseline {summary['unigram_baseline']:.4f}); see {args.workdir}/loss.png")
         return 0
@@ -95,6 +88,7 @@ class FineTune:
                                         "fine-tuning defaults, lm/train/finetune.py FINETUNE_DEFAULTS)")
         p.add_argument("--resume", action="store_true", help="continue from the newest checkpoint in --workdir")
         p.add_argument("--no-progress", action="store_true", help="no progress bar (logs only)")
+        add_distributed(p)
         for flag, text, *_ in self.options:
             p.add_argument(flag, help=text)
         return p, required
@@ -120,13 +114,15 @@ class FineTune:
                 keys[dest] = value
         config = finetune_config(init_config(init), args.config, [*elsewhere, *overrides], self.section, **keys)
         apply_cpu_defaults(config.model.compute_dtype)  # before anything imports jax
+        start_distributed(args)
         summary = self.stage()(config, args.workdir, resume=args.resume, show_progress=not args.no_progress)
         if summary.get("stopped_by"):
             raise Stopped(summary["stopped_by"], summary["step"])
         if summary.get("nothing_to_do"):
             print(f"lm: {args.workdir} already finished at step {summary['step']}; nothing left to do", file=sys.stderr)
             return 0
-        print(f"done: step {summary['step']}; see {args.workdir}/summary.json and {self.plot}")
+        if is_main():
+            print(f"done: step {summary['step']}; see {args.workdir}/summary.json and {self.plot}")
         return 0
 
 

@@ -41,9 +41,6 @@ class Distill(Sft):
     def check(self, config) -> None:
         super().check(config)
         require_data(config.distill.teacher, "distill.teacher", "give --teacher RUN_OR_EXPORT (the model to learn from)")
-        if config.distill.on_policy_fraction > 0 and jax.process_count() > 1:
-            raise UserError("distill.on_policy_fraction > 0 samples in one process (any number of its devices); "
-                            "multi-host on-policy distillation is not supported yet")
 
     def read(self, ctx):
         self.teacher = load_init(ctx.config.distill.teacher)
@@ -118,10 +115,11 @@ class OnPolicyStep:
     def __call__(self, state, batch):
         step = int(jax.device_get(state.step))
         draw = np.random.default_rng([self.seed, step])
-        if draw.random() >= self.fraction:
-            state, metrics = self.update(state, self.placer.from_global(batch))
+        if draw.random() >= self.fraction:  # the data's batch: this process's rows of it (lm.train.sft)
+            state, metrics = self.update(state, self.placer(batch))
             return state, metrics | {"on_policy": 0.0}
         rows = self.signature["inputs"].shape[0]
+        # every process draws the same prompts and samples them all on the shared mesh, then feeds its rows
         index = draw.choice(len(self.prompts), rows, replace=len(self.prompts) < rows)
         prompt_ids = [self.prompts.tokens(int(i)) for i in index]
         params = self.sampler.params(state.params, self.frozen)

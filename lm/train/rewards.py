@@ -23,6 +23,7 @@ import dataclasses
 import traceback
 from typing import Callable
 
+import jax
 import numpy as np
 
 from lm.errors import UserError
@@ -85,10 +86,11 @@ class Rewards:
         keys = sorted({k for c in columns for k in c})
         kwargs = {k: [c.get(k) for c in columns] for k in keys}
         total, parts = np.zeros(n, np.float64), {}
-        for f in self.functions:
-            values = call_reward(f, prompts, completions, kwargs)
-            parts[f.name] = values
-            total += f.weight * values
+        values = on_main(lambda: np.stack([call_reward(f, prompts, completions, kwargs) for f in self.functions]),
+                         (len(self.functions), n)) if self.functions else ()
+        for f, v in zip(self.functions, values):
+            parts[f.name] = v
+            total += f.weight * v
         if self.scorer is not None:
             conversations = [m + [{"role": "assistant", "content": c}] for m, c in zip(messages, completions)]
             parts["reward_model"] = self.scorer.score(conversations).astype(np.float64)
@@ -96,6 +98,29 @@ class Rewards:
         if self.truncation_penalty:
             total -= self.truncation_penalty * truncated.astype(np.float64)
         return total.astype(np.float32), parts
+
+
+def on_main(compute: Callable[[], np.ndarray], shape: tuple[int, ...]) -> np.ndarray:
+    """float64 `shape`: compute() on process 0 alone, its values sent to the others bit for bit.
+
+    Every process holds every rollout, so each could call the reward functions itself; but a
+    function may be random or call a service (a judge, a sandbox), and then processes would
+    disagree silently (a group's advantages mixing two draws) or pay for every call once per
+    process. A function that raises on process 0 stops every process."""
+    if jax.process_count() == 1:
+        return compute()
+    from jax.experimental import multihost_utils
+
+    values, error = np.zeros(shape, np.float64), None
+    if jax.process_index() == 0:
+        try:
+            values = np.asarray(compute(), np.float64).reshape(shape)
+        except Exception as e:  # any: raised below, once the other processes know to stop
+            error = e
+    if multihost_utils.broadcast_one_to_all(np.int32(error is not None)):
+        raise error or UserError("rl: a reward function failed on process 0 (see its error there)")
+    bits = multihost_utils.broadcast_one_to_all(values.view(np.uint32))  # float64 survives jax's default float32
+    return np.asarray(bits, np.uint32).view(np.float64).reshape(shape)
 
 
 def call_reward(f: RewardFn, prompts: list, completions: list[str], columns: dict) -> np.ndarray:

@@ -12,14 +12,11 @@ exact match of the init and the tuned model's greedy answers.
 
 from __future__ import annotations
 
-import jax
-
 from lm import plan
 from lm.config import ConfigDict
 from lm.data.chat import ChatTemplate
 from lm.data.pipeline import Source, train_dataset
 from lm.data.prompts import PromptSet, describe, read_prompts
-from lm.errors import UserError
 from lm.eval.answers import compare_answers
 from lm.infer.sampling import SamplingParams
 from lm.model.build import reward_model
@@ -71,8 +68,6 @@ class Rl(Stage):
 
     def check(self, config) -> None:
         require_data(config.rl.data, "rl.data", 'give `lm rl --data prompts.jsonl` ({"prompt": ...} lines)')
-        if jax.process_count() > 1:
-            raise UserError("lm rl runs in one process (any number of its devices); multi-host RL is not supported yet")
 
     def read(self, ctx):
         r = ctx.config.rl
@@ -100,6 +95,8 @@ class Rl(Stage):
         sampler = Sampler(run, sampling, template.stop_ids, c.data.seq_len)
         self.scorer = Scorer(run, settings.algo == "ppo")
         self.step = rl_step.RlStep(run, ctx.frozen, prompts, rewards, sampler, self.scorer, template, settings, r)
+        # Every process reads the whole prompt batch (the same seed draws the same one): each samples
+        # all rollouts on the shared mesh and feeds the update rows its devices hold (lm.train.rl_step).
         data_iter = iter(train_dataset([Source(r.data, prompts, 1.0)], seq_len=c.data.seq_len,
                                        global_batch=r.prompts_per_step, seed=c.train.seed, pack=False))
         return data_iter, self.step.signature, self.step

@@ -14,6 +14,7 @@ import dataclasses
 import itertools
 
 from lm.config import ConfigDict, rules_table
+from lm.errors import UserError
 from lm.hardware import Target
 from lm.plan_memory import estimate, mesh_sizes, param_leaves, splits
 from lm.model.layers import ModelSpec
@@ -83,7 +84,10 @@ def search(config, step: str, target: Target, devices):
 
     compiles = 0
     for c in candidates(config, step, target.chips):
-        est = estimate(c, step, target.chips, chip=target.chip)
+        try:
+            est = estimate(c, step, target.chips, chip=target.chip)
+        except UserError:  # a batch this setting cannot split
+            continue
         if est.total > MARGIN * target.hbm_bytes:
             continue
         compiled = compile_step(step, c, devices) if devices is not None else None

@@ -3,21 +3,27 @@ renting a pod, and what `lm plan --compile` puts beside the TPU compiler's figur
 
 The state part is exact: every param's shape and logical axes come from the model itself
 (`jax.eval_shape` of its init: nothing is allocated), and the rule table says how many ways each
-is split on the mesh. The activations are a model of what XLA keeps alive at the peak of a
-step, in the terms of the step's shapes (rows per device, sequence, widths split over `tensor`):
+is split on the mesh (params and Adam's moments in float32, frozen models in the compute dtype).
+The rest is a model of what the compiler keeps alive at the peak of a step, in the step's shapes
+(rows per device and micro-batch, sequence, widths split over `tensor`):
 
-    the residual stream saved at every layer (the scan's carry; more under lighter remat)
-  + the backward pass of one layer, recomputed (attention scores of the `xla` path, MLP)
-  + the float32 logits with their gradient
-  + one layer's weights gathered over fsdp, in the compute dtype
+    gradients (float32; twice with gradient accumulation: the sum and one micro-batch's)
+  + the residual stream saved at every layer (the scan's carry; more under lighter remat)
+  + the `xla` attention path's float32 scores and its probabilities, one layer at a time
+  + one layer's backward (float32 buffers as wide as the stream and the MLP)
+  + the float32 logits, and the embedding's and head's gradients before they are split over fsdp
+  + a compute-dtype copy of the trained params, and the update's temporaries under tensor parallelism
+  - what fits in the chip's on-chip memory (only small configs)
 
-The coefficients of that model were fitted to the TPU compiler's figures for the configs in
-bench/plan_vs_compiler.py, whose table the README shows with the errors.
+Its coefficients were fitted to the TPU compiler's figures for the configs of
+bench/plan_vs_compiler.py; the README shows that table with the errors. A program over the chip's
+memory makes the compiler work harder to shrink it, so past the HBM the two part ways.
 """
 
 from __future__ import annotations
 
 import dataclasses
+import functools
 import math
 
 import flax.linen as nn
@@ -25,6 +31,7 @@ import jax
 import numpy as np
 
 from lm.config import rules_table
+from lm.errors import UserError
 from lm.infer.generate import generation_context
 from lm.model.layers import ModelSpec
 from lm.model.transformer import Transformer, init_params
@@ -42,7 +49,6 @@ LAYER_WORK = 8.0
 LOGIT_COPIES = 1.5
 TP_UPDATE = 1.5
 CODE_BYTES = 6 * 2**20
-TRAIN_STEPS = ("pretrain", "sft", "sft_lora", "dpo", "rl")
 
 
 @dataclasses.dataclass(frozen=True)
@@ -56,7 +62,8 @@ class Leaf:
         return math.prod(self.shape)
 
 
-def param_leaves(spec: ModelSpec) -> list[Leaf]:
+@functools.lru_cache(maxsize=8)
+def param_leaves(spec: ModelSpec) -> tuple[Leaf, ...]:
     """Every param of the model: shape and logical axes (from its init, abstractly)."""
     boxed = jax.eval_shape(lambda r: init_params(Transformer(spec), r), jax.random.PRNGKey(0))
     specs = nn.get_partition_spec(boxed)
@@ -65,7 +72,7 @@ def param_leaves(spec: ModelSpec) -> list[Leaf]:
     for (path, leaf), names in zip(jax.tree_util.tree_leaves_with_path(shapes), jax.tree.leaves(
             specs, is_leaf=lambda x: isinstance(x, jax.sharding.PartitionSpec))):
         out.append(Leaf(jax.tree_util.keystr(path), tuple(leaf.shape), tuple(names)))
-    return out
+    return tuple(out)
 
 
 def splits(names, rules: dict, mesh: dict) -> int:
@@ -146,8 +153,11 @@ def batch_rows(config, step: str, mesh: dict, rules: dict) -> int:
     if step == "rl":
         r = config.rl
         rows = r.prompts_per_step * r.group_size // r.minibatches
-    rows //= t.micro_batches
-    rows = -(-rows // splits(("batch",), rules, mesh))
+    shards = splits(("batch",), rules, mesh)
+    if rows % t.micro_batches or (rows // t.micro_batches) % shards:
+        raise UserError(f"train.batch_size={rows} ({step}) with {t.micro_batches} micro-batch(es) does not split "
+                        f"evenly over the {shards} batch shards of mesh {mesh}")
+    rows = rows // t.micro_batches // shards
     return rows * (2 if step == "dpo" else 1)
 
 
@@ -179,12 +189,15 @@ def activations(config, step, spec: ModelSpec, leaves, rules, mesh, c, trained_f
 
 
 def _decode(config, spec, leaves, rules, mesh, c) -> Estimate:
-    """One decode step: params in the compute dtype, the KV cache, one layer's working set."""
+    """One decode step: params in the compute dtype, the KV cache, the cache the scan writes anew
+    (the layers' updated caches, stacked), one layer's weights gathered over fsdp, the logits."""
     batch = splits(("batch",), rules, mesh)
-    rows = -(-config.eval.batch_size // batch) * batch // batch
+    rows = -(-config.eval.batch_size // batch)
     length = generation_context(spec)
     kv = spec.n_kv_heads / splits(("act_kv_heads",), rules, mesh)
-    parts = {"params": sum(leaf_bytes(x, rules, mesh, c) for x in leaves),
-             "kv cache": int(2 * spec.n_layers * rows * kv * length * spec.head_dim * c),
+    cache = int(2 * spec.n_layers * rows * kv * length * spec.head_dim * c)
+    layer = sum(x.size for x in leaves if x.path.startswith("['blocks']")) / spec.n_layers
+    parts = {"params": sum(leaf_bytes(x, rules, mesh, c) for x in leaves), "kv cache": cache,
+             "updated kv cache": cache, "gathered layer": int(2 * layer * c / splits(("mlp",), rules, mesh)),
              "logits": int(rows * spec.vocab_size / splits(("act_vocab",), rules, mesh) * 4)}
     return Estimate(parts)

@@ -8,6 +8,7 @@ from __future__ import annotations
 from lm.hardware import Target
 from lm.plan import human_bytes
 from lm.config import rules_table
+from lm.errors import UserError
 from lm.plan_fit import overrides, search
 from lm.plan_memory import Estimate, batch_rows, estimate, mesh_sizes
 
@@ -25,10 +26,13 @@ def error(estimated: int, compiled: int | None) -> str:
 def step_table(name: str, config, target: Target, est: Estimate, compiled=None) -> str:
     mesh = mesh_sizes(config, target.chips)
     t = config.train
-    rows = batch_rows(config, name, mesh, dict(rules_table(config)))
-    head = (f"{name}: mesh data={mesh['data']} fsdp={mesh['fsdp']} tensor={mesh['tensor']}, remat={config.model.remat}, "
-            + ("" if name == "decode" else f"{rows} row(s) x {config.data.seq_len} per device per micro-batch, "
-               f"{t.micro_batches} micro-batch(es)"))
+    head = f"{name}: mesh data={mesh['data']} fsdp={mesh['fsdp']} tensor={mesh['tensor']}"
+    if name == "decode":
+        head += f", {config.eval.batch_size} rows (eval.batch_size) against a KV cache"
+    else:
+        rows = batch_rows(config, name, mesh, dict(rules_table(config)))
+        head += (f", remat={config.model.remat}, {rows} row(s) x {config.data.seq_len} per device per micro-batch, "
+                 f"{t.micro_batches} micro-batch(es)")
     lines = [head, f"  {'per device':<24}{'planner':>12}{'compiler':>12}"]
     for part, value in est.parts.items():
         lines.append(f"  {part:<24}{_gib(value):>12}")
@@ -77,7 +81,11 @@ def plan_target(config, target: Target, steps, compile_: bool, fit: bool) -> int
     devices = target_devices(target) if compile_ else None
     worst = 0
     for name in steps:
-        est = estimate(config, name, target.chips, chip=target.chip)
+        try:
+            est = estimate(config, name, target.chips, chip=target.chip)
+        except UserError as e:
+            print(f"\n{name}: {e}")
+            continue
         compiled = compile_step(name, config, devices) if compile_ else None
         print()
         print(step_table(name, config, target, est, compiled))

@@ -93,3 +93,12 @@ def test_plan_rejects_unknown_steps(capsys):
 
     assert main(["plan", "--config", "configs/tiny.py", "--target", "cpu:8", "--steps", "pretrain,warmup"]) == 2
     assert "--steps pretrain,warmup: unknown ['warmup']" in capsys.readouterr().err
+
+
+def test_fit_finds_one_row_per_chip_for_70b_on_a_v5p_64():
+    from lm.plan_fit import search
+
+    config = load_config("configs/llama3_70b.py")  # 4 micro-batches: 64 rows of 8192 a chip
+    found, est, compiled = search(config, "pretrain", parse_target("v5p-64"), devices=None)
+    assert compiled is None and est.total < 0.92 * parse_target("v5p-64").hbm_bytes
+    assert (found.train.micro_batches, found.model.remat, found.mesh.fsdp, found.mesh.tensor) == (256, "full", 4, 8)

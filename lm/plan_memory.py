@@ -90,10 +90,19 @@ def leaf_bytes(leaf: Leaf, rules: dict, mesh: dict, itemsize: int) -> int:
     return -(-leaf.size * itemsize // splits(leaf.names, rules, mesh))
 
 
+ARGUMENTS = ("params", "optimizer", "frozen base", "reference", "kv cache")  # what the step is given
+
+
 @dataclasses.dataclass
 class Estimate:
     parts: dict  # name -> bytes per device
     resident: dict = dataclasses.field(default_factory=dict)  # held beside the step, not read by it
+
+    def by_kind(self) -> dict:
+        """The parts as the compiler reports them: arguments, outputs (donated: none), temporaries, code."""
+        args = sum(v for k, v in self.parts.items() if k in ARGUMENTS)
+        code = self.parts.get("code", 0)
+        return {"arguments": args, "outputs": 0, "temporaries": self.total - args - code, "code": code}
 
     @property
     def total(self) -> int:
@@ -134,7 +143,7 @@ def estimate(config, step: str, devices: int, lora_rank: int = 16, chip=None) ->
         (resident if step == "rl" else parts)["reference"] = reference
     parts |= activations(config, step, spec, leaves, rules, mesh, compute, state)
     if chip is not None and chip.vmem_bytes:  # temporaries this small stay in the chip's VMEM
-        temps = sum(v for k, v in parts.items() if k not in ("params", "optimizer", "frozen base", "reference"))
+        temps = sum(v for k, v in parts.items() if k not in ARGUMENTS)
         parts["in on-chip memory"] = -min(temps, chip.vmem_bytes)
     parts["code"] = CODE_BYTES
     return Estimate(parts, resident)

@@ -36,9 +36,10 @@ def step_table(name: str, config, target: Target, est: Estimate, compiled=None) 
     lines = [head, f"  {'per device':<24}{'planner':>12}{'compiler':>12}"]
     for part, value in est.parts.items():
         lines.append(f"  {part:<24}{_gib(value):>12}")
-    if compiled is not None and compiled.arguments is not None:
-        for part in ("arguments", "outputs", "temporaries", "code"):
-            lines.append(f"  {part:<24}{'':>12}{_gib(getattr(compiled, part)):>12}")
+    lines.append(f"  {'':<24}{'-' * 24:>24}")
+    for part, value in est.by_kind().items():
+        got = getattr(compiled, part) if compiled is not None else None
+        lines.append(f"  {part:<24}{_gib(value):>12}{_gib(got):>12}")
     got = compiled.total if compiled is not None else None
     lines.append(f"  {'total':<24}{_gib(est.total):>12}{_gib(got):>12}  {error(est.total, got)}")
     for part, value in est.resident.items():

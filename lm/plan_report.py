@@ -5,6 +5,7 @@ With --fit, a step that does not fit is searched for a setting that does (lm.pla
 
 from __future__ import annotations
 
+from lm import plan
 from lm.hardware import Target
 from lm.plan import human_bytes
 from lm.config import rules_table
@@ -46,7 +47,7 @@ def step_table(name: str, config, target: Target, est: Estimate, compiled=None) 
         lines.append(f"  also resident: {part} {_gib(value)} (not read by this step; add it to the total)")
     lines.append(_fits(target, est.total + sum(est.resident.values()), compiled))
     if compiled is not None and compiled.flops:
-        lines += _cost(target, compiled)
+        lines += _cost(name, config, target, compiled)
     if compiled is not None and compiled.error:
         lines.append(f"  compiler: {compiled.error}")
     return "\n".join(lines)
@@ -64,14 +65,31 @@ def _fits(target: Target, estimated: int, compiled) -> str:
     return text
 
 
-def _cost(target: Target, compiled) -> list[str]:
-    lines = [f"  FLOPs per device {compiled.flops:.3e}, bytes accessed {human_bytes(compiled.bytes_accessed or 0)}"]
+# Model FLOPs of each step per token, in units of the forward pass's 2N (plan.flops_per_token is 6N):
+# a full update 3 (forward, backward for activations and for weights), LoRA about 2 (no weight
+# gradients of the base), DPO 3 + 1 (the live reference's forward), decoding 1.
+PASSES = {"pretrain": 3, "sft": 3, "sft_lora": 2, "dpo": 4, "rl": 3, "decode": 1}
+
+
+def step_flops(config, step: str, chips: int) -> float:
+    """Model FLOPs of one step per chip (PaLM's count, lm.plan.flops_per_token)."""
+    m, t = config.model, config.data.seq_len
+    if step == "decode":
+        return 2 * plan.flops_per_token(m, 1) / 6 * config.eval.batch_size / chips
+    rows = config.train.batch_size * (2 if step == "dpo" else 1)
+    if step == "rl":
+        rows = config.rl.prompts_per_step * config.rl.group_size // config.rl.minibatches
+    return plan.flops_per_token(m, t) * PASSES[step] / 3 * rows * t / chips
+
+
+def _cost(name: str, config, target: Target, compiled) -> list[str]:
+    flops = step_flops(config, name, target.chips)
+    lines = [f"  model FLOPs per chip a step {flops:.3e}; the compiler's cost analysis: {compiled.flops:.3e} FLOPs, "
+             f"{human_bytes(compiled.bytes_accessed or 0)} accessed (XLA counts a loop's body once: the layer and "
+             "micro-batch scans make that one iteration's, not the step's)"]
     if target.chip is not None:
-        flops_s = compiled.flops / target.chip.bf16_flops
-        bytes_s = (compiled.bytes_accessed or 0) / target.chip.hbm_bytes_per_s
-        lines.append(f"  compiler's estimate, not a measurement: {flops_s:.3f} s at the bf16 peak "
-                     f"({target.chip.bf16_flops / 1e12:.0f} TFLOP/s), {bytes_s:.3f} s at the HBM bandwidth "
-                     f"({target.chip.hbm_bytes_per_s / 1e9:.0f} GB/s): at least {max(flops_s, bytes_s):.3f} s a step")
+        lines.append(f"  at the bf16 peak ({target.chip.bf16_flops / 1e12:.0f} TFLOP/s) a step takes at least "
+                     f"{flops / target.chip.bf16_flops:.3f} s (an estimate, not a measurement)")
     return lines
 
 

@@ -85,7 +85,7 @@ def test_plan_compiles_on_cpu_devices_and_prints_both_columns(capsys):
     out = capsys.readouterr().out
     assert "pretrain: mesh data=4 fsdp=2 tensor=1" in out and "decode: mesh" in out
     assert out.count("arguments") == 2 and out.count("temporaries") == 2  # the compiler's column, per step
-    assert "FLOPs per device" in out and "(CPU devices: no memory limit to check)" in out
+    assert "model FLOPs per chip a step" in out and "(CPU devices: no memory limit to check)" in out
 
 
 def test_plan_rejects_unknown_steps(capsys):
@@ -102,3 +102,12 @@ def test_fit_finds_one_row_per_chip_for_70b_on_a_v5p_64():
     found, est, compiled = search(config, "pretrain", parse_target("v5p-64"), devices=None)
     assert compiled is None and est.total < 0.92 * parse_target("v5p-64").hbm_bytes
     assert (found.train.micro_batches, found.model.remat, found.mesh.fsdp, found.mesh.tensor) == (256, "full", 4, 8)
+
+
+def test_step_flops_count_every_token_of_the_step():
+    from lm.plan_report import step_flops
+
+    config = load_config("configs/llama3_70b.py")
+    per_token = plan.flops_per_token(config.model, 8192)
+    assert step_flops(config, "pretrain", 32) == pytest.approx(per_token * 1024 * 8192 / 32)
+    assert step_flops(config, "dpo", 32) == pytest.approx(per_token * 4 / 3 * 2 * 1024 * 8192 / 32)

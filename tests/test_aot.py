@@ -1,24 +1,14 @@
-"""Ahead-of-time compilation on 8 simulated CPU devices (nothing allocated): a full-size config's
-train step, and every stage's step of a small one, each with the planner's state bytes exact."""
+"""Ahead-of-time compilation on 8 simulated CPU devices (nothing allocated): every stage's step of a
+small config, each with the planner's state bytes against the compiler's arguments. (The
+planner's state for Llama-3-8B is checked by hand in tests/test_plan_targets.py.)"""
 
 import pytest
 
-from lm import plan
-from lm.aot import compile_step, compile_train_step, target_devices
+from lm.aot import compile_step, target_devices
 from lm.aot_steps import STEPS
 from lm.config import load_config
 from lm.hardware import parse_target
 from lm.plan_memory import estimate
-
-
-def test_llama3_8b_compiles_fully_sharded():
-    config = load_config("configs/llama3_8b.py", ["mesh.fsdp=8", "train.batch_size=8", "data.seq_len=512"])
-    figures = compile_train_step(config)
-    assert figures["devices"] == 8 and figures["mesh"] == {"data": 1, "fsdp": 8, "tensor": 1}
-    # Arguments are params + Adam's two moments, all float32 and split 8 ways.
-    expected = 12 * plan.param_count(config.model) / 8
-    assert abs(figures["argument_bytes_per_device"] - expected) / expected < 0.01
-
 
 SMALL = ["mesh.data=2", "mesh.fsdp=2", "mesh.tensor=2", "train.batch_size=8", "data.seq_len=64",
          "model.max_seq_len=64", "eval.batch_size=8", "rl.prompts_per_step=4", "rl.group_size=2"]

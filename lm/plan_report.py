@@ -1,15 +1,15 @@
 """`lm plan --target`: one table per step — the planner's per-device memory (lm.plan_memory) and,
-compiled, the compiler's beside it, the chip's HBM and whether the step fits; FLOPs and bytes
-accessed from the compiler's cost analysis with the step time they imply at the chip's peak.
+compiled, the compiler's beside it, the chip's HBM and whether the step fits; the step's model
+FLOPs per chip with the time they take at the chip's bf16 peak, and the compiler's cost analysis.
 With --fit, a step that does not fit is searched for a setting that does (lm.plan_fit)."""
 
 from __future__ import annotations
 
 from lm import plan
-from lm.hardware import Target
-from lm.plan import human_bytes
 from lm.config import rules_table
 from lm.errors import UserError
+from lm.hardware import Target
+from lm.plan import human_bytes
 from lm.plan_fit import overrides, search
 from lm.plan_memory import Estimate, batch_rows, estimate, mesh_sizes
 

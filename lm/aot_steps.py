@@ -51,7 +51,7 @@ class StepBuild:
 
 
 def with_keys(config, **dotted) -> ConfigDict:
-    """A copy of `config` with dotted keys set (the given config is never changed)."""
+    """A copy of `config` with keys set, each written section__name (the given config is never changed)."""
     out = ConfigDict(config.to_dict())
     for key, value in dotted.items():
         section, name = key.split("__")

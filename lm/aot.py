@@ -18,7 +18,7 @@ import time
 
 import jax
 
-from lm.aot_steps import STEPS, build_step
+from lm.aot_steps import build_step
 from lm.errors import UserError
 from lm.hardware import Target
 from lm.sharding import SIMULATE_HINT, mesh_shape
@@ -63,7 +63,6 @@ class Compiled:
 
     step: str
     config: object
-    rows: int  # global rows of one micro-batch
     compile_s: float
     arguments: int | None = None
     outputs: int | None = None  # not aliased to a donated argument
@@ -89,16 +88,16 @@ def compile_step(name: str, config, devices) -> Compiled:
     try:
         build = build_step(name, config, devices)
     except UserError as e:
-        return Compiled(name, config, 0, time.perf_counter() - start, error=str(e))
+        return Compiled(name, config, time.perf_counter() - start, error=str(e))
     try:
         compiled = build.fn.lower(*build.args).compile()
     except jax.errors.JaxRuntimeError as e:
         message = str(e).strip().splitlines()[0]
         found = _EXHAUSTED.search(message)
         temp = int(float(found.group(1)) * _UNITS[found.group(2)]) if found else None
-        return Compiled(name, build.config, build.rows, time.perf_counter() - start, temporaries=temp,
+        return Compiled(name, build.config, time.perf_counter() - start, temporaries=temp,
                         error=message[:300])
-    out = Compiled(name, build.config, build.rows, time.perf_counter() - start, compiled=compiled)
+    out = Compiled(name, build.config, time.perf_counter() - start, compiled=compiled)
     memory = compiled.memory_analysis()
     if memory is not None:
         out.arguments = int(memory.argument_size_in_bytes)
@@ -110,11 +109,6 @@ def compile_step(name: str, config, devices) -> Compiled:
     if cost:
         out.flops, out.bytes_accessed = cost.get("flops"), cost.get("bytes accessed")
     return out
-
-
-def compile_steps(config, target: Target, steps=STEPS) -> list[Compiled]:
-    devices = target_devices(target)
-    return [compile_step(name, config, devices) for name in steps]
 
 
 def compile_train_step(config, devices=None) -> dict:

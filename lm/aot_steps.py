@@ -41,13 +41,12 @@ DEFAULT_LORA_RANK = 16
 
 @dataclasses.dataclass(frozen=True)
 class StepBuild:
-    """A jitted step and its abstract arguments; `rows`: the global rows of one micro-batch."""
+    """A jitted step, its abstract arguments and the config it was built from."""
 
     name: str
     fn: object
     args: tuple
     config: ConfigDict
-    rows: int
 
 
 def with_keys(config, **dotted) -> ConfigDict:
@@ -90,8 +89,7 @@ def _train(name, run, signature, base_dtype) -> StepBuild:
     batch = {k: jax.ShapeDtypeStruct(s.shape, s.dtype, sharding=shardings[k]) for k, s in signature.items()}
     frozen = abstract_frozen(run, base_dtype)
     args = (run.abstract_state(), batch) + ((frozen,) if frozen is not None else ())
-    rows = next(iter(signature.values())).shape[0] // run.config.train.micro_batches
-    return StepBuild(name, run.train_step(signature), args, run.config, rows)
+    return StepBuild(name, run.train_step(signature), args, run.config)
 
 
 def _spec(config, devices) -> ModelSpec:
@@ -151,4 +149,4 @@ def _decode(config, devices) -> StepBuild:
         return decode_step(model, params, cache, tokens, segment_ids, positions)
 
     fn = jax.jit(step, donate_argnums=1)
-    return StepBuild("decode", fn, (params, cache, token, token, token), config, rows)
+    return StepBuild("decode", fn, (params, cache, token, token, token), config)

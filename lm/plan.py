@@ -91,27 +91,6 @@ def chinchilla_tokens(m) -> int:
     return 20 * param_count(m)
 
 
-def memory_per_device(m, *, fsdp: int, tensor: int, param_bytes: int = 4,
-                      opt_bytes: int = 8) -> dict[str, int]:
-    """Bytes per device for params, grads and optimizer state; excludes activations.
-
-    Assumes all three are sharded evenly over fsdp * tensor devices (ceil-divided),
-    grads are stored in the parameter dtype, and opt_bytes is per parameter (8 =
-    Adam's fp32 first and second moments). A lower bound: no replication, no
-    buffers, no fragmentation.
-    """
-    if fsdp < 1 or tensor < 1:
-        raise ValueError("fsdp and tensor must be >= 1")
-    shards, n = fsdp * tensor, param_count(m)
-    out = {
-        "params": -(-n * param_bytes // shards),
-        "grads": -(-n * param_bytes // shards),
-        "optimizer": -(-n * opt_bytes // shards),
-    }
-    out["total"] = sum(out.values())
-    return out
-
-
 def _human(x: float, units=("T", "B", "M", "K", "")) -> str:
     """x in the largest of 1e12, 1e9, 1e6, 1e3, 1 it reaches, named by `units`."""
     for unit, scale in zip(units, (1e12, 1e9, 1e6, 1e3)):
@@ -133,35 +112,5 @@ def summary(m, seq_len: int) -> str:
     return "\n".join(f"{k:<{width}}  {v}" for k, v in rows)
 
 
-def memory_summary(m, *, fsdp: int, tensor: int) -> str:
-    """One line: `memory_per_device` for AdamW in float32, in human units."""
-    mem = memory_per_device(m, fsdp=fsdp, tensor=tensor)
-    parts = ", ".join(f"{k} {_human(v, ('TB', 'GB', 'MB', 'KB', 'B'))}" for k, v in mem.items())
-    return f"per device at fsdp={fsdp} x tensor={tensor} (params, grads, AdamW; no activations): {parts}"
-
-
-def attention_scores_bytes(m, seq_len: int, rows: int, bytes_per_score: int = 4) -> int:
-    """Bytes of one layer's [rows, heads, T, T] attention scores (float32), which an attention
-    that materialises them (the `xla` path on the CPU backend) holds per step and device."""
-    return rows * m.n_heads * seq_len * seq_len * bytes_per_score
-
-
 def human_bytes(n: float) -> str:
     return _human(n, ("TB", "GB", "MB", "KB", "B"))
-
-
-def compile_report(figures: dict, m, seq_len: int, rows_per_device: int) -> str:
-    """`lm plan --compile` figures in human units, with what the temporaries are."""
-    lines = []
-    for key, value in figures.items():
-        shown = human_bytes(value) if key.endswith("_bytes_per_device") else value
-        lines.append(f"{key:32s} {shown:,}" if isinstance(shown, int) else f"{key:32s} {shown}")
-    if "temp_bytes_per_device" in figures:
-        scores = attention_scores_bytes(m, seq_len, rows_per_device)
-        lines.append(
-            f"note: temp is the activations and scratch of one step as this backend's compiler plans them "
-            f"(the estimate above counts params, grads and optimizer state only). One layer's attention scores "
-            f"at {rows_per_device} rows x {m.n_heads} heads x {seq_len}^2 are {human_bytes(scores)}: an attention "
-            f"that materialises them (`xla` compiled for CPU) dominates temp; a fused kernel on the accelerator "
-            f"does not keep them, and more train.micro_batches divide them.")
-    return "\n".join(lines)

@@ -47,6 +47,10 @@ def test_planner_state_is_exact_for_llama3_8b():
     assert parts["optimizer"] == 2 * parts["params"] and parts["grads"] == parts["params"]
     two = estimate(load_config("configs/llama3_8b.py", ["mesh.fsdp=8", "train.micro_batches=2"]), "pretrain", 8)
     assert two.parts["grads"] == 2 * parts["params"]  # the accumulator beside one micro-batch's
+    # twice the fsdp shards: half of every state part (but the replicated norms)
+    sixteen = estimate(load_config("configs/llama3_8b.py", ["mesh.fsdp=16", "train.micro_batches=1"]), "pretrain", 16)
+    for k in ("params", "optimizer", "grads"):
+        assert sixteen.parts[k] == pytest.approx(parts[k] / 2, rel=1e-3)
 
 
 def test_lora_and_reference_steps_hold_their_frozen_models():

@@ -15,6 +15,7 @@ DEFAULT_RULES = {
     "batch": ("data", "fsdp"),
     "length": (),
     "cache_length": (),
+    "cache_pool": (),  # the paged KV pool's token rows (lm.model.paged): shared by all sequences
     "act_embed": (),
     "act_heads": ("tensor",),
     "act_kv_heads": ("tensor",),

@@ -9,9 +9,6 @@ import numpy as np
 from lm.errors import UserError
 from lm.infer.generate import Generator
 
-CHUNK = 16  # tokens decoded per jitted call when the host must look at the text in between
-
-
 def _cut_at_stop(tokenizer, ids: np.ndarray, stop: tuple[str, ...]) -> tuple[str, np.ndarray, bool]:
     """(text before the first stop string, the fewest ids whose text holds it, whether one was found)."""
     text = tokenizer.decode(ids)
@@ -42,30 +39,37 @@ def complete(generator: Generator, tokenizer, prompts: list[str], stop: tuple[st
 def complete_ids(generator: Generator, tokenizer, encoded: list, stop: tuple[str, ...] = (),
                  stream: Callable[[str], None] | None = None) -> list[dict]:
     """`complete` for prompts already tokenized (e.g. rendered by the chat template)."""
-    so_far = [np.zeros(0, np.int32) for _ in encoded]
-    shown = [0]
-
-    def on_chunk(new_ids):
-        stopped = []
-        for r, ids in enumerate(new_ids):
-            so_far[r] = np.concatenate([so_far[r], ids])
-            if stop and _cut_at_stop(tokenizer, so_far[r], stop)[2]:
-                stopped.append(r)
-        if stream is not None:
-            text = _cut_at_stop(tokenizer, so_far[0], stop)[0] if stop else tokenizer.decode(so_far[0])
-            text = text.rstrip("\ufffd")  # a character whose bytes are not all there yet
-            if len(text) > shown[0]:
-                stream(text[shown[0]:])
-                shown[0] = len(text)
-        return stopped
-
-    chunked = bool(stop) or stream is not None
-    result = generator(encoded, chunk=CHUNK if chunked else 0, on_chunk=on_chunk if chunked else None)
+    watchers = [StopWatch(tokenizer, stop, stream if r == 0 else None) for r in range(len(encoded))]
+    watched = bool(stop) or stream is not None
+    result = generator(encoded, on_tokens=[w.add for w in watchers] if watched else None)
     out = []
-    for ids, logp, finish in zip(result.ids, result.logprobs, result.finish):
+    for ids, logp, finish, watch in zip(result.ids, result.logprobs, result.finish, watchers):
         text, kept, hit = _cut_at_stop(tokenizer, ids, stop) if stop else (tokenizer.decode(ids), ids, False)
         out.append({"text": text, "ids": kept.tolist(), "logprobs": logp[: len(kept)].tolist(),
                     "finish_reason": "stop" if hit else finish})
-    if stream is not None and len(out[0]["text"]) > shown[0]:  # what was held back at a chunk's edge
-        stream(out[0]["text"][shown[0]:])
+        watch.flush(text)
     return out
+
+
+class StopWatch:
+    """Follows one completion's new tokens: says when its text holds a stop string, and streams
+    the text that is final (before any stop string, whole characters only)."""
+
+    def __init__(self, tokenizer, stop: tuple[str, ...], stream: Callable[[str], None] | None = None):
+        self.tokenizer, self.stop, self.stream = tokenizer, stop, stream
+        self.ids, self.shown = np.zeros(0, np.int32), 0
+
+    def add(self, new_ids, new_logps=None) -> bool:
+        """Takes new ids; True when a stop string has appeared."""
+        self.ids = np.concatenate([self.ids, np.asarray(new_ids, np.int32)])
+        text, _, hit = _cut_at_stop(self.tokenizer, self.ids, self.stop) if self.stop else \
+            (self.tokenizer.decode(self.ids), None, False)
+        if self.stream is not None:
+            self.flush(text.rstrip("\ufffd"))  # a character whose bytes are not all there yet
+        return hit
+
+    def flush(self, text: str) -> None:
+        """Streams what of `text` was not shown yet (the final text, at the end)."""
+        if self.stream is not None and len(text) > self.shown:
+            self.stream(text[self.shown:])
+            self.shown = len(text)

@@ -16,6 +16,7 @@ import jax.numpy as jnp
 from lm.model.blockwise import blockwise_attention
 from lm.model.layers import ModelSpec, Norm, Partitioning, matmul, matmuls, normal
 from lm.model.lora import lora_delta, targeted
+from lm.model.paged import POOL_AXES, SCALE_AXES, Paging, quantize_kv, read_pool, write_pool
 from lm.model.params import param
 from lm.model.rope import apply_rope
 
@@ -99,12 +100,14 @@ class Attention(nn.Module):
     spec: ModelSpec
     part: Partitioning
     decode: bool = False
+    paging: Paging | None = None  # decode against a paged pool (lm.model.paged) instead of a dense cache
 
     @nn.compact
     def __call__(self, x, segment_ids, rope_cs, cache_slots=None, cache_mask=None, local=None):
         """rope_cs: `rope_tables` of the positions, or None without RoPE. In decode mode,
         cache_slots [B,t] (where each token's key goes; >= max_len: nowhere) and cache_mask
-        [B,t,S] (which slots each query sees) come from the decoder. A model with local
+        [B,t,S] (which slots each query sees) come from the decoder; with paging, cache_slots
+        is the pair (pool rows to write [B,t], pool rows to read [B,S]). A model with local
         (sliding-window) layers gets `local` (this layer's flag, traced) and pairs (global,
         local) of rope_cs and cache_mask."""
         s, dt, c = self.spec, self.spec.dtype, self.part.constrain
@@ -130,7 +133,9 @@ class Attention(nn.Module):
             cache_mask = pick(cache_mask) if cache_mask is not None else None
         if rope_cs is not None:
             q, k = apply_rope(q, rope_cs), apply_rope(k, rope_cs)
-        if self.decode:
+        if self.decode and self.paging is not None:
+            y = self._attend_pages(q, k, v, *cache_slots, cache_mask)
+        elif self.decode:
             y = self._attend_cache(q, k, v, cache_slots, cache_mask)
         else:
             window = None if local is None else jnp.where(local, s.sliding_window, x.shape[1] + 1)
@@ -162,3 +167,28 @@ class Attention(nn.Module):
         k_cache.value = write_cache(k_cache.value, k, slots)
         v_cache.value = write_cache(v_cache.value, v, slots)
         return cached_attention(q, k_cache.value, v_cache.value, mask, s.attn_scale, s.attn_softcap)
+
+    def _attend_pages(self, q, k, v, write, read, mask):
+        """Writes this step's keys and values into the page pool, then attends to the rows each
+        sequence's page table names (lm.model.paged)."""
+        s, pg = self.spec, self.paging
+        shape = (pg.tokens, s.n_kv_heads, s.head_dim)
+        pool_dtype = jnp.int8 if pg.kv_int8 else s.dtype
+        zeros = nn.with_logical_partitioning(jnp.zeros, POOL_AXES)
+        k_pool = self.variable("cache", "k", zeros, shape, pool_dtype)
+        v_pool = self.variable("cache", "v", zeros, shape, pool_dtype)
+        if not pg.kv_int8:
+            k_pool.value = write_pool(k_pool.value, k, write)
+            v_pool.value = write_pool(v_pool.value, v, write)
+            keys, values = read_pool(k_pool.value, read), read_pool(v_pool.value, read)
+        else:
+            scale_zeros = nn.with_logical_partitioning(jnp.zeros, SCALE_AXES)
+            k_scale = self.variable("cache", "k_scale", scale_zeros, shape[:2], jnp.float32)
+            v_scale = self.variable("cache", "v_scale", scale_zeros, shape[:2], jnp.float32)
+            for pool, scale, new in ((k_pool, k_scale, k), (v_pool, v_scale, v)):
+                values_q, scales = quantize_kv(new)
+                pool.value = write_pool(pool.value, values_q, write)
+                scale.value = write_pool(scale.value[..., None], scales[..., None], write)[..., 0]
+            keys = read_pool(k_pool.value, read, k_scale.value, s.dtype)
+            values = read_pool(v_pool.value, read, v_scale.value, s.dtype)
+        return cached_attention(q, keys, values, mask, s.attn_scale, s.attn_softcap)

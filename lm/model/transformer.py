@@ -15,6 +15,7 @@ import jax.numpy as jnp
 from lm.model.attention import Attention, softcap
 from lm.model.heads import ScalarHead
 from lm.model.layers import Mlp, ModelSpec, Norm, Partitioning, matmul, normal
+from lm.model.paged import Paging, slots_and_mask
 from lm.model.params import param
 from lm.model.rope import spec_tables
 
@@ -33,11 +34,12 @@ class Block(nn.Module):
     spec: ModelSpec
     part: Partitioning
     decode: bool = False
+    paging: Paging | None = None
 
     @nn.compact
     def __call__(self, x, segment_ids, rope_cs, cache_slots=None, cache_mask=None, local=None):
         s = self.spec
-        attn = Attention(s, self.part, self.decode, name="attn")
+        attn = Attention(s, self.part, self.decode, self.paging, name="attn")
         h = attn(Norm(s, name="attn_norm")(x), segment_ids, rope_cs, cache_slots, cache_mask, local)
         x = x + (Norm(s, name="attn_post_norm")(h) if s.post_norms else h)
         h = Mlp(s, self.part, name="mlp")(Norm(s, name="mlp_norm")(x))
@@ -70,10 +72,13 @@ class Transformer(nn.Module):
     # Slicing a stacked layer out on every decode step copies it on XLA:CPU; separate
     # buffers are read where they are, and each layer's cache is updated in place.
     unstacked: bool = False
+    # Decoding only: the KV cache as a pool of pages (lm.model.paged); each call then takes the
+    # page table of its rows (`page_table` [B, W]).
+    paging: Paging | None = None
 
     @nn.compact
     def __call__(self, inputs, segment_ids, positions, decode: bool = False, output: str = "logits",
-                 logits_at=None):
+                 logits_at=None, page_table=None):
         """inputs/segment_ids/positions: [B, T] int32 -> float32 logits [B, T, vocab]
         (output="hidden": [B, T, d_model] in the compute dtype; "scalar": float32 [B, T];
         "logits_and_scalar": both from one pass, as PPO's policy with a value head needs).
@@ -91,7 +96,11 @@ class Transformer(nn.Module):
             x = x + jnp.take(table, positions, axis=0).astype(s.dtype)
         x = c(x, ("batch", "length", "act_embed"))
         rope_cs = spec_tables(s, positions) if s.position == "rope" else None
-        slots, mask = self._cache_slots_and_mask(segment_ids, positions) if decode else (None, None)
+        if decode and self.paging is not None:
+            write, read, mask = slots_and_mask(self.paging, page_table, segment_ids, positions)
+            slots = (write, read)
+        else:
+            slots, mask = self._cache_slots_and_mask(segment_ids, positions) if decode else (None, None)
         local = None
         if s.has_local_layers:  # per-layer flags; rope tables and cache masks as (global, local) pairs
             local = jnp.asarray([t == "local" for t in s.layer_types])
@@ -102,10 +111,11 @@ class Transformer(nn.Module):
         if self.unstacked:
             for i in range(s.n_layers):
                 flag = None if local is None else local[i]
-                x, _ = Block(s, self.part, decode, name=f"layer_{i}")(x, segment_ids, rope_cs, slots, mask, flag)
+                x, _ = Block(s, self.part, decode, self.paging, name=f"layer_{i}")(x, segment_ids, rope_cs, slots,
+                                                                                   mask, flag)
         else:
-            x, _ = scanned_blocks(s, decode)(s, self.part, decode, name="blocks")(x, segment_ids, rope_cs, slots,
-                                                                                  mask, local)
+            x, _ = scanned_blocks(s, decode)(s, self.part, decode, self.paging, name="blocks")(
+                x, segment_ids, rope_cs, slots, mask, local)
         x = Norm(s, name="final_norm")(x)
         if output not in OUTPUTS:
             raise ValueError(f"output={output!r}: expected one of {OUTPUTS}")

@@ -85,7 +85,7 @@ class Sampler:
     def __call__(self, params, prompts: list[list[int]], rng, sampling: SamplingParams | None = None) -> Generation:
         generator = Generator(self.model, params, sampling or self.sampling, eos_id=self.eos_id,
                               max_len=self.seq_len, mesh=self.run.mesh, rules=self.run.rules)
-        return generator(prompts, rng=rng, pad_to=self.seq_len - generator.sampling.max_new_tokens)
+        return generator(prompts, rng=rng)
 
 
 class Scorer:

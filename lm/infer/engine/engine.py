@@ -1,0 +1,265 @@
+"""The generation engine: a paged KV pool and continuous batching.
+
+Requests wait in a queue; at every iteration the engine admits what fits (a free slot and the
+pages the request can need), writes one chunk of every unfinished prompt (a prefill call), then
+runs a block of decode steps for every running request (a decode call). A request leaves the batch
+as soon as it ends (an end id, its token budget, a stop from its callback, or a cancel), its slot
+and pages go to the next one, so no request waits for another's length. Shapes come from a few
+buckets (rows, chunk width, page-table width), so the engine compiles a handful of programs once
+and then only runs them. Every caller that generates (sampling, evaluation, RL rollouts, the
+server) goes through here.
+"""
+
+from __future__ import annotations
+
+import collections
+import dataclasses
+import threading
+from typing import Callable
+
+import jax
+import numpy as np
+
+from lm.errors import UserError
+from lm.infer.engine.pages import PageAllocator
+from lm.infer.engine.pool import Placement, init_pool
+from lm.infer.engine.rows import RowSettings
+from lm.infer.engine.steps import NO_TOKEN, compiled
+from lm.infer.sampling import SamplingParams
+from lm.model.paged import Paging
+from lm.model.transformer import unstack_layers
+
+MAX_EOS = 4  # end ids a request may have (e.g. EOS and a chat template's end-of-turn)
+
+
+@dataclasses.dataclass(frozen=True)
+class EngineConfig:
+    """slots: requests decoded together; pages: the pool's pages (0: enough for every slot to hold
+    a whole context, so no request ever waits for pages); chunk: prompt tokens per row and prefill;
+    decode_block: decode steps per call (the host looks at the text in between); kv_int8: int8 pool."""
+
+    slots: int = 16
+    page_size: int = 16
+    pages: int = 0
+    chunk: int = 256
+    decode_block: int = 16
+    kv_int8: bool = False
+
+    def __post_init__(self):
+        for name in ("slots", "page_size", "chunk", "decode_block"):
+            if getattr(self, name) < 1:
+                raise UserError(f"engine: {name}={getattr(self, name)}: expected at least 1")
+        if self.pages < 0:
+            raise UserError(f"engine: pages={self.pages}: expected >= 0 (0 = enough for every slot)")
+
+
+@dataclasses.dataclass(eq=False)
+class Request:
+    """One prompt to complete. on_tokens(new_ids, new_logps) -> True stops it (stop strings, a
+    client gone); it is called from the engine's thread after every decode call that emitted."""
+
+    prompt: list[int]
+    sampling: SamplingParams
+    eos: tuple[int, ...]
+    key: np.ndarray | None = None  # uint32 [2]; default: PRNGKey(sampling.seed)
+    on_tokens: Callable[[np.ndarray, np.ndarray], bool] | None = None
+    ids: list[int] = dataclasses.field(default_factory=list)
+    logps: list[float] = dataclasses.field(default_factory=list)
+    finish: str | None = None  # "eos" | "length" | "stop" | "cancelled"
+    done: threading.Event = dataclasses.field(default_factory=threading.Event)
+    cancelled: bool = False
+    slot: int = -1
+    pages: list[int] = dataclasses.field(default_factory=list)
+    written: int = 0  # prompt tokens in the pool
+
+
+def bucket(n: int, low: int, high: int) -> int:
+    """The power of two (times `low`) at or above n, within [low, high]."""
+    b = low
+    while b < n and b < high:
+        b *= 2
+    return min(b, high)
+
+
+class Engine:
+    """Continuous batching over one model on one mesh (or one device). `step(params)` runs one
+    iteration; `run(params, requests)` runs until those requests end (offline use);
+    lm.infer.engine.service runs steps on a thread for a server."""
+
+    def __init__(self, model, *, max_len: int, config: EngineConfig = EngineConfig(), mesh=None, rules=(),
+                 unstack: bool | None = None):
+        if max_len > model.spec.max_seq_len:
+            raise UserError(f"generation: max_len {max_len} exceeds the model's context "
+                            f"({model.spec.max_seq_len} positions)")
+        self.config, self.max_len = config, max_len
+        self.place = Placement(mesh, rules)
+        self.slots = self.place.rows(config.slots)
+        ps = config.page_size
+        self.table_width = -(-max_len // ps)
+        pages = config.pages or self.slots * self.table_width + 1
+        self.paging = Paging(ps, pages, config.kv_int8)
+        self.unstack = model.spec.cpu_kernels if unstack is None else unstack
+        self.model = model.clone(paging=self.paging, unstacked=self.unstack)
+        self._prefill, self._decode = compiled(self.model, config.decode_block)
+        self._prepare = jax.jit(unstack_layers) if self.unstack else (lambda p: p)
+        self.allocator = PageAllocator(pages, ps)
+        self.pool = None  # created on first use
+        self.waiting: collections.deque[Request] = collections.deque()
+        self.running: list[Request | None] = [None] * self.slots
+        self._reset_rows()
+
+    def _reset_rows(self):
+        s = self.slots
+        self.table = np.zeros((s, self.table_width), np.int32)
+        self.state = dict(tokens=np.zeros(s, np.int32), logp=np.zeros(s, np.float32), pos=np.zeros(s, np.int32),
+                          live=np.zeros(s, bool), count=np.zeros(s, np.int32), left=np.zeros(s, np.int32),
+                          keys=np.zeros((s, 2), np.uint32), eos=np.full((s, MAX_EOS), -1, np.int32))
+        self.settings = RowSettings.empty(s)
+
+    # ---- requests ----------------------------------------------------------------------------
+
+    def check(self, prompt: list, sampling: SamplingParams, label: str = "prompt") -> None:
+        """The one-line refusals of a request that cannot run."""
+        check_prompt(self.max_len, prompt, sampling, label)
+        need = self.allocator.pages_for(len(prompt) + sampling.max_new_tokens)
+        if need > self.allocator.total:
+            raise UserError(f"{label}: needs {need} pages of {self.config.page_size} tokens; the pool has "
+                            f"{self.allocator.total}")
+
+    def add(self, request: Request) -> None:
+        self.check(request.prompt, request.sampling)
+        if len(request.eos) > MAX_EOS:
+            raise UserError(f"generation: {len(request.eos)} end ids; at most {MAX_EOS}")
+        if request.key is None:
+            request.key = np.asarray(jax.random.PRNGKey(request.sampling.seed), np.uint32)
+        self.waiting.append(request)
+
+    @property
+    def busy(self) -> bool:
+        return bool(self.waiting) or any(r is not None for r in self.running)
+
+    def run(self, params, requests: list[Request]) -> list[Request]:
+        """Adds the requests and steps until they have all ended (params prepared per call)."""
+        for r in requests:
+            self.add(r)
+        params = self.prepare(params)
+        while any(r.finish is None for r in requests):
+            self.step(params)
+        return requests
+
+    def prepare(self, params):
+        """The params as the compiled steps take them (layers unstacked on the CPU kernel path)."""
+        return self._prepare(params)
+
+    # ---- one iteration -----------------------------------------------------------------------
+
+    def step(self, params) -> None:
+        """Admit, prefill one chunk of every unfinished prompt, decode one block."""
+        if self.pool is None:
+            self.pool = init_pool(self.model, self.place)
+        for r in [r for r in self.running if r is not None and r.cancelled]:
+            self._release(r, "cancelled")
+        self._admit()
+        prefilling = [r for r in self.running if r is not None and r.written < len(r.prompt)]
+        if prefilling:
+            self._prefill_chunks(params, prefilling)
+        if self.state["live"].any():
+            self._decode_block(params)
+
+    def _admit(self) -> None:
+        for r in list(self.waiting):
+            if r.cancelled:
+                self.waiting.remove(r)
+                self._finish(r, "cancelled")
+        while self.waiting and None in self.running:
+            r = self.waiting[0]
+            pages = self.allocator.take(len(r.prompt) + r.sampling.max_new_tokens)
+            if pages is None:
+                return  # the oldest request waits for pages; the ones behind it keep their order
+            self.waiting.popleft()
+            r.slot, r.pages = self.running.index(None), pages
+            self.running[r.slot] = r
+            self.table[r.slot] = 0
+            self.table[r.slot, : len(pages)] = pages
+
+    def _prefill_chunks(self, params, rows: list[Request]) -> None:
+        cfg = self.config
+        lens = [min(cfg.chunk, len(r.prompt) - r.written) for r in rows]
+        n_rows = self.place.rows(bucket(len(rows), 1, self.slots))
+        width = bucket(max(lens), 16, bucket(cfg.chunk, 16, 1 << 30))
+        reach = max(r.written + n for r, n in zip(rows, lens))
+        table_w = bucket(-(-reach // cfg.page_size), max(1, self.table_width // 8), self.table_width)
+        ids, seg, pos = (np.zeros((n_rows, width), np.int32) for _ in range(3))
+        table, last = np.zeros((n_rows, table_w), np.int32), np.zeros(n_rows, np.int32)
+        keys, counts = np.zeros((n_rows, 2), np.uint32), np.zeros(n_rows, np.int32)
+        settings = RowSettings.empty(n_rows)
+        for i, (r, n) in enumerate(zip(rows, lens)):
+            ids[i, :n], seg[i, :n] = r.prompt[r.written: r.written + n], 1
+            pos[i] = r.written + np.arange(width)
+            table[i], last[i], keys[i] = self.table[r.slot, :table_w], n - 1, r.key
+            settings.set(i, r.sampling)
+        put = self.place.put
+        self.pool, tokens, logp = self._prefill(params, self.pool, put(ids), put(seg), put(pos), put(table),
+                                                put(last), put(keys), put(counts),
+                                                jax.tree.map(put, settings.arrays()))
+        tokens, logp = self.place.host(tokens), self.place.host(logp)
+        for i, (r, n) in enumerate(zip(rows, lens)):
+            r.written += n
+            if r.written == len(r.prompt):  # the prompt is in: its first token is pending
+                s = r.slot
+                self.state["tokens"][s], self.state["logp"][s] = tokens[i], logp[i]
+                self.state["pos"][s], self.state["live"][s] = len(r.prompt), True
+                self.state["count"][s], self.state["left"][s] = 1, r.sampling.max_new_tokens
+                self.state["keys"][s], self.state["eos"][s] = r.key, -1
+                self.state["eos"][s, : len(r.eos)] = r.eos
+                self.settings.set(s, r.sampling)
+
+    def _decode_block(self, params) -> None:
+        cfg = self.config
+        live = self.state["live"]
+        reach = int((self.state["pos"][live] + cfg.decode_block).max())
+        table_w = bucket(-(-min(reach, self.max_len) // cfg.page_size), max(1, self.table_width // 8),
+                         self.table_width)
+        put = self.place.put
+        state = {k: put(v) for k, v in self.state.items()} | {"settings": jax.tree.map(put, self.settings.arrays())}
+        self.pool, new, out, out_logp = self._decode(params, self.pool, state, put(self.table[:, :table_w]))
+        new = {k: self.place.host(v) for k, v in new.items() if k != "settings"}
+        out, out_logp = self.place.host(out), self.place.host(out_logp)
+        was_live = live.copy()
+        self.state |= {k: np.array(v) for k, v in new.items()}
+        for s in np.flatnonzero(was_live):
+            r = self.running[s]
+            keep = out[s] != NO_TOKEN
+            ids, logps = out[s][keep], out_logp[s][keep]
+            r.ids += ids.tolist()
+            r.logps += logps.tolist()
+            stop = bool(r.on_tokens(ids, logps)) if r.on_tokens is not None and len(ids) else False
+            if r.cancelled or stop or not self.state["live"][s]:
+                reason = "cancelled" if r.cancelled else "stop" if stop else (
+                    "eos" if r.ids and r.ids[-1] in r.eos else "length")
+                self._release(r, reason)
+
+    def _release(self, r: Request, reason: str) -> None:
+        self.state["live"][r.slot] = False
+        self.running[r.slot] = None
+        self.allocator.give_back(r.pages)
+        r.pages, r.slot = [], -1
+        self._finish(r, reason)
+
+    @staticmethod
+    def _finish(r: Request, reason: str) -> None:
+        r.finish = reason
+        r.done.set()
+
+
+def check_prompt(max_len: int, prompt, sampling: SamplingParams, label: str = "prompt") -> None:
+    """The one-line refusals of a prompt that cannot be completed within `max_len` positions."""
+    n, room = len(prompt), max_len - len(prompt)
+    if n == 0:
+        raise UserError(f"{label}: empty; give at least one token of text")
+    if n >= max_len:
+        raise UserError(f"{label}: {n} tokens, longer than the model's context of {max_len} positions "
+                        "(no room for a new token); shorten it")
+    if n + sampling.max_new_tokens > max_len:
+        raise UserError(f"{label}: {n} tokens + max_new_tokens={sampling.max_new_tokens} exceed the context of "
+                        f"{max_len} positions; at most {room} new tokens fit after it (--max-new-tokens)")

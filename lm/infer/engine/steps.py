@@ -1,0 +1,68 @@
+"""The engine's two compiled steps over the paged KV pool: a prefill of prompt chunks and a block of
+decode steps. Shapes are fixed by the engine's buckets (rows, chunk width, page-table width), so
+each shape compiles once and is reused whatever requests fill it.
+
+Each request has a pending token: chosen but not yet emitted. A decode step emits the pending token
+of every live row, ends the rows whose token is one of their end ids or whose budget is spent,
+writes the others' keys and values (feeds them) and chooses their next pending token, as
+`lm.infer.generate` does for a static batch.
+"""
+
+from __future__ import annotations
+
+import functools
+
+import jax
+import jax.numpy as jnp
+
+from lm.infer.engine.rows import choose_rows, row_keys
+
+NO_TOKEN = -1
+
+
+def prefill(model, params, cache, ids, seg, pos, table, last, keys, counts, settings):
+    """Writes prompt chunks [R, W] (segment 0 = padding) into the pool and chooses, from the logits
+    at index `last` [R] of each row, a pending token (used by rows whose prompt ends here)."""
+    logits, updated = model.apply({"params": params, "cache": cache}, ids, seg, pos, decode=True,
+                                  logits_at=last, page_table=table, mutable=["cache"])
+    tokens, logp = choose_rows(row_keys(keys, counts), logits[:, 0], settings)
+    return updated["cache"], tokens, logp
+
+
+def decode_block(model, n: int, params, cache, state, table):
+    """Up to `n` decode steps for all rows; state holds [S] arrays: tokens (pending), logp (its
+    log-prob), pos (where it goes), live, count (tokens chosen so far), left (tokens it may still
+    emit), keys [S,2], eos [S,E] (-1 = none), settings. Returns (cache, state, out [S,n], out_logp)."""
+    rows = state["tokens"].shape[0]
+
+    def cond(c):
+        return (c["i"] < n) & jnp.any(c["s"]["live"])
+
+    def body(c):
+        s, i = c["s"], c["i"]
+        live = s["live"]
+        out = c["out"].at[:, i].set(jnp.where(live, s["tokens"], NO_TOKEN))
+        out_logp = c["out_logp"].at[:, i].set(jnp.where(live, s["logp"], 0.0))
+        ended = jnp.any(s["tokens"][:, None] == s["eos"], axis=-1) | (s["left"] <= 1)
+        feed = live & ~ended
+        logits, cache = model.apply({"params": params, "cache": c["cache"]}, s["tokens"][:, None],
+                                    feed.astype(jnp.int32)[:, None], s["pos"][:, None], decode=True,
+                                    page_table=table, mutable=["cache"])
+        tokens, logp = choose_rows(row_keys(s["keys"], s["count"]), logits[:, 0], s["settings"])
+        s = s | dict(tokens=jnp.where(feed, tokens, s["tokens"]), logp=jnp.where(feed, logp, s["logp"]),
+                     pos=s["pos"] + feed, live=feed, count=s["count"] + feed, left=s["left"] - live)
+        return dict(cache=cache["cache"], s=s, i=i + 1, out=out, out_logp=out_logp)
+
+    start = dict(cache=cache, s=state, i=jnp.zeros((), jnp.int32),
+                 out=jnp.full((rows, n), NO_TOKEN, jnp.int32), out_logp=jnp.zeros((rows, n), jnp.float32))
+    end = jax.lax.while_loop(cond, body, start)
+    return end["cache"], end["s"], end["out"], end["out_logp"]
+
+
+@functools.lru_cache(maxsize=32)
+def compiled(model, n: int):
+    """The jitted prefill and decode block of one model (shared by every engine of it). The pool is
+    donated; its sharding follows the input's (the engine places it once)."""
+    pre = jax.jit(functools.partial(prefill, model), donate_argnums=1)
+    dec = jax.jit(functools.partial(decode_block, model, n), donate_argnums=1)
+    return pre, dec

@@ -4,6 +4,7 @@ attention on packed documents, train-step MFU against the chip's vendor peak, an
     python bench/accelerator_check.py probe          # prints jax's platform; exit 3 without an accelerator
     python bench/accelerator_check.py attention --rows ROWS [--quick]
     python bench/accelerator_check.py throughput --rows ROWS [--quick]
+    python bench/accelerator_check.py decode --rows ROWS --figures DECODE_JSON
     python bench/accelerator_check.py record --rows ROWS --check NAME (--rc N | --skip) [--figure F] [--target T]
     python bench/accelerator_check.py table --rows ROWS      # prints the table; exit 1 if a row failed
 
@@ -271,8 +272,26 @@ def table(rows: list[dict]) -> str:
 
 
 def exit_code(rows: list[dict]) -> int:
-    """1 if any row failed or there are none, else 0 (skips do not fail)."""
-    return 1 if not rows or any(r["result"] not in ("pass", "skip") for r in rows) else 0
+    """1 if any row failed or there are none, else 0 (skips, and speed below its target, do not fail)."""
+    return 1 if not rows or any(r["result"] not in ("pass", "skip", "below") for r in rows) else 0
+
+
+DECODE_TARGET = 2.0  # the engine's new tokens/s over transformers' generate, same device
+
+
+def decode_rows(path) -> list[dict]:
+    """Rows from bench/decode_throughput.py's JSON: the engine against the static decoder and generate."""
+    rows = []
+    for r in json.loads(pathlib.Path(path).read_text()):
+        check = f"decode batch {r['batch']}, {r['new_tokens']} new tokens"
+        figure = f"engine {r['ours_tokens_per_s']:.0f} tok/s, static {r['static_tokens_per_s']:.0f}"
+        if "ours_vs_peer" not in r:
+            rows.append(row(check, "skip", figure + "; no transformers peer", f">= {DECODE_TARGET}x generate"))
+            continue
+        ratio = r["ours_vs_peer"]
+        rows.append(row(check, "pass" if ratio >= DECODE_TARGET else "below",
+                        figure + f", generate {r['peer_tokens_per_s']:.0f}: {ratio:.2f}x", f">= {DECODE_TARGET}x generate"))
+    return rows
 
 
 def probe() -> int:
@@ -291,7 +310,8 @@ def probe() -> int:
 
 def main(argv=None) -> int:
     p = argparse.ArgumentParser(description=__doc__.splitlines()[0])
-    p.add_argument("command", choices=("probe", "attention", "throughput", "record", "table"))
+    p.add_argument("command", choices=("probe", "attention", "throughput", "decode", "record", "table"))
+    p.add_argument("--figures", help="decode: bench/decode_throughput.py's --out JSON")
     p.add_argument("--rows", default="accelerator_check.jsonl")
     p.add_argument("--quick", action="store_true", help="small shapes, few steps")
     p.add_argument("--check", help="record: the row's name")
@@ -310,7 +330,10 @@ def main(argv=None) -> int:
         result = "skip" if args.skip else "pass" if args.rc == 0 else "FAIL"
         append_rows(args.rows, [row(args.check, result, args.figure, args.target)])
         return 0
-    rows = attention_rows(args.quick) if args.command == "attention" else throughput_rows(args.quick)
+    if args.command == "decode":
+        rows = decode_rows(args.figures)
+    else:
+        rows = attention_rows(args.quick) if args.command == "attention" else throughput_rows(args.quick)
     append_rows(args.rows, rows)
     for r in rows:
         print(f"{r['result']:4}  {r['check']}: {r['figure']}", flush=True)

@@ -7,7 +7,8 @@
 #   ALLOW_CPU=1 bench/accelerator_check.sh        # no accelerator: everything on CPU, a smoke test
 #   QUICK=1 ...                                   # skip step 1, fewer tests in step 2, small shapes
 # Environment: PYTHON (default .venv/bin/python), TEST_WORKERS (step 1's pytest workers, default 4),
-# ACCEL_TESTS (step 2's test paths).
+# ACCEL_TESTS (step 2's test paths), SUITE=0 (skip step 1 only), PEER_PYTHON (a Python with torch and
+# transformers for step 5's peer; default: PYTHON if it has them).
 #
 # 1. The whole test suite on this host's CPU, as `make test` runs it. tests/conftest.py sets
 #    JAX_PLATFORMS=cpu and 8 simulated devices: the mesh tests need 8 devices, which one accelerator
@@ -21,6 +22,8 @@
 #    (bench/accelerator_check.py attention). No cuDNN on TPU or CPU: those rows are skipped, with why.
 # 4. Throughput: bench/train_throughput.py's bf16 train step, MFU against the chip's vendor bf16 peak
 #    (lm/hardware.py), or against the measured matmul peak when the chip is unknown (the row says so).
+# 5. Decode: bench/decode_throughput.py, the engine against the static decoder and transformers'
+#    `generate` on the same accelerator (target: 2x generate; below it the row says "below", not FAIL).
 set -uo pipefail
 cd "$(dirname "$0")/.." || exit 2
 py=${PYTHON:-.venv/bin/python}
@@ -40,8 +43,8 @@ platform=$(check probe) || exit $?
 [[ $quick == 1 ]] && q=(--quick) || q=()
 
 echo "== 1. test suite on CPU"
-if [[ $quick == 1 ]]; then
-    check record --check "tests: whole suite (CPU)" --skip --figure "QUICK=1"
+if [[ $quick == 1 || ${SUITE:-1} == 0 ]]; then
+    check record --check "tests: whole suite (CPU)" --skip --figure "QUICK=1 or SUITE=0"
 else
     JAX_PLATFORMS=cpu "$py" -m pytest -q -n "${TEST_WORKERS:-4}" --dist loadfile 2>&1 | tee "$work/suite.log"
     rc=${PIPESTATUS[0]}
@@ -71,6 +74,23 @@ for step in attention throughput; do
         check record --check "$step step" --rc 1 --figure "crashed: see the log above"
     fi
 done
+
+echo "== decode"
+peer=${PEER_PYTHON:-$py}
+if "$peer" -c "import torch, transformers" 2>/dev/null; then
+    device=cpu
+    [[ $platform == gpu ]] && device=cuda
+    peer_args=(--peer-python "$peer" --peer-device "$device")
+else
+    peer_args=()
+fi
+[[ $quick == 1 ]] && sizes=(--batches 1 --new-tokens 64) || sizes=()
+if XLA_PYTHON_CLIENT_PREALLOCATE=false "$py" bench/decode_throughput.py --rounds 2 "${peer_args[@]}" "${sizes[@]}" \
+        --out "$work/decode.json"; then
+    check decode --figures "$work/decode.json"
+else
+    check record --check "decode step" --rc 1 --figure "crashed: see the log above"
+fi
 
 echo
 check table

@@ -1,5 +1,7 @@
-"""Decode throughput: new tokens/s with the KV cache, against recomputing the whole forward pass
-per token and against Hugging Face transformers `generate` on the same CPU.
+"""Decode throughput: new tokens/s of the engine (lm.infer.engine: paged KV cache, what every
+caller generates through), against the static dense-cache decoder (lm.infer.static_batch), against
+recomputing the whole forward pass per token, and against Hugging Face transformers `generate`
+on the same machine.
 
 Shape: a small Llama (6 layers, d_model 384, 6 heads over 2 kv heads, SwiGLU 1024, RoPE, tied
 embeddings, vocabulary 2048), float32, random weights, greedy, 16-token prompts, at batch 1 and
@@ -40,6 +42,7 @@ import numpy as np  # noqa: E402
 from lm.config import base_config  # noqa: E402
 from lm.infer.generate import Generator  # noqa: E402
 from lm.infer.sampling import SamplingParams  # noqa: E402
+from lm.infer.static_batch import StaticGenerator  # noqa: E402
 from lm.model.layers import ModelSpec  # noqa: E402
 from lm.model.transformer import Transformer, init_params  # noqa: E402
 
@@ -66,14 +69,17 @@ class Ours:
     def __init__(self, batch: int, new: int):
         self.model = Transformer(spec(PROMPT + new))
         self.params = jax.jit(lambda k: nn.unbox(init_params(self.model, k)))(jax.random.PRNGKey(0))
-        self.gen = Generator(self.model, self.params, SamplingParams(max_new_tokens=new, temperature=0), eos_id=-1)
+        sampling = SamplingParams(max_new_tokens=new, temperature=0)
+        self.gens = {"engine": Generator(self.model, self.params, sampling, eos_id=-1),
+                     "static": StaticGenerator(self.model, self.params, sampling, eos_id=-1)}
         self.prompts, self.tokens = prompts(batch), batch * new
-        out = self.gen(self.prompts)  # compile
-        assert all(len(r) == new for r in out.ids)
+        outs = [gen(self.prompts) for gen in self.gens.values()]  # compile
+        assert all(len(r) == new for out in outs for r in out.ids)
+        assert all((a == b).all() for a, b in zip(outs[0].ids, outs[1].ids)), "engine and static decoder differ"
 
-    def tokens_per_s(self) -> float:
+    def tokens_per_s(self, which: str = "engine") -> float:
         start = time.perf_counter()
-        self.gen(self.prompts)
+        self.gens[which](self.prompts)
         return self.tokens / (time.perf_counter() - start)
 
     def recompute_tokens_per_s(self, steps: int = 8) -> float:
@@ -96,10 +102,10 @@ class Ours:
         return b * steps / (time.perf_counter() - start)
 
 
-def peer(python: str, batch: int, new: int) -> float | None:
+def peer(python: str, batch: int, new: int, device: str = "cpu") -> float | None:
     flags = [f"--{k.replace('_', '-')}={v}" for k, v in SHAPE.items()]
     cmd = [python, str(PEER), "--batch", str(batch), "--new-tokens", str(new), "--prompt-len", str(PROMPT),
-           "--repeats", "1", *flags]
+           "--repeats", "1", "--device", device, *flags]
     done = subprocess.run(cmd, capture_output=True, text=True, env={k: v for k, v in os.environ.items()
                                                                      if k != "XLA_FLAGS"})
     if done.returncode:
@@ -112,6 +118,7 @@ def main():
     p = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     p.add_argument("--rounds", type=int, default=2)
     p.add_argument("--peer-python", help="a Python with torch and transformers (e.g. /tmp/hf-venv/bin/python)")
+    p.add_argument("--peer-device", default="cpu", help="where the peer runs: cpu, or cuda beside a GPU run of ours")
     p.add_argument("--batches", default="1,16")
     p.add_argument("--new-tokens", default="256,1024")
     p.add_argument("--out", help="write the figures as JSON here")
@@ -120,25 +127,29 @@ def main():
     for batch in [int(x) for x in args.batches.split(",")]:
         for new in [int(x) for x in args.new_tokens.split(",")]:
             ours = Ours(batch, new)
-            mine, theirs = [], []
+            mine, static, theirs = [], [], []
             for _ in range(args.rounds):
                 mine.append(ours.tokens_per_s())
+                static.append(ours.tokens_per_s("static"))
                 if args.peer_python:
-                    theirs.append(peer(args.peer_python, batch, new))
+                    theirs.append(peer(args.peer_python, batch, new, args.peer_device))
             recompute = ours.recompute_tokens_per_s()
             row = {"batch": batch, "new_tokens": new, "ours_tokens_per_s": statistics.median(mine),
-                   "recompute_tokens_per_s": recompute, "rounds": mine}
+                   "static_tokens_per_s": statistics.median(static), "recompute_tokens_per_s": recompute,
+                   "rounds": mine, "static_rounds": static}
             row["cache_vs_recompute"] = row["ours_tokens_per_s"] / recompute
             if theirs and None not in theirs:
                 row |= {"peer_tokens_per_s": statistics.median(theirs), "peer_rounds": theirs,
                         "ours_vs_peer": statistics.median(m / t for m, t in zip(mine, theirs))}
             rows.append(row)
             print(json.dumps(row), flush=True)
-    print(f"\n{'batch':>5} {'new':>5} {'ours tok/s':>11} {'recompute':>10} {'cache x':>8} {'HF tok/s':>9} {'ours/HF':>8}")
+    print(f"\n{'batch':>5} {'new':>5} {'engine tok/s':>12} {'static':>7} {'recompute':>10} {'cache x':>8} "
+          f"{'HF tok/s':>9} {'engine/HF':>9}")
     for r in rows:
-        print(f"{r['batch']:>5} {r['new_tokens']:>5} {r['ours_tokens_per_s']:>11.0f} {r['recompute_tokens_per_s']:>10.1f} "
+        print(f"{r['batch']:>5} {r['new_tokens']:>5} {r['ours_tokens_per_s']:>12.0f} {r['static_tokens_per_s']:>7.0f} "
+              f"{r['recompute_tokens_per_s']:>10.1f} "
               f"{r['cache_vs_recompute']:>8.1f} {r.get('peer_tokens_per_s', float('nan')):>9.0f} "
-              f"{r.get('ours_vs_peer', float('nan')):>8.2f}")
+              f"{r.get('ours_vs_peer', float('nan')):>9.2f}")
     if args.out:
         pathlib.Path(args.out).write_text(json.dumps(rows, indent=2))
 

@@ -1,4 +1,4 @@
-"""Peer measurement: Hugging Face transformers `generate` (its own KV cache), greedy, on CPU.
+"""Peer measurement: Hugging Face transformers `generate` (its own KV cache), greedy, on CPU (or a GPU: --device cuda).
 
 Run with a Python that has torch and transformers installed (not the project's environment):
 
@@ -25,6 +25,7 @@ def main():
                           ("d-ff", 1024)]:
         p.add_argument(f"--{name}", type=int, default=default)
     p.add_argument("--rope-theta", type=float, default=10000.0)
+    p.add_argument("--device", default="cpu", help="cpu, or cuda on a GPU host")
     args = p.parse_args()
 
     import torch
@@ -37,22 +38,25 @@ def main():
                          num_key_value_heads=args.kv_heads, max_position_embeddings=args.prompt_len + args.new_tokens,
                          rope_theta=args.rope_theta, rms_norm_eps=1e-5, tie_word_embeddings=True,
                          bos_token_id=1, eos_token_id=2, pad_token_id=0)
-    model = LlamaForCausalLM(config).eval()
-    ids = torch.randint(3, args.vocab, (args.batch, args.prompt_len))
+    model = LlamaForCausalLM(config).eval().to(args.device)
+    ids = torch.randint(3, args.vocab, (args.batch, args.prompt_len)).to(args.device)
     mask = torch.ones_like(ids)
+    sync = torch.cuda.synchronize if args.device.startswith("cuda") else (lambda: None)
     kw = dict(max_new_tokens=args.new_tokens, min_new_tokens=args.new_tokens, do_sample=False, use_cache=True,
               pad_token_id=0)
     times = []
     with torch.inference_mode():
         model.generate(ids, attention_mask=mask, **(kw | dict(max_new_tokens=4, min_new_tokens=4)))  # warm up
         for _ in range(args.repeats):
+            sync()
             start = time.perf_counter()
             out = model.generate(ids, attention_mask=mask, **kw)
+            sync()
             times.append(time.perf_counter() - start)
     assert out.shape[1] == args.prompt_len + args.new_tokens, out.shape
     tokens = args.batch * args.new_tokens
     print(json.dumps({"tokens_per_s": tokens / min(times), "tokens_per_s_median": tokens / statistics.median(times),
-                      "params": sum(x.numel() for x in model.parameters()), "torch": torch.__version__}))
+                      "params": sum(x.numel() for x in model.parameters()), "torch": torch.__version__, "device": args.device}))
 
 
 if __name__ == "__main__":

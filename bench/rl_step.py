@@ -10,6 +10,8 @@ group advantages, then `--epochs` x `--minibatches` jitted updates. Per round it
 - sampling share: sampler seconds / (sampler + update seconds) of the step.
 
 Peers, measured in the same rounds (interleaved: RL step, peers, RL step, ...):
+- the same RL step with the static dense-cache decoder as its sampler (lm.infer.static_batch,
+  how rollouts were sampled before the engine): step seconds and sampling share before/after;
 - the sampler alone: lm.infer.generate.Generator on the same prompts, as `lm sample` runs it
   (ratio rollout / sampler: what the rollout path adds, e.g. folding the policy's params);
 - a pretraining step (lm.train.setup.build_run, next-token loss) on rows of the same shape
@@ -75,6 +77,7 @@ from lm.data.prompts import PromptSet  # noqa: E402
 from lm.data.tokenizer import ByteTokenizer  # noqa: E402
 from lm.infer.generate import Generator  # noqa: E402
 from lm.infer.sampling import SamplingParams  # noqa: E402
+from lm.infer.static_batch import StaticGenerator  # noqa: E402
 from lm.train.rewards import RewardFn, Rewards  # noqa: E402
 from lm.train.rl import build_rl_run  # noqa: E402
 from lm.train.rl_losses import RlSettings  # noqa: E402
@@ -97,6 +100,15 @@ class _Template:
 
     def answer_text(self, ids) -> str:
         return self.tok.decode([int(i) for i in ids if 0 <= i < 256])
+
+
+class StaticSampler(Sampler):
+    """The rollout sampler with the static dense-cache decoder in place of the engine."""
+
+    def __call__(self, params, prompts, rng, sampling=None):
+        gen = StaticGenerator(self.model, params, sampling or self.sampling, eos_id=self.eos_id, max_len=self.seq_len,
+                              mesh=self.run.mesh, rules=self.run.rules)
+        return gen(prompts, rng=rng, pad_to=self.seq_len - gen.sampling.max_new_tokens)
 
 
 def make_config(args):
@@ -129,6 +141,10 @@ def main(args) -> dict:
     scorer = Scorer(run, False)
     step = RlStep(run, frozen, prompts, Rewards([RewardFn("digits", digit_share, 1.0)]), sampler, scorer,
                   template, settings, c.rl)
+    static_step = RlStep(run, frozen, prompts, Rewards([RewardFn("digits", digit_share, 1.0)]),
+                         StaticSampler(run, sampling, template.stop_ids, c.data.seq_len), scorer, template, settings,
+                         c.rl)
+    static_state = state
     batch = {"index": np.arange(args.prompts, dtype=np.int32)}
     # peers: the bare sampler on the same prompts, a pretraining step on rows of the same shape
     prompt_rows = [ids[i].tolist() for i in range(args.prompts) for _ in range(args.group)]
@@ -142,8 +158,18 @@ def main(args) -> dict:
 
     def rl_round():
         nonlocal state
+        t0 = time.perf_counter()
         state, m = step(state, batch)
-        return m
+        jax.block_until_ready(state)
+        return m | {"step_s": time.perf_counter() - t0}
+
+    def static_round():
+        nonlocal static_state
+        t0 = time.perf_counter()
+        static_state, m = static_step(static_state, batch)
+        jax.block_until_ready(static_state)
+        return {"static_step_s": time.perf_counter() - t0, "static_sampling_share": m["sampling_share"],
+                "static_rollout_tokens_per_s": m["rollout_tokens_per_s"]}
 
     def sampler_round():
         t0 = time.perf_counter()
@@ -158,16 +184,18 @@ def main(args) -> dict:
         jax.block_until_ready(m)
         return args.epochs * args.minibatches * plain_sig["inputs"].size / (time.perf_counter() - t0)
 
-    rl_round(), sampler_round(), pretrain_round()  # compile everything
+    rl_round(), static_round(), sampler_round(), pretrain_round()  # compile everything
     rows = []
     for r in range(args.rounds):
         m = rl_round()
-        rows.append({"rollout_tokens_per_s": m["rollout_tokens_per_s"], "update_tokens_per_s": m["update_tokens_per_s"],
-                     "sampling_share": m["sampling_share"], "sampler_tokens_per_s": sampler_round(),
+        rows.append({"step_s": m["step_s"], "rollout_tokens_per_s": m["rollout_tokens_per_s"],
+                     "update_tokens_per_s": m["update_tokens_per_s"], "sampling_share": m["sampling_share"],
+                     **static_round(), "sampler_tokens_per_s": sampler_round(),
                      "pretrain_tokens_per_s": pretrain_round()})
         print(f"round {r + 1}: " + ", ".join(f"{k} {v:,.3f}" for k, v in rows[-1].items()), flush=True)
     med = {k: statistics.median(x[k] for x in rows) for k in rows[0]}
     med["rollout_over_sampler"] = statistics.median(x["rollout_tokens_per_s"] / x["sampler_tokens_per_s"] for x in rows)
+    med["static_step_over_step"] = statistics.median(x["static_step_s"] / x["step_s"] for x in rows)
     med["update_over_pretrain"] = statistics.median(x["update_tokens_per_s"] / x["pretrain_tokens_per_s"] for x in rows)
     shape = {"params": sum(x.size for x in jax.tree.leaves(base)), "rows": args.prompts * args.group,
              "seq_len": c.data.seq_len, "updates_per_step": args.epochs * args.minibatches, "beta": args.beta}

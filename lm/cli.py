@@ -14,6 +14,7 @@ from lm.errors import UserError
 from lm.eval import cli as eval_cli
 from lm.eval import contamination_cli, harness_cli
 from lm.infer import cli as infer_cli
+from lm.infer.serve import cli as serve_cli
 from lm.store import cli as store_cli
 from lm.train import cli as train_cli
 from lm.train.faults import StopRequested, StopSignal
@@ -26,7 +27,7 @@ TRAINING: tuple[Verb, ...] = (train_cli.Pretrain, train_cli.SFT, train_cli.DPO, 
 VERBS: tuple[Verb, ...] = (
     *TRAINING, demo_cli,
     data_cli.Tokenizer, store_cli.Export, store_cli.Import, data_cli.Tokenize, data_cli.Curate, plan_cli,
-    infer_cli, eval_cli, contamination_cli, harness_cli,
+    infer_cli, serve_cli, eval_cli, contamination_cli, harness_cli,
 )
 
 

@@ -12,7 +12,7 @@ from lm.train import cli as train_cli
 from lm.verb import Stopped
 
 VERBS = {"train", "sft", "dpo", "reward", "rl", "distill", "demo", "tokenizer", "export", "import", "tokenize",
-         "curate", "plan", "sample", "eval", "contamination", "harness"}
+         "curate", "plan", "sample", "serve", "eval", "contamination", "harness"}
 
 
 def test_every_verb_exposes_add_parser_and_run():

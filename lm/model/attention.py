@@ -90,6 +90,23 @@ def cached_attention(q, k_cache, v_cache, mask, scale: float = 0.0, cap: float =
     return out.astype(q.dtype).reshape(b, kv, t, g, h).transpose(0, 2, 1, 3, 4).reshape(b, t, n, h)
 
 
+def paged_attention(q, keys, values, mask, scale: float = 0.0, cap: float = 0.0) -> jax.Array:
+    """q [B,t,N,H] against keys and values gathered from the page pool [K,B,S,H]; mask [B,t,S] bool
+    -> [B,t,N,H]. The products of `cached_attention`, with the kv-head axis outermost."""
+    b, t, n, h = q.shape
+    kv, s = keys.shape[0], keys.shape[2]
+    g = n // kv
+    qg = (q * jnp.asarray(scale or h ** -0.5, q.dtype)).reshape(b, t, kv, g, h).transpose(2, 0, 1, 3, 4)
+    batched = ((0,), (0,))
+    logits = jax.lax.dot_general(qg.reshape(kv * b, t * g, h), keys.reshape(kv * b, s, h), (((2,), (2,)), batched),
+                                 preferred_element_type=jnp.float32).reshape(kv, b, t, g, s)
+    logits = jnp.where(mask[None, :, :, None, :], softcap(logits, cap), MASKED)
+    probs = jax.nn.softmax(logits, axis=-1).astype(values.dtype).reshape(kv * b, t * g, s)
+    out = jax.lax.dot_general(probs, values.reshape(kv * b, s, h), (((2,), (1,)), batched),
+                              preferred_element_type=jnp.float32)
+    return out.astype(q.dtype).reshape(kv, b, t, g, h).transpose(1, 2, 0, 3, 4).reshape(b, t, n, h)
+
+
 def write_cache(cache: jax.Array, new: jax.Array, slots: jax.Array) -> jax.Array:
     """cache [B,K,S,H] with new [B,t,K,H] written at slots [B,t]; slots >= S are dropped."""
     rows = jnp.arange(cache.shape[0])[:, None]
@@ -172,7 +189,7 @@ class Attention(nn.Module):
         """Writes this step's keys and values into the page pool, then attends to the rows each
         sequence's page table names (lm.model.paged)."""
         s, pg = self.spec, self.paging
-        shape = (pg.tokens, s.n_kv_heads, s.head_dim)
+        shape = (s.n_kv_heads, pg.tokens, s.head_dim)
         pool_dtype = jnp.int8 if pg.kv_int8 else s.dtype
         zeros = nn.with_logical_partitioning(jnp.zeros, POOL_AXES)
         k_pool = self.variable("cache", "k", zeros, shape, pool_dtype)
@@ -188,7 +205,7 @@ class Attention(nn.Module):
             for pool, scale, new in ((k_pool, k_scale, k), (v_pool, v_scale, v)):
                 values_q, scales = quantize_kv(new)
                 pool.value = write_pool(pool.value, values_q, write)
-                scale.value = write_pool(scale.value[..., None], scales[..., None], write)[..., 0]
+                scale.value = write_pool(scale.value, scales, write)
             keys = read_pool(k_pool.value, read, k_scale.value, s.dtype)
             values = read_pool(v_pool.value, read, v_scale.value, s.dtype)
-        return cached_attention(q, keys, values, mask, s.attn_scale, s.attn_softcap)
+        return paged_attention(q, keys, values, mask, s.attn_scale, s.attn_softcap)

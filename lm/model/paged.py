@@ -2,12 +2,12 @@
 
 A sequence owns a list of pages (its row of the page table); position p of the sequence is token
 `p % page_size` of page `table[p // page_size]`. Per layer the pool holds keys and values
-[pages * page_size, kv_heads, head_dim] (token-major, so a write is one scatter of whole rows),
-optionally as int8 with one float32 scale per token and kv head.
+[kv_heads, pages * page_size, head_dim], optionally as int8 with one float32 scale per kv head and
+token.
 
-A step reads a sequence's keys back through its page table into the dense [B, kv_heads, S, head_dim]
-layout of `cached_attention` (S = the table's width × page_size), so the attention math is the same
-as the dense cache's. Positions past a sequence's own tokens may hold another sequence's stale
+A step gathers a sequence's keys through its page table into [kv_heads, B, S, head_dim] (S = the
+table's width × page_size), which folds into one batch axis without a copy, so `paged_attention`
+runs the same products as the dense cache's `cached_attention`. Positions past a sequence's own tokens may hold another sequence's stale
 entries; the causal mask (slot <= position) never lets a query see them, and unused table entries
 point at page 0, which the engine never hands out.
 """
@@ -18,8 +18,8 @@ import dataclasses
 
 import jax.numpy as jnp
 
-POOL_AXES = ("cache_pool", "kv_heads", "head_dim")
-SCALE_AXES = ("cache_pool", "kv_heads")
+POOL_AXES = ("kv_heads", "cache_pool", "head_dim")
+SCALE_AXES = ("kv_heads", "cache_pool")
 NOWHERE = jnp.iinfo(jnp.int32).max  # a write index past any pool: dropped
 
 
@@ -59,16 +59,17 @@ def quantize_kv(x):
 
 
 def write_pool(pool, new, write):
-    """pool [P, K, H] with new [B, t, K, H] written at pool rows `write` [B, t] (NOWHERE: dropped)."""
-    return pool.at[write.reshape(-1)].set(new.reshape(-1, *new.shape[2:]).astype(pool.dtype), mode="drop")
+    """pool [K, P, ...] with new [B, t, K, ...] written at pool rows `write` [B, t] (NOWHERE: dropped)."""
+    flat = jnp.moveaxis(new.reshape(-1, *new.shape[2:]), 0, 1)
+    return pool.at[:, write.reshape(-1)].set(flat.astype(pool.dtype), mode="drop")
 
 
 def read_pool(pool, read, scale=None, dtype=None):
-    """The rows `read` [B, S] of pool [P, K, H] as [B, K, S, H] (dequantized with `scale` [P, K])."""
-    x = pool[read]
+    """The rows `read` [B, S] of pool [K, P, H] as [K, B, S, H] (dequantized with `scale` [K, P])."""
+    x = pool[:, read]
     if scale is not None:
-        x = (x.astype(jnp.float32) * scale[read][..., None]).astype(dtype)
-    return x.transpose(0, 2, 1, 3)
+        x = (x.astype(jnp.float32) * scale[:, read][..., None]).astype(dtype)
+    return x
 
 
 def pool_bytes(paging: Paging, n_layers: int, kv_heads: int, head_dim: int, dtype) -> int:

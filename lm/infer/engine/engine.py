@@ -30,6 +30,7 @@ from lm.model.paged import Paging
 from lm.model.transformer import unstack_layers
 
 MAX_EOS = 4  # end ids a request may have (e.g. EOS and a chat template's end-of-turn)
+_unstack = jax.jit(unstack_layers)
 
 
 @dataclasses.dataclass(frozen=True)
@@ -63,6 +64,7 @@ class Request:
     eos: tuple[int, ...]
     key: np.ndarray | None = None  # uint32 [2]; default: PRNGKey(sampling.seed)
     on_tokens: Callable[[np.ndarray, np.ndarray], bool] | None = None
+    on_done: Callable[["Request"], None] | None = None  # called once it has ended, from the engine's thread
     ids: list[int] = dataclasses.field(default_factory=list)
     logps: list[float] = dataclasses.field(default_factory=list)
     finish: str | None = None  # "eos" | "length" | "stop" | "cancelled"
@@ -101,7 +103,7 @@ class Engine:
         self.unstack = model.spec.cpu_kernels if unstack is None else unstack
         self.model = model.clone(paging=self.paging, unstacked=self.unstack)
         self._prefill, self._decode = compiled(self.model, config.decode_block)
-        self._prepare = jax.jit(unstack_layers) if self.unstack else (lambda p: p)
+        self._prepare = _unstack if self.unstack else (lambda p: p)
         self.allocator = PageAllocator(pages, ps)
         self.pool = None  # created on first use
         self.waiting: collections.deque[Request] = collections.deque()
@@ -249,6 +251,8 @@ class Engine:
     @staticmethod
     def _finish(r: Request, reason: str) -> None:
         r.finish = reason
+        if r.on_done is not None:
+            r.on_done(r)
         r.done.set()
 
 

@@ -56,14 +56,20 @@ def _abstract_pool(model):
 
 def init_pool(model, place: Placement):
     """A zero pool for a paged model (`Transformer(paging=...)`), placed by its logical axes."""
+    return _zeros(model, place.mesh, place.rules)()
+
+
+@functools.lru_cache(maxsize=16)
+def _zeros(model, mesh, rules):
+    """The jitted zeros of one model's pool on one mesh (compiled once, however many engines)."""
     boxed = _abstract_pool(model)
     shapes = nn.unbox(boxed)
     shardings = None
-    if place.mesh is not None:
+    if mesh is not None:
         specs = nn.get_partition_spec(boxed)
-        shardings = jax.tree.map(lambda spec: logical_sharding(place.mesh, place.rules, tuple(spec)), specs,
+        shardings = jax.tree.map(lambda spec: logical_sharding(mesh, rules, tuple(spec)), specs,
                                  is_leaf=lambda x: isinstance(x, PartitionSpec))
-    return jax.jit(lambda: jax.tree.map(lambda a: jnp.zeros(a.shape, a.dtype), shapes), out_shardings=shardings)()
+    return jax.jit(lambda: jax.tree.map(lambda a: jnp.zeros(a.shape, a.dtype), shapes), out_shardings=shardings)
 
 
 def pool_bytes(pool) -> int:

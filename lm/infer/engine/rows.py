@@ -68,8 +68,14 @@ def choose_rows(keys, logits, s: dict):
     """Tokens [B] and their log-probabilities under the model (unfiltered) from logits [B, V];
     keys [B, 2]: one PRNG key per row. Rows at temperature 0 take the argmax."""
     logits = logits.astype(jnp.float32)
-    drawn = jax.vmap(lambda k, x: jax.random.categorical(k, x))(keys, filter_rows(logits, s))
-    tokens = jnp.where(s["temperature"] > 0, drawn, jnp.argmax(logits, axis=-1)).astype(jnp.int32)
+    greedy = jnp.argmax(logits, axis=-1).astype(jnp.int32)
+
+    def draw(_):
+        drawn = jax.vmap(lambda k, x: jax.random.categorical(k, x))(keys, filter_rows(logits, s)).astype(jnp.int32)
+        return jnp.where(s["temperature"] > 0, drawn, greedy)
+
+    # a batch of greedy requests skips the filters and the random draws
+    tokens = jax.lax.cond(jnp.any(s["temperature"] > 0), draw, lambda _: greedy, None)
     logp = jnp.take_along_axis(jax.nn.log_softmax(logits, axis=-1), tokens[:, None], axis=-1)[:, 0]
     return tokens, logp
 

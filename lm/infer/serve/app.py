@@ -1,0 +1,192 @@
+"""The FastAPI app: OpenAI's /v1/completions, /v1/chat/completions and /v1/models, and /health,
+over one `Backend` that every request shares.
+
+A backend's Stream is blocking, so each request's Deltas are read by a thread of its own and
+handed to the event loop: a request waiting for its turn holds no worker of the loop's pool.
+A client that goes away cancels its request (a stream notices when a write fails; a plain
+request is polled while it waits).
+"""
+
+from __future__ import annotations
+
+import asyncio
+import functools
+import json
+import secrets
+import threading
+from typing import AsyncIterator
+
+from fastapi import FastAPI, Request
+from fastapi.responses import JSONResponse, StreamingResponse
+from starlette.exceptions import HTTPException
+
+from lm.errors import UserError
+from lm.infer.sampling import SamplingParams
+from lm.infer.serve.backend import Backend, Delta, Stream
+from lm.infer.serve.protocol import (RequestError, chunk_body, completion_body, error_body, new_id, now,
+                                     parse_request, usage)
+
+POLL_S = 0.25  # how often a plain request checks that its client is still there
+_END = object()
+
+
+def make_app(backend: Backend) -> FastAPI:
+    app = FastAPI(title="lm serve", docs_url=None, redoc_url=None, openapi_url=None)
+    started = now()
+
+    @app.exception_handler(RequestError)
+    async def refused(request, e: RequestError):
+        return JSONResponse(e.body(), status_code=e.status)
+
+    @app.exception_handler(HTTPException)
+    async def http_error(request, e: HTTPException):  # unknown paths and methods, in OpenAI's shape
+        return JSONResponse(error_body(f"{request.method} {request.url.path}: {e.detail}"), status_code=e.status_code)
+
+    @app.get("/health")
+    async def health():
+        return {"status": "ok"}
+
+    @app.get("/v1/models")
+    async def models():
+        return {"object": "list", "data": [{"id": backend.model_name, "object": "model", "created": started,
+                                            "owned_by": "lm", "max_model_len": backend.context}]}
+
+    @app.post("/v1/completions")
+    async def completions(request: Request):
+        return await _answer(backend, request, "completion")
+
+    @app.post("/v1/chat/completions")
+    async def chat(request: Request):
+        return await _answer(backend, request, "chat")
+
+    return app
+
+
+def _submit(backend: Backend, req) -> Stream:
+    """The request's Stream, after the checks that need the tokenizer (prompt, context)."""
+    if req.model != backend.model_name:
+        raise RequestError(f"model '{req.model}' does not exist; this server serves '{backend.model_name}'",
+                           "model", status=404, code="model_not_found")
+    param = "prompt" if req.kind == "completion" else "messages"
+    try:
+        ids, template_stop = backend.prompt_ids(prompt=req.prompt, messages=req.messages)
+    except (ValueError, UserError) as e:
+        raise RequestError(f"'{param}': {e}", param) from None
+    if not ids:
+        raise RequestError(f"'{param}' has no tokens", param)
+    room = backend.context - len(ids)
+    if room < 1:
+        raise RequestError(f"the prompt has {len(ids)} tokens and the model's context is {backend.context} "
+                           "positions: no room for a new token; shorten it", param, code="context_length_exceeded")
+    max_tokens = room if req.max_tokens is None else req.max_tokens
+    if max_tokens > room:
+        raise RequestError(f"the prompt's {len(ids)} tokens + max_tokens={max_tokens} exceed the model's context "
+                           f"of {backend.context}; at most {room} new tokens fit", "max_tokens",
+                           code="context_length_exceeded")
+    try:
+        sampling = SamplingParams(max_new_tokens=max_tokens, temperature=req.temperature, top_k=req.top_k,
+                                  top_p=req.top_p, min_p=req.min_p, seed=_seed(req.seed))
+    except UserError as e:
+        raise RequestError(str(e)) from None
+    try:
+        return backend.submit(ids, sampling, req.stop + tuple(template_stop))
+    except UserError as e:  # the backend takes no more requests
+        raise RequestError(str(e), status=503, code="unavailable", kind="server_error") from None
+
+
+def _seed(seed: int | None) -> int:
+    """A request without a seed samples differently from the last one (as OpenAI's does)."""
+    return secrets.randbits(31) if seed is None else seed % 2**32
+
+
+async def _answer(backend: Backend, request: Request, kind: str):
+    req = parse_request(await request.body(), kind)
+    stream = _submit(backend, req)
+    rid, created = new_id(kind), now()
+    if req.stream:
+        events = _events(stream, req, rid, created, backend.model_name)
+        return StreamingResponse(events, media_type="text/event-stream", headers={"Cache-Control": "no-cache"})
+    texts, tokens, finish = [], 0, None
+    watcher = asyncio.create_task(_cancel_when_gone(request, stream))
+    try:
+        async for delta in _deltas(stream):
+            texts.append(delta.text)
+            tokens += len(delta.token_ids)
+            finish = delta.finish_reason
+    except UserError as e:
+        raise RequestError(str(e)) from None
+    except Exception as e:  # noqa: BLE001 (the backend failed: say so, keep serving)
+        return JSONResponse(error_body(f"generation failed: {e}", kind="server_error"), status_code=500)
+    finally:
+        watcher.cancel()
+    if finish == "cancelled" and await request.is_disconnected():  # nobody reads this
+        return JSONResponse(error_body("the client disconnected"), status_code=499)
+    return completion_body(kind, rid, created, backend.model_name, "".join(texts), finish,
+                           usage(stream.prompt_tokens, tokens))
+
+
+async def _events(stream: Stream, req, rid: str, created: int, model: str) -> AsyncIterator[str]:
+    """Server-sent events: (chat: the assistant role first) a chunk per piece of text, one with the
+    finish reason, the usage chunk if asked for, then [DONE]."""
+    tokens = 0
+    chunk = functools.partial(chunk_body, req.kind, rid, created, model, include_usage=req.include_usage)
+    try:
+        if req.kind == "chat":
+            yield _event(chunk("", None, role=True))
+        async for delta in _deltas(stream):
+            tokens += len(delta.token_ids)
+            if delta.text:
+                yield _event(chunk(delta.text, None))
+            if delta.finish_reason is not None:
+                yield _event(chunk("", delta.finish_reason))
+        if req.include_usage:
+            yield _event(chunk(None, None) | {"usage": usage(stream.prompt_tokens, tokens)})
+    except Exception as e:  # noqa: BLE001 (reported in the stream: its headers are already sent)
+        kind = "invalid_request_error" if isinstance(e, UserError) else "server_error"
+        yield _event(error_body(f"generation failed: {e}", kind=kind))
+    yield "data: [DONE]\n\n"
+
+
+def _event(body: dict) -> str:
+    return f"data: {json.dumps(body, ensure_ascii=False)}\n\n"
+
+
+async def _cancel_when_gone(request: Request, stream: Stream) -> None:
+    """Cancels the stream of a plain request whose client disconnects while it waits."""
+    while not await request.is_disconnected():
+        await asyncio.sleep(POLL_S)
+    stream.cancel()
+
+
+async def _deltas(stream: Stream) -> AsyncIterator[Delta]:
+    """The Stream's Deltas, read by a thread; the Stream is cancelled if the reader stops early
+    (a stream's client went away, or the server is stopping)."""
+    loop = asyncio.get_running_loop()
+    inbox: asyncio.Queue = asyncio.Queue()
+
+    def put(item) -> None:
+        try:
+            loop.call_soon_threadsafe(inbox.put_nowait, item)
+        except RuntimeError:  # the loop is closed: the server has stopped
+            stream.cancel()
+
+    def pump() -> None:
+        try:
+            for delta in stream:
+                put(delta)
+        except BaseException as e:  # noqa: BLE001 (re-raised in the reader)
+            put(e)
+        put(_END)
+
+    threading.Thread(target=pump, name="lm-serve-reader", daemon=True).start()
+    finished = False
+    try:
+        while (item := await inbox.get()) is not _END:
+            if isinstance(item, BaseException):
+                finished = True
+                raise item
+            yield item
+        finished = True
+    finally:
+        if not finished:
+            stream.cancel()

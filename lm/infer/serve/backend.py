@@ -1,0 +1,50 @@
+"""What the server asks of a model (`Backend`, `Stream`, `Delta`): the server talks to nothing else.
+lm.infer.serve.engine_backend provides it over the engine."""
+
+from __future__ import annotations
+
+import dataclasses
+from typing import Iterator, Protocol
+
+from lm.infer.sampling import SamplingParams
+
+
+@dataclasses.dataclass
+class Delta:
+    """One piece of a completion as it is generated."""
+
+    text: str  # new text since the previous Delta (may be "")
+    token_ids: list[int]  # new token ids since the previous Delta
+    finish_reason: str | None  # None while running; then "stop" | "length" | "cancelled"
+
+
+class Stream(Protocol):
+    prompt_tokens: int
+
+    def __iter__(self) -> Iterator[Delta]: ...  # blocking; ends after the Delta with a finish_reason
+
+    def cancel(self) -> None: ...
+
+
+class Backend(Protocol):
+    model_name: str  # what /v1/models lists and a request's `model` must equal
+    context: int  # positions a prompt and its new tokens may take
+
+    def prompt_ids(self, prompt: str | None = None,
+                   messages: list[dict] | None = None) -> tuple[list[int], tuple[str, ...]]:
+        """Token ids of a plain prompt, or of a conversation rendered with the model's chat template
+        (then also the template's stop strings, to add to the request's). Bad messages: ValueError."""
+
+    def submit(self, prompt_ids: list[int], sampling: SamplingParams, stop: tuple[str, ...]) -> Stream: ...
+
+    def shutdown(self, cancel: bool) -> None: ...  # stop taking requests; finish or cancel the running ones
+
+
+FINISH = {"eos": "stop", "stop": "stop", "length": "length", "cancelled": "cancelled"}  # -> OpenAI's reasons
+
+
+def held_back(text: str, stop: tuple[str, ...]) -> int:
+    """Characters at the end of `text` that may be the start of a stop string (not shown yet:
+    the next piece may complete the stop string, and its text is never part of a completion)."""
+    return max((k for s in stop for k in range(min(len(s) - 1, len(text)), 0, -1) if text.endswith(s[:k])),
+               default=0)

@@ -1,0 +1,107 @@
+"""The server's backend: every request joins one continuous-batching engine (lm.infer.engine) that
+runs on its own thread; each request's text streams back as its tokens arrive."""
+
+from __future__ import annotations
+
+import queue
+from typing import Iterator
+
+import jax
+import numpy as np
+
+from lm.data.chat import ChatTemplate, check_messages
+from lm.errors import UserError
+from lm.infer.engine.engine import Engine, EngineConfig, Request
+from lm.infer.engine.service import EngineService
+from lm.infer.generate import generation_context
+from lm.infer.sampling import SamplingParams
+from lm.infer.serve.backend import FINISH, Delta, held_back
+
+
+class EngineStream:
+    """One request's Deltas: text that can no longer change (never a stop string or the start of
+    one, never half a character), then a last Delta with the finish reason."""
+
+    def __init__(self, tokenizer, prompt_ids: list[int], sampling: SamplingParams, stop: tuple[str, ...],
+                 eos: tuple[int, ...]):
+        self.tokenizer, self.stop, self.prompt_tokens = tokenizer, stop, len(prompt_ids)
+        self.ids: list[int] = []
+        self.shown = 0
+        self.deltas: queue.Queue = queue.Queue()
+        # the key `lm sample --seed` gives its first prompt: the same seed draws the same tokens
+        key = np.asarray(jax.random.fold_in(jax.random.PRNGKey(sampling.seed), 0), np.uint32)
+        self.request = Request(list(prompt_ids), sampling, eos, key=key, on_tokens=self._on_tokens,
+                               on_done=self._on_done)
+
+    def _text(self) -> tuple[str, bool]:
+        """The text so far, cut before the first stop string, and whether one was found."""
+        text = self.tokenizer.decode(np.asarray(self.ids, np.int32))
+        hits = [i for i in (text.find(s) for s in self.stop) if i >= 0]
+        return (text[: min(hits)], True) if hits else (text, False)
+
+    def _on_tokens(self, ids, logps) -> bool:
+        self.ids += [int(t) for t in ids]
+        text, hit = self._text()
+        final = text if hit else text.rstrip("\ufffd")
+        safe = len(final) - (0 if hit else held_back(final, self.stop))
+        if safe > self.shown:
+            self.deltas.put(Delta(final[self.shown:safe], [int(t) for t in ids], None))
+            self.shown = safe
+        else:
+            self.deltas.put(Delta("", [int(t) for t in ids], None))
+        return hit
+
+    def _on_done(self, request: Request) -> None:
+        text, _ = self._text()
+        self.deltas.put(Delta(text[self.shown:], [], FINISH[request.finish]))
+
+    def __iter__(self) -> Iterator[Delta]:
+        while True:
+            delta = self.deltas.get()
+            yield delta
+            if delta.finish_reason is not None:
+                return
+
+    def cancel(self) -> None:
+        self.request.cancelled = True
+
+
+class EngineBackend:
+    """A loaded model on its mesh behind one engine. Every request ends at the chat template's stop
+    ids (EOS, and the end-of-turn marker when the tokenizer has it as a control token)."""
+
+    def __init__(self, session, model_name: str, context: int | None = None, config: EngineConfig = EngineConfig()):
+        self.tokenizer, self.model_name = session.tokenizer, model_name
+        most = generation_context(session.built.spec)
+        if context is not None and not 0 < context <= most:
+            raise UserError(f"--max-model-len {context}: expected 1 to {most} (the model's context)")
+        self.context = context or most
+        self.template = ChatTemplate.for_tokenizer(self.tokenizer)
+        built = session.built
+        engine = Engine(built.module, max_len=self.context, config=config, mesh=built.mesh, rules=built.rules)
+        self.service = EngineService(engine, session.params)
+
+    def prompt_ids(self, prompt=None, messages=None):
+        if messages is None:
+            return [int(t) for t in self.tokenizer.encode(prompt)], ()
+        check_messages(messages, for_prompt=True)
+        return [int(t) for t in self.template.prompt(messages)], tuple(self.template.stop_strings)
+
+    def submit(self, prompt_ids, sampling, stop) -> EngineStream:
+        stream = EngineStream(self.tokenizer, prompt_ids, sampling, tuple(stop), tuple(self.template.stop_ids))
+        self.service.submit(stream.request)
+        return stream
+
+    def shutdown(self, cancel: bool) -> None:
+        self.service.shutdown(cancel)
+
+
+def make_backend(loaded, args) -> EngineBackend:
+    """The backend `lm serve` runs: a loaded model and the command's flags (quantize, slots,
+    page_size, max_model_len, model_name)."""
+    from lm.infer.session import Session
+
+    if args.quantize != "none":
+        raise UserError(f"--quantize {args.quantize}: not available yet; use --quantize none")
+    config = EngineConfig(slots=args.slots, page_size=args.page_size)
+    return EngineBackend(Session(loaded), args.model_name, args.max_model_len, config)

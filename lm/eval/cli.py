@@ -23,10 +23,13 @@ def add_parser(sub) -> None:
     p.add_argument("--batch-size", type=int, default=0, help="rows per scoring batch (default: eval.batch_size)")
     p.add_argument("--tokenizer", help="a sentencepiece .model (default: the one the model was trained with)")
     p.add_argument("--no-progress", action="store_true", help="no progress bars")
+    p.add_argument("--quantize", choices=("none", "int8", "int4"), default="none",
+                   help="weight-only quantization of the model for this evaluation (int8 per channel, int4 per group)")
     add_distributed(p)
 
 
-def evaluate(loaded, specs: list[str], batch_size: int = 0, progress: bool = True, overrides=()) -> dict:
+def evaluate(loaded, specs: list[str], batch_size: int = 0, progress: bool = True, overrides=(),
+             quantize: str = "none") -> dict:
     """The report of `specs` (task specs) for a loaded model (lm.store.load.Loaded). overrides:
     `mesh.*` / `eval.*` config keys for this evaluation (e.g. a smaller mesh than training's)."""
     from tqdm import tqdm
@@ -47,8 +50,8 @@ def evaluate(loaded, specs: list[str], batch_size: int = 0, progress: bool = Tru
         config = ConfigDict(loaded.config.to_dict())
         apply_overrides(config, list(overrides))
         validate(config)
-    scorer = Scorer.from_loaded(loaded, batch_size or None, config)
-    report = {"model": loaded.source, "tasks": {}}
+    scorer = Scorer.from_loaded(loaded, batch_size or None, config, quantize)
+    report = {"model": loaded.source, "tasks": {}} | ({"quantize": quantize} if quantize != "none" else {})
     for task in tasks:
         with tqdm(desc=f"eval {task.name}", unit="req", disable=not progress, leave=False) as bar:
             report["tasks"][task.name] = run_task(task, scorer, bar.update)
@@ -76,7 +79,7 @@ def run(args, overrides=()) -> int:
     # every process scores every request (the model spans them all) and so holds the whole report
     main = is_main()
     report = evaluate(load_trained(args.workdir, args.params, args.tokenizer), args.tasks, args.batch_size,
-                      not args.no_progress and main, overrides)
+                      not args.no_progress and main, overrides, args.quantize)
     if main:
         print(table(report))
         if args.out:

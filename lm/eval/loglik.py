@@ -21,6 +21,7 @@ from jax.sharding import NamedSharding, PartitionSpec
 
 from lm.data.pipeline import BATCH_DTYPES
 from lm.errors import UserError
+from lm.infer.session import place_params
 from lm.model.apply import logits_of, target_logprobs
 from lm.model.build import build_model
 from lm.sharding import BatchPlacer, batch_shardings
@@ -70,8 +71,9 @@ class Scorer:
                                    out_shardings=NamedSharding(mesh, PartitionSpec()))
 
     @classmethod
-    def from_loaded(cls, loaded, batch_size: int | None = None, config=None) -> "Scorer":
-        """A trained model (lm.store.load.Loaded) on the mesh of `config` (default: its own)."""
+    def from_loaded(cls, loaded, batch_size: int | None = None, config=None, quantize: str | None = None) -> "Scorer":
+        """A trained model (lm.store.load.Loaded) on the mesh of `config` (default: its own),
+        weight-quantized when asked (int8, int4)."""
         config = config or loaded.config
         built = build_model(config)
         batch_size = batch_size or config.eval.batch_size
@@ -79,7 +81,8 @@ class Scorer:
             raise UserError(f"eval.batch_size={batch_size} must divide evenly over the {built.batch_shards()} "
                             f"batch shards of mesh {dict(built.mesh.shape)}")
         built.check(loaded.params, loaded.source)
-        return cls(built.module, built.place(loaded.params), loaded.tokenizer, mesh=built.mesh, rules=built.rules,
+        return cls(built.module, place_params(built, loaded.params, quantize), loaded.tokenizer, mesh=built.mesh,
+                   rules=built.rules,
                    batch_size=batch_size)
 
     def score(self, requests: list, progress=None) -> list[Score]:

@@ -1,4 +1,5 @@
-"""`lm sample`: completions from a trained run or an export, one prompt (streamed) or a JSONL file."""
+"""`lm sample`: completions from a trained run or an export, one prompt (streamed) or a JSONL file;
+with --draft, by speculative decoding (lm.infer.speculative)."""
 
 from __future__ import annotations
 
@@ -12,6 +13,7 @@ from lm.errors import UserError
 from lm.verb import add_distributed, is_main, start_distributed
 
 BATCH = 16  # prompts decoded together from a --prompts file
+DRAFT_K = 4  # tokens drafted per speculative step
 
 
 def add_parser(sub) -> None:
@@ -34,7 +36,17 @@ def add_parser(sub) -> None:
     p.add_argument("--seed", type=int, default=0)
     p.add_argument("--stop", action="append", default=[], help="stop at this string (repeatable)")
     p.add_argument("--tokenizer", help="a sentencepiece .model (default: the one the run was trained with)")
-    p.add_argument("--batch-size", type=int, default=BATCH, help="prompts decoded together")
+    p.add_argument("--batch-size", type=int, default=BATCH,
+                   help="prompts decoded together (the engine's slots: a prompt takes the next free one)")
+    p.add_argument("--quantize", choices=("none", "int8", "int4"), default="none",
+                   help="weight-only quantization: int8 per output channel, int4 per group of 128 inputs")
+    p.add_argument("--draft", metavar="WORKDIR|EXPORT|ngram",
+                   help="speculative decoding at batch 1 on one device (a --prompts file is decoded one prompt at "
+                        "a time; --batch-size is ignored): drafts from a smaller model with the same tokenizer (an "
+                        "`lm train` workdir, an `lm export` or a Hugging Face directory), or 'ngram' for prompt "
+                        "lookup (the tokens that followed the context's last 3, 2 or 1 tokens earlier on). Greedy "
+                        "output is unchanged; sampled output has the same distribution")
+    p.add_argument("--draft-k", type=int, help=f"with --draft: tokens drafted per step (>= 1; default {DRAFT_K})")
     p.add_argument("--chat", action="store_true",
                    help="answer as the assistant with the chat template: --prompt is a user turn; --prompts lines "
                         "may hold {\"messages\": [...]} (ending with a user turn) instead of a prompt")
@@ -65,25 +77,22 @@ def read_prompts(path: str, chat: bool = False) -> list[dict]:
 def run(args, overrides=()) -> int:
     start_distributed(args)
     from lm.infer.sampling import SamplingParams
-    from lm.infer.session import Session
     from lm.store.load import load_trained
 
     sampling = SamplingParams(max_new_tokens=args.max_new_tokens, temperature=args.temperature, top_k=args.top_k,
                               top_p=args.top_p, min_p=args.min_p, seed=args.seed)
     if args.prompt is not None and not args.prompt:
         raise UserError("--prompt is empty; give at least one character of text")
+    if args.draft is None and args.draft_k is not None:
+        raise UserError("--draft-k needs --draft (a draft model's workdir or export, or 'ngram')")
+    if args.draft is not None and args.quantize != "none":
+        raise UserError("--quantize works with the engine, not with --draft (speculative decoding): drop one")
     rows = read_prompts(args.prompts, args.chat) if args.prompts else None
-    session = Session(load_trained(args.workdir, args.params, args.tokenizer))
-    stop = tuple(args.stop)
+    loaded = load_trained(args.workdir, args.params, args.tokenizer)
+    generate = _Speculative(args, loaded, sampling) if args.draft else _plain(args, loaded, sampling)
     # every process decodes every prompt (the model spans them all, and the same seed draws the
     # same tokens); process 0 alone shows and writes the results
     main = is_main()
-
-    def generate(prompts: list, **kw):
-        if not args.chat:
-            return session.complete(prompts, sampling, stop=stop, **kw)
-        turns = [p if isinstance(p, list) else [{"role": "user", "content": p}] for p in prompts]
-        return session.chat(turns, sampling, stop=stop, **kw)
 
     if rows is None:
         if not args.chat and main:
@@ -91,21 +100,104 @@ def run(args, overrides=()) -> int:
         shown = (lambda piece: (sys.stdout.write(piece), sys.stdout.flush())) if main else (lambda piece: None)
         result = generate([args.prompt], stream=shown)[0]
         if main:
-            print(f"\n[{result['finish_reason']}: {len(result['ids'])} tokens]", file=sys.stderr)
+            print(f"\n[{result['finish_reason']}: {len(result['ids'])} tokens{getattr(generate, 'note', '')}]",
+                  file=sys.stderr)
         return 0
     if not main:
         out = open(os.devnull, "w", encoding="utf-8")
     else:
         out = open(args.out, "w", encoding="utf-8") if args.out else sys.stdout
     try:
-        for start in range(0, len(rows), args.batch_size):
-            batch = rows[start: start + args.batch_size]
-            for row, result in zip(batch, generate([r.get("messages") or r["prompt"] for r in batch])):
-                out.write(json.dumps(row | {"completion": result["text"], "finish_reason": result["finish_reason"],
-                                            "tokens": result["ids"], "logprobs": result["logprobs"]}) + "\n")
+        for row, result in zip(rows, generate([r.get("messages") or r["prompt"] for r in rows])):
+            out.write(json.dumps(row | {"completion": result["text"], "finish_reason": result["finish_reason"],
+                                        "tokens": result["ids"], "logprobs": result["logprobs"]}) + "\n")
     finally:
         if out is not sys.stdout:
             out.close()
     if args.out and main:
-        print(f"wrote {len(rows)} completions to {args.out}", file=sys.stderr)
+        print(f"wrote {len(rows)} completions to {args.out}{getattr(generate, 'note', '')}", file=sys.stderr)
     return 0
+
+
+def _plain(args, loaded, sampling):
+    """generate(prompts, stream=None) -> result dicts, through a Session on the config's mesh."""
+    from lm.infer.session import Session
+
+    session = Session(loaded, quantize=args.quantize, slots=args.batch_size)
+    stop = tuple(args.stop)
+
+    def generate(prompts: list, **kw):
+        if not args.chat:
+            return session.complete(prompts, sampling, stop=stop, **kw)
+        turns = [p if isinstance(p, list) else [{"role": "user", "content": p}] for p in prompts]
+        return session.chat(turns, sampling, stop=stop, **kw)
+
+    return generate
+
+
+class _Speculative:
+    """generate(prompts, stream=None) -> result dicts, by speculative decoding; `note` sums up
+    the drafts kept so far (for the closing line on stderr)."""
+
+    def __init__(self, args, loaded, sampling):
+        from lm.infer.speculative import NGRAM, DraftModel, on_one_device
+        from lm.store.load import load_trained
+
+        self.args, self.sampling, self.tokenizer = args, sampling, loaded.tokenizer
+        self.model, self.params = on_one_device(loaded)
+        if args.draft == NGRAM:
+            self.draft = NGRAM
+        else:
+            path = pathlib.Path(args.draft)
+            run_dir = (path / "checkpoints").is_dir()
+            other = load_trained(args.draft if run_dir else None, None if run_dir else args.draft)
+            self.draft = DraftModel(*on_one_device(other))
+        self.k = DRAFT_K if args.draft_k is None else args.draft_k
+        self._decoders: dict = {}
+        self.make(loaded.tokenizer.eos_id)  # bad --draft-k or vocabularies fail before any prompt
+        self.proposed = self.accepted = self.calls = self.tokens = 0
+
+    def __call__(self, prompts: list, stream=None) -> list[dict]:
+        from lm.data.chat import ChatTemplate, check_messages
+        from lm.infer.text import complete, complete_ids
+
+        stop = tuple(self.args.stop)
+        if not self.args.chat:
+            return complete(self._counted(self.make(self.tokenizer.eos_id)), self.tokenizer, prompts, stop, stream)
+        template = ChatTemplate.for_tokenizer(self.tokenizer)
+        encoded = []
+        for i, p in enumerate(prompts):
+            messages = p if isinstance(p, list) else [{"role": "user", "content": p}]
+            try:
+                check_messages(messages, for_prompt=True)
+            except ValueError as e:
+                raise UserError(f"conversation {i}: {e}") from None
+            encoded.append([int(t) for t in template.prompt(messages)])
+        return complete_ids(self._counted(self.make(template.stop_ids)), self.tokenizer, encoded,
+                            stop + template.stop_strings, stream)
+
+    def make(self, eos_id):
+        """The decoder stopping at `eos_id` (one per end-of-answer set: plain or chat)."""
+        from lm.infer.speculative import SpeculativeDecoder
+
+        if eos_id not in self._decoders:
+            self._decoders[eos_id] = SpeculativeDecoder(self.model, self.params, self.sampling, draft=self.draft,
+                                                        k=self.k, eos_id=eos_id)
+        return self._decoders[eos_id]
+
+    def _counted(self, decoder):
+        def call(prompts, **kw):
+            result = decoder(prompts, **kw)
+            self.proposed += result.proposed
+            self.accepted += result.accepted
+            self.calls += result.target_calls
+            self.tokens += sum(len(i) for i in result.ids)
+            return result
+
+        return call
+
+    @property
+    def note(self) -> str:
+        rate = self.accepted / max(self.proposed, 1)
+        return (f"; speculative: {self.accepted}/{self.proposed} drafts kept ({rate:.0%}), "
+                f"{self.tokens / max(self.calls, 1):.2f} tokens per target call")

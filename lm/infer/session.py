@@ -4,21 +4,26 @@ from __future__ import annotations
 
 from lm.data.chat import ChatTemplate, check_messages
 from lm.errors import UserError
+from lm.infer.engine.engine import EngineConfig
 from lm.infer.generate import Generator, generation_context
 from lm.infer.sampling import SamplingParams
 from lm.infer.text import complete, complete_ids
 from lm.model.build import build_model
+from lm.model.quant import quantize_for_inference
 
 
 class Session:
     """Builds the model of its config on its mesh, places the params with their shardings, and
-    keeps one compiled generator per sampling setting."""
+    keeps one compiled generator per sampling setting. quantize: "int8" or "int4" weight-only
+    quantization (lm.model.quant), applied weight by weight as the params are placed. slots: the
+    engine's requests decoded together (default: every prompt of a call at once)."""
 
-    def __init__(self, loaded, devices=None):
+    def __init__(self, loaded, devices=None, quantize: str | None = None, slots: int | None = None):
         self.loaded, self.tokenizer = loaded, loaded.tokenizer
+        self.config = EngineConfig(slots=slots) if slots else None
         self.built = build_model(loaded.config, devices)
         self.built.check(loaded.params, loaded.source)
-        self.params = self.built.place(loaded.params)
+        self.params = place_params(self.built, loaded.params, quantize)
         self._generators: dict = {}
 
     def generator(self, sampling: SamplingParams, eos_id=None) -> Generator:
@@ -26,7 +31,8 @@ class Session:
         if (sampling, eos_id) not in self._generators:
             self._generators[(sampling, eos_id)] = Generator(
                 self.built.module, self.params, sampling, eos_id=eos_id,
-                max_len=generation_context(self.built.spec), mesh=self.built.mesh, rules=self.built.rules)
+                max_len=generation_context(self.built.spec), mesh=self.built.mesh, rules=self.built.rules,
+                config=self.config)
         return self._generators[(sampling, eos_id)]
 
     def complete(self, prompts: list[str], sampling: SamplingParams, stop=(), stream=None) -> list[dict]:
@@ -44,3 +50,10 @@ class Session:
             prompts.append([int(t) for t in template.prompt(messages)])
         return complete_ids(self.generator(sampling, template.stop_ids), self.tokenizer, prompts,
                             stop=tuple(stop) + template.stop_strings, stream=stream)
+
+
+def place_params(built, params, quantize: str | None = None):
+    """Params on `built`'s mesh, quantized on the way when asked ("none" or None: as they are)."""
+    if quantize in (None, "none"):
+        return built.place(params)
+    return quantize_for_inference(built, params, quantize)

@@ -18,6 +18,8 @@ from lm.config import rules_table
 from lm.model.apply import logits_of
 from lm.model.layers import ModelSpec, Partitioning
 from lm.model.params import check_fits, subtree
+from lm.model.qtensor import QTensor
+from lm.model.quant import place_quantized_leaf
 from lm.model.transformer import Transformer, init_params
 from lm.sharding import batch_sharding, batch_shardings, make_mesh, param_shardings, place_leaf, split_count
 
@@ -60,7 +62,10 @@ class Built:
         """Host params (all or part of this model's; numpy or lazy leaves) on the mesh with their
         shardings, shard by shard; `dtype` narrows floating leaves (a frozen copy in the compute
         dtype), never widens them (lm.sharding.placed_dtype)."""
-        return jax.tree.map(lambda x, sh: place_leaf(x, sh, dtype), params, subtree(self.param_shardings, params))
+        def one(x, sh):
+            return place_quantized_leaf(x, sh) if isinstance(x, QTensor) else place_leaf(x, sh, dtype)
+
+        return jax.tree.map(one, params, subtree(self.param_shardings, params), is_leaf=lambda x: isinstance(x, QTensor))
 
     def batch_shardings(self, signature: dict) -> dict:
         return batch_shardings(self.mesh, self.rules, signature)

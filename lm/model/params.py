@@ -10,10 +10,18 @@ import jax
 import jax.numpy as jnp
 
 from lm.errors import UserError
+from lm.model.qtensor import QTensor
 
 
 def param(module: nn.Module, name: str, init, shape, names) -> jax.Array:
-    """A float32 param annotated with logical axis names."""
+    """A float32 param annotated with logical axis names. A quantized one (a `QTensor` in the
+    given params) comes back dequantized to the module's compute dtype, here where it is used."""
+    if module.has_variable("params", name):
+        stored = module.get_variable("params", name)
+        if isinstance(stored, QTensor):
+            if stored.shape != tuple(shape):
+                raise UserError(f"quantized param {name}: shape {stored.shape}, the model expects {tuple(shape)}")
+            return stored.dequantize(module.spec.dtype)
     return module.param(name, nn.with_logical_partitioning(init, names), shape, jnp.float32)
 
 
@@ -66,11 +74,16 @@ def subtree(tree: dict, like: dict) -> dict:
 def check_fits(abstract: dict, given: dict, source: str, complete: bool = False) -> None:
     """`given` must hold only leaves of `abstract` (a model's params, shapes only), with their
     shapes (and, if `complete`, all of them): one line naming the first misfits."""
-    want = dict(zip(leaf_paths(abstract), [tuple(x.shape) for x in jax.tree.leaves(abstract)]))
-    got = dict(zip(leaf_paths(given), [tuple(x.shape) for x in jax.tree.leaves(given)]))
+    want, got = _shapes(abstract), _shapes(given)
     bad = [f"{p}: {s} (model has {want[p]})" for p, s in got.items() if p in want and want[p] != s]
     bad += [f"{p}: not a param of this model" for p in got if p not in want]
     bad += [f"{p}: missing" for p in want if p not in got] if complete else []
     if bad:
         raise UserError(f"{source} does not fit the model: " + "; ".join(bad[:5]) +
                         (f"; ... ({len(bad)} in all)" if len(bad) > 5 else ""))
+
+
+def _shapes(tree) -> dict:
+    """{'blocks/attn/wq': shape} of a tree's leaves; a quantized weight counts as one leaf of its float shape."""
+    flat = jax.tree_util.tree_flatten_with_path(tree, is_leaf=lambda x: isinstance(x, QTensor))[0]
+    return {"/".join(key_name(k) for k in path): tuple(x.shape) for path, x in flat}

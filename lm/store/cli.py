@@ -42,6 +42,9 @@ class Export:
                              "hf needs --merge)")
         ex.add_argument("--dtype", choices=("float32", "bfloat16", "float16"),
                         help="hf and peft: the tensors' dtype (default: as held; float32 for a model trained here)")
+        ex.add_argument("--quantize", choices=("int8", "int4"),
+                        help="write the weights quantized (int8 per channel, int4 per group of 128) to a .safetensors "
+                             "--out; `--params OUT` then loads them quantized")
         ex.add_argument("--shard-size", default="5GB", help="hf: the largest safetensors shard (default 5GB)")
         ex.add_argument("--base-model", help="peft: base_model_name_or_path in adapter_config.json (default: the "
                                              "Hugging Face directory the run started from, when it did)")
@@ -55,6 +58,17 @@ class Export:
             raise UserError("lm export: --dtype applies to --format hf and peft (our layouts keep the params as held)")
         if args.base_model and fmt != "peft":
             raise UserError("lm export: --base-model applies to --format peft")
+        if args.quantize:
+            if fmt not in (None, "safetensors") or args.merge or args.dtype:
+                raise UserError("lm export --quantize writes our .safetensors layout (adapters folded in): drop "
+                                "--format/--merge/--dtype")
+            from lm.store.export import export_quantized
+            from lm.store.load import load_trained
+
+            done = export_quantized(load_trained(args.workdir, args.params, step=args.step), args.out, args.quantize)
+            print(f"wrote {done['params']:,} params quantized ({done['format']}, {done['bytes']:,} bytes) to "
+                  f"{done['out']}; lm sample/eval/serve --params read it back quantized")
+            return 0
         if fmt in ("hf", "peft"):
             return _export_hf(args)
         if args.params:

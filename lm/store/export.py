@@ -17,7 +17,9 @@ PATH/tokenizer.model, or NAME.tokenizer.model beside NAME.safetensors (`lm sampl
 A model with a Hugging Face tokenizer (imported from an HF directory by `export_loaded`, which
 `lm import hf` calls) gets its tokenizer files in PATH/tokenizer/ or NAME.tokenizer/.
 
-`lm.store.load.load_params(path)` reads either back as a nested dict of numpy arrays.
+`lm.store.load.load_params(path)` reads either back as a nested dict of numpy arrays. A quantized
+export (`export_quantized`, safetensors only) holds integer weights and their scales; `load_trained`
+reads it back as quantized params (lm.model.qtensor.QTensor leaves).
 """
 
 from __future__ import annotations
@@ -33,7 +35,9 @@ import orbax.checkpoint as ocp
 from lm.config import base_config
 from lm.config import merge as merge_config
 from lm.errors import UserError
+from lm.model.build import build_model
 from lm.model.params import leaf_paths
+from lm.model.quant import quantize_params, quantized_tensors
 from lm.store.checkpoint import read_checkpoint_params
 from lm.store.hf_tokenizer_export import TOKENIZER_FILES
 from lm.store.load import with_base
@@ -107,6 +111,34 @@ def export_loaded(model: Loaded, out, fmt: str | None = None, merge: bool = Fals
     _keep_tokenizer(model.tokenizer, beside)
     n = sum(int(np.prod(x.shape)) for _, x in leaves)
     return {"step": 0, "format": fmt, "params": n, "out": str(out)}
+
+
+def export_quantized(model: Loaded, out, mode: str) -> dict:
+    """Writes a loaded model's weights quantized (lm.model.quant: int8 per channel or int4 per group,
+    LoRA adapters folded in first) to one .safetensors file: each quantized weight as '<path>.q8' or
+    '<path>.q4' plus '<path>.scale', everything else as in the float layout; the header says
+    'lm_quantization'. `--params OUT` reads it back quantized."""
+    out = pathlib.Path(out)
+    if out.suffix != ".safetensors":
+        raise UserError(f"lm export --quantize: --out {out}: expected a file ending in .safetensors (the quantized "
+                        "layout is ours alone; Hugging Face and orbax exports stay float)")
+    config = model.config
+    if config.model.lora_rank:
+        config, params = with_base(config, model.params, model.source)
+    else:
+        params = model.params
+    built = build_model(config, jax.devices()[:1])
+    built.check(params, model.source)
+    tensors = quantized_tensors(quantize_params(jax.tree.map(np.asarray, params), built.spec, mode))
+    out.parent.mkdir(parents=True, exist_ok=True)
+    from safetensors.numpy import save_file
+
+    save_file({k: np.ascontiguousarray(v) for k, v in tensors.items()}, str(out),
+              metadata={"lm_config": json.dumps(config.to_dict()), "lm_step": "0", "lm_quantization": mode})
+    _keep_tokenizer(model.tokenizer, out.with_name(out.stem + ".tokenizer"))
+    return {"step": 0, "format": f"safetensors, {mode}", "params": sum(int(np.prod(x.shape)) for x in
+                                                                      jax.tree.leaves(params)),
+            "out": str(out), "bytes": sum(v.nbytes for v in tensors.values())}
 
 
 def _write_orbax(out: pathlib.Path, params: dict, config_json: str, info: dict) -> None:

@@ -11,8 +11,10 @@ import orbax.checkpoint as ocp
 
 from lm.config import ConfigDict, init_of
 from lm.errors import UserError
+from lm.model.build import build_model
 from lm.model.lora import merge_lora
-from lm.model.params import merge_trees
+from lm.model.params import leaf_paths, merge_trees
+from lm.model.quant import SUFFIXES, from_tensors
 from lm.store.checkpoint import read_checkpoint_params, saved_steps
 from lm.store.hf import is_hf_dir, load_hf
 from lm.store.loaded import Loaded
@@ -42,6 +44,9 @@ def load_trained(workdir: str | None = None, params: str | None = None, tokenize
             raise UserError(f"--params {params}: no such file or directory (an `lm export` output)")
         values, source = load_params(path), f"export '{params}'"
         config = config_from(saved_config(path), source)
+    if quantized(values):
+        values = from_tensors(dict(zip(leaf_paths(values), jax.tree.leaves(values))),
+                              build_model(config, jax.devices()[:1]).abstract_params())
     tok = tokenizer_for(config, tokenizer_beside(path), tokenizer, source)
     if config.model.lora_rank > 0 and merge_adapters:
         config, values = with_base(config, values, source)
@@ -117,3 +122,8 @@ def load_params(path) -> dict:
         restore_args = jax.tree.map(lambda _: ocp.RestoreArgs(restore_type=np.ndarray), tree)
         return ckptr.restore((path / "params").absolute(), args=ocp.args.PyTreeRestore(restore_args=restore_args))
     raise UserError(f"'{path}' is neither a .safetensors file nor an `lm export` directory (PATH/params/)")
+
+
+def quantized(tree: dict) -> bool:
+    """Whether a params tree read from an export holds quantized weights ('wq.q8', 'wq.scale', ...)."""
+    return any(isinstance(v, dict) and quantized(v) or k.endswith(tuple(SUFFIXES.values())) for k, v in tree.items())

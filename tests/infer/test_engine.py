@@ -82,7 +82,7 @@ def test_end_ids_callbacks_and_cancel_free_their_pages():
     model, params = model_params()
     free = static_greedy(PROMPTS[:3], 10)
     eos = int(free.ids[0][2])
-    engine = Engine(model, max_len=40, config=EngineConfig(slots=3, page_size=4, decode_block=3))
+    engine = Engine(model, max_len=40, config=EngineConfig(slots=3, page_size=4, decode_block=3, idle_block=3))
     seen = []
     stopper = Request(list(PROMPTS[1]), GREEDY, eos=(-1,), on_tokens=lambda ids, lp: seen.append(len(ids)) or True)
     cancelled = Request(list(PROMPTS[2]), GREEDY, eos=(-1,))

@@ -37,17 +37,21 @@ _unstack = jax.jit(unstack_layers)
 class EngineConfig:
     """slots: requests decoded together; pages: the pool's pages (0: enough for every slot to hold
     a whole context, so no request ever waits for pages); chunk: prompt tokens per row and prefill;
-    decode_block: decode steps per call (the host looks at the text in between); kv_int8: int8 pool."""
+    decode_block: decode steps per call while requests wait for a slot (the host looks at the text
+    and admits requests in between); idle_block: steps per call when none waits (fewer round trips
+    to the host; a server keeps it at decode_block so a request arriving mid-call waits less);
+    kv_int8: int8 pool."""
 
     slots: int = 16
     page_size: int = 16
     pages: int = 0
     chunk: int = 256
     decode_block: int = 16
+    idle_block: int = 64
     kv_int8: bool = False
 
     def __post_init__(self):
-        for name in ("slots", "page_size", "chunk", "decode_block"):
+        for name in ("slots", "page_size", "chunk", "decode_block", "idle_block"):
             if getattr(self, name) < 1:
                 raise UserError(f"engine: {name}={getattr(self, name)}: expected at least 1")
         if self.pages < 0:
@@ -102,7 +106,7 @@ class Engine:
         self.paging = Paging(ps, pages, config.kv_int8)
         self.unstack = model.spec.cpu_kernels if unstack is None else unstack
         self.model = model.clone(paging=self.paging, unstacked=self.unstack)
-        self._prefill, self._decode = compiled(self.model, config.decode_block)
+        self._prefill, self._decode = compiled(self.model, max(config.decode_block, config.idle_block))
         self._prepare = _unstack if self.unstack else (lambda p: p)
         self.allocator = PageAllocator(pages, ps)
         self.pool = None  # created on first use
@@ -113,6 +117,7 @@ class Engine:
     def _reset_rows(self):
         s = self.slots
         self.table = np.zeros((s, self.table_width), np.int32)
+        self._device, self._tables = None, {}  # the rows as last sent (None: send them again)
         self.state = dict(tokens=np.zeros(s, np.int32), logp=np.zeros(s, np.float32), pos=np.zeros(s, np.int32),
                           live=np.zeros(s, bool), count=np.zeros(s, np.int32), left=np.zeros(s, np.int32),
                           keys=np.zeros((s, 2), np.uint32), eos=np.full((s, MAX_EOS), -1, np.int32))
@@ -183,6 +188,7 @@ class Engine:
             self.running[r.slot] = r
             self.table[r.slot] = 0
             self.table[r.slot, : len(pages)] = pages
+            self._device, self._tables = None, {}
 
     def _prefill_chunks(self, params, rows: list[Request]) -> None:
         cfg = self.config
@@ -204,7 +210,7 @@ class Engine:
         self.pool, tokens, logp = self._prefill(params, self.pool, put(ids), put(seg), put(pos), put(table),
                                                 put(last), put(keys), put(counts),
                                                 jax.tree.map(put, settings.arrays()))
-        tokens, logp = self.place.host(tokens), self.place.host(logp)
+        tokens, logp = self.place.host((tokens, logp))
         for i, (r, n) in enumerate(zip(rows, lens)):
             r.written += n
             if r.written == len(r.prompt):  # the prompt is in: its first token is pending
@@ -215,18 +221,26 @@ class Engine:
                 self.state["keys"][s], self.state["eos"][s] = r.key, -1
                 self.state["eos"][s, : len(r.eos)] = r.eos
                 self.settings.set(s, r.sampling)
+                self._device = None
 
     def _decode_block(self, params) -> None:
         cfg = self.config
         live = self.state["live"]
-        reach = int((self.state["pos"][live] + cfg.decode_block).max())
+        steps = cfg.decode_block if self.waiting else max(cfg.decode_block, cfg.idle_block)
+        steps = min(steps, int(self.state["left"][live].max()))
+        reach = int((self.state["pos"][live] + steps).max())
         table_w = bucket(-(-min(reach, self.max_len) // cfg.page_size), max(1, self.table_width // 8),
                          self.table_width)
         put = self.place.put
-        state = {k: put(v) for k, v in self.state.items()} | {"settings": jax.tree.map(put, self.settings.arrays())}
-        self.pool, new, out, out_logp = self._decode(params, self.pool, state, put(self.table[:, :table_w]))
-        new = {k: self.place.host(v) for k, v in new.items() if k != "settings"}
-        out, out_logp = self.place.host(out), self.place.host(out_logp)
+        if self._device is None:  # rows changed on the host: send them; else the last call's output goes back in
+            self._device = {k: put(v) for k, v in self.state.items()} | {
+                "settings": jax.tree.map(put, self.settings.arrays())}
+        if table_w not in self._tables:
+            self._tables[table_w] = put(self.table[:, :table_w])
+        self.pool, self._device, out, out_logp = self._decode(params, self.pool, self._device, self._tables[table_w],
+                                                              np.int32(steps))
+        rows = {k: v for k, v in self._device.items() if k != "settings"}
+        new, out, out_logp = self.place.host((rows, out, out_logp))
         was_live = live.copy()
         self.state |= {k: np.array(v) for k, v in new.items()}
         for s in np.flatnonzero(was_live):
@@ -243,6 +257,7 @@ class Engine:
 
     def _release(self, r: Request, reason: str) -> None:
         self.state["live"][r.slot] = False
+        self._device = None
         self.running[r.slot] = None
         self.allocator.give_back(r.pages)
         r.pages, r.slot = [], -1

@@ -32,19 +32,20 @@ class Placement:
     def put(self, x):
         x = np.asarray(x)
         if self.mesh is None:
-            return jnp.asarray(x)
+            return jax.device_put(x)
         split = x.ndim and x.shape[0] % self.shards == 0
         spec = PartitionSpec(self.batch_axes) if split else PartitionSpec()
         return jax.device_put(x, NamedSharding(self.mesh, spec))
 
     @staticmethod
-    def host(x) -> np.ndarray:
-        """The whole array on this host (with several processes, each holds only its shards)."""
-        if x.is_fully_addressable:
-            return np.asarray(x)
+    def host(tree):
+        """Whole arrays on this host, in one transfer (with several processes, each holds only its
+        shards: gathered)."""
+        if all(x.is_fully_addressable for x in jax.tree.leaves(tree)):
+            return jax.device_get(tree)
         from jax.experimental import multihost_utils
 
-        return np.asarray(multihost_utils.process_allgather(x, tiled=True))
+        return jax.tree.map(np.asarray, multihost_utils.process_allgather(tree, tiled=True))
 
 
 @functools.lru_cache(maxsize=16)

@@ -29,14 +29,14 @@ def prefill(model, params, cache, ids, seg, pos, table, last, keys, counts, sett
     return updated["cache"], tokens, logp
 
 
-def decode_block(model, n: int, params, cache, state, table):
-    """Up to `n` decode steps for all rows; state holds [S] arrays: tokens (pending), logp (its
+def decode_block(model, n: int, params, cache, state, table, limit):
+    """Up to `limit` (at most `n`, the outputs' width) decode steps for all rows; state holds [S] arrays: tokens (pending), logp (its
     log-prob), pos (where it goes), live, count (tokens chosen so far), left (tokens it may still
     emit), keys [S,2], eos [S,E] (-1 = none), settings. Returns (cache, state, out [S,n], out_logp)."""
     rows = state["tokens"].shape[0]
 
     def cond(c):
-        return (c["i"] < n) & jnp.any(c["s"]["live"])
+        return (c["i"] < jnp.minimum(limit, n)) & jnp.any(c["s"]["live"])
 
     def body(c):
         s, i = c["s"], c["i"]

@@ -101,7 +101,6 @@ def make_backend(loaded, args) -> EngineBackend:
     page_size, max_model_len, model_name)."""
     from lm.infer.session import Session
 
-    if args.quantize != "none":
-        raise UserError(f"--quantize {args.quantize}: not available yet; use --quantize none")
-    config = EngineConfig(slots=args.slots, page_size=args.page_size)
-    return EngineBackend(Session(loaded), args.model_name, args.max_model_len, config)
+    # a request arriving mid-call waits for the call to end: every call is a short block
+    config = EngineConfig(slots=args.slots, page_size=args.page_size, idle_block=16)
+    return EngineBackend(Session(loaded, quantize=args.quantize), args.model_name, args.max_model_len, config)

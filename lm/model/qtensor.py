@@ -1,0 +1,76 @@
+"""A weight stored as small integers and float scales, and its dequantization.
+
+A `QTensor` stands in a params tree where a float matmul weight was (`lm.model.quant` makes
+them). The float weight's axes are: leading ones (the stacked `layers` axis, the embedding's
+vocab rows), then its contracting (input) axes starting at `axis` (counted from the end, so
+slicing off a leading layer axis in a scan changes nothing), then its output axes.
+
+- 8 bits: `values` int8 of the weight's shape, symmetric, one float32 scale per output
+  channel: `scale` has the weight's shape with 1 on each contracting axis.
+- 4 bits: the contracting axes flattened into one axis of K, cut into groups of `group`
+  consecutive inputs, each with its own scale per output channel: `scale` is
+  [..., K / group, outputs...]. `values` is uint8 [..., K / 2, outputs...]: two signed 4-bit
+  values per byte (input 2i in the low nibble, 2i + 1 in the high one). Packing by hand keeps
+  it 4 bits on every backend: XLA:CPU stores jnp.int4 in a byte per value.
+
+`lm.model.params.param` dequantizes a stored QTensor where the layer reads it, so a scanned
+model holds one layer's float weights at a time.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import math
+
+import jax
+import jax.numpy as jnp
+
+
+@jax.tree_util.register_dataclass
+@dataclasses.dataclass(frozen=True)
+class QTensor:
+    values: jax.Array
+    scale: jax.Array
+    bits: int = dataclasses.field(metadata={"static": True})
+    axis: int = dataclasses.field(metadata={"static": True})  # first contracting axis, < 0
+    k_shape: tuple = dataclasses.field(metadata={"static": True})  # the contracting axes' sizes
+    group: int = dataclasses.field(metadata={"static": True})  # inputs per scale (4 bits); 0 for 8 bits
+
+    @property
+    def shape(self) -> tuple:
+        """The float weight's shape."""
+        if self.bits == 8:
+            return tuple(self.values.shape)
+        p = self.values.ndim - 1 + len(self.k_shape) + self.axis
+        return tuple(self.values.shape[:p]) + tuple(self.k_shape) + tuple(self.values.shape[p + 1:])
+
+    @property
+    def nbytes(self) -> int:
+        return int(self.values.nbytes + self.scale.nbytes)
+
+    def dequantize(self, dtype=jnp.float32) -> jax.Array:
+        """The float weight (products and scaling in float32, rounded once to `dtype`)."""
+        if self.bits == 8:
+            return (self.values.astype(jnp.float32) * self.scale).astype(dtype)
+        p = self.values.ndim - 1 + len(self.k_shape) + self.axis  # the packed axis
+        q = unpack_int4(self.values, p)
+        k = math.prod(self.k_shape)
+        grouped = q.reshape(q.shape[:p] + (k // self.group, self.group) + q.shape[p + 1:])
+        w = grouped.astype(jnp.float32) * jnp.expand_dims(self.scale, p + 1)
+        return w.reshape(self.shape).astype(dtype)
+
+
+def pack_int4(q: jax.Array, axis: int) -> jax.Array:
+    """int values in [-8, 7] -> uint8 with `axis` halved: element 2i low nibble, 2i + 1 high."""
+    u = (q.astype(jnp.int32) & 0xF).astype(jnp.uint8)
+    lo = jax.lax.slice_in_dim(u, 0, None, 2, axis)
+    hi = jax.lax.slice_in_dim(u, 1, None, 2, axis)
+    return lo | (hi << 4)
+
+
+def unpack_int4(packed: jax.Array, axis: int) -> jax.Array:
+    """The inverse of `pack_int4`: int8 values with `axis` doubled."""
+    signed = lambda nibble: (nibble.astype(jnp.int8) ^ 8) - 8  # two's complement of 4 bits
+    lo, hi = signed(packed & 0xF), signed(packed >> 4)
+    both = jnp.stack([lo, hi], axis=axis + 1)
+    return both.reshape(packed.shape[:axis] + (2 * packed.shape[axis],) + packed.shape[axis + 1:])

@@ -144,7 +144,7 @@ def main(args) -> dict:
     static_step = RlStep(run, frozen, prompts, Rewards([RewardFn("digits", digit_share, 1.0)]),
                          StaticSampler(run, sampling, template.stop_ids, c.data.seq_len), scorer, template, settings,
                          c.rl)
-    static_state = state
+    static_state = jax.tree.map(lambda x: x.copy(), state)  # each step donates its own state
     batch = {"index": np.arange(args.prompts, dtype=np.int32)}
     # peers: the bare sampler on the same prompts, a pretraining step on rows of the same shape
     prompt_rows = [ids[i].tolist() for i in range(args.prompts) for _ in range(args.group)]

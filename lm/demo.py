@@ -12,7 +12,10 @@
    exact match on the task) and a 13-gram contamination check of the task's held-out split;
 8. the GRPO model exported as a Hugging Face checkpoint, reloaded by transformers, answering 16
    held-out prompts greedily as `lm sample --chat` does;
-9. one table: held-out response loss and exact-match accuracy of greedy answers, base vs SFT
+9. serving (lm.demo_serve): the GRPO model behind `lm serve`'s OpenAI API answering held-out
+   prompts from 16 concurrent clients, quantized to int8 and int4, and decoded speculatively with
+   the distilled student (and prompt lookup) as drafts;
+10. one table: held-out response loss and exact-match accuracy of greedy answers, base vs SFT
    vs SFT-LoRA vs DPO vs GRPO vs the half-width students, then the preference evidence on held-out pairs and the RL
    reward and KL; written to WORKDIR/demo_summary.json as well.
 """
@@ -25,6 +28,7 @@ import pathlib
 from lm.config import load_config
 from lm.train.finetune import finetune_config
 from lm.data.synthetic import write_sort_pairs, write_sort_task
+from lm.demo_serve import serving, serving_lines
 from lm.store.meta import init_config
 
 PRETRAIN_CONFIG, SFT_CONFIG, PAIRS_CONFIG = "configs/tiny.py", "configs/sft_tiny.py", "configs/pairs_tiny.py"
@@ -97,6 +101,8 @@ def run_demo(workdir, show_progress: bool = True, pretrain_overrides=(), sft_ove
     summary["hf"] = export_and_reload(root / "grpo", root / "grpo-hf", paths["heldout"])
     _stage("11. the pretraining step compiled for a TPU v5e-4 slice ahead of time (no TPU needed)")
     summary["tpu"] = plan_for_tpu(load_config(PRETRAIN_CONFIG, list(pretrain_overrides)), "v5e-4")
+    _stage("12. serving: the GRPO model behind the OpenAI API, quantized, and with speculative decoding")
+    summary["serve"] = serving(root, paths["heldout"])
     text = evidence(summary, n_heldout)
     print("\n" + text)
     (root / "demo_summary.json").write_text(json.dumps(summary, indent=2))
@@ -216,6 +222,8 @@ def evidence(summary: dict, n_heldout: int) -> str:
         lines.append(f"Hugging Face export (GRPO model as {h['architecture']}): transformers' greedy answers equal "
                      f"lm sample's on {h['same_answers']} of {h['n']} held-out prompts (prompt ids from "
                      f"apply_chat_template equal ours on {h['same_prompt_ids']})")
+    if "serve" in summary:
+        lines += serving_lines(summary["serve"])
     return "\n".join(lines)
 
 

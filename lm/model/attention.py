@@ -197,7 +197,8 @@ class Attention(nn.Module):
         if not pg.kv_int8:
             k_pool.value = write_pool(k_pool.value, k, write)
             v_pool.value = write_pool(v_pool.value, v, write)
-            keys, values = read_pool(k_pool.value, read), read_pool(v_pool.value, read)
+            keys = read_pool(k_pool.value, read, in_place=pg.in_place)
+            values = read_pool(v_pool.value, read, in_place=pg.in_place)
         else:
             scale_zeros = nn.with_logical_partitioning(jnp.zeros, SCALE_AXES)
             k_scale = self.variable("cache", "k_scale", scale_zeros, shape[:2], jnp.float32)
@@ -206,6 +207,6 @@ class Attention(nn.Module):
                 values_q, scales = quantize_kv(new)
                 pool.value = write_pool(pool.value, values_q, write)
                 scale.value = write_pool(scale.value, scales, write)
-            keys = read_pool(k_pool.value, read, k_scale.value, s.dtype)
-            values = read_pool(v_pool.value, read, v_scale.value, s.dtype)
+            keys = read_pool(k_pool.value, read, k_scale.value, s.dtype, pg.in_place)
+            values = read_pool(v_pool.value, read, v_scale.value, s.dtype, pg.in_place)
         return paged_attention(q, keys, values, mask, s.attn_scale, s.attn_softcap)

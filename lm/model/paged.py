@@ -26,11 +26,15 @@ NOWHERE = jnp.iinfo(jnp.int32).max  # a write index past any pool: dropped
 @dataclasses.dataclass(frozen=True)
 class Paging:
     """The pool's static shape: `pages` pages of `page_size` tokens; kv_int8 stores int8 keys and
-    values with a float32 scale per token and kv head (about half the bytes of bfloat16)."""
+    values with a float32 scale per token and kv head (about half the bytes of bfloat16).
+    in_place: this call's rows are all the pool's slots in order, each owning the same number of
+    consecutive pages (the engine's slot-major layout) and its table covering them all, so the pool
+    is read as it lies ([kv_heads, rows, positions, head_dim] is a reshape, not a gather)."""
 
     page_size: int
     pages: int
     kv_int8: bool = False
+    in_place: bool = False
 
     @property
     def tokens(self) -> int:
@@ -64,11 +68,13 @@ def write_pool(pool, new, write):
     return pool.at[:, write.reshape(-1)].set(flat.astype(pool.dtype), mode="drop")
 
 
-def read_pool(pool, read, scale=None, dtype=None):
-    """The rows `read` [B, S] of pool [K, P, H] as [K, B, S, H] (dequantized with `scale` [K, P])."""
-    x = pool[:, read]
+def read_pool(pool, read, scale=None, dtype=None, in_place: bool = False):
+    """The rows `read` [B, S] of pool [K, P, H] as [K, B, S, H] (dequantized with `scale` [K, P]);
+    in_place: the pool holds exactly those rows in that order (a reshape)."""
+    take = (lambda x: x.reshape(x.shape[0], *read.shape, *x.shape[2:])) if in_place else (lambda x: x[:, read])
+    x = take(pool)
     if scale is not None:
-        x = (x.astype(jnp.float32) * scale[:, read][..., None]).astype(dtype)
+        x = (x.astype(jnp.float32) * take(scale)[..., None]).astype(dtype)
     return x
 
 

@@ -33,12 +33,16 @@ def model_params():
 
 
 def recompute_greedy(prompt, n):
-    """The reference: the whole sequence through the training forward pass for every new token."""
+    """The reference: the whole sequence through the training forward pass for every new token (a
+    fixed-width buffer, padding as segment 0 after the text, so it compiles once)."""
     model, params = model_params()
-    fwd = jax.jit(lambda p, x: model.apply({"params": p}, x, jnp.ones_like(x), jnp.arange(x.shape[1])[None]))
+    width = SPEC.max_seq_len
+    fwd = jax.jit(lambda p, x, seg: model.apply({"params": p}, x, seg, jnp.arange(width)[None]))
     seq, logps = list(prompt), []
     for _ in range(n):
-        logits = fwd(params, jnp.asarray([seq], jnp.int32))[0, -1]
+        ids, seg = np.zeros((1, width), np.int32), np.zeros((1, width), np.int32)
+        ids[0, :len(seq)], seg[0, :len(seq)] = seq, 1
+        logits = fwd(params, jnp.asarray(ids), jnp.asarray(seg))[0, len(seq) - 1]
         seq.append(int(jnp.argmax(logits)))
         logps.append(float(jax.nn.log_softmax(logits)[seq[-1]]))
     return seq[len(prompt):], logps

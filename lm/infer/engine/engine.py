@@ -102,13 +102,19 @@ class Engine:
         self.slots = self.place.rows(config.slots)
         ps = config.page_size
         self.table_width = -(-max_len // ps)
-        pages = config.pages or self.slots * self.table_width + 1
+        # pages=0: every slot can hold a whole context, laid out slot by slot (PageAllocator)
+        self.slot_major = config.pages == 0
+        pages = self.slots * self.table_width if self.slot_major else config.pages
         self.paging = Paging(ps, pages, config.kv_int8)
         self.unstack = model.spec.cpu_kernels if unstack is None else unstack
         self.model = model.clone(paging=self.paging, unstacked=self.unstack)
-        self._prefill, self._decode = compiled(self.model, max(config.decode_block, config.idle_block))
+        block = max(config.decode_block, config.idle_block)
+        self._prefill, self._decode = compiled(self.model, block)
+        # a decode call over every slot's whole table reads a slot-major pool in place
+        in_place = model.clone(paging=dataclasses.replace(self.paging, in_place=True), unstacked=self.unstack)
+        self._decode_in_place = compiled(in_place, block)[1] if self.slot_major else None
         self._prepare = _unstack if self.unstack else (lambda p: p)
-        self.allocator = PageAllocator(pages, ps)
+        self.allocator = PageAllocator(pages, ps, self.table_width if self.slot_major else 0)
         self.pool = None  # created on first use
         self.waiting: collections.deque[Request] = collections.deque()
         self.running: list[Request | None] = [None] * self.slots
@@ -179,15 +185,18 @@ class Engine:
                 self.waiting.remove(r)
                 self._finish(r, "cancelled")
         while self.waiting and None in self.running:
-            r = self.waiting[0]
-            pages = self.allocator.take(len(r.prompt) + r.sampling.max_new_tokens)
+            r, slot = self.waiting[0], self.running.index(None)
+            pages = self.allocator.take(len(r.prompt) + r.sampling.max_new_tokens, slot)
             if pages is None:
                 return  # the oldest request waits for pages; the ones behind it keep their order
             self.waiting.popleft()
-            r.slot, r.pages = self.running.index(None), pages
+            r.slot, r.pages = slot, pages
             self.running[r.slot] = r
-            self.table[r.slot] = 0
-            self.table[r.slot, : len(pages)] = pages
+            if self.slot_major:  # the slot's own pages, all of them
+                self.table[slot] = np.arange(slot * self.table_width, (slot + 1) * self.table_width)
+            else:  # unused entries point at page 0
+                self.table[slot] = 0
+                self.table[slot, : len(pages)] = pages
             self._device, self._tables = None, {}
 
     def _prefill_chunks(self, params, rows: list[Request]) -> None:
@@ -231,14 +240,17 @@ class Engine:
         reach = int((self.state["pos"][live] + steps).max())
         table_w = bucket(-(-min(reach, self.max_len) // cfg.page_size), max(1, self.table_width // 8),
                          self.table_width)
+        decode = self._decode
+        if self.slot_major and table_w > self.table_width // 2:  # reading in place beats gathering most pages
+            table_w, decode = self.table_width, self._decode_in_place
         put = self.place.put
         if self._device is None:  # rows changed on the host: send them; else the last call's output goes back in
             self._device = {k: put(v) for k, v in self.state.items()} | {
                 "settings": jax.tree.map(put, self.settings.arrays())}
         if table_w not in self._tables:
             self._tables[table_w] = put(self.table[:, :table_w])
-        self.pool, self._device, out, out_logp = self._decode(params, self.pool, self._device, self._tables[table_w],
-                                                              np.int32(steps))
+        self.pool, self._device, out, out_logp = decode(params, self.pool, self._device, self._tables[table_w],
+                                                        np.int32(steps))
         rows = {k: v for k, v in self._device.items() if k != "settings"}
         new, out, out_logp = self.place.host((rows, out, out_logp))
         was_live = live.copy()

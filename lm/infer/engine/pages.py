@@ -7,27 +7,40 @@ class PageAllocator:
     """Hands out pages 1..pages-1 (page 0 is never handed out: unused page-table entries point at
     it). A request takes, when it is admitted, every page it can need (prompt + max new tokens), so a
     running request never waits for memory and nothing is ever preempted; it gives them all back
-    when it finishes, early or not."""
+    when it finishes, early or not.
 
-    def __init__(self, pages: int, page_size: int):
-        self.page_size, self.total = page_size, pages - 1
-        self._free = list(range(pages - 1, 0, -1))
+    slot_width > 0: the slot-major layout, for a pool that holds every slot's whole context: slot s
+    owns pages s*slot_width .. (s+1)*slot_width - 1, so a slot's pages are always free and
+    consecutive, and a decode call over all slots reads the pool in place (lm.model.paged)."""
+
+    def __init__(self, pages: int, page_size: int, slot_width: int = 0):
+        self.page_size, self.slot_width = page_size, slot_width
+        self.total = slot_width or pages - 1  # the most one request can hold
+        self.capacity = pages if slot_width else pages - 1  # pages requests can hold together
+        self._free = [] if slot_width else list(range(pages - 1, 0, -1))
+        self._held = 0
 
     def pages_for(self, tokens: int) -> int:
         return -(-tokens // self.page_size)
 
     @property
     def free(self) -> int:
-        return len(self._free)
+        return self.capacity - self._held
 
-    def take(self, tokens: int) -> list[int] | None:
-        """Pages for `tokens` positions, or None if too few are free now."""
+    def take(self, tokens: int, slot: int = 0) -> list[int] | None:
+        """Pages for `tokens` positions (for `slot`), or None if too few are free now."""
         n = self.pages_for(tokens)
-        if n > len(self._free):
+        if self.slot_width:
+            taken = list(range(slot * self.slot_width, slot * self.slot_width + n))
+        elif n > len(self._free):
             return None
-        taken = self._free[-n:]
-        del self._free[-n:]
-        return taken[::-1]
+        else:
+            taken = self._free[-n:][::-1]
+            del self._free[-n:]
+        self._held += n
+        return taken
 
     def give_back(self, pages: list[int]) -> None:
-        self._free.extend(reversed(pages))
+        self._held -= len(pages)
+        if not self.slot_width:
+            self._free.extend(reversed(pages))

@@ -54,6 +54,7 @@ def _served(loaded, conversations: list, clients: int) -> dict:
                                                    max_tokens=MAX_NEW)
             return reply.choices[0].message.content, time.perf_counter() - t0
 
+        ask(conversations[0])  # compiles the first shapes: the figures below are of a warm server
         start = time.perf_counter()
         with concurrent.futures.ThreadPoolExecutor(clients) as pool:
             answers = list(pool.map(ask, conversations))

@@ -1,4 +1,6 @@
-"""Inference: the KV-cache sampler (`generate.Generator`), text completion, `lm sample`."""
+"""Inference: the generation engine (`engine/`: paged KV cache, continuous batching) behind
+`generate.Generator`, text completion, `lm sample`, quantized weights at load, speculative
+decoding, and `lm serve` (`serve/`)."""
 
 __all__ = ["SamplingParams", "Session", "load_trained"]
 

@@ -40,6 +40,8 @@ def add_parser(sub) -> None:
                    help="prompts decoded together (the engine's slots: a prompt takes the next free one)")
     p.add_argument("--quantize", choices=("none", "int8", "int4"), default="none",
                    help="weight-only quantization: int8 per output channel, int4 per group of 128 inputs")
+    p.add_argument("--kv-int8", action="store_true", help="keep the KV cache's pages as int8 (a scale per token "
+                                                           "and kv head): about half the cache memory of bfloat16")
     p.add_argument("--draft", metavar="WORKDIR|EXPORT|ngram",
                    help="speculative decoding at batch 1 on one device (a --prompts file is decoded one prompt at "
                         "a time; --batch-size is ignored): drafts from a smaller model with the same tokenizer (an "
@@ -85,8 +87,9 @@ def run(args, overrides=()) -> int:
         raise UserError("--prompt is empty; give at least one character of text")
     if args.draft is None and args.draft_k is not None:
         raise UserError("--draft-k needs --draft (a draft model's workdir or export, or 'ngram')")
-    if args.draft is not None and args.quantize != "none":
-        raise UserError("--quantize works with the engine, not with --draft (speculative decoding): drop one")
+    if args.draft is not None and (args.quantize != "none" or args.kv_int8):
+        raise UserError("--quantize and --kv-int8 work with the engine, not with --draft (speculative decoding): "
+                        "drop one")
     rows = read_prompts(args.prompts, args.chat) if args.prompts else None
     loaded = load_trained(args.workdir, args.params, args.tokenizer)
     generate = _Speculative(args, loaded, sampling) if args.draft else _plain(args, loaded, sampling)
@@ -123,7 +126,7 @@ def _plain(args, loaded, sampling):
     """generate(prompts, stream=None) -> result dicts, through a Session on the config's mesh."""
     from lm.infer.session import Session
 
-    session = Session(loaded, quantize=args.quantize, slots=args.batch_size)
+    session = Session(loaded, quantize=args.quantize, slots=args.batch_size, kv_int8=args.kv_int8)
     stop = tuple(args.stop)
 
     def generate(prompts: list, **kw):

@@ -52,3 +52,8 @@ def test_refusals(export, tmp_path, capsys):  # noqa: F811
     assert "expected a file ending in .safetensors" in capsys.readouterr().err
     assert main(["sample", "--params", str(export), "--prompt", "x", "--quantize", "int8", "--draft", "ngram"]) == 2
     assert "not with --draft" in capsys.readouterr().err
+
+
+def test_int8_kv_pages_sample(export, capsys):  # noqa: F811
+    text = sample(capsys, export, "--kv-int8")
+    assert text.startswith("def f(") and len(text) > len("def f(")

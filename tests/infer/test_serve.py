@@ -1,6 +1,7 @@
 """`lm serve` through the official openai client: completions, chat, streaming, concurrent clients,
 stop strings, refused requests, client disconnects, and a graceful stop on SIGTERM."""
 
+import argparse
 import json
 import os
 import signal
@@ -382,14 +383,33 @@ def test_sigterm_lets_running_requests_finish_within_the_grace(export, monkeypat
 
 # ---- the verb ------------------------------------------------------------------------------------
 
-def test_a_missing_extra_and_quantization_are_one_line_errors(export, monkeypatch, capsys):
+def test_a_missing_extra_and_bad_flags_are_one_line_errors(export, monkeypatch, capsys):
     monkeypatch.setitem(sys.modules, "fastapi", None)
     assert main(["serve", "--params", str(export)]) == 2
     assert "pip install 'lm[serve]'" in capsys.readouterr().err
     monkeypatch.delitem(sys.modules, "fastapi")
-    assert main(["serve", "--params", str(export), "--port", "0", "--quantize", "int8"]) == 2
+    assert main(["serve", "--params", str(export), "--port", "0", "--slots", "0"]) == 2
     err = capsys.readouterr().err.strip()
-    assert err.startswith("lm: error: --quantize int8: not available yet") and "\n" not in err
+    assert err.startswith("lm: error: --slots 0: expected at least 1") and "\n" not in err
+
+
+def test_the_served_engine_takes_quantized_weights_and_int8_pages(export):
+    from lm.infer.serve.engine_backend import make_backend
+    from lm.model.qtensor import QTensor
+    from lm.store.load import load_trained
+
+    args = argparse.Namespace(quantize="int8", kv_int8=True, slots=2, page_size=8, max_model_len=None,
+                              model_name="tiny")
+    backend = make_backend(load_trained(params=str(export)), args)
+    try:
+        engine = backend.service.engine
+        leaves = jax.tree.leaves(backend.service.params, is_leaf=lambda x: isinstance(x, QTensor))
+        assert any(isinstance(x, QTensor) for x in leaves) and engine.paging.kv_int8
+        ids, _ = backend.prompt_ids(prompt="Hello")
+        deltas = list(backend.submit(ids, SamplingParams(max_new_tokens=4, temperature=0), ()))
+        assert sum(len(d.token_ids) for d in deltas) == 4 and deltas[-1].finish_reason == "length"
+    finally:
+        backend.shutdown(cancel=True)
 
 
 def test_the_parser_imports_neither_jax_nor_the_server():

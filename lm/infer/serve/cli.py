@@ -25,6 +25,8 @@ def add_parser(sub) -> None:
     p.add_argument("--quantize", choices=("none", "int8", "int4"), default="none", help="weight quantization")
     p.add_argument("--slots", type=int, default=16, help="requests decoded together")
     p.add_argument("--page-size", type=int, default=16, help="positions per KV-cache page")
+    p.add_argument("--kv-int8", action="store_true", help="keep the KV cache's pages as int8 (a scale per token and "
+                                                           "kv head)")
     p.add_argument("--max-model-len", type=int, help="positions a prompt and its new tokens may take "
                                                      "(default: the model's context, at most 4096)")
     p.add_argument("--grace", type=float, default=GRACE_S, help="seconds running requests may take after a stop")

@@ -102,5 +102,6 @@ def make_backend(loaded, args) -> EngineBackend:
     from lm.infer.session import Session
 
     # a request arriving mid-call waits for the call to end: every call is a short block
-    config = EngineConfig(slots=args.slots, page_size=args.page_size, idle_block=16)
+    config = EngineConfig(slots=args.slots, page_size=args.page_size, idle_block=16,
+                          kv_int8=getattr(args, "kv_int8", False))
     return EngineBackend(Session(loaded, quantize=args.quantize), args.model_name, args.max_model_len, config)

@@ -51,7 +51,17 @@ def small_base(tmp_path_factory, corpus):
     return workdir
 
 
+# The longest files (minutes each on a 2-core machine), longest first.
+LONGEST = ("test_notebook.py", "test_distributed.py", "test_fault_resume.py", "test_distributed_stages.py",
+           "test_checkpoint.py")
+
+
 def pytest_collection_modifyitems(items):
-    """The slow end-to-end tests first: with `-n 2 --dist loadfile` (make test) their files then
-    start at once instead of ending the run on one worker while the other idles."""
-    items.sort(key=lambda item: item.get_closest_marker("slow") is None)
+    """The longest files, then the other slow end-to-end tests, first: with `-n 2 --dist loadfile`
+    (make test) they start at once instead of ending the run on one worker while the other idles."""
+    def rank(item):
+        name = item.path.name
+        return (LONGEST.index(name) if name in LONGEST else len(LONGEST),
+                item.get_closest_marker("slow") is None)
+
+    items.sort(key=rank)

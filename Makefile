@@ -20,6 +20,6 @@ demo: $(VENV)/.installed
 	$(VENV)/bin/lm sample --workdir $(WORKDIR)/sft --chat --prompt "sort 9071" --temperature 0
 
 test: $(VENV)/.installed
-	$(PY) -m pytest -q -n 2 --dist loadfile
+	$(PY) -m pytest -q -n 2 --dist loadfile --no-loadscope-reorder
 
 .PHONY: install demo test

@@ -13,7 +13,6 @@ each request's own tokens. Rounds alternate between the two; medians are reporte
 from __future__ import annotations
 
 import argparse
-import dataclasses
 import os
 import pathlib
 import re

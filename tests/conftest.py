@@ -57,8 +57,9 @@ LONGEST = ("test_notebook.py", "test_distributed.py", "test_fault_resume.py", "t
 
 
 def pytest_collection_modifyitems(items):
-    """The longest files, then the other slow end-to-end tests, first: with `-n 2 --dist loadfile`
-    (make test) they start at once instead of ending the run on one worker while the other idles."""
+    """The longest files, then the other slow end-to-end tests, first: with `-n 2 --dist loadfile
+    --no-loadscope-reorder` (make test; xdist would otherwise order files by their number of tests)
+    they start at once instead of ending the run on one worker while the other idles."""
     def rank(item):
         name = item.path.name
         return (LONGEST.index(name) if name in LONGEST else len(LONGEST),

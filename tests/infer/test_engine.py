@@ -3,7 +3,6 @@ dense-cache decoder, whatever else is in the batch; pages come back; int8 pages;
 
 import dataclasses
 
-import jax
 import numpy as np
 import pytest
 

@@ -76,11 +76,3 @@ def read_pool(pool, read, scale=None, dtype=None, in_place: bool = False):
     if scale is not None:
         x = (x.astype(jnp.float32) * take(scale)[..., None]).astype(dtype)
     return x
-
-
-def pool_bytes(paging: Paging, n_layers: int, kv_heads: int, head_dim: int, dtype) -> int:
-    """Bytes of the whole pool, keys and values of every layer."""
-    per = kv_heads * head_dim * (1 if paging.kv_int8 else jnp.dtype(dtype).itemsize)
-    per += kv_heads * 4 if paging.kv_int8 else 0
-    return 2 * n_layers * paging.tokens * per
-

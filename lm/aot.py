@@ -21,7 +21,7 @@ import jax
 from lm.aot_steps import build_step
 from lm.errors import UserError
 from lm.hardware import Target
-from lm.sharding import SIMULATE_HINT, mesh_shape
+from lm.sharding import AXES, SIMULATE_HINT, mesh_shape
 
 TPU_INSTALL = "pip install 'lm[tpu]' (libtpu, through jax[tpu]==0.10.2)"
 # The compiler's refusal when a program needs more than the chip's HBM: its figure is kept.
@@ -118,7 +118,7 @@ def compile_train_step(config, devices=None) -> dict:
     c = compile_step("pretrain", config, devices)
     if c.error:
         raise UserError(f"the train step does not compile: {c.error}")
-    shape = dict(zip(("data", "fsdp", "tensor"), mesh_shape(config.mesh, len(devices))))
+    shape = dict(zip(AXES, mesh_shape(config.mesh, len(devices))))
     return {"backend": devices[0].platform, "devices": len(devices), "mesh": shape, "compile_s": c.compile_s,
             "argument_bytes_per_device": c.arguments, "output_bytes_per_device": c.outputs,
             "temp_bytes_per_device": c.temporaries, "code_bytes_per_device": c.code}

@@ -24,26 +24,28 @@ MARGIN = 0.92  # the planner's estimate must leave this share of HBM unused (its
 MAX_COMPILES = 3
 
 
-def _setting(config, remat: str, micro: int, mesh: tuple) -> ConfigDict:
+def _setting(config, remat: str, micro: int, mesh: dict) -> ConfigDict:
     out = ConfigDict(config.to_dict())
     out.model.remat, out.train.micro_batches = remat, micro
-    out.mesh.data, out.mesh.fsdp, out.mesh.tensor = mesh
+    out.mesh.update(mesh)
     return out
 
 
-def _meshes(config, chips: int) -> list[tuple]:
-    """The config's mesh first, then data=1 with fsdp x tensor over every chip (tensor <= 16)."""
-    own = tuple(mesh_sizes(config, chips).values())
+def _meshes(config, chips: int) -> list[dict]:
+    """The config's mesh first, then data=1 with fsdp x tensor over every chip (tensor <= 16; the
+    config's stage and expert sizes kept)."""
+    own = mesh_sizes(config, chips)
+    rest = own["stage"] * own["expert"]
     spec = ModelSpec.from_config(config.model)
     leaves = param_leaves(dataclasses.replace(spec, attention="xla", kernels="plain"))
     rules = dict(rules_table(config))
     out = [own]
     for tensor in (1, 2, 4, 8, 16):
-        if chips % tensor:
+        if (chips // rest) % tensor or chips % rest:
             continue
-        mesh = {"data": 1, "fsdp": chips // tensor, "tensor": tensor}
-        if all(_divides(leaf, rules, mesh) for leaf in leaves) and (1, chips // tensor, tensor) != own:
-            out.append((1, chips // tensor, tensor))
+        mesh = own | {"data": 1, "fsdp": chips // rest // tensor, "tensor": tensor}
+        if all(_divides(leaf, rules, mesh) for leaf in leaves) and mesh != own:
+            out.append(mesh)
     return out
 
 
@@ -62,12 +64,12 @@ def candidates(config, step: str, chips: int) -> list[ConfigDict]:
     meshes = _meshes(config, chips)
     for r, m, mesh in itertools.product(remats, micros, meshes):
         c = _setting(config, r, m, mesh)
-        sizes = dict(zip(("data", "fsdp", "tensor"), mesh))
+        sizes = mesh
         rows = t.batch_size // m
         if step != "rl" and (rows % splits(("batch",), dict(rules_table(c)), sizes)):
             continue  # every device must keep a whole number of rows
         changed = (r != remat) + (m != t.micro_batches) + (mesh != meshes[0])
-        found.append(((changed, m, REMAT_ORDER.index(r) if r in REMAT_ORDER else 0, mesh[2]), c))
+        found.append(((changed, m, REMAT_ORDER.index(r) if r in REMAT_ORDER else 0, mesh["tensor"]), c))
     return [c for _, c in sorted(found, key=lambda x: x[0])]
 
 

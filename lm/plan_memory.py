@@ -35,7 +35,7 @@ from lm.errors import UserError
 from lm.infer.generate import generation_context
 from lm.model.layers import ModelSpec
 from lm.model.transformer import Transformer, init_params
-from lm.sharding import mesh_shape
+from lm.sharding import AXES, mesh_shape
 from lm.train.rl_losses import RlSettings
 
 ADAM_MOMENTS = 2  # float32 first and second moments per trained param
@@ -110,7 +110,7 @@ class Estimate:
 
 
 def mesh_sizes(config, devices: int) -> dict:
-    return dict(zip(("data", "fsdp", "tensor"), mesh_shape(config.mesh, devices)))
+    return dict(zip(AXES, mesh_shape(config.mesh, devices)))
 
 
 def _is_adapter(path: str) -> bool:

@@ -1,4 +1,4 @@
-"""The device mesh (data, fsdp, tensor) and logical-axis -> mesh-axis shardings.
+"""The device mesh (data, stage, fsdp, expert, tensor) and logical-axis -> mesh-axis shardings.
 
 The rule table lives in the config (`mesh.rules`, defaults in `lm.config.DEFAULT_RULES`)
 and is passed explicitly everywhere; nothing is read from a global context.
@@ -15,16 +15,16 @@ import jax.numpy as jnp
 import numpy as np
 from jax.sharding import Mesh, NamedSharding, PartitionSpec
 
+from lm.config.mesh import AXES
 from lm.errors import UserError
 
-AXES = ("data", "fsdp", "tensor")
 SIMULATE_HINT = "On a CPU, simulate N devices with XLA_FLAGS=--xla_force_host_platform_device_count=N"
 BATCH_AXES = ("batch", "length")
 
 
-def mesh_shape(mesh_cfg, n_devices: int) -> tuple[int, int, int]:
+def mesh_shape(mesh_cfg, n_devices: int) -> tuple[int, ...]:
     """Resolves -1 to whatever devices are left; errors name the config keys."""
-    sizes = [mesh_cfg[a] for a in AXES]
+    sizes = [mesh_cfg.get(a, 1) for a in AXES]  # a plain dict may leave out the axes of size 1
     known = math.prod(s for s in sizes if s != -1)
     if -1 in sizes:
         if n_devices % known:
@@ -33,7 +33,7 @@ def mesh_shape(mesh_cfg, n_devices: int) -> tuple[int, int, int]:
         sizes[sizes.index(-1)] = n_devices // known
     if math.prod(sizes) != n_devices:
         raise UserError(f"mesh {dict(zip(AXES, sizes))} needs {math.prod(sizes)} devices but "
-                        f"{n_devices} are available; set mesh.data/fsdp/tensor to multiply to {n_devices} "
+                        f"{n_devices} are available; set mesh.{'/'.join(AXES)} to multiply to {n_devices} "
                         f"(one may be -1). {SIMULATE_HINT}")
     return tuple(sizes)
 

@@ -52,7 +52,7 @@ def test_partial_config_dict_merges_over_defaults(tmp_path):
     ("def get_config():\n    c = base_config()\n    c.data.seq_len = 4096\n    return c\n",
      ["data.seq_len", "max_seq_len"]),
     ("def get_config():\n    c = base_config()\n    c.mesh.rules.embed = ('fsdp', 'pipeline')\n    return c\n",
-     ["mesh.rules.embed", "data, fsdp, tensor"]),
+     ["mesh.rules.embed", "data, stage, fsdp, expert, tensor"]),
     ("x = 1\n", ["no get_config"]),
     ("def get_config(:\n", ["failed to load", "SyntaxError"]),
 ])

@@ -161,11 +161,11 @@ def test_per_device_bytes_shrink_with_sharding(reference):
 
 def test_make_mesh_errors_name_the_mesh():
     assert len(jax.devices()) == 8
-    with pytest.raises(UserError, match=r"mesh \{'data': 3, 'fsdp': 1, 'tensor': 1\}.*8"):
+    with pytest.raises(UserError, match=r"mesh \{'data': 3, 'stage': 1, 'fsdp': 1, 'expert': 1, 'tensor': 1\}.*8"):
         make_mesh(dict(data=3, fsdp=1, tensor=1))
-    with pytest.raises(UserError, match=r"mesh \{'data': 2, 'fsdp': 2, 'tensor': 4\}"):
+    with pytest.raises(UserError, match=r"mesh \{'data': 2, 'stage': 1, 'fsdp': 2, 'expert': 1, 'tensor': 4\}"):
         make_mesh(dict(data=2, fsdp=2, tensor=4))
-    with pytest.raises(UserError, match=r"mesh \{'data': -1, 'fsdp': 3, 'tensor': 1\}"):
+    with pytest.raises(UserError, match=r"mesh \{'data': -1, 'stage': 1, 'fsdp': 3, 'expert': 1, 'tensor': 1\}"):
         make_mesh(dict(data=-1, fsdp=3, tensor=1))
     mesh = make_mesh(dict(data=-1, fsdp=2, tensor=2))
     assert dict(mesh.shape) == {"data": 2, "fsdp": 2, "tensor": 2}
@@ -218,7 +218,7 @@ def weighted_step(shape):
 def test_per_example_field_is_sharded_and_split_into_micro_batches(shape):
     ref_params, ref_metrics, _ = weighted_step((1, 1, 1))
     params, metrics, sharding = weighted_step(shape)
-    assert sharding.spec[0] == ("data", "fsdp")  # the [B] field is split over the batch axes
+    assert sharding.spec[0] == ("data", "fsdp", "expert")  # the [B] field is split over the batch axes
     np.testing.assert_allclose(metrics["loss"], ref_metrics["loss"], rtol=1e-5)
     for a, b in zip(jax.tree.leaves(params), jax.tree.leaves(ref_params)):
         np.testing.assert_allclose(a, b, rtol=1e-5, atol=1e-5)

@@ -1,5 +1,9 @@
 """The `mesh` section: device mesh axis sizes and the logical-axis rule table.
 
+Axes, outermost first: `data` (replicas), `stage` (pipeline stages, lm.model.pipeline), `fsdp`
+(params and rows split), `expert` (mixture-of-experts weights split by expert, rows split for
+the rest of the model), `tensor` (heads and hidden units split; innermost, the fastest links).
+
 The rule table lives here, not beside the sharding code, because a config must load without jax.
 """
 
@@ -7,12 +11,12 @@ from __future__ import annotations
 
 from lm.config.core import require
 
-AXES = ("data", "fsdp", "tensor")
+AXES = ("data", "stage", "fsdp", "expert", "tensor")
 
 # Logical axis -> mesh axes. ONE table; a config may override entries via mesh.rules.
 DEFAULT_RULES = {
     # activations
-    "batch": ("data", "fsdp"),
+    "batch": ("data", "fsdp", "expert"),
     "length": (),
     "cache_length": (),
     "cache_pool": (),  # the paged KV pool's token rows (lm.model.paged): shared by all sequences
@@ -21,6 +25,7 @@ DEFAULT_RULES = {
     "act_kv_heads": ("tensor",),
     "act_mlp": ("tensor",),
     "act_vocab": ("tensor",),
+    "act_expert": ("expert",),  # a mixture-of-experts layer's tokens grouped by expert
     # params
     "vocab": ("tensor",),
     "embed": ("fsdp",),
@@ -28,14 +33,18 @@ DEFAULT_RULES = {
     "kv_heads": ("tensor",),
     "head_dim": (),
     "mlp": ("tensor",),
-    "layers": (),
+    "layers": ("stage",),  # a no-op unless mesh.stage > 1: then each stage holds its layers
+    "stage": ("stage",),  # the pipeline's leading axis of the stacked layers and its buffers
+    "expert": ("expert",),
+    "expert_mlp": ("tensor",),
+    "router": (),
     "lora_rank": (),
     "position": (),
     "norm": (),
 }
 
 # an axis of -1 takes whatever devices the others leave
-DEFAULTS = dict(data=-1, fsdp=1, tensor=1, rules=dict(DEFAULT_RULES))
+DEFAULTS = dict(data=-1, stage=1, fsdp=1, expert=1, tensor=1, rules=dict(DEFAULT_RULES))
 
 
 def rules_table(c) -> tuple[tuple[str, tuple[str, ...]], ...]:
@@ -50,4 +59,4 @@ def check(c) -> None:
     require(sum(c.mesh[a] == -1 for a in AXES) <= 1, "mesh", c.mesh.to_dict(), "at most one axis may be -1")
     for name, axes in c.mesh.rules.items():
         for axis in axes:
-            require(axis in AXES, f"mesh.rules.{name}", axes, "expected mesh axes among data, fsdp, tensor")
+            require(axis in AXES, f"mesh.rules.{name}", axes, f"expected mesh axes among {', '.join(AXES)}")

@@ -14,7 +14,7 @@ LORA_TARGETS = ("wq", "wk", "wv", "wo", "w_gate", "w_up", "w_down", "w_in")
 # Variations that published architectures need (lm.model.families maps them from a Hugging Face
 # config.json); the defaults are the plain decoder trained here.
 ARCHITECTURE = dict(
-    family="",  # the Hugging Face model_type it was imported from ("": trained here; exported as llama)
+    family="",  # the Hugging Face model_type it came from ("": trained here; exports as llama, mixtral with experts)
     qkv_bias=False,  # biases on the q/k/v projections only (Qwen2); use_bias puts them everywhere
     qk_norm=False,  # RMSNorm over head_dim on queries and keys before RoPE (Qwen3, Gemma 3)
     post_norms=False,  # a norm on each sub-block's output before the residual add (Gemma 2/3)
@@ -37,6 +37,27 @@ ARCHITECTURE = dict(
 )
 LAYER_TYPES = ("global", "local")
 
+# Mixture of experts (lm.model.moe): with n_experts > 0 every block's MLP is n_experts SwiGLU
+# experts of width expert_d_ff, of which a router picks experts_per_token for each token.
+MOE = dict(
+    n_experts=0,  # 0: a dense MLP
+    experts_per_token=2,
+    expert_d_ff=0,  # 0: d_ff
+    shared_d_ff=0,  # a dense SwiGLU every token also takes (DeepSeek's shared experts); 0: none
+    router_score="softmax",  # softmax (Mixtral, Qwen3-MoE) | sigmoid (DeepSeek-V3) of the router logits
+    router_norm=True,  # the chosen experts' weights renormalised to sum to 1
+    capacity_factor=0.0,  # 0: dropless; > 0: an expert takes at most this x its even share, the rest dropped
+    moe_balance_coef=0.01,  # load-balancing loss (Switch: n_experts * sum_e tokens_share_e * mean_prob_e)
+    moe_z_coef=0.001,  # router z-loss (mean logsumexp(router logits)^2)
+)
+
+# Pipeline parallelism (lm.model.pipeline), active when mesh.stage > 1: the scanned layers split
+# into that many stages, each batch into micro-batches that flow through them.
+PIPELINE = dict(
+    pipeline_microbatches=0,  # 0: as many as stages
+    pipeline_repeats=1,  # 1: GPipe; r > 1: circular, each stage holds r chunks of layers
+)
+
 # head_dim 0: d_model // n_heads. LoRA (lm.model.lora): rank 0 = off; targets among LORA_TARGETS.
 DEFAULTS = dict(
     vocab_size=320, d_model=128, n_layers=4, n_heads=4, n_kv_heads=2, head_dim=0,
@@ -44,7 +65,7 @@ DEFAULTS = dict(
     max_seq_len=256, rope_theta=10000.0, norm_eps=1e-5, tie_embeddings=True,
     compute_dtype="float32", attention="blockwise", remat="none", init_std=0.02, kernels="auto",
     lora_rank=0, lora_alpha=16.0, lora_dropout=0.0, lora_targets=LORA_TARGETS,
-    **ARCHITECTURE,
+    **ARCHITECTURE, **MOE, **PIPELINE,
 )
 
 CHOICES = dict(
@@ -58,7 +79,13 @@ CHOICES = dict(
     # "cpu": lm.model.cpu_kernels (hand-written backward passes for XLA:CPU); "plain": einsum +
     # autodiff, which XLA fuses on GPU/TPU; "auto": cpu on the CPU backend, plain elsewhere
     kernels=("auto", "cpu", "plain"),
+    router_score=("softmax", "sigmoid"),
 )
+
+
+def expert_d_ff(m) -> int:
+    """Each expert's hidden width; 0 in the config means d_ff."""
+    return m.expert_d_ff or m.d_ff
 
 
 def head_dim(m) -> int:
@@ -89,3 +116,32 @@ def check(c) -> None:
             "RoPE needs an even head dimension")
     require(m.attention != "cudnn" or m.compute_dtype == "bfloat16", "model.attention", m.attention,
             "cuDNN's fused attention takes bfloat16 only: set model.compute_dtype=bfloat16 (or another attention)")
+    if m.n_experts:
+        require(0 < m.experts_per_token <= m.n_experts, "model.experts_per_token", m.experts_per_token,
+                f"expected 1 to model.n_experts={m.n_experts}")
+        require(m.mlp == "swiglu", "model.mlp", m.mlp, "mixture-of-experts layers are SwiGLU experts")
+        adapted = set(m.lora_targets) & {"w_gate", "w_up", "w_down", "w_in"}
+        require(not (m.lora_rank and adapted), "model.lora_targets", m.lora_targets,
+                "LoRA adapters on expert weights are not supported: with model.n_experts > 0 name only "
+                "attention projections (wq, wk, wv, wo)")
+    for key in ("n_experts", "expert_d_ff", "shared_d_ff", "pipeline_microbatches"):
+        require(m[key] >= 0, f"model.{key}", m[key], "expected >= 0 (0 = off / derived)")
+    for key in ("capacity_factor", "moe_balance_coef", "moe_z_coef"):
+        require(m[key] >= 0, f"model.{key}", m[key], "expected >= 0")
+    require(m.pipeline_repeats >= 1, "model.pipeline_repeats", m.pipeline_repeats, "expected >= 1 (1 = GPipe)")
+    check_pipeline(c)
+
+
+def check_pipeline(c) -> None:
+    """The pipeline against the mesh section (lm.model.pipeline checks the batch when it runs,
+    and a stage of -1 once the devices are known)."""
+    m, stages = c.model, c.mesh.stage
+    if stages <= 1:
+        return
+    require(not m.n_experts, "model.n_experts", m.n_experts,
+            f"mixture-of-experts layers cannot be pipelined yet: set mesh.stage=1 (it is {stages})")
+    require(m.n_layers % (stages * m.pipeline_repeats) == 0, "model.n_layers", m.n_layers,
+            f"must split into mesh.stage={stages} x model.pipeline_repeats={m.pipeline_repeats} equal chunks")
+    require(m.pipeline_repeats == 1 or (m.pipeline_microbatches or stages) >= stages, "model.pipeline_microbatches",
+            m.pipeline_microbatches, f"a circular pipeline (model.pipeline_repeats > 1) needs at least "
+            f"mesh.stage={stages} micro-batches")

@@ -6,15 +6,38 @@ from __future__ import annotations
 import jax
 import jax.numpy as jnp
 
+from lm.model.moe import aux_sums
+
 
 def logits_of(model, params, batch, rng=None, output: str = "logits"):
     """The model's logits (or another output, e.g. "scalar") for a batch; rng (training only)
     feeds dropout where the model has any."""
-    dropout = rng is not None and getattr(getattr(model, "spec", None), "lora_dropout", 0) > 0
+    return forward(model, params, batch, rng, output)[0]
+
+
+def forward(model, params, batch, rng=None, output: str = "logits"):
+    """(logits_of's output, aux): aux holds what the model reports beside its output, the
+    mixture-of-experts layers' routing statistics ({name: [n_layers]}; empty for a dense model).
+    A trained model's loss adds them with `add_aux`."""
+    spec = getattr(model, "spec", None)
+    dropout = rng is not None and getattr(spec, "lora_dropout", 0) > 0
     kw = {"rngs": {"dropout": rng}} if dropout else {}
     if output != "logits":
         kw["output"] = output
-    return model.apply({"params": params}, batch["inputs"], batch["segment_ids"], batch["positions"], **kw)
+    args = ({"params": params}, batch["inputs"], batch["segment_ids"], batch["positions"])
+    if not getattr(spec, "n_experts", 0):
+        return model.apply(*args, **kw), {}
+    out, state = model.apply(*args, mutable=["aux"], **kw)
+    return out, state["aux"]["moe"][0]
+
+
+def add_aux(model, objective, sums: dict, aux: dict):
+    """A loss's (objective_sum, sums) with the model's auxiliary losses and statistics added,
+    weighted by the loss's own count (lm.model.moe.aux_sums); unchanged for a dense model."""
+    if not aux:
+        return objective, sums
+    term, extra = aux_sums(model.spec, aux, sums["count"])
+    return objective + term, sums | extra
 
 
 def target_logprobs(logits, targets):

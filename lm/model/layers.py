@@ -10,7 +10,7 @@ import jax
 import jax.numpy as jnp
 from jax.sharding import Mesh, NamedSharding
 
-from lm.config.model import head_dim
+from lm.config.model import expert_d_ff, head_dim
 from lm.model import cpu_kernels
 from lm.model.lora import lora_delta, targeted
 from lm.model.params import param
@@ -66,11 +66,25 @@ class ModelSpec:
     rope_beta_slow: float
     rope_attention_factor: float
     rope_truncate: bool
+    # mixture of experts (lm.model.moe; lm.config.model.MOE says what each does)
+    n_experts: int
+    experts_per_token: int
+    expert_d_ff: int
+    shared_d_ff: int
+    router_score: str
+    router_norm: bool
+    capacity_factor: float
+    moe_balance_coef: float
+    moe_z_coef: float
+    # pipeline (lm.model.pipeline; stages come from the mesh)
+    pipeline_microbatches: int
+    pipeline_repeats: int
 
     @classmethod
     def from_config(cls, m) -> "ModelSpec":
         fields = {f.name: m[f.name] for f in dataclasses.fields(cls)}
         fields["head_dim"] = head_dim(m)
+        fields["expert_d_ff"] = expert_d_ff(m)
         fields["layer_types"] = tuple(fields["layer_types"])
         fields["lora_targets"] = tuple(fields["lora_targets"])
         return cls(**fields)

@@ -15,8 +15,10 @@ import jax.numpy as jnp
 from lm.model.attention import Attention, softcap
 from lm.model.heads import ScalarHead
 from lm.model.layers import Mlp, ModelSpec, Norm, Partitioning, matmul, normal
+from lm.model.moe import MoE
 from lm.model.paged import Paging, slots_and_mask
 from lm.model.params import param
+from lm.model.pipeline import is_pipelined, pipeline_blocks
 from lm.model.rope import spec_tables
 
 REMAT_POLICIES = {
@@ -42,9 +44,13 @@ class Block(nn.Module):
         attn = Attention(s, self.part, self.decode, self.paging, name="attn")
         h = attn(Norm(s, name="attn_norm")(x), segment_ids, rope_cs, cache_slots, cache_mask, local)
         x = x + (Norm(s, name="attn_post_norm")(h) if s.post_norms else h)
-        h = Mlp(s, self.part, name="mlp")(Norm(s, name="mlp_norm")(x))
+        h, aux = Norm(s, name="mlp_norm")(x), None
+        if s.n_experts:  # routing statistics per layer: the scan stacks them (lm.model.moe.aux_terms)
+            h, aux = MoE(s, self.part, name="moe")(h, segment_ids)
+        else:
+            h = Mlp(s, self.part, name="mlp")(h)
         x = x + (Norm(s, name="mlp_post_norm")(h) if s.post_norms else h)
-        return x, None
+        return x, aux
 
 
 def scanned_blocks(spec: ModelSpec, decode: bool = False):
@@ -114,8 +120,13 @@ class Transformer(nn.Module):
                 x, _ = Block(s, self.part, decode, self.paging, name=f"layer_{i}")(x, segment_ids, rope_cs, slots,
                                                                                    mask, flag)
         else:
-            x, _ = scanned_blocks(s, decode)(s, self.part, decode, self.paging, name="blocks")(
-                x, segment_ids, rope_cs, slots, mask, local)
+            if is_pipelined(s, self.part, decode) and not self.is_initializing():  # init: the plain params
+                x, aux = pipeline_blocks(self, Block, REMAT_POLICIES.get(s.remat), x, segment_ids, rope_cs, local), None
+            else:
+                x, aux = scanned_blocks(s, decode)(s, self.part, decode, self.paging, name="blocks")(
+                    x, segment_ids, rope_cs, slots, mask, local)
+            if aux is not None:  # read by lm.model.apply.forward (apply with mutable=["aux"])
+                self.sow("aux", "moe", aux)
         x = Norm(s, name="final_norm")(x)
         if output not in OUTPUTS:
             raise ValueError(f"output={output!r}: expected one of {OUTPUTS}")

@@ -22,7 +22,7 @@ import math
 import jax
 import jax.numpy as jnp
 
-from lm.model.apply import logits_of
+from lm.model.apply import add_aux, forward
 from lm.train.losses import masked_cross_entropy
 
 DIVERGENCES = ("forward_kl", "reverse_kl", "jsd")
@@ -95,12 +95,12 @@ def distill_loss(model, kind: str = "forward_kl", beta: float = 0.5, temperature
     check_divergence(kind, beta, temperature)
 
     def loss_fn(params, batch, frozen, rng):
-        student = logits_of(model, params, batch, rng)
+        student, aux = forward(model, params, batch, rng)
         teacher = jax.lax.stop_gradient(frozen["teacher"].apply(batch))
         mask = batch["loss_mask"].astype(jnp.float32)
         div, count = masked_divergence(student, teacher, mask, kind, beta, temperature)
         nll, _, _ = masked_cross_entropy(student, batch["targets"], mask)
         agree, _ = top1_agreement(student, teacher, mask)
-        return div, {"loss_sum": div, "nll_sum": nll, "top1_agreement_sum": agree, "count": count}
+        return add_aux(model, div, {"loss_sum": div, "nll_sum": nll, "top1_agreement_sum": agree, "count": count}, aux)
 
     return loss_fn

@@ -11,7 +11,7 @@ from __future__ import annotations
 
 import jax.numpy as jnp
 
-from lm.model.apply import logits_of, target_logprobs
+from lm.model.apply import add_aux, forward, target_logprobs
 
 
 def masked_cross_entropy(logits, targets, mask):
@@ -27,12 +27,13 @@ def masked_cross_entropy(logits, targets, mask):
 
 
 def pretrain_loss(model, z_loss: float = 0.0):
-    """Next-token cross-entropy on every position whose loss_mask is 1, plus optional z-loss."""
+    """Next-token cross-entropy on every position whose loss_mask is 1, plus optional z-loss (and
+    the model's auxiliary losses: lm.model.apply.add_aux)."""
 
     def loss_fn(params, batch, frozen, rng):
-        nll, count, z = masked_cross_entropy(logits_of(model, params, batch, rng), batch["targets"],
-                                             batch["loss_mask"])
-        return nll + z_loss * z, {"loss_sum": nll, "log_z_sq_sum": z, "count": count}
+        logits, aux = forward(model, params, batch, rng)
+        nll, count, z = masked_cross_entropy(logits, batch["targets"], batch["loss_mask"])
+        return add_aux(model, nll + z_loss * z, {"loss_sum": nll, "log_z_sq_sum": z, "count": count}, aux)
 
     return loss_fn
 

@@ -28,7 +28,7 @@ import jax
 import jax.numpy as jnp
 
 from lm.config.dpo import DpoSettings
-from lm.model.apply import logits_of, sequence_logprobs, sequence_scores
+from lm.model.apply import add_aux, forward, last_real, sequence_logprobs
 
 TEXT_FIELDS = ("inputs", "targets", "loss_mask", "segment_ids", "positions")
 DPO_LOSSES = ("sigmoid", "ipo", "simpo")
@@ -40,14 +40,12 @@ def flat_pairs(batch: dict) -> dict:
 
 
 def pair_logprobs(model, params, batch: dict, rng=None):
-    """(summed response log-probs, response token counts) of each side: float32 [B, 2] each."""
-    logp, count = sequence_logprobs(*_logits_targets_mask(model, params, batch, rng))
-    return logp.reshape(-1, 2), count.reshape(-1, 2)
-
-
-def _logits_targets_mask(model, params, batch, rng):
+    """(summed response log-probs, response token counts) of each side: float32 [B, 2] each, and
+    the model's auxiliary outputs (lm.model.apply.forward)."""
     rows = flat_pairs(batch)
-    return logits_of(model, params, rows, rng), rows["targets"], rows["loss_mask"]
+    logits, aux = forward(model, params, rows, rng)
+    logp, count = sequence_logprobs(logits, rows["targets"], rows["loss_mask"])
+    return logp.reshape(-1, 2), count.reshape(-1, 2), aux
 
 
 def dpo_terms(s: DpoSettings, logp, ref, count):
@@ -110,7 +108,7 @@ def dpo_loss(model, settings: DpoSettings, reference: str = "live"):
         return jax.lax.stop_gradient(pair_logprobs(ref.module, ref.params, batch)[0])
 
     def loss_fn(params, batch, frozen, rng):
-        logp, count = pair_logprobs(model, params, batch, rng)
+        logp, count, aux = pair_logprobs(model, params, batch, rng)
         valid = jnp.all(count > 0, axis=-1)
         loss, chosen, rejected = dpo_terms(settings, logp, ref_logps(frozen, batch), count)
         stats = _pair_stats(valid, loss, **{
@@ -119,7 +117,7 @@ def dpo_loss(model, settings: DpoSettings, reference: str = "live"):
             "logps/chosen": logp[:, 0], "logps/rejected": logp[:, 1],
             "logps/accuracies": (logp[:, 0] > logp[:, 1]).astype(jnp.float32)})
         tokens = jnp.sum(jnp.where(valid[:, None], count, 0.0))
-        return stats["loss_sum"], stats | {"pairs_total": stats["count"], "tokens_total": tokens}
+        return add_aux(model, stats["loss_sum"], stats | {"pairs_total": stats["count"], "tokens_total": tokens}, aux)
 
     return loss_fn
 
@@ -135,13 +133,14 @@ def reward_loss(model, center_coef: float = 0.0):
 
     def loss_fn(params, batch, frozen, rng):
         rows = flat_pairs(batch)
-        scores = sequence_scores(model, params, rows, rng).reshape(-1, 2)
+        scores, aux = forward(model, params, rows, rng, output="scalar")
+        scores = jnp.take_along_axis(scores, last_real(rows["segment_ids"])[:, None], axis=-1).reshape(-1, 2)
         valid = jnp.all(jnp.any(batch["loss_mask"] > 0, axis=-1), axis=-1)
         chosen, rejected = scores[:, 0], scores[:, 1]
         loss = reward_terms(chosen, rejected, batch["margin"], center_coef)
         stats = _pair_stats(valid, loss, accuracy=(chosen > rejected).astype(jnp.float32),
                             margin=chosen - rejected, **{"rewards/chosen": chosen, "rewards/rejected": rejected})
         tokens = jnp.sum(jnp.where(valid[:, None], jnp.sum(batch["loss_mask"], axis=-1), 0.0))
-        return stats["loss_sum"], stats | {"pairs_total": stats["count"], "tokens_total": tokens}
+        return add_aux(model, stats["loss_sum"], stats | {"pairs_total": stats["count"], "tokens_total": tokens}, aux)
 
     return loss_fn

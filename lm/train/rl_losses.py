@@ -39,7 +39,7 @@ import jax.numpy as jnp
 import numpy as np
 
 from lm.config.rl import LOSS_TYPES, RlSettings
-from lm.model.apply import logits_of, target_logprobs
+from lm.model.apply import add_aux, forward, target_logprobs
 
 ALGOS = ("grpo", "ppo")
 
@@ -161,9 +161,9 @@ def rl_loss(model, settings: RlSettings):
     def loss_fn(params, batch, frozen, rng):
         mask = batch["loss_mask"].astype(jnp.float32)
         if ppo:
-            logits, values = logits_of(model, params, batch, rng, output="logits_and_scalar")
+            (logits, values), aux = forward(model, params, batch, rng, output="logits_and_scalar")
         else:
-            logits = logits_of(model, params, batch, rng)
+            logits, aux = forward(model, params, batch, rng)
         logits = tempered(logits, s.temperature)
         logp, _ = target_logprobs(logits, batch["targets"])
         ratio = importance_ratio(logp, batch["old_logp"], mask, s.importance_sampling_level)
@@ -180,6 +180,7 @@ def rl_loss(model, settings: RlSettings):
         objective, count = aggregate(per_token, mask, s.loss_type, s.max_new_tokens)
         totals = _totals(mask, policy_loss=pg, clip_fraction=clipped, ratio=ratio,
                          entropy=jax.lax.stop_gradient(entropy(logits)), **extra)
-        return objective, totals | {"loss_sum": objective, "count": count, "tokens_total": jnp.sum(mask)}
+        return add_aux(model, objective, totals | {"loss_sum": objective, "count": count, "tokens_total": jnp.sum(mask)},
+                       aux)
 
     return loss_fn

@@ -1,0 +1,156 @@
+"""Mixture of experts: a router picks `experts_per_token` of `n_experts` SwiGLU experts per token.
+
+Two ways to run the experts over the same params:
+- dropless (capacity_factor 0): the (token, expert) assignments sorted by expert and run as
+  grouped matmuls (`jax.lax.ragged_dot`), no token ever dropped;
+- capacity (capacity_factor > 0): GShard's dispatch. Each row of the batch is a group; an
+  expert takes at most C = ceil(capacity_factor * T * k / E) of a group's assignments (first
+  choices before second ones, earlier tokens first), the rest are dropped (the token keeps its
+  residual) and counted. Dispatch and combine are einsums over an [E, rows, C, d] buffer whose
+  expert axis lies on the `expert` mesh axis: the partitioner turns them into all-to-alls.
+
+Each layer returns routing statistics (lm.model.moe.aux_sums turns the scan's stack of them
+into the loss terms and metrics): the load-balancing loss (Switch Transformer:
+E * sum_e f_e * P_e, f_e the share of assignments and P_e the mean router probability of expert
+e; 1 when balanced), the router z-loss (mean logsumexp(logits)^2, ST-MoE), each expert's load,
+and the dropped assignments. Padding tokens (segment 0) count in none of them.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import math
+
+import flax.linen as nn
+import jax
+import jax.numpy as jnp
+
+from lm.model.layers import Mlp, ModelSpec, Partitioning, normal
+from lm.model.params import param
+
+EXPERT_IN = ("expert", "embed", "expert_mlp")
+EXPERT_OUT = ("expert", "expert_mlp", "embed")
+
+
+def route(spec: ModelSpec, logits: jax.Array):
+    """Router logits [N, E] float32 -> (weights [N, k], experts [N, k] int32, probs [N, E]):
+    probs are the scores normalised over all experts (softmax, or sigmoid scores over their sum)."""
+    if spec.router_score == "sigmoid":
+        scores = jax.nn.sigmoid(logits)
+        probs = scores / jnp.sum(scores, -1, keepdims=True)
+    else:
+        scores = probs = jax.nn.softmax(logits, -1)
+    weights, experts = jax.lax.top_k(scores, spec.experts_per_token)
+    if spec.router_norm:
+        weights = weights / jnp.sum(weights, -1, keepdims=True)
+    return weights, experts.astype(jnp.int32), probs
+
+
+def capacity(spec: ModelSpec, group_len: int) -> int:
+    """Assignments one expert takes from a group of `group_len` tokens."""
+    return max(1, math.ceil(spec.capacity_factor * group_len * spec.experts_per_token / spec.n_experts))
+
+
+def _swiglu(spec: ModelSpec, x, w_gate, w_up, w_down, dot):
+    dt = spec.dtype
+    gate, up = dot(x, w_gate.astype(dt)), dot(x, w_up.astype(dt))
+    h = (nn.silu(gate.astype(jnp.float32)) * up.astype(jnp.float32)).astype(dt)
+    return dot(h, w_down.astype(dt))
+
+
+def dropless(spec: ModelSpec, x, weights, experts, w_gate, w_up, w_down):
+    """x [N, d], weights/experts [N, k] -> [N, d]: every assignment runs, grouped by expert."""
+    n, k = experts.shape
+    flat = experts.reshape(-1)
+    order = jnp.argsort(flat, stable=True)
+    sizes = jnp.bincount(flat, length=spec.n_experts).astype(jnp.int32)
+    xs = jnp.take(x, order // k, axis=0)
+    dot = lambda a, w: jax.lax.ragged_dot(a, w, sizes, preferred_element_type=jnp.float32).astype(a.dtype)  # noqa: E731
+    out = _swiglu(spec, xs, w_gate, w_up, w_down, dot)
+    out = jnp.zeros_like(out).at[order].set(out)  # back to (token, choice) order
+    y = jnp.einsum("nkd,nk->nd", out.reshape(n, k, -1).astype(jnp.float32), weights)
+    return y, jnp.zeros((), jnp.float32)
+
+
+def with_capacity(spec: ModelSpec, part: Partitioning, x, weights, experts, real, w_gate, w_up, w_down):
+    """x [G, S, d], weights/experts [G, S, k], real [G, S] -> ([G, S, d], dropped assignments)."""
+    g, s, k = experts.shape
+    c = capacity(spec, s)
+    onehot = jax.nn.one_hot(experts, spec.n_experts, dtype=jnp.int32) * (real[..., None, None] > 0)  # [G, S, k, E]
+    by_choice = onehot.transpose(0, 2, 1, 3).reshape(g, k * s, spec.n_experts)  # first choices first
+    slot = (jnp.cumsum(by_choice, axis=1) - 1) * by_choice
+    slot = slot.reshape(g, k, s, spec.n_experts).transpose(0, 2, 1, 3)
+    kept = (onehot > 0) & (slot < c)
+    dispatch = jax.nn.one_hot(jnp.where(kept, slot, c), c, dtype=x.dtype)  # [G, S, k, E, C]; c = nowhere
+    combine = jnp.einsum("gskec,gsk->gsec", dispatch.astype(jnp.float32), weights)
+    dispatch = jnp.sum(dispatch, axis=2)  # [G, S, E, C]: a token goes to an expert at most once
+    xe = jnp.einsum("gsec,gsd->egcd", dispatch, x)
+    xe = part.constrain(xe, ("act_expert", None, None, "act_embed"))
+    dot = lambda a, w: jnp.einsum("egcd,edf->egcf", a, w, preferred_element_type=jnp.float32).astype(a.dtype)  # noqa: E731
+    out = _swiglu(spec, xe, w_gate, w_up, w_down, dot)
+    y = jnp.einsum("gsec,egcd->gsd", combine, out.astype(jnp.float32))
+    return y, jnp.sum(onehot) - jnp.sum(kept)
+
+
+def layer_stats(spec: ModelSpec, logits, probs, experts, real, dropped) -> dict:
+    """Scalars of one layer over its real tokens (see the module doc)."""
+    e, k = spec.n_experts, spec.experts_per_token
+    n_real = jnp.maximum(jnp.sum(real), 1.0)
+    assigned = jnp.sum(jax.nn.one_hot(experts, e, dtype=jnp.float32) * real[:, None, None], axis=(0, 1))
+    share = assigned / (n_real * k)  # f_e
+    mean_prob = jnp.sum(probs * real[:, None], 0) / n_real  # P_e
+    z = jnp.sum(jnp.square(jax.nn.logsumexp(logits, -1)) * real) / n_real
+    entropy = -jnp.sum(jnp.where(share > 0, share * jnp.log(jnp.maximum(share, 1e-30)), 0.0)) / math.log(e)
+    return {"balance": e * jnp.sum(share * mean_prob), "router_z": z, "load_min": jnp.min(share) * e,
+            "load_max": jnp.max(share) * e, "load_entropy": entropy,
+            "dropped": dropped.astype(jnp.float32), "assigned": n_real * k}
+
+
+class MoE(nn.Module):
+    """The block's feed-forward as routed experts (plus an optional shared dense SwiGLU)."""
+
+    spec: ModelSpec
+    part: Partitioning
+
+    @nn.compact
+    def __call__(self, x: jax.Array, segment_ids: jax.Array):
+        s = self.spec
+        b, t, d = x.shape
+        f, e = s.expert_d_ff, s.n_experts
+        init, out_init = normal(s.init_std), normal(s.init_std / (2 * s.n_layers) ** 0.5)
+        router = param(self, "router", init, (d, e), ("embed", "router"))
+        w_gate = param(self, "w_gate", init, (e, d, f), EXPERT_IN)
+        w_up = param(self, "w_up", init, (e, d, f), EXPERT_IN)
+        w_down = param(self, "w_down", out_init, (e, f, d), EXPERT_OUT)
+        logits = jnp.einsum("btd,de->bte", x.astype(jnp.float32), router.astype(jnp.float32))
+        weights, experts, probs = route(s, logits)
+        real = (segment_ids != 0).astype(jnp.float32)
+        if s.capacity_factor > 0:
+            y, dropped = with_capacity(s, self.part, x, weights, experts, real, w_gate, w_up, w_down)
+        else:
+            y, dropped = dropless(s, x.reshape(b * t, d), weights.reshape(b * t, -1), experts.reshape(b * t, -1),
+                                  w_gate, w_up, w_down)
+            y = y.reshape(b, t, d)
+        y = y.astype(s.dtype)
+        if s.shared_d_ff:
+            shared = dataclasses.replace(s, d_ff=s.shared_d_ff, use_bias=False, lora_rank=0)
+            y = y + Mlp(shared, self.part, name="shared")(x)
+        stats = layer_stats(s, logits.reshape(b * t, e), probs.reshape(b * t, e), experts.reshape(b * t, -1),
+                            real.reshape(-1), dropped)
+        return self.part.constrain(y, ("batch", "length", "act_embed")), stats
+
+
+def aux_sums(spec: ModelSpec, stats: dict, count) -> tuple[jax.Array, dict]:
+    """The scan's per-layer stats ({name: [n_layers]}) -> (the term to add to a loss's objective
+    sum, the sums to add to its statistics). Every term is a per-layer mean weighted by the
+    loss's own `count`, so after the step divides by the global count it is the count-weighted
+    mean over micro-batches (within one micro-batch the statistics are over all devices' rows)."""
+    balance, z = jnp.mean(stats["balance"]), jnp.mean(stats["router_z"])
+    objective = count * (spec.moe_balance_coef * balance + spec.moe_z_coef * z)
+    sums = {"moe_balance_sum": count * balance, "moe_router_z_sum": count * z,
+            "moe_dropped_sum": count * jnp.sum(stats["dropped"]) / jnp.maximum(jnp.sum(stats["assigned"]), 1.0),
+            "moe_dropped_assignments_total": jnp.sum(stats["dropped"])}
+    for name in ("load_min", "load_max", "load_entropy"):
+        for i in range(stats[name].shape[0]):
+            sums[f"moe_{name}_l{i}_sum"] = count * stats[name][i]
+    return objective, sums

@@ -2,7 +2,8 @@
 
 Two ways to run the experts over the same params:
 - dropless (capacity_factor 0): the (token, expert) assignments sorted by expert and run as
-  grouped matmuls (`jax.lax.ragged_dot`), no token ever dropped;
+  grouped matmuls (`jax.lax.ragged_dot`), no token ever dropped; with mesh.expert > 1 each
+  expert shard runs its own experts' assignments (`expert_parallel`);
 - capacity (capacity_factor > 0): GShard's dispatch. Each row of the batch is a group; an
   expert takes at most C = ceil(capacity_factor * T * k / E) of a group's assignments (first
   choices before second ones, earlier tokens first), the rest are dropped (the token keeps its
@@ -19,11 +20,13 @@ and the dropped assignments. Padding tokens (segment 0) count in none of them.
 from __future__ import annotations
 
 import dataclasses
+import functools
 import math
 
 import flax.linen as nn
 import jax
 import jax.numpy as jnp
+from jax.sharding import PartitionSpec as P
 
 from lm.model.layers import Mlp, ModelSpec, Partitioning, normal
 from lm.model.params import param
@@ -70,6 +73,34 @@ def dropless(spec: ModelSpec, x, weights, experts, w_gate, w_up, w_down):
     out = jnp.zeros_like(out).at[order].set(out)  # back to (token, choice) order
     y = jnp.einsum("nkd,nk->nd", out.reshape(n, k, -1).astype(jnp.float32), weights)
     return y, jnp.zeros((), jnp.float32)
+
+
+def expert_parallel(spec: ModelSpec, mesh, x, weights, experts, w_gate, w_up, w_down):
+    """`dropless` with the experts split over the `expert` mesh axis: each expert shard gathers
+    the tokens of its peers on that axis (activations, far smaller than a layer's experts), runs
+    the assignments to its own experts, and the partial outputs are summed back to the shards
+    that hold the tokens (a reduce-scatter). The other mesh axes stay with the partitioner."""
+    n_local = spec.n_experts // mesh.shape["expert"]
+    rows, cols = P("expert"), P("expert", None)
+
+    def local(x, weights, experts, w_gate, w_up, w_down):
+        gather = lambda a: jax.lax.all_gather(a, "expert", tiled=True)  # noqa: E731
+        x, weights, experts = gather(x), gather(weights), gather(experts)
+        k = experts.shape[1]
+        rel = (experts - jax.lax.axis_index("expert") * n_local).reshape(-1)
+        mine = (rel >= 0) & (rel < n_local)
+        key = jnp.where(mine, rel, n_local)  # other shards' assignments sort last, in no group
+        order = jnp.argsort(key, stable=True)
+        sizes = jnp.bincount(key, length=n_local + 1)[:n_local].astype(jnp.int32)
+        dot = lambda a, w: jax.lax.ragged_dot(a, w, sizes, preferred_element_type=jnp.float32).astype(a.dtype)  # noqa: E731
+        out = _swiglu(spec, jnp.take(x, order // k, axis=0), w_gate, w_up, w_down, dot)
+        out = jnp.zeros_like(out).at[order].set(jnp.where(mine[order][:, None], out, 0))
+        y = jnp.einsum("nkd,nk->nd", out.reshape(x.shape[0], k, -1).astype(jnp.float32), weights)
+        return jax.lax.psum_scatter(y, "expert", scatter_dimension=0, tiled=True)
+
+    run = jax.shard_map(local, mesh=mesh, in_specs=(cols, cols, cols, rows, rows, rows), out_specs=cols,
+                        axis_names={"expert"}, check_vma=False)
+    return run(x, weights, experts, w_gate, w_up, w_down), jnp.zeros((), jnp.float32)
 
 
 def with_capacity(spec: ModelSpec, part: Partitioning, x, weights, experts, real, w_gate, w_up, w_down):
@@ -128,8 +159,11 @@ class MoE(nn.Module):
         if s.capacity_factor > 0:
             y, dropped = with_capacity(s, self.part, x, weights, experts, real, w_gate, w_up, w_down)
         else:
-            y, dropped = dropless(s, x.reshape(b * t, d), weights.reshape(b * t, -1), experts.reshape(b * t, -1),
-                                  w_gate, w_up, w_down)
+            mesh = self.part.mesh
+            run = functools.partial(expert_parallel, s, mesh) if mesh is not None and mesh.shape["expert"] > 1 \
+                else functools.partial(dropless, s)
+            y, dropped = run(x.reshape(b * t, d), weights.reshape(b * t, -1), experts.reshape(b * t, -1),
+                             w_gate, w_up, w_down)
             y = y.reshape(b, t, d)
         y = y.astype(s.dtype)
         if s.shared_d_ff:

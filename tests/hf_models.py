@@ -31,18 +31,32 @@ VARIANTS = {
 # One variant per family: where a test trains or adapts, the RoPE variants add nothing.
 FAMILIES = ("llama3", "mistral", "qwen2", "qwen3", "gemma2", "gemma3")
 
+# Mixtures of experts (tests/store/test_hf_moe.py): 4 experts, 2 per token; the router's random
+# weights at initializer_range 0.1 give every token distinct top-2 scores. Sliding windows (on
+# every layer, as both families have them) shorter than the test sequences.
+MOE_SHAPE = SHAPE | dict(vocab_size=128, num_hidden_layers=2, num_experts_per_tok=2)
+MOE_VARIANTS = {
+    "mixtral": ("MixtralConfig", "MixtralForCausalLM", dict(num_local_experts=4, sliding_window=8)),
+    "qwen3_moe": ("Qwen3MoeConfig", "Qwen3MoeForCausalLM",
+                  dict(num_experts=4, moe_intermediate_size=48, norm_topk_prob=True, head_dim=24)),
+    "qwen3_moe-unnormed": ("Qwen3MoeConfig", "Qwen3MoeForCausalLM",
+                           dict(num_experts=4, moe_intermediate_size=48, norm_topk_prob=False, tie_word_embeddings=True,
+                                use_sliding_window=True, sliding_window=8)),
+}
+
 
 def write_model(name: str, out, seed: int = 0, dtype: str = "float32", **shape):
-    """Saves the variant's random model to `out` (SHAPE keys overridden by `shape`); returns the
-    torch model (eval mode)."""
+    """Saves the variant's random model to `out` (SHAPE, or MOE_SHAPE, keys overridden by `shape`);
+    returns the torch model (eval mode)."""
     import torch
     import transformers
 
-    config_cls, model_cls, keys = VARIANTS[name]
+    config_cls, model_cls, keys = (VARIANTS | MOE_VARIANTS)[name]
+    base = MOE_SHAPE if name in MOE_VARIANTS else SHAPE
     torch.manual_seed(seed)
     # eager attention: the reference computation itself (transformers 5.17 defaults Gemma 2 to SDPA,
     # which drops its attention soft-capping: 5e-4 off on these logits)
-    config = getattr(transformers, config_cls)(**(SHAPE | shape), **keys, attn_implementation="eager")
+    config = getattr(transformers, config_cls)(**(base | shape), **keys, attn_implementation="eager")
     model = getattr(transformers, model_cls)(config).eval()
     with torch.no_grad():  # norms away from their init, so a mis-mapped norm shows
         for n, p in model.named_parameters():

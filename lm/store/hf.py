@@ -9,6 +9,7 @@ without a whole-model host copy, in the checkpoint's dtype (bf16 stays bf16).
 
 from __future__ import annotations
 
+import itertools
 import math
 import pathlib
 
@@ -19,7 +20,7 @@ import numpy as np
 from lm.data.tokenizer import load_tokenizer
 from lm.errors import UserError
 from lm.model.families import family_of
-from lm.model.families.common import layout_view
+from lm.model.families.common import layout_view, stored_values
 from lm.model.layers import ModelSpec
 from lm.model.params import leaf_paths
 from lm.model.transformer import Transformer, init_params
@@ -32,10 +33,13 @@ TRANSPOSE_ROWS = 64  # stored rows per block of a transposing copy
 
 
 class LazyTensor:
-    """A params leaf read on demand from an HF checkpoint: `x[index]` reads only that part."""
+    """A params leaf read on demand from an HF checkpoint: `x[index]` reads only that part.
 
-    def __init__(self, files: TensorFiles, names: list[str], kind: str, shape: tuple, dtype, stacked: bool):
-        self.files, self.names, self.kind, self.stacked = files, names, kind, stacked
+    Its first `lead` axes pick the HF tensor (0: one tensor; 1: one per layer; 2: one per layer
+    and expert), `names` listing them in that order (layer-major)."""
+
+    def __init__(self, files: TensorFiles, names: list[str], kind: str, shape: tuple, dtype, lead: int):
+        self.files, self.names, self.kind, self.lead = files, names, kind, lead
         self.shape, self.dtype = tuple(shape), np.dtype(dtype)
 
     @property
@@ -57,16 +61,20 @@ class LazyTensor:
         index = index if isinstance(index, tuple) else (index,)
         index = tuple(index) + (slice(None),) * (self.ndim - len(index))
         shape = tuple(len(range(*i.indices(n))) for i, n in zip(index, self.shape))
-        if not self.stacked:
+        if not self.lead:
             whole = self._whole_rows(index)
             if whole is not None:
                 return whole
         out = aligned_empty(shape, self.dtype)
-        if self.stacked:
-            for j, i in enumerate(range(self.shape[0])[index[0]]):
-                self._fill(out[j], self.names[i], self.shape[1:], index[1:])
-        else:
+        if not self.lead:
             self._fill(out, self.names[0], self.shape, index)
+        else:  # one HF tensor per layer (and expert), each filling its part of `out`
+            lead = self.lead
+            picked = [range(n)[i] for i, n in zip(index[:lead], self.shape[:lead])]
+            for at in itertools.product(*(range(len(r)) for r in picked)):
+                which = tuple(r[j] for r, j in zip(picked, at))
+                name = self.names[int(np.ravel_multi_index(which, self.shape[:lead]))]
+                self._fill(out[at], name, self.shape[lead:], index[lead:])
         if self.kind == "id+1":
             out += 1.0
         return out
@@ -98,9 +106,10 @@ class LazyTensor:
         """(the stored tensor's rows to read, our layout of those rows, the index into it): only the
         rows that hold the part asked for, when they are one range. The stored rows are our
         output axes, flattened (a linear weight [out, in]: "T1" our axes 1.., "T2" our last axis),
-        or our first axis (the embedding, as stored)."""
+        or our first axis (the embedding, as stored; the experts of a fused "E" tensor)."""
         everything = (None, per_layer, index)
-        if self.kind == "id" and len(per_layer) >= 2 and self.files.shape(name) == per_layer:
+        if (self.kind == "id" and len(per_layer) >= 2 and self.files.shape(name) == per_layer) or \
+                self.kind.startswith("E"):
             out_axes = [0]
         elif self.kind in ("T1", "T2"):
             out_axes = list(range(1, len(per_layer))) if self.kind == "T1" else [len(per_layer) - 1]
@@ -135,20 +144,22 @@ def lazy_params(path, spec: ModelSpec, source: str) -> dict:
         if m.lm not in shapes:
             raise UserError(f"{source}: internal mapping names '{m.lm}', which the model does not have")
         shape = shapes[m.lm]
-        names = [m.hf.format(i=i) for i in range(spec.n_layers)] if m.stacked else [m.hf]
-        per_layer = shape[1:] if m.stacked else shape
+        m = m.as_stored(files)
+        names = m.names(spec.n_layers, spec.n_experts)
+        per_layer = shape[m.lead:]
+        values = stored_values(m.kind, math.prod(per_layer))
         for name in names:
             if name not in files:
                 raise UserError(f"{source}: tensor '{name}' is missing from the checkpoint")
-            if math.prod(files.shape(name)) != math.prod(per_layer):
+            if math.prod(files.shape(name)) != values:
                 raise UserError(f"{source}: tensor '{name}' has shape {files.shape(name)}; config.json implies "
-                                f"{math.prod(per_layer)} values ({per_layer} here)")
+                                f"{values} values ({per_layer} here)")
         dtype = np.float32 if m.kind == "id+1" else files.dtype(names[0])
         node = tree
         *parents, leaf = m.lm.split("/")
         for part in parents:
             node = node.setdefault(part, {})
-        node[leaf] = LazyTensor(files, names, m.kind, shape, dtype, m.stacked)
+        node[leaf] = LazyTensor(files, names, m.kind, shape, dtype, m.lead)
     return tree
 
 

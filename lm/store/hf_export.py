@@ -5,7 +5,8 @@ adapter over its base.
 
 A model imported from Hugging Face goes back as its own family (config.model.family); a model
 trained here goes out as `LlamaForCausalLM` when its architecture is a Llama's
-(lm.model.families.llama.unsupported names what keeps it from being one). Tensors are streamed:
+(lm.model.families.llama.unsupported names what keeps it from being one), or, with experts
+(model.n_experts > 0), as `MixtralForCausalLM` (lm.model.families.mixtral). Tensors are streamed:
 each HF tensor is cut from its params leaf (one layer of a stacked leaf) when the writer asks
 for it, so beyond the shard being written only one tensor is on the host at a time, and lazy
 params (lm.store.hf) read only that layer.
@@ -22,7 +23,7 @@ import numpy as np
 
 from lm.config import init_of
 from lm.errors import UserError
-from lm.model.families import family_of, llama
+from lm.model.families import family_of, llama, mixtral
 from lm.model.families.common import to_hf
 from lm.model.layers import ModelSpec
 from lm.model.lora import SUFFIX_A, SUFFIX_B
@@ -39,13 +40,15 @@ PEFT_WEIGHTS, PEFT_CONFIG = "adapter_model.safetensors", "adapter_config.json"
 
 
 def hf_family(m, source: str = "the model"):
-    """The family module a model section exports as: its own, or Llama for a model trained here."""
+    """The family module a model section exports as: its own, or for a model trained here Llama
+    (Mixtral with experts)."""
     if m.family:
         return family_of(m.family, source)
-    bad = llama.unsupported(m)
+    family, name = (mixtral, "Mixtral") if m.n_experts else (llama, "Llama")
+    bad = family.unsupported(m)
     if bad:
-        raise UserError(f"{source} cannot be written as a Hugging Face Llama checkpoint: {'; '.join(bad)}")
-    return llama
+        raise UserError(f"{source} cannot be written as a Hugging Face {name} checkpoint: {'; '.join(bad)}")
+    return family
 
 
 def export_hf(model: Loaded, out, *, merge: bool = False, dtype: str | None = None,
@@ -73,13 +76,16 @@ def export_hf(model: Loaded, out, *, merge: bool = False, dtype: str | None = No
 
 
 def hf_tensors(maps, n_layers: int, params: dict, dtype):
-    """(HF name, array) pairs, each made when asked for: a stacked leaf is read one layer at a time."""
+    """(HF name, array) pairs, each made when asked for: a stacked leaf is read one layer at a time
+    (an expert leaf's layer holds one HF tensor per expert)."""
     for t in maps:
         leaf = _leaf(params, t.lm)
         like_2d = t.lm == "embedding"
         if t.stacked:
             for i in range(n_layers):
-                yield t.hf.format(i=i), _cast(to_hf(t.kind, _layer(leaf, i), like_2d), dtype)
+                layer = _layer(leaf, i)
+                for e, part in enumerate(layer if t.experts else [layer]):
+                    yield t.hf.format(i=i, e=e), _cast(to_hf(t.kind, part, like_2d), dtype)
         else:
             yield t.hf, _cast(to_hf(t.kind, np.asarray(leaf), like_2d), dtype)
 
@@ -126,7 +132,7 @@ def peft_tensors(family, m, params: dict, dtype, source: str) -> tuple[dict, set
         raise UserError(f"{source}: model.lora_rank={m.lora_rank} but its params hold no adapters")
     tensors, targets, r = {}, set(), m.lora_rank
     for path in adapted:
-        if path not in modules or not modules[path].hf.endswith(".weight"):
+        if path not in modules or not modules[path].hf.endswith(".weight") or modules[path].experts:
             raise UserError(f"{source}: adapters on '{path}', which has no Hugging Face "
                             f"{family.__name__.rsplit('.', 1)[-1]} module")
         module = modules[path].hf.removesuffix(".weight")

@@ -4,9 +4,9 @@
 from __future__ import annotations
 
 from lm.errors import UserError
-from lm.model.families import gemma, llama, qwen
+from lm.model.families import gemma, llama, mixtral, qwen, qwen_moe
 
-FAMILIES = {t: module for module in (llama, qwen, gemma) for t in module.MODEL_TYPES}
+FAMILIES = {t: module for module in (llama, qwen, gemma, mixtral, qwen_moe) for t in module.MODEL_TYPES}
 
 
 def family_of(model_type: str, source: str = "config.json"):

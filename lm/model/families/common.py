@@ -9,6 +9,13 @@ and the layout transform between them:
 - "T2": the same with two input axes (wo [n, h, d] <- o_proj [d, n*h])
 - "id": the same values, reshaped (norms, biases, the embedding)
 - "id+1": a norm stored as (1 + w) by Gemma: ours holds the product's factor itself
+- "E", "E/0", "E/1" (import only): the experts of a layer fused in one tensor [E, out, in] <-> ours
+  [E, in, out]; "E/0" and "E/1" take the first and second half of its outputs (gate_up_proj:
+  the gate rows, then the up rows)
+
+An expert leaf ('blocks/moe/w_gate' [L, E, ...]) stored one tensor per expert names it with '{e}'
+as well ('model.layers.{i}.mlp.experts.{e}.gate_proj.weight'). A map's `alt` lists the other
+layouts a checkpoint may store the same leaf in; the importer takes the one it finds.
 """
 
 from __future__ import annotations
@@ -24,22 +31,61 @@ from lm.errors import UserError
 @dataclasses.dataclass(frozen=True)
 class TensorMap:
     lm: str  # params-tree path, '/'-joined
-    hf: str  # the HF tensor's name; '{i}' stands for the layer index when stacked
+    hf: str  # the HF tensor's name; '{i}' stands for the layer index when stacked, '{e}' for the expert's
     kind: str = "id"
+    alt: tuple = ()  # other layouts of the same leaf (TensorMaps), for import
 
     @property
     def stacked(self) -> bool:
         return self.lm.startswith("blocks/")
 
+    @property
+    def experts(self) -> bool:
+        """One HF tensor per expert (and layer): the leaf's axis after the layers is the experts'."""
+        return "{e}" in self.hf
+
+    @property
+    def lead(self) -> int:
+        """The leaf's leading axes that pick an HF tensor: 0 (one tensor), 1 (layers), 2 (and experts)."""
+        return int(self.stacked) + int(self.experts)
+
+    def names(self, n_layers: int, n_experts: int) -> list[str]:
+        """The HF tensors of the leaf, layer-major (layer 0's experts, then layer 1's, ...)."""
+        if not self.stacked:
+            return [self.hf]
+        return [self.hf.format(i=i, e=e) for i in range(n_layers) for e in range(n_experts if self.experts else 1)]
+
+    def as_stored(self, stored) -> "TensorMap":
+        """This map, or the first of its `alt` layouts whose first tensor `stored` (a checkpoint's
+        tensor names) holds; this map when none is there (the missing tensor is then reported)."""
+        for m in (self, *self.alt):
+            if m.hf.format(i=0, e=0) in stored:
+                return m
+        return self
+
 
 def layout_view(kind: str, x: np.ndarray, shape: tuple) -> np.ndarray:
     """An HF tensor as our per-layer leaf of `shape`, as a strided view where numpy can make one
     (a loader slices it and copies only the part a device holds); "id+1" leaves still need their +1."""
+    if kind.startswith("E"):
+        if kind in ("E/0", "E/1"):  # one half of the outputs
+            half = x.shape[1] // 2
+            start = half * int(kind[-1])
+            x = x[:, start:start + half]
+        return x.transpose(0, 2, 1).reshape(shape)
     return (x.T if kind in ("T1", "T2") else x).reshape(shape)
 
 
+def stored_values(kind: str, n: int) -> int:
+    """How many values the HF tensor holds for a leaf part of n values ("E/0", "E/1": twice)."""
+    return 2 * n if kind in ("E/0", "E/1") else n
+
+
 def to_hf(kind: str, x: np.ndarray, like_2d: bool = False) -> np.ndarray:
-    """Our per-layer leaf as the HF tensor (the inverse of `layout_view`, +1 included)."""
+    """Our per-layer leaf as the HF tensor (the inverse of `layout_view`, +1 included; the fused
+    expert layouts are read only)."""
+    if kind.startswith("E"):
+        raise ValueError(f"layout '{kind}' is for import only")
     if kind in ("T1", "T2"):
         n_in = 1 if kind == "T1" else 2
         rows = math.prod(x.shape[:n_in])
@@ -70,8 +116,9 @@ def llama_like(spec, norm_kind: str = "id", bias: bool = False, qk_norm: bool = 
                  TensorMap("blocks/mlp_post_norm/scale", layer + "post_feedforward_layernorm.weight", norm_kind)]
     else:
         maps.append(TensorMap("blocks/mlp_norm/scale", layer + "post_attention_layernorm.weight", norm_kind))
-    for ours, theirs in (("w_gate", "gate_proj"), ("w_up", "up_proj"), ("w_down", "down_proj")):
-        maps.append(TensorMap(f"blocks/mlp/{ours}", layer + f"mlp.{theirs}.weight", "T1"))
+    if not spec.n_experts:  # an MoE block's experts: `expert_maps`
+        for ours, theirs in (("w_gate", "gate_proj"), ("w_up", "up_proj"), ("w_down", "down_proj")):
+            maps.append(TensorMap(f"blocks/mlp/{ours}", layer + f"mlp.{theirs}.weight", "T1"))
     if not spec.tie_embeddings:
         maps.append(TensorMap("head", "lm_head.weight", "T1"))
     return maps
@@ -177,3 +224,39 @@ def hf_base(m, architecture: str) -> dict:
             "num_attention_heads": m.n_heads, "num_key_value_heads": m.n_kv_heads, "head_dim": m.head_dim or
             m.d_model // m.n_heads, "max_position_embeddings": m.max_seq_len, "rms_norm_eps": m.norm_eps,
             "tie_word_embeddings": m.tie_embeddings}
+
+
+def expert_maps(prefixes: tuple[str, ...], names: tuple[str, str, str]) -> list[TensorMap]:
+    """An MoE block's router ('<prefix>gate.weight') and experts ('blocks/moe/...'), stored per
+    expert as '<prefix>experts.{e}.<name>.weight' (names: the gate, up and down projections) under
+    prefixes[0]: what transformers writes and reads. On import also under the other prefixes, and
+    fused as transformers holds them in memory: experts.gate_up_proj [E, 2 * f, d] (the gate rows,
+    then the up rows) and experts.down_proj [E, d, f]."""
+    ours = ("w_gate", "w_up", "w_down")
+    per_expert = [[TensorMap(f"blocks/moe/{o}", f"{p}experts.{{e}}.{t}.weight", "T1") for o, t in zip(ours, names)]
+                  for p in prefixes]
+    fused = [[TensorMap(f"blocks/moe/{o}", p + f"experts.{t}", k)
+              for o, t, k in zip(ours, ("gate_up_proj", "gate_up_proj", "down_proj"), ("E/0", "E/1", "E"))]
+             for p in prefixes]
+    routers = [TensorMap("blocks/moe/router", p + "gate.weight", "T1") for p in prefixes]
+    maps = [dataclasses.replace(routers[0], alt=tuple(routers[1:]))]
+    for first, *others in zip(*per_expert, *fused):
+        maps.append(dataclasses.replace(first, alt=tuple(others)))
+    return maps
+
+
+def moe_keys(hf: dict, source: str, width_key: str, router_norm: bool) -> dict:
+    """Our MoE keys from a config.json: the number of experts (num_local_experts, or num_experts
+    as Qwen's configs spell it), experts per token, each expert's width (width_key), softmax
+    routing over all experts, dropless; router_aux_loss_coef, where given, weighs the balance loss."""
+    given = {"num_local_experts": hf.get("num_local_experts") or hf.get("num_experts"),
+             "num_experts_per_tok": hf.get("num_experts_per_tok"), width_key: hf.get(width_key)}
+    for key, value in given.items():
+        if not value or int(value) <= 0:
+            raise UserError(f"{source}: config.json has no positive '{key}' (model_type '{hf.get('model_type')}')")
+    out = dict(n_experts=int(given["num_local_experts"]), experts_per_token=int(hf["num_experts_per_tok"]),
+               expert_d_ff=int(hf[width_key]), shared_d_ff=0, router_score="softmax", router_norm=bool(router_norm),
+               capacity_factor=0.0)
+    if hf.get("router_aux_loss_coef") is not None:
+        out["moe_balance_coef"] = float(hf["router_aux_loss_coef"])
+    return out

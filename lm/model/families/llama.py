@@ -41,7 +41,8 @@ LLAMA_SHAPE = dict(mlp="swiglu", norm="rmsnorm", use_bias=False, position="rope"
                    layer_types=())
 
 
-def unsupported(m) -> list[str]:
-    """The model-section keys that keep a model trained here from being a Llama checkpoint."""
+def unsupported(m, shape: dict = LLAMA_SHAPE, name: str = "Llama") -> list[str]:
+    """The model-section keys that keep a model trained here from being a checkpoint of `shape`
+    (by default a Llama one)."""
     value = lambda v: tuple(v) if isinstance(v, (list, tuple)) else v
-    return [f"model.{k}={value(m[k])!r} (Llama needs {v!r})" for k, v in LLAMA_SHAPE.items() if value(m[k]) != v]
+    return [f"model.{k}={value(m[k])!r} ({name} needs {v!r})" for k, v in shape.items() if value(m[k]) != v]

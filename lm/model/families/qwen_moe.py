@@ -1,0 +1,48 @@
+"""Qwen3-MoE: Qwen3's decoder (per-head q/k RMSNorm, no biases) with every MLP replaced by
+`num_experts` SwiGLU experts of width `moe_intermediate_size`; the router takes a softmax over all
+experts and keeps the top `num_experts_per_tok`, renormalised to sum 1 only with `norm_topk_prob`.
+
+Refused: dense layers between the sparse ones (`mlp_only_layers`, `decoder_sparse_step` != 1)
+and shared experts. A sliding window (`use_sliding_window`) covers every layer, as transformers
+computes it (it reads no `max_window_layers` for this family).
+"""
+
+from __future__ import annotations
+
+from lm.errors import UserError
+from lm.model.families.common import (expert_maps, hf_base, layer_types, llama_like, moe_keys, refuse, rope_config,
+                                      rope_parameters, rope_to_hf, shared_keys)
+
+MODEL_TYPES = ("qwen3_moe",)
+
+
+def model_config(hf: dict, source: str) -> dict:
+    refuse(hf, source, hidden_act=lambda v: v != "silu", attention_bias=bool, mlp_only_layers=bool,
+           decoder_sparse_step=lambda v: v != 1, shared_expert_intermediate_size=bool)
+    out = shared_keys(hf, source) | dict(mlp="swiglu", qk_norm=True)
+    out |= moe_keys(hf, source, "moe_intermediate_size", router_norm=bool(hf.get("norm_topk_prob", False)))
+    out |= rope_config(rope_parameters(hf), hf, source)
+    if hf.get("use_sliding_window") and hf.get("sliding_window"):
+        types = layer_types(hf, out["n_layers"], lambda i: True)
+        if "local" in types:
+            out |= dict(sliding_window=int(hf["sliding_window"]), layer_types=types)
+    return out
+
+
+def tensors(spec):
+    return llama_like(spec, qk_norm=True) + expert_maps(("model.layers.{i}.mlp.",),
+                                                        ("gate_proj", "up_proj", "down_proj"))
+
+
+def hf_config(m) -> dict:
+    local = "local" in m.layer_types
+    if local and "global" in m.layer_types:
+        raise UserError(f"model.layer_types={tuple(m.layer_types)!r}: a Qwen3-MoE checkpoint has a sliding window "
+                        "on every layer or on none")
+    out = hf_base(m, "Qwen3MoeForCausalLM")
+    out |= {"hidden_act": "silu", "rope_parameters": rope_to_hf(m), "rope_theta": m.rope_theta,
+            "attention_bias": False, "use_sliding_window": local, "sliding_window": m.sliding_window if local else None,
+            "max_window_layers": m.n_layers, "num_experts": m.n_experts, "num_experts_per_tok": m.experts_per_token,
+            "moe_intermediate_size": m.expert_d_ff or m.d_ff, "norm_topk_prob": bool(m.router_norm),
+            "decoder_sparse_step": 1, "mlp_only_layers": [], "router_aux_loss_coef": m.moe_balance_coef}
+    return out

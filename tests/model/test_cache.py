@@ -142,7 +142,7 @@ def test_cache_shardings_split_batch_and_kv_heads():
     mesh = make_mesh(dict(data=2, fsdp=2, tensor=2))
     model = Transformer(SPEC, Partitioning(mesh, rules_table(c)))
     sh = cache_shardings(model, 4, MAX_LEN, mesh, rules_table(c))
-    assert tuple(sh["blocks"]["attn"]["k"].spec) == (None, ("data", "fsdp", "expert"), "tensor", None, None)
+    assert tuple(sh["blocks"]["attn"]["k"].spec) == ("stage", ("data", "fsdp", "expert"), "tensor", None, None)
     assert tuple(sh["segment_ids"].spec) == (("data", "fsdp", "expert"), None)
     cache = init_cache(model, 4, MAX_LEN, sh)
     assert cache["blocks"]["attn"]["k"].addressable_shards[0].data.shape == (2, 1, 1, MAX_LEN, 8)

@@ -249,3 +249,16 @@ def test_kv_cache_generation_equals_recomputing():
             x[0, :len(seq)], seg[0, :len(seq)] = seq, 1
             seq.append(int(jnp.argmax(fwd(params, x, seg)[0, len(seq) - 1])))
         assert ids.tolist() == seq[len(prompt):]
+
+
+def test_int8_quantized_experts_stay_close():
+    from lm.model.quant import quantize_for_inference
+
+    built = build_model(config(shared_d_ff=48), jax.devices()[:1])
+    params = nn.unbox(init_params(built.module, jax.random.PRNGKey(0)))
+    q = quantize_for_inference(built, params, "int8")
+    assert type(q["blocks"]["moe"]["w_down"]).__name__ == "QTensor"
+    assert type(q["blocks"]["moe"]["shared"]["w_down"]).__name__ == "QTensor"
+    batch = make_batch()
+    want, got = forward(built.module, params, batch)[0], forward(built.module, q, batch)[0]
+    assert float(jnp.max(jnp.abs(got - want))) < 0.02 * float(jnp.max(jnp.abs(want)))

@@ -78,7 +78,7 @@ def test_model_spec_reads_the_model_section_and_derives_head_dim_once():
     spec = layers.ModelSpec.from_config(m)
     assert all(f.default is dataclasses.MISSING for f in dataclasses.fields(spec))
     section = {k: v for k, v in m.to_dict().items() if k != "family"}  # where it came from: not the model's
-    assert dataclasses.asdict(spec) == section | {"head_dim": m.d_model // m.n_heads}
+    assert dataclasses.asdict(spec) == section | {"head_dim": m.d_model // m.n_heads, "expert_d_ff": m.d_ff}
     assert plan.head_dim is layers.head_dim is lm.config.model.head_dim
 
 

@@ -168,7 +168,7 @@ def test_make_mesh_errors_name_the_mesh():
     with pytest.raises(UserError, match=r"mesh \{'data': -1, 'stage': 1, 'fsdp': 3, 'expert': 1, 'tensor': 1\}"):
         make_mesh(dict(data=-1, fsdp=3, tensor=1))
     mesh = make_mesh(dict(data=-1, fsdp=2, tensor=2))
-    assert dict(mesh.shape) == {"data": 2, "fsdp": 2, "tensor": 2}
+    assert dict(mesh.shape) == {"data": 2, "stage": 1, "fsdp": 2, "expert": 1, "tensor": 2}
 
 
 def test_param_shardings_error_names_the_param():

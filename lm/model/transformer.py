@@ -120,7 +120,7 @@ class Transformer(nn.Module):
                 x, _ = Block(s, self.part, decode, self.paging, name=f"layer_{i}")(x, segment_ids, rope_cs, slots,
                                                                                    mask, flag)
         else:
-            if is_pipelined(s, self.part, decode) and not self.is_initializing():  # init: the plain params
+            if is_pipelined(self.part, decode) and not self.is_initializing():  # init: the plain params
                 x, aux = pipeline_blocks(self, Block, REMAT_POLICIES.get(s.remat), x, segment_ids, rope_cs, local), None
             else:
                 x, aux = scanned_blocks(s, decode)(s, self.part, decode, self.paging, name="blocks")(

@@ -2,8 +2,8 @@
 
 Two ways to run the experts over the same params:
 - dropless (capacity_factor 0): the (token, expert) assignments sorted by expert and run as
-  grouped matmuls (`jax.lax.ragged_dot`), no token ever dropped; with mesh.expert > 1 each
-  expert shard runs its own experts' assignments (`expert_parallel`);
+  grouped matmuls (`jax.lax.ragged_dot`), no token ever dropped; on a mesh each device routes
+  its own rows and each expert shard runs its own experts' assignments (`sharded_dropless`);
 - capacity (capacity_factor > 0): GShard's dispatch. Each row of the batch is a group; an
   expert takes at most C = ceil(capacity_factor * T * k / E) of a group's assignments (first
   choices before second ones, earlier tokens first), the rest are dropped (the token keeps its
@@ -30,6 +30,7 @@ from jax.sharding import PartitionSpec as P
 
 from lm.model.layers import Mlp, ModelSpec, Partitioning, normal
 from lm.model.params import param
+from lm.sharding import split_count
 
 EXPERT_IN = ("expert", "embed", "expert_mlp")
 EXPERT_OUT = ("expert", "expert_mlp", "embed")
@@ -61,46 +62,56 @@ def _swiglu(spec: ModelSpec, x, w_gate, w_up, w_down, dot):
     return dot(h, w_down.astype(dt))
 
 
-def dropless(spec: ModelSpec, x, weights, experts, w_gate, w_up, w_down):
-    """x [N, d], weights/experts [N, k] -> [N, d]: every assignment runs, grouped by expert."""
+def dropless(spec: ModelSpec, x, weights, experts, w_gate, w_up, w_down, first=0):
+    """x [N, d], weights/experts [N, k] -> [N, d]: every assignment to the experts held here
+    (w_*'s leading axis: experts first, first + 1, ...) runs, grouped by expert; the others add 0."""
     n, k = experts.shape
-    flat = experts.reshape(-1)
-    order = jnp.argsort(flat, stable=True)
-    sizes = jnp.bincount(flat, length=spec.n_experts).astype(jnp.int32)
-    xs = jnp.take(x, order // k, axis=0)
+    held = w_gate.shape[0]
+    rel = (experts - first).reshape(-1)
+    mine = (rel >= 0) & (rel < held)
+    key = jnp.where(mine, rel, held)  # assignments to experts held elsewhere sort last, in no group
+    order = jnp.argsort(key, stable=True)
+    sizes = jnp.bincount(key, length=held + 1)[:held].astype(jnp.int32)
     dot = lambda a, w: jax.lax.ragged_dot(a, w, sizes, preferred_element_type=jnp.float32).astype(a.dtype)  # noqa: E731
-    out = _swiglu(spec, xs, w_gate, w_up, w_down, dot)
-    out = jnp.zeros_like(out).at[order].set(out)  # back to (token, choice) order
-    y = jnp.einsum("nkd,nk->nd", out.reshape(n, k, -1).astype(jnp.float32), weights)
-    return y, jnp.zeros((), jnp.float32)
+    out = _swiglu(spec, jnp.take(x, order // k, axis=0), w_gate, w_up, w_down, dot)
+    out = jnp.zeros_like(out).at[order].set(jnp.where(mine[order][:, None], out, 0))  # (token, choice) order
+    return jnp.einsum("nkd,nk->nd", out.reshape(n, k, -1).astype(jnp.float32), weights)
 
 
-def expert_parallel(spec: ModelSpec, mesh, x, weights, experts, w_gate, w_up, w_down):
-    """`dropless` with the experts split over the `expert` mesh axis: each expert shard gathers
-    the tokens of its peers on that axis (activations, far smaller than a layer's experts), runs
-    the assignments to its own experts, and the partial outputs are summed back to the shards
-    that hold the tokens (a reduce-scatter). The other mesh axes stay with the partitioner."""
-    n_local = spec.n_experts // mesh.shape["expert"]
-    rows, cols = P("expert"), P("expert", None)
+def _mesh_axes(rules, name: str) -> tuple:
+    axes = nn.logical_to_mesh_axes((name,), rules)[0]
+    return () if axes is None else (axes,) if isinstance(axes, str) else tuple(axes)
 
-    def local(x, weights, experts, w_gate, w_up, w_down):
-        gather = lambda a: jax.lax.all_gather(a, "expert", tiled=True)  # noqa: E731
-        x, weights, experts = gather(x), gather(weights), gather(experts)
-        k = experts.shape[1]
-        rel = (experts - jax.lax.axis_index("expert") * n_local).reshape(-1)
-        mine = (rel >= 0) & (rel < n_local)
-        key = jnp.where(mine, rel, n_local)  # other shards' assignments sort last, in no group
-        order = jnp.argsort(key, stable=True)
-        sizes = jnp.bincount(key, length=n_local + 1)[:n_local].astype(jnp.int32)
-        dot = lambda a, w: jax.lax.ragged_dot(a, w, sizes, preferred_element_type=jnp.float32).astype(a.dtype)  # noqa: E731
-        out = _swiglu(spec, jnp.take(x, order // k, axis=0), w_gate, w_up, w_down, dot)
-        out = jnp.zeros_like(out).at[order].set(jnp.where(mine[order][:, None], out, 0))
-        y = jnp.einsum("nkd,nk->nd", out.reshape(x.shape[0], k, -1).astype(jnp.float32), weights)
-        return jax.lax.psum_scatter(y, "expert", scatter_dimension=0, tiled=True)
 
-    run = jax.shard_map(local, mesh=mesh, in_specs=(cols, cols, cols, rows, rows, rows), out_specs=cols,
-                        axis_names={"expert"}, check_vma=False)
-    return run(x, weights, experts, w_gate, w_up, w_down), jnp.zeros((), jnp.float32)
+def sharded_dropless(spec: ModelSpec, part: Partitioning, x, weights, experts, w_gate, w_up, w_down):
+    """`dropless` on a mesh, per device: each device routes its own rows (no global sort);
+    the experts' `embed` split (fsdp) is gathered like any FSDP weight; over the `expert` axes
+    each shard gathers its peers' tokens (activations, far smaller than a layer's experts), runs
+    the assignments to its own experts, and the partial outputs go back to the rows' shards
+    summed (a reduce-scatter). The `tensor` split of the experts' width stays with the partitioner."""
+    batch, embed, expert = (_mesh_axes(part.rules, n) for n in ("batch", "embed", "expert"))
+    moved = tuple(a for a in expert if a in batch)  # rows split over these: gathered, then scattered back
+    summed = tuple(a for a in expert if a not in batch)  # rows replicated over these: outputs summed
+    held = spec.n_experts // split_count(part.mesh, expert)
+    rows = P(batch or None, None)
+    w_in, w_out = P(expert or None, embed or None, None), P(expert or None, None, embed or None)
+
+    def local(first, x, weights, experts, w_gate, w_up, w_down):
+        if embed:
+            w_gate, w_up = (jax.lax.all_gather(w, embed, axis=1, tiled=True) for w in (w_gate, w_up))
+            w_down = jax.lax.all_gather(w_down, embed, axis=2, tiled=True)
+        if moved:
+            x, weights, experts = (jax.lax.all_gather(a, moved, axis=0, tiled=True) for a in (x, weights, experts))
+        y = dropless(spec, x, weights, experts, w_gate, w_up, w_down, first[0])
+        if moved:
+            y = jax.lax.psum_scatter(y, moved, scatter_dimension=0, tiled=True)
+        return jax.lax.psum(y, summed) if summed else y
+
+    run = jax.shard_map(local, mesh=part.mesh, in_specs=(P(expert or None), rows, rows, rows, w_in, w_in, w_out),
+                        out_specs=rows, axis_names=set(batch + embed + expert), check_vma=False)
+    firsts = jnp.arange(0, spec.n_experts, held, dtype=jnp.int32)  # each expert shard's first expert
+    # jitted: an eager partly-manual shard_map (e.g. an init outside jit) fails in jax 0.10
+    return jax.jit(run)(firsts, x, weights, experts, w_gate, w_up, w_down)
 
 
 def with_capacity(spec: ModelSpec, part: Partitioning, x, weights, experts, real, w_gate, w_up, w_down):
@@ -159,12 +170,11 @@ class MoE(nn.Module):
         if s.capacity_factor > 0:
             y, dropped = with_capacity(s, self.part, x, weights, experts, real, w_gate, w_up, w_down)
         else:
-            mesh = self.part.mesh
-            run = functools.partial(expert_parallel, s, mesh) if mesh is not None and mesh.shape["expert"] > 1 \
-                else functools.partial(dropless, s)
-            y, dropped = run(x.reshape(b * t, d), weights.reshape(b * t, -1), experts.reshape(b * t, -1),
-                             w_gate, w_up, w_down)
-            y = y.reshape(b, t, d)
+            run = functools.partial(dropless, s) if self.part.mesh is None else \
+                functools.partial(sharded_dropless, s, self.part)
+            y = run(x.reshape(b * t, d), weights.reshape(b * t, -1), experts.reshape(b * t, -1),
+                    w_gate, w_up, w_down).reshape(b, t, d)
+            dropped = jnp.zeros((), jnp.float32)
         y = y.astype(s.dtype)
         if s.shared_d_ff:
             shared = dataclasses.replace(s, d_ff=s.shared_d_ff, use_bias=False, lora_rank=0)

@@ -102,10 +102,14 @@ def test_dropless_equals_a_dense_loop_over_experts():
     s = spec()
     x, wg, wu, wd, logits = experts_and_tokens(24)
     w, ex, _ = route(s, jnp.asarray(logits))
-    y, dropped = dropless(s, jnp.asarray(x), w, ex, wg, wu, wd)
+    y = dropless(s, jnp.asarray(x), w, ex, wg, wu, wd)
     want = dense_loop(x, np.asarray(w), np.asarray(ex), wg, wu, wd)
     np.testing.assert_allclose(y, want, rtol=1e-4, atol=1e-5 * np.abs(want).max())
-    assert float(dropped) == 0
+    # experts 2 and 3 held here: the assignments to 0 and 1 add nothing
+    part = dropless(s, jnp.asarray(x), w, ex, wg[2:], wu[2:], wd[2:], first=2)
+    keep = np.asarray(ex) >= 2
+    want = dense_loop(x, np.asarray(w), np.asarray(ex), wg, wu, wd, keep)
+    np.testing.assert_allclose(part, want, rtol=1e-4, atol=1e-5 * np.abs(want).max())
 
 
 def test_capacity_drops_are_counted_and_the_rest_run():

@@ -91,6 +91,8 @@ def compile_step(name: str, config, devices) -> Compiled:
         return Compiled(name, config, time.perf_counter() - start, error=str(e))
     try:
         compiled = build.fn.lower(*build.args).compile()
+    except UserError as e:  # a setting the model refuses while tracing (a pipeline's micro-batches)
+        return Compiled(name, build.config, time.perf_counter() - start, error=str(e))
     except jax.errors.JaxRuntimeError as e:
         message = str(e).strip().splitlines()[0]
         found = _EXHAUSTED.search(message)

@@ -7,9 +7,10 @@ can be checked against published figures before paying for a run.
 
 from __future__ import annotations
 
-from lm.config.model import head_dim
+from lm.config.model import expert_d_ff, head_dim
 
 _MLP_MATRICES = {"swiglu": 3, "gelu": 2}  # gate/up/down vs fc/proj
+SWIGLU = 3  # every expert (and a shared expert) is a SwiGLU: gate, up, down
 
 
 def _attn_matrix_params(m) -> int:
@@ -25,6 +26,28 @@ def _mlp_matrix_params(m) -> int:
     return _MLP_MATRICES[m.mlp] * m.d_model * m.d_ff
 
 
+def n_experts(m) -> int:
+    """Routed experts per block; 0 for a dense MLP (configs from before mixture of experts have none)."""
+    return getattr(m, "n_experts", 0) or 0
+
+
+def _moe_params(m) -> dict[str, int]:
+    """One block's mixture-of-experts params by group (lm.model.moe): the router [d, E], every
+    expert's gate/up/down [E, d, F] and the shared dense SwiGLU of width shared_d_ff if any."""
+    d, e = m.d_model, n_experts(m)
+    return {"router": d * e, "experts": e * SWIGLU * d * expert_d_ff(m),
+            "shared mlp": SWIGLU * d * getattr(m, "shared_d_ff", 0)}
+
+
+def _active_ffn_matrix_params(m) -> int:
+    """One block's feed-forward weights a token multiplies: the dense MLP, or the router, its
+    experts_per_token experts and the shared expert."""
+    if not n_experts(m):
+        return _mlp_matrix_params(m)
+    moe = _moe_params(m)
+    return moe["router"] + moe["experts"] * m.experts_per_token // n_experts(m) + moe["shared mlp"]
+
+
 def _norm_params(m) -> int:
     if m.norm == "rmsnorm":
         return m.d_model
@@ -34,26 +57,31 @@ def _norm_params(m) -> int:
 
 
 def param_breakdown(m) -> dict[str, int]:
-    """Trainable parameters by group; the values sum to param_count(m)."""
+    """Trainable parameters by group; the values sum to param_count(m). A mixture-of-experts
+    model has router, experts and shared mlp (if any) where a dense one has mlp."""
     hd, L = head_dim(m), m.n_layers
     attn = _attn_matrix_params(m)
-    mlp = _mlp_matrix_params(m)
+    mlp = 0 if n_experts(m) else _mlp_matrix_params(m)
     if m.use_bias:
         # One bias per output feature: q, k, v outputs, then o back to d_model.
         attn += (m.n_heads + 2 * m.n_kv_heads) * hd + m.d_model
         # Every MLP matrix but the last maps into d_ff; the last maps into d_model.
-        mlp += (_MLP_MATRICES[m.mlp] - 1) * m.d_ff + m.d_model
+        if not n_experts(m):
+            mlp += (_MLP_MATRICES[m.mlp] - 1) * m.d_ff + m.d_model
     if m.position == "learned":
         position = m.max_seq_len * m.d_model
     elif m.position == "rope":
         position = 0  # rotary embeddings have no parameters
     else:
         raise ValueError(f"unknown position {m.position!r}")
+    ffn = {"mlp": L * mlp}
+    if n_experts(m):
+        ffn = {k: L * v for k, v in _moe_params(m).items() if v or k != "shared mlp"}
     return {
         "embedding": m.vocab_size * m.d_model,
         "position": position,
         "attention": L * attn,
-        "mlp": L * mlp,
+        **ffn,
         "norms": (2 * L + 1) * _norm_params(m),  # two per block + final norm
         "head": 0 if m.tie_embeddings else m.d_model * m.vocab_size,
     }
@@ -62,6 +90,21 @@ def param_breakdown(m) -> dict[str, int]:
 def param_count(m) -> int:
     """Total trainable parameters (a tied head is counted once)."""
     return sum(param_breakdown(m).values())
+
+
+def active_param_count(m) -> int:
+    """Params one token uses: the total less the routed experts it is not sent to (each token
+    takes experts_per_token of n_experts; the router and a shared expert count whole). Equal to
+    param_count for a dense model."""
+    if not n_experts(m):
+        return param_count(m)
+    experts = param_breakdown(m)["experts"]
+    return param_count(m) - experts + experts * m.experts_per_token // n_experts(m)
+
+
+def expert_params(m) -> int:
+    """The routed experts' weights (0 for a dense model): what the expert axis splits."""
+    return param_breakdown(m).get("experts", 0)
 
 
 def non_embedding_params(m) -> int:
@@ -79,8 +122,10 @@ def flops_per_token(m, seq_len: int) -> float:
     position tables, norms and biases are excluded. The 6 = 2 (forward multiply-add)
     x 3 (forward + backward). The attention term covers QK^T and AV over the full
     seq_len with no discount for the causal mask, matching PaLM's MFU accounting.
+    A mixture-of-experts block counts the weights a token is multiplied by (the router, its
+    experts_per_token experts, the shared expert), not every expert's: the MFU of an MoE run.
     """
-    n_matmul = m.n_layers * (_attn_matrix_params(m) + _mlp_matrix_params(m))
+    n_matmul = m.n_layers * (_attn_matrix_params(m) + _active_ffn_matrix_params(m))
     n_matmul += m.d_model * m.vocab_size
     attn = 12 * m.n_layers * m.n_heads * head_dim(m) * seq_len
     return float(6 * n_matmul + attn)
@@ -100,10 +145,20 @@ def _human(x: float, units=("T", "B", "M", "K", "")) -> str:
 
 
 def summary(m, seq_len: int) -> str:
-    """A small human-readable table of parameters, FLOPs/token and token budget."""
+    """A small human-readable table of parameters, FLOPs/token and token budget; for a mixture of
+    experts, total and active params and the bytes of the expert weights."""
     rows = [(k, f"{v:,}") for k, v in param_breakdown(m).items()]
+    total = f"{param_count(m):,} ({_human(param_count(m))})"
+    if n_experts(m):
+        active = active_param_count(m)
+        total += f" total, {active:,} ({_human(active)}) active ({m.experts_per_token} of {n_experts(m)} experts)"
+        dtype = getattr(m, "compute_dtype", "float32")
+        itemsize = 2 if dtype == "bfloat16" else 4
+        experts = expert_params(m)
+        rows.append(("expert weights", f"{human_bytes(4 * experts)} float32 (training), "
+                                       f"{human_bytes(itemsize * experts)} {dtype}; split over mesh.expert"))
     rows += [
-        ("total", f"{param_count(m):,} ({_human(param_count(m))})"),
+        ("total", total),
         ("non-embedding", f"{non_embedding_params(m):,} ({_human(non_embedding_params(m))})"),
         (f"FLOPs/token @{seq_len}", f"{flops_per_token(m, seq_len):.3e}"),
         ("chinchilla tokens", _human(chinchilla_tokens(m))),

@@ -15,6 +15,21 @@ The rest is a model of what the compiler keeps alive at the peak of a step, in t
   + a compute-dtype copy of the trained params, and the update's temporaries under tensor parallelism
   - what fits in the chip's on-chip memory (only small configs)
 
+Mixture of experts (model.n_experts > 0): the expert weights are split over the `expert` axis by
+their logical names like every other param. The MLP's activations become the experts': dropless
+routing (lm.model.moe.dropless) sorts the (token, expert) assignments of the whole micro-batch,
+so every device runs experts_per_token copies of ALL the batch shards' tokens through the grouped
+matmuls; capacity routing holds [experts / expert-axis, all rows, capacity, width] buffers and
+the [rows, seq, experts, capacity] dispatch and combine tensors.
+
+Pipeline (mesh.stage > 1, lm.model.pipeline): params are split over `stage` by the "layers" rule
+(each stage holds its layers), so the state parts are per stage. A layer works on one pipeline
+micro-batch (rows / pipeline_microbatches) at a time, and the backward needs each layer's input
+(and the RoPE tables) of every iteration: (M * repeats + stages - 1) iterations of
+L / (stages * repeats) layers. Beside them: float32 copies of the stage's block params in the
+pipeline's view (a circular schedule: the chunk each iteration runs, kept for the backward), the
+micro-batches' store, and the final norm's and head's backward and the logits over all the rows.
+
 Its coefficients were fitted to the TPU compiler's figures for the configs of
 bench/plan_vs_compiler.py; the README shows that table with the errors. A program over the chip's
 memory makes the compiler work harder to shrink it, so past the HBM the two part ways.
@@ -33,7 +48,9 @@ import numpy as np
 from lm.config import rules_table
 from lm.errors import UserError
 from lm.infer.generate import generation_context
+from lm.model import pipeline
 from lm.model.layers import ModelSpec
+from lm.model.moe import capacity
 from lm.model.transformer import Transformer, init_params
 from lm.sharding import AXES, mesh_shape
 from lm.train.rl_losses import RlSettings
@@ -49,6 +66,20 @@ LAYER_WORK = 8.0
 LOGIT_COPIES = 1.5
 TP_UPDATE = 1.5
 CODE_BYTES = 6 * 2**20
+LOOP_CODE_BYTES = 32 * 2**20  # the code of a pipelined or mixture-of-experts step (its loops and routing)
+# Mixture of experts, fitted like the above: float32 buffers of the experts' width and the stream's
+# per assignment slot live in one layer's backward (by routing: the capacity path's einsums keep
+# more), and the share of capacity routing's dispatch and combine tensors that is materialised.
+EXPERT_WORK = {"dropless": 4.0, "capacity": 8.0}
+DISPATCH_COPIES = 0.1
+# Pipeline, fitted to compiles of pipelined configs (small ones and Llama-3-70B): float32 copies of
+# a stage's block params (the gradients' accumulator in the pipeline's view), copies of the
+# micro-batches' store, and float32 streams of all the rows in the backward of the final norm and
+# head. A circular schedule picks the chunk each stage runs inside the loop, and the compiler kept
+# that float32 chunk for every iteration (Llama-3-70B; a small config kept far less).
+STAGE_PARAM_COPIES = 1.0
+PIPELINE_STORES = 2.0
+HEAD_STREAMS = 4.0
 
 
 @dataclasses.dataclass(frozen=True)
@@ -145,7 +176,7 @@ def estimate(config, step: str, devices: int, lora_rank: int = 16, chip=None) ->
     if chip is not None and chip.vmem_bytes:  # temporaries this small stay in the chip's VMEM
         temps = sum(v for k, v in parts.items() if k not in ARGUMENTS)
         parts["in on-chip memory"] = -min(temps, chip.vmem_bytes)
-    parts["code"] = CODE_BYTES
+    parts["code"] = LOOP_CODE_BYTES if spec.n_experts or pipeline_of(config, step, mesh) else CODE_BYTES
     return Estimate(parts, resident)
 
 
@@ -170,23 +201,60 @@ def batch_rows(config, step: str, mesh: dict, rules: dict) -> int:
     return rows * (2 if step == "dpo" else 1)
 
 
+@dataclasses.dataclass(frozen=True)
+class Pipeline:
+    """The schedule a pipelined step runs (lm.model.pipeline)."""
+
+    stages: int
+    microbatches: int
+    repeats: int
+
+    @property
+    def iterations(self) -> int:
+        return self.microbatches * self.repeats + self.stages - 1
+
+    @property
+    def bubble(self) -> float:
+        return pipeline.bubble_fraction(self.stages, self.microbatches, self.repeats)
+
+
+def pipeline_of(config, step: str, mesh: dict) -> Pipeline | None:
+    """The pipeline of a step on this mesh (mesh.stage > 1; decoding runs the plain layer scan)."""
+    stages = mesh["stage"]
+    if stages == 1 or step == "decode":
+        return None
+    return Pipeline(stages, pipeline.microbatches(config.model, stages), config.model.pipeline_repeats)
+
+
 def activations(config, step, spec: ModelSpec, leaves, rules, mesh, c, trained_f32: int) -> dict:
     """The activation terms (see the module doc) of one micro-batch on one device."""
     r, T = batch_rows(config, step, mesh, rules), config.data.seq_len
     d, ff, L, V = spec.d_model, spec.d_ff, spec.n_layers, spec.vocab_size
     heads = spec.n_heads / splits(("act_heads",), rules, mesh)
-    mlp = ff / splits(("act_mlp",), rules, mesh)
+    mlp = (spec.shared_d_ff if spec.n_experts else ff) / splits(("act_mlp",), rules, mesh)  # dense or shared
     vocab = V / splits(("act_vocab",), rules, mesh)
     length = T / splits(("length",), rules, mesh)
     embed = d / splits(("act_embed",), rules, mesh)
-    stream = r * length * embed * c  # one layer's residual stream
+    pipe, rows, saved_layers = pipeline_of(config, step, mesh), r, L
+    if pipe is not None:  # a layer works on one pipeline micro-batch; its inputs are saved every iteration
+        shards = splits(("batch",), rules, mesh)
+        pipeline.check(spec, pipe.stages, r * shards, shards)
+        rows, saved_layers = r / pipe.microbatches, pipe.iterations * L / (pipe.stages * pipe.repeats)
+    stream = rows * length * embed * c  # one layer's residual stream
     saved = SAVED_STREAMS.get(spec.remat, SAVED_STREAMS["none"])
-    parts = {"saved residuals": int(L * (saved * stream + (spec.remat != "full") * SAVED_MLP * r * length * mlp * c))}
+    lighter = spec.remat != "full"
+    parts = {"saved residuals": int(saved_layers * (saved * stream + lighter * SAVED_MLP * rows * length * mlp * c))}
     if spec.attention in ("xla", "reference", "cudnn"):
-        parts["attention scores"] = int(r * heads * length * T * (4 + c))  # float32 scores, probs
-    elif spec.remat != "full":  # blockwise keeps q, k, v and its output per layer for its backward
-        parts["saved residuals"] += int(L * 4 * r * length * heads * spec.head_dim * c)
-    parts["layer backward"] = int(LAYER_WORK * r * length * (embed + mlp) * 4)
+        parts["attention scores"] = int(rows * heads * length * T * (4 + c))  # float32 scores, probs
+    elif lighter:  # blockwise keeps q, k, v and its output per layer for its backward
+        parts["saved residuals"] += int(saved_layers * 4 * rows * length * heads * spec.head_dim * c)
+    parts["layer backward"] = int(LAYER_WORK * rows * length * (embed + mlp) * 4)
+    if spec.n_experts:
+        parts |= experts(spec, rules, mesh, rows, T, c, saved_layers if lighter else 0)
+    if pipe is not None:
+        side = pipeline_parts(pipe, spec, leaves, rules, mesh, r, rows, length, embed, c)
+        parts["saved residuals"] += side.pop("saved residuals", 0)
+        parts |= side
     parts["logits"] = int(LOGIT_COPIES * r * length * vocab * 4)
     # the embedding's and head's gradients before they are split over fsdp (float32)
     parts["table gradients"] = int(3 * V / splits(("vocab",), rules, mesh) * d * 4)
@@ -194,6 +262,46 @@ def activations(config, step, spec: ModelSpec, leaves, rules, mesh, c, trained_f
         parts["params in compute dtype"] = int(trained_f32 * c / 4)
     if mesh["tensor"] > 1:
         parts["tensor-parallel update"] = int(TP_UPDATE * trained_f32)
+    return parts
+
+
+def pipeline_parts(pipe: Pipeline, spec: ModelSpec, leaves, rules, mesh, r, rows, length, embed, c) -> dict:
+    """What a pipelined step holds beside the layers' saved inputs: the stage's block params in the
+    pipeline's view (float32: their gradients' accumulator; for a circular schedule, the chunk
+    each iteration runs), the backward of the final norm and head over all the rows (float32
+    streams), the micro-batches' store, and the RoPE tables each iteration saves (cos and sin,
+    float32). r: rows per device, rows: per pipeline micro-batch."""
+    blocks = sum(leaf_bytes(x, rules, mesh, 4) for x in leaves if x.path.startswith("['blocks']"))
+    parts = {"stage params": int(STAGE_PARAM_COPIES * blocks)}
+    if pipe.repeats > 1:  # the chunk a stage runs, picked in each iteration and kept for the backward
+        parts["circular chunks"] = int(pipe.iterations * blocks / pipe.repeats)
+    parts["final backward"] = int(HEAD_STREAMS * r * length * embed * 4)
+    parts["pipeline store"] = int(PIPELINE_STORES * r * length * embed * c)
+    if spec.position == "rope":
+        parts["saved residuals"] = int(pipe.iterations * 2 * rows * length * spec.head_dim * 4)
+    return parts
+
+
+def expert_slots(spec: ModelSpec, rules, mesh, rows: float, seq: int) -> float:
+    """Assignment slots one device runs through its experts in one layer (see the module doc)."""
+    shards = splits(("batch",), rules, mesh)
+    if spec.capacity_factor > 0:  # its experts' slots for every row of the batch
+        return spec.n_experts / splits(("act_expert",), rules, mesh) * rows * shards * capacity(spec, seq)
+    return spec.experts_per_token * rows * shards * seq  # every token of the batch, sorted by expert
+
+
+def experts(spec: ModelSpec, rules, mesh, rows: float, seq: int, c: int, saved_layers: float) -> dict:
+    """A mixture-of-experts layer's activations on one device: the experts' float32 work in one
+    layer's backward, their saved activations under lighter remat, capacity routing's tensors."""
+    width = spec.expert_d_ff / splits(("expert_mlp",), rules, mesh)
+    slots = expert_slots(spec, rules, mesh, rows, seq)
+    embed = spec.d_model / splits(("act_embed",), rules, mesh)
+    work = EXPERT_WORK["capacity" if spec.capacity_factor > 0 else "dropless"]
+    parts = {"expert work": int(work * slots * (width + embed) * 4)}
+    if saved_layers:
+        parts["saved expert activations"] = int(saved_layers * SAVED_MLP * slots * width * c)
+    if spec.capacity_factor > 0:  # combine (float32) and dispatch [rows, seq, experts, capacity]
+        parts["routing"] = int(DISPATCH_COPIES * rows * seq * spec.n_experts * capacity(spec, seq) * (4 + c))
     return parts
 
 

@@ -11,7 +11,7 @@ from lm.errors import UserError
 from lm.hardware import Target
 from lm.plan import human_bytes
 from lm.plan_fit import overrides, search
-from lm.plan_memory import Estimate, batch_rows, estimate, mesh_sizes
+from lm.plan_memory import Estimate, batch_rows, estimate, mesh_sizes, pipeline_of
 
 
 def _gib(n) -> str:
@@ -24,17 +24,34 @@ def error(estimated: int, compiled: int | None) -> str:
     return "" if not compiled else f"{(estimated - compiled) / compiled:+.1%}"
 
 
+def mesh_text(mesh: dict) -> str:
+    """data, fsdp and tensor always; stage and expert where they split anything."""
+    return " ".join(f"{a}={n}" for a, n in mesh.items() if n > 1 or a in ("data", "fsdp", "tensor"))
+
+
+def pipeline_line(config, name: str, mesh: dict) -> str | None:
+    """The schedule of a pipelined step and its bubble (the share of stage-iterations that idle)."""
+    pipe = pipeline_of(config, name, mesh)
+    if pipe is None:
+        return None
+    kind = "GPipe" if pipe.repeats == 1 else f"circular, {pipe.repeats} repeats"
+    return (f"  pipeline: {pipe.stages} stages ({kind}), {pipe.microbatches} pipeline micro-batches per "
+            f"micro-batch, {pipe.iterations} iterations: bubble {pipe.bubble:.1%} "
+            f"(= (stages - 1) / (repeats x micro-batches + stages - 1))")
+
+
 def step_table(name: str, config, target: Target, est: Estimate, compiled=None) -> str:
     mesh = mesh_sizes(config, target.chips)
     t = config.train
-    head = f"{name}: mesh data={mesh['data']} fsdp={mesh['fsdp']} tensor={mesh['tensor']}"
+    head = f"{name}: mesh {mesh_text(mesh)}"
     if name == "decode":
         head += f", {config.eval.batch_size} rows (eval.batch_size) against a KV cache"
     else:
         rows = batch_rows(config, name, mesh, dict(rules_table(config)))
         head += (f", remat={config.model.remat}, {rows} row(s) x {config.data.seq_len} per device per micro-batch, "
                  f"{t.micro_batches} micro-batch(es)")
-    lines = [head, f"  {'per device':<24}{'planner':>12}{'compiler':>12}"]
+    lines = [head] + [line for line in [pipeline_line(config, name, mesh)] if line]
+    lines.append(f"  {'per device':<24}{'planner':>12}{'compiler':>12}")
     for part, value in est.parts.items():
         lines.append(f"  {part:<24}{_gib(value):>12}")
     lines.append(f"  {'':<24}{'-' * 24:>24}")
@@ -42,7 +59,8 @@ def step_table(name: str, config, target: Target, est: Estimate, compiled=None) 
         got = getattr(compiled, part) if compiled is not None else None
         lines.append(f"  {part:<24}{_gib(value):>12}{_gib(got):>12}")
     got = compiled.total if compiled is not None else None
-    lines.append(f"  {'total':<24}{_gib(est.total):>12}{_gib(got):>12}  {error(est.total, got)}")
+    lines.append(f"  {'total':<24}{_gib(est.total):>12}{_gib(got):>12}  {error(est.total, got)}"
+                 + (f"  (compiled in {compiled.compile_s:.0f} s)" if compiled is not None else ""))
     for part, value in est.resident.items():
         lines.append(f"  also resident: {part} {_gib(value)} (not read by this step; add it to the total)")
     lines.append(_fits(target, est.total + sum(est.resident.values()), compiled))
@@ -88,8 +106,11 @@ def _cost(name: str, config, target: Target, compiled) -> list[str]:
              f"{human_bytes(compiled.bytes_accessed or 0)} accessed (XLA counts a loop's body once: the layer and "
              "micro-batch scans make that one iteration's, not the step's)"]
     if target.chip is not None:
+        seconds = flops / target.chip.bf16_flops
+        pipe = pipeline_of(config, name, mesh_sizes(config, target.chips))
+        idle = f"; {seconds / (1 - pipe.bubble):.3f} s with the pipeline's bubble" if pipe else ""
         lines.append(f"  at the bf16 peak ({target.chip.bf16_flops / 1e12:.0f} TFLOP/s) a step takes at least "
-                     f"{flops / target.chip.bf16_flops:.3f} s (an estimate, not a measurement)")
+                     f"{seconds:.3f} s{idle} (an estimate, not a measurement)")
     return lines
 
 

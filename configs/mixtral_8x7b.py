@@ -7,8 +7,8 @@ remat, dropless routing (grouped matmuls). Each expert lives on its own slice of
 axis, split 4 ways over `tensor` (its hidden units; heads, vocabulary and MLP too); fsdp takes what
 a larger slice adds. Rows split over data x fsdp x expert (the rule table): on a v5p-64 (32 chips)
 the 512-row batch of 4096 tokens goes through in 32 micro-batches of 2 rows a chip. Dropless
-routing sorts the assignments of the whole micro-batch on every chip (2 per token of 8 x 2 rows of 4096),
-which is what bounds the micro-batch: 68 GiB a chip there (the TPU compiler's figure).
+routing gathers the rows of a chip's 8 peers on the expert axis (here the whole micro-batch, 8 x 2 rows
+of 4096) and runs their assignments to its own expert, which is what bounds the micro-batch: 68 GiB a chip there (the TPU compiler's figure).
 """
 
 from lm.config import base_config

@@ -170,8 +170,11 @@ class MoE(nn.Module):
         if s.capacity_factor > 0:
             y, dropped = with_capacity(s, self.part, x, weights, experts, real, w_gate, w_up, w_down)
         else:
-            run = functools.partial(dropless, s) if self.part.mesh is None else \
-                functools.partial(sharded_dropless, s, self.part)
+            mesh, rules = self.part.mesh, self.part.rules
+            # rows the batch axes cannot split evenly (a prompt of one row on 8 devices) go the
+            # partitioner's way: the whole layer's assignments sorted together
+            per_device = mesh is not None and b % split_count(mesh, _mesh_axes(rules, "batch")) == 0
+            run = functools.partial(sharded_dropless, s, self.part) if per_device else functools.partial(dropless, s)
             y = run(x.reshape(b * t, d), weights.reshape(b * t, -1), experts.reshape(b * t, -1),
                     w_gate, w_up, w_down).reshape(b, t, d)
             dropped = jnp.zeros((), jnp.float32)

@@ -266,3 +266,16 @@ def test_int8_quantized_experts_stay_close():
     batch = make_batch()
     want, got = forward(built.module, params, batch)[0], forward(built.module, q, batch)[0]
     assert float(jnp.max(jnp.abs(got - want))) < 0.02 * float(jnp.max(jnp.abs(want)))
+
+
+@pytest.mark.skipif(len(jax.devices()) < 8, reason="needs 8 devices")
+def test_rows_the_mesh_cannot_split_still_route():
+    """One prompt row on an 8-way batch split (an end-of-run sample) runs the unsplit path."""
+    c = config()
+    c.mesh.update(data=2, expert=4)
+    built, one = build_model(c, jax.devices()), build_model(config(), jax.devices()[:1])
+    params = nn.unbox(init_params(one.module, jax.random.PRNGKey(0)))
+    row = {k: v[:1] for k, v in make_batch().items()}
+    want = forward(one.module, params, row)[0]
+    got = jax.jit(lambda p, b: forward(built.module, p, b)[0])(built.place(params), row)
+    np.testing.assert_allclose(got, want, rtol=1e-5, atol=1e-5)

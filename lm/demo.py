@@ -15,7 +15,10 @@
 9. serving (lm.demo_serve): the GRPO model behind `lm serve`'s OpenAI API answering held-out
    prompts from 16 concurrent clients, quantized to int8 and int4, and decoded speculatively with
    the distilled student (and prompt lookup) as drafts;
-10. one table: held-out response loss and exact-match accuracy of greedy answers, base vs SFT
+10. a mixture of experts (lm.demo_moe): the tiny model with 8 experts of half the MLP width, 2 per
+   token (the dense model's active FLOPs), pretrained for 50 steps on the same batches, its
+   held-out loss against the dense pretraining's at step 50, and its routing balance;
+11. one table: held-out response loss and exact-match accuracy of greedy answers, base vs SFT
    vs SFT-LoRA vs DPO vs GRPO vs the half-width students, then the preference evidence on held-out pairs and the RL
    reward and KL; written to WORKDIR/demo_summary.json as well.
 """
@@ -28,6 +31,7 @@ import pathlib
 from lm.config import load_config
 from lm.train.finetune import finetune_config
 from lm.data.synthetic import write_sort_pairs, write_sort_task
+from lm.demo_moe import moe_lines, moe_pretraining
 from lm.demo_serve import serving, serving_lines
 from lm.store.meta import init_config
 
@@ -37,6 +41,7 @@ REWARD = ["optim.lr=1e-3"]
 LORA = ["model.lora_rank=8", "model.lora_alpha=16.0", "optim.lr=1e-2", "sft.epochs=1.5"]
 HALF = ["model.d_model=64", "model.d_ff=192"]  # the distillation student: half the tiny model's width
 DISTILL = ["distill.divergence=forward_kl", "distill.temperature=1.0"]
+PRETRAIN_EVAL = ["eval.every_steps=50"]  # the held-out loss at step 50 too: the MoE stage's comparison
 
 
 def _stage(title: str) -> None:
@@ -55,7 +60,8 @@ def run_demo(workdir, show_progress: bool = True, pretrain_overrides=(), sft_ove
     root = pathlib.Path(workdir)
     base_dir, task_dir = root / "pretrain", root / "task"
     _stage("1. pretraining on the Python standard library")
-    base = train(load_config(PRETRAIN_CONFIG, list(pretrain_overrides)), base_dir, show_progress=show_progress)
+    base = train(load_config(PRETRAIN_CONFIG, [*PRETRAIN_EVAL, *pretrain_overrides]), base_dir,
+                 show_progress=show_progress)
     _stage("2. the sort task: 'sort 70931' -> '01379'")
     paths = write_sort_task(task_dir, n_train=n_train, n_heldout=n_heldout)
     print(f"wrote {n_train} training and {n_heldout} held-out conversations to {task_dir}")
@@ -103,6 +109,8 @@ def run_demo(workdir, show_progress: bool = True, pretrain_overrides=(), sft_ove
     summary["tpu"] = plan_for_tpu(load_config(PRETRAIN_CONFIG, list(pretrain_overrides)), "v5e-4")
     _stage("12. serving: the GRPO model behind the OpenAI API, quantized, and with speculative decoding")
     summary["serve"] = serving(root, paths["heldout"])
+    _stage("13. a mixture of experts at the dense model's active FLOPs, beside the dense pretraining")
+    summary["moe"] = moe_pretraining(root, base_dir, show_progress=show_progress)
     text = evidence(summary, n_heldout)
     print("\n" + text)
     (root / "demo_summary.json").write_text(json.dumps(summary, indent=2))
@@ -224,6 +232,8 @@ def evidence(summary: dict, n_heldout: int) -> str:
                      f"apply_chat_template equal ours on {h['same_prompt_ids']})")
     if "serve" in summary:
         lines += serving_lines(summary["serve"])
+    if summary.get("moe"):
+        lines += moe_lines(summary["moe"])
     return "\n".join(lines)
 
 

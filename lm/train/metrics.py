@@ -197,6 +197,74 @@ def curves_figure(rows: list[dict], baseline: float | None = None, loss_label: s
     return fig
 
 
+def moe_routing(rows: list[dict]) -> dict:
+    """A mixture-of-experts run's routing at its last logged train step (lm.model.moe's metrics):
+    balance loss (1 = even), router z-loss, share of assignments dropped, and each layer's expert
+    load (min and max as multiples of an even share, entropy over log(n_experts)); {} for a dense run."""
+    logged = [r for r in rows if isinstance(r.get("moe_balance"), (int, float))]
+    if not logged:
+        return {}
+    last = logged[-1]
+    layers = sorted(int(k.rsplit("_l", 1)[1]) for k in last if k.startswith("moe_load_min_l"))
+    per_layer = {i: {name: last[f"moe_load_{name}_l{i}"] for name in ("min", "max", "entropy")} for i in layers}
+    return {"step": last["step"], "balance": last["moe_balance"], "router_z": last["moe_router_z"],
+            "dropped": last["moe_dropped"], "load_min": min(v["min"] for v in per_layer.values()),
+            "load_max": max(v["max"] for v in per_layer.values()), "per_layer": per_layer}
+
+
+def plot_runs(runs: dict, out_path: pathlib.Path, baseline: float | None = None, until: int | None = None,
+              title: str | None = None) -> None:
+    """The train and held-out loss of several runs ({label: metrics.jsonl path}) in one PNG, one
+    colour per run; `until`: only the steps up to it (a longer run beside a shorter one)."""
+    rows = {label: [r for r in read_metrics(path) if until is None or r["step"] <= until]
+            for label, path in runs.items()}
+    _save(runs_figure(rows, baseline, title), out_path)
+
+
+def runs_figure(runs: dict, baseline: float | None = None, title: str | None = None):
+    """Top: each run's train and held-out loss. Below, with two runs or more: each run's held-out
+    loss minus the first run's at the steps both evaluated (the gap the top panel's scale hides)."""
+    import matplotlib
+
+    matplotlib.use("Agg")
+    import matplotlib.pyplot as plt
+
+    series = lambda rows, key: [(r["step"], r[key]) for r in rows if isinstance(r.get(key), (int, float))]  # noqa: E731
+    heights = [3, 1] if len(runs) > 1 else [1]
+    fig, axes = plt.subplots(len(heights), 1, figsize=(8, 2 * len(heights) + 3), height_ratios=heights, sharex=True,
+                             squeeze=False)
+    ax = axes[0][0]
+    for i, (label, rows) in enumerate(runs.items()):
+        for key, style, width, alpha, name in (("loss", "-", 0.8, 0.45, "train"), ("eval_loss", "o-", 1.6, 1.0,
+                                                                                   "held-out")):
+            points = series(rows, key)
+            if points:
+                ax.plot(*zip(*points), style, color=f"C{i}", lw=width, alpha=alpha, ms=4, label=f"{label}: {name}")
+    if baseline is not None:
+        ax.axhline(baseline, color="gray", ls="--", label=f"unigram baseline ({baseline:.2f})")
+    ax.set_ylabel("loss (nats/token)")
+    if title:
+        ax.set_title(title, fontsize=10)
+    ax.legend()
+    ax.grid(alpha=0.3)
+    if len(runs) > 1:
+        (first, first_rows), *others = runs.items()
+        reference, gap = dict(series(first_rows, "eval_loss")), axes[1][0]
+        for i, (label, rows) in enumerate(others, 1):
+            points = [(step, v - reference[step]) for step, v in series(rows, "eval_loss") if step in reference]
+            if points:
+                gap.plot(*zip(*points), "o-", color=f"C{i}", lw=1.4, ms=4,
+                         label=f"{label}: held-out loss minus {first}'s")
+        gap.axhline(0.0, color="C0", lw=1)
+        gap.set_ylabel("gap (nats/token)", fontsize=9)
+        gap.legend(fontsize=9)
+        gap.grid(alpha=0.3)
+    axes[-1][0].set_xlabel("step")
+    fig.tight_layout()
+    fig.subplots_adjust(left=max(fig.subplotpars.left, 0.11))  # room for the gap panel's wider tick labels
+    return fig
+
+
 RL_PANELS = (  # (y label, ((metrics key, legend), ...)) per panel
     ("reward per response", (("reward", "sampled responses (mean)"), ("eval_reward", "held-out greedy responses"))),
     ("KL to the reference (nats/token)", (("kl", "policy vs reference, per response token"),)),

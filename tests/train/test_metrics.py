@@ -9,8 +9,8 @@ from types import SimpleNamespace
 
 from lm.train import loop, pairs
 from lm.train.loop import LoopSpec, run_loop
-from lm.train.metrics import (MetricsWriter, curves_figure, plot_curves, plot_rl, read_metrics, rl_figure,
-                              truncate_after)
+from lm.train.metrics import (MetricsWriter, curves_figure, moe_routing, plot_curves, plot_rl, plot_runs,
+                              read_metrics, rl_figure, runs_figure, truncate_after)
 
 
 def test_rows_truncation_and_plot(tmp_path):
@@ -52,6 +52,27 @@ def test_plot_labels_say_what_each_axis_holds(tmp_path, monkeypatch):
     (tmp_path / "metrics.jsonl").write_text("".join(json.dumps(r) + "\n" for r in rows))
     plot_rl(tmp_path / "metrics.jsonl", tmp_path / "rl.png")
     assert (tmp_path / "rl.png").read_bytes()[:4] == b"\x89PNG"
+
+
+def test_runs_plot_and_moe_routing(tmp_path):
+    dense = [{"step": s, "loss": 2.0 / s, "eval_loss": 2.2 / s} for s in (1, 2, 3)]
+    moe = [{"step": s, "loss": 1.9 / s, "eval_loss": 2.1 / s, "moe_balance": 1.0 + 0.1 / s, "moe_router_z": 3.0,
+            "moe_dropped": 0.0, "moe_load_min_l0": 0.5, "moe_load_max_l0": 1.5, "moe_load_entropy_l0": 0.9,
+            "moe_load_min_l1": 0.25, "moe_load_max_l1": 2.0, "moe_load_entropy_l1": 0.8} for s in (1, 2, 3)]
+    fig = runs_figure({"dense": dense, "moe": moe}, baseline=1.0)
+    gap = fig.axes[1].lines[0]  # the second run's held-out loss minus the first's, at the steps both evaluated
+    assert list(gap.get_xdata()) == [1, 2, 3]
+    assert [round(y, 6) for y in gap.get_ydata()] == [round(-0.1 / s, 6) for s in (1, 2, 3)]
+    for name, rows in (("dense", dense), ("moe", moe)):
+        (tmp_path / name).mkdir()
+        (tmp_path / name / "metrics.jsonl").write_text("".join(json.dumps(r) + "\n" for r in rows))
+    plot_runs({"dense": tmp_path / "dense" / "metrics.jsonl", "moe": tmp_path / "moe" / "metrics.jsonl"},
+              tmp_path / "runs.png", until=2)
+    assert (tmp_path / "runs.png").read_bytes()[:4] == b"\x89PNG"
+    g = moe_routing(moe)
+    assert (g["step"], g["load_min"], g["load_max"], g["dropped"]) == (3, 0.25, 2.0, 0.0)
+    assert g["per_layer"][1] == {"min": 0.25, "max": 2.0, "entropy": 0.8}
+    assert moe_routing(dense) == {}
 
 
 @dataclasses.dataclass

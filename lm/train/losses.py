@@ -4,7 +4,9 @@ A LossFn is `(params, batch, frozen, rng) -> (objective_sum, sums)`: params are 
 model's (its frozen base merged in), frozen maps names to the other frozen models
 (lm.model.build.FrozenModel: a reference, a teacher), rng is None when evaluating. The gradient
 is taken of `objective_sum`, and `sums` holds additive statistics including the token `count`.
-The train step divides by the global count once, after all micro-batches.
+The train step divides by the global count once, after all micro-batches. Every loss of a trained
+model adds the model's auxiliary terms (mixture-of-experts routing: lm.model.apply.add_aux),
+weighted by its own count.
 """
 
 from __future__ import annotations

@@ -88,8 +88,7 @@ def main():
         c = runs[kind][3]
         sec = statistics.median(times[kind])
         out[kind] = {"step_ms": 1e3 * sec, "tokens_per_s": tokens / sec, "compile_s": runs[kind][4],
-                     "params": plan.param_count(c.model), "active_params": plan.active_param_count(c.model)
-                     if hasattr(plan, "active_param_count") else None,
+                     "params": plan.param_count(c.model), "active_params": plan.active_param_count(c.model),
                      "per_round_ratio_to_dense": [d / t for d, t in zip(times["dense"], times[kind])]}
     for kind in kinds:
         o = out[kind]

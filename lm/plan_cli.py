@@ -42,6 +42,12 @@ def run(args, overrides) -> int:
     from lm.config import load_config
     from lm.hardware import parse_target
 
+    if (args.fit or args.compile) and not args.target.strip():
+        from lm.errors import UserError
+
+        flag = "--fit" if args.fit else "--compile"
+        raise UserError(f"lm plan {flag} needs --target (a Cloud TPU slice such as v5e-8, or cpu:N): it compiles "
+                        "the steps for that target")
     config = load_config(args.config, overrides)
     target = parse_target(args.target) if args.target else None
     steps = _steps(args.steps)

@@ -2,6 +2,8 @@
 
 from __future__ import annotations
 
+from lm.errors import UserError
+from lm.outputs import check_out
 from lm.verb import with_overrides
 
 
@@ -17,10 +19,17 @@ class Tokenizer:
         tk.add_argument("--vocab-size", type=int, default=8192)
         tk.add_argument("--max-bytes", type=int, default=50_000_000, help="cap on training text")
         tk.add_argument("--heldout-fraction", type=float, default=0.02, help="as data.heldout_fraction")
+        tk.add_argument("--overwrite", action="store_true", help="replace an existing PREFIX.model and PREFIX.vocab")
 
     @staticmethod
     def run(args, overrides) -> int:
         from lm.data.prepare import train_corpus_tokenizer
+
+        if not args.out.strip() or args.out.endswith(("/", "\\")):
+            raise UserError(f"--out {args.out!r}: expected a file prefix such as runs/tok/stdlib (writes "
+                            "PREFIX.model and PREFIX.vocab)")
+        for suffix in (".model", ".vocab"):  # before reading any text
+            check_out(args.out + suffix, args.overwrite)
 
         tok = train_corpus_tokenizer(args.corpus, args.heldout_fraction, args.out, args.vocab_size, args.max_bytes)
         print(f"wrote {tok.path} ({tok.vocab_size} pieces, {tok.fingerprint()}); trained on {tok.train_stats}")
@@ -45,6 +54,9 @@ class Tokenize:
     @staticmethod
     def run(args, overrides) -> int:
         from lm.data.shards import tokenize_corpus
+
+        # shards of the same inputs are kept (nothing to do), of others refused: no --overwrite to check
+        check_out(args.out, overwrite=True, kind="dir")
 
         manifests = tokenize_corpus(args.corpus, args.out, args.tokenizer, args.heldout_fraction,
                                     max_train_bytes=args.max_bytes, workers=args.workers,
@@ -77,6 +89,7 @@ class Curate:
         from lm.config import load_config
         from lm.cpu_flags import apply_cpu_defaults
 
+        _check_curate_out(Path(args.out), args.input)
         config = load_config(args.config, overrides)
         apply_cpu_defaults(config.model.compute_dtype)  # before anything imports jax
         from lm.data.curate import curate
@@ -86,3 +99,22 @@ class Curate:
               f"wrote {len(report['shards'])} shard(s) and report.json to {args.out}")
         return 0
 
+
+
+def _check_curate_out(out, inputs: list[str]) -> None:
+    """`lm curate` replaces the part-*.jsonl.gz shards and report.json of an earlier curation in
+    --out: refused where they would be anything else (an input, or shards no curation wrote)."""
+    import glob
+    from pathlib import Path
+
+    check_out(out, overwrite=True, kind="dir")  # an earlier curation there is updated or replaced
+    full = out.resolve()
+    for spec in inputs:
+        for found in glob.glob(spec) or [spec]:
+            path = Path(found).resolve()
+            if path.exists() and (path == full or full in path.parents):
+                raise UserError(f"--out {out}: holds the --input {spec}; curate replaces the part-*.jsonl.gz files "
+                                "of its --out: choose a directory of its own")
+    if out.is_dir() and list(out.glob("part-*.jsonl.gz")) and not (out / "report.json").is_file():
+        raise UserError(f"--out {out}: holds part-*.jsonl.gz files that no `lm curate` wrote (no report.json); "
+                        "curate would replace them: choose another directory")

@@ -25,8 +25,8 @@ from typing import Iterable
 
 import numpy as np
 
-from lm.data.tokens import atomic_open
 from lm.errors import UserError
+from lm.outputs import write_bytes
 
 CHAT_TOKENS = ("<|system|>", "<|user|>", "<|assistant|>", "<|end|>")
 SPACE_MARK = "\u2581"  # how sentencepiece spells a space inside its pieces
@@ -181,8 +181,7 @@ def _without_thread_count(model: bytes) -> bytes:
 
 
 def _write_atomic(path: Path, data: bytes) -> None:
-    with atomic_open(path, "wb") as f:
-        f.write(data)
+    write_bytes(path, data)  # whole or not at all, with the umask's mode
 
 
 def train_sentencepiece(docs: Iterable[str | bytes], out_prefix: str | Path, vocab_size: int,

@@ -14,6 +14,8 @@ from pathlib import Path
 
 import numpy as np
 
+from lm.outputs import file_mode
+
 
 @contextlib.contextmanager
 def atomic_open(path: Path, mode: str = "wb"):
@@ -21,6 +23,7 @@ def atomic_open(path: Path, mode: str = "wb"):
     path = Path(path)
     path.parent.mkdir(parents=True, exist_ok=True)
     fd, tmp = tempfile.mkstemp(dir=path.parent, prefix=f".{path.name}.", suffix=".tmp")
+    os.fchmod(fd, file_mode())  # mkstemp's 0600 would stay on the renamed file: the umask's mode instead
     try:
         with os.fdopen(fd, mode) as f:
             yield f

@@ -4,7 +4,8 @@ An evaluation example is contaminated when any n consecutive words of it (n = 13
 also occur, consecutively, within one training document. An example of fewer than n words is
 checked whole (its k words as one k-gram), unless it has fewer than `min_words` (default 8): so
 few words turn up by chance in any large corpus, so a match would say nothing; such examples are
-counted as too short to check and kept in the clean subset.
+counted as too short to check: neither contaminated nor clean (`n/a: too short`), and left out of
+the clean subset.
 
 The training side is streamed: documents are read in chunks of a few MB of text, the hashes of
 every window of each needed length are computed with numpy (lm.eval.ngrams) and looked up in the
@@ -20,15 +21,15 @@ directories and globs skip binary files (a NUL byte in their head), as every cor
 
 Report: {"n", "min_words", "train": {"specs", "documents", "bytes", "seconds", "mb_per_s"}, "tasks":
 {FILE STEM: {"path", "examples", "checked", "too_short", "contaminated", "fraction" (of checked;
-null when no example was long enough to check), "ids" (line numbers), "samples": [{"id", "ngram"}]}}}.
-`clean_subset` rescores an `lm eval` report without the contaminated examples.
+null when no example was long enough to check), "ids" (line numbers), "too_short_ids", "samples":
+[{"id", "ngram"}]}}}. `clean_subset` rescores an `lm eval` report on the clean examples: checked and
+not contaminated.
 """
 
 from __future__ import annotations
 
 import codecs
 import dataclasses
-import math
 import pathlib
 import time
 
@@ -257,14 +258,15 @@ def check(train_specs: list[str], eval_files: list[str], *, n: int = N, min_word
     tasks = {}
     for f in eval_files:
         mine = [i for i, ex in enumerate(examples) if ex[0] == f]
-        short = sum(int(index.lengths[i]) < min_words for i in mine)
+        too_short = [examples[i][1] for i in mine if int(index.lengths[i]) < min_words]
+        short = len(too_short)
         dirty = [i for i in mine if i in first_hit]
         samples = [{"id": examples[i][1], "ngram": " ".join(index.words[i][s: s + k])}
                    for i in dirty[:SAMPLES] for s, k in [first_hit[i]]]
         tasks[_task_key(f, tasks)] = {
             "path": f, "examples": len(mine), "checked": len(mine) - short, "too_short": short,
             "contaminated": len(dirty), "fraction": len(dirty) / (len(mine) - short) if len(mine) > short else None,
-            "ids": [examples[i][1] for i in dirty], "samples": samples}
+            "ids": [examples[i][1] for i in dirty], "too_short_ids": too_short, "samples": samples}
     seconds = stats["seconds"]
     train = {"specs": list(train_specs), **stats, "mb_per_s": stats["bytes"] / 1e6 / max(seconds, 1e-9)}
     return {"n": n, "min_words": min_words, "train": train, "tasks": tasks}
@@ -284,19 +286,22 @@ def _same_file(a: str, b: str) -> bool:
 
 
 def clean_subset(eval_report: dict, contamination: dict) -> dict:
-    """Scores of each `lm eval` task read from a checked file, over all and the clean examples."""
+    """Scores of each `lm eval` task read from a checked file, over all and the clean examples (checked
+    and not contaminated: an example too short to check is neither, `n_too_short`)."""
     out = {}
     for name, entry in eval_report.get("tasks", {}).items():
         match = [t for t in contamination["tasks"].values() if _same_file(entry.get("path", ""), t["path"])]
         if not match or not entry.get("per_example"):
             continue
         dirty, ids = set(match[0]["ids"]), entry.get("example_ids") or []
+        short = set(match[0].get("too_short_ids", ()))
         for metric, values in entry["per_example"].items():
             if len(values) != len(ids):
                 raise UserError(f"eval report task '{name}': {len(values)} '{metric}' scores for {len(ids)} "
                                 "example_ids; expected one per example (an `lm eval --out` report)")
-        keep = np.array([i not in dirty for i in ids], bool)
-        out[name] = {"n_clean": int(keep.sum()), "n_contaminated": int((~keep).sum()),
+        keep = np.array([i not in dirty and i not in short for i in ids], bool)
+        out[name] = {"n_clean": int(keep.sum()), "n_contaminated": sum(i in dirty for i in ids),
+                     "n_too_short": sum(i in short for i in ids),
                      "metrics_all": _metrics(entry, np.ones(len(ids), bool)),
                      "metrics_clean": _metrics(entry, keep) if keep.any() else {}}
     return out
@@ -316,8 +321,11 @@ def table(report: dict, clean: dict | None = None) -> str:
                          "words), too short to check")
         lines += [f"    line {s['id']}: \"{s['ngram']}\"" for s in r["samples"]]
     for name, c in (clean or {}).items():
-        lines.append(f"{name}: clean {c['n_clean']}, contaminated {c['n_contaminated']}")
+        short = c.get("n_too_short", 0)
+        lines.append(f"{name}: clean {c['n_clean']}, contaminated {c['n_contaminated']}"
+                     + (f", n/a: too short {short}" if short else ""))
         for m, v in c["metrics_all"].items():
-            after = c["metrics_clean"].get(m, math.nan)
-            lines.append(f"    {m:<14} all {v:>10.4f}   clean {after:>10.4f}")
+            after = c["metrics_clean"].get(m)
+            shown = f"{after:>10.4f}" if after is not None else ("n/a: too short" if short else "n/a")
+            lines.append(f"    {m:<14} all {v:>10.4f}   clean {shown}")
     return "\n".join(lines)

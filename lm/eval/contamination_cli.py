@@ -7,6 +7,7 @@ import json
 import pathlib
 
 from lm.errors import UserError
+from lm.outputs import check_out, write_text
 
 
 def add_parser(sub) -> None:
@@ -25,6 +26,7 @@ def add_parser(sub) -> None:
     p.add_argument("--tokenizer", help="'byte' or a sentencepiece .model, to decode shard sets (default: byte)")
     p.add_argument("--report", metavar="EVAL_REPORT.json", help="an `lm eval --out` report to rescore")
     p.add_argument("--out", help="write the JSON contamination report (and the clean scores) here")
+    p.add_argument("--overwrite", action="store_true", help="replace an existing --out")
     p.add_argument("--no-progress", action="store_true", help="no progress bar")
 
 
@@ -35,6 +37,8 @@ def run(args, overrides=()) -> int:
     for f in args.eval:
         if not pathlib.Path(f).is_file():
             raise UserError(f"--eval {f}: no such file")
+    if args.out is not None:
+        check_out(args.out, args.overwrite)
     eval_report = read_report(args.report, "--report") if args.report else None  # before the long scan
     report = check(args.train, args.eval, n=args.n, min_words=args.min_words, tokenizer=args.tokenizer,
                    progress=not args.no_progress)
@@ -47,5 +51,5 @@ def run(args, overrides=()) -> int:
         report["clean"] = clean
     print(table(report, clean))
     if args.out:
-        pathlib.Path(args.out).write_text(json.dumps(report, indent=1))
+        write_text(args.out, json.dumps(report, indent=1))
     return 0

@@ -4,8 +4,8 @@ from __future__ import annotations
 
 import json
 import os
-import pathlib
 
+from lm.outputs import check_out, write_text
 from lm.verb import add_distributed, is_main, start_distributed
 
 
@@ -28,10 +28,13 @@ def add_parser(sub) -> None:
     p.add_argument("--offline", action="store_true", help="never reach the Hugging Face Hub (local datasets only)")
     p.add_argument("--verbose", action="store_true", help="the harness's own info logs and progress bars")
     p.add_argument("--out", help="write the harness's results (JSON) here")
+    p.add_argument("--overwrite", action="store_true", help="replace an existing --out")
     add_distributed(p)
 
 
 def run(args, overrides=()) -> int:
+    if args.out is not None:
+        check_out(args.out, args.overwrite)
     if args.offline:  # read when the datasets library is imported
         os.environ.update(HF_DATASETS_OFFLINE="1", HF_HUB_OFFLINE="1")
     os.environ.setdefault("DISABLE_MULTIPROC", "1")  # the harness's bootstrap would fork a process running jax
@@ -54,5 +57,5 @@ def run(args, overrides=()) -> int:
     if is_main():
         print(harness_table(results))
         if args.out:
-            pathlib.Path(args.out).write_text(json.dumps(results, indent=1, default=str))
+            write_text(args.out, json.dumps(results, indent=1, default=str))
     return 0

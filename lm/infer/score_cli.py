@@ -2,11 +2,13 @@
 
 from __future__ import annotations
 
+import contextlib
 import json
 import pathlib
 import sys
 
 from lm.errors import UserError
+from lm.outputs import atomic_open, check_out
 
 
 def add_parser(sub) -> None:
@@ -22,11 +24,14 @@ def add_parser(sub) -> None:
     what.add_argument("--texts", help="JSONL of responses to score")
     what.add_argument("--pairs", help="JSONL preference pairs {\"prompt\", \"chosen\", \"rejected\"}")
     p.add_argument("--out", help="write one JSON line per input with its score(s) (default: stdout)")
+    p.add_argument("--overwrite", action="store_true", help="replace an existing --out")
     p.add_argument("--limit", type=int, default=0, help="score only the first N lines (0 = all)")
     p.add_argument("--tokenizer", help="a sentencepiece .model (default: the one the run was trained with)")
 
 
 def run(args, overrides=()) -> int:
+    if args.out is not None:
+        check_out(args.out, args.overwrite)
     from lm.cpu_flags import apply_cpu_defaults
 
     apply_cpu_defaults("float32")
@@ -37,8 +42,8 @@ def run(args, overrides=()) -> int:
     if not pathlib.Path(path).is_file():
         raise UserError(f"{'--texts' if args.texts else '--pairs'} {path}: no such file")
     scorer = RewardScorer(load_trained(args.workdir, args.params, args.tokenizer))
-    out = open(args.out, "w", encoding="utf-8") if args.out else sys.stdout
-    try:
+    # written beside --out and renamed at the end: an interrupted run leaves --out as it was
+    with atomic_open(args.out) if args.out else contextlib.nullcontext(sys.stdout) as out:
         if args.texts:
             texts = read_texts(path)[: args.limit or None]
             for messages, score in zip(texts, scorer.score(texts)):
@@ -54,9 +59,6 @@ def run(args, overrides=()) -> int:
                           + "\n")
             summary = {"pairs": len(pairs), "accuracy": float((scores[:, 0] > scores[:, 1]).mean()),
                        "mean_margin": float((scores[:, 0] - scores[:, 1]).mean())}
-    finally:
-        if args.out:
-            out.close()
     if scorer.truncated:
         summary["truncated_to_context"] = scorer.truncated
     print(json.dumps(summary), file=sys.stderr)

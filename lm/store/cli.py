@@ -9,6 +9,8 @@ import re
 from lm.errors import UserError
 
 FORMATS = ("orbax", "safetensors", "hf", "peft")
+OVERWRITE_HELP = ("replace an existing --out: a file, or in a directory the files this writes (nothing else there is "
+                  "touched)")
 UNITS = {"": 1, "B": 1, "KB": 10**3, "MB": 10**6, "GB": 10**9, "KIB": 2**10, "MIB": 2**20, "GIB": 2**30}
 
 
@@ -48,6 +50,7 @@ class Export:
         ex.add_argument("--shard-size", default="5GB", help="hf: the largest safetensors shard (default 5GB)")
         ex.add_argument("--base-model", help="peft: base_model_name_or_path in adapter_config.json (default: the "
                                              "Hugging Face directory the run started from, when it did)")
+        ex.add_argument("--overwrite", action="store_true", help=OVERWRITE_HELP)
 
     @staticmethod
     def run(args, overrides=()) -> int:
@@ -58,10 +61,11 @@ class Export:
             raise UserError("lm export: --dtype applies to --format hf and peft (our layouts keep the params as held)")
         if args.base_model and fmt != "peft":
             raise UserError("lm export: --base-model applies to --format peft")
+        if args.quantize and (fmt not in (None, "safetensors") or args.merge or args.dtype):
+            raise UserError("lm export --quantize writes our .safetensors layout (adapters folded in): drop "
+                            "--format/--merge/--dtype")
+        _check_out(args, fmt)
         if args.quantize:
-            if fmt not in (None, "safetensors") or args.merge or args.dtype:
-                raise UserError("lm export --quantize writes our .safetensors layout (adapters folded in): drop "
-                                "--format/--merge/--dtype")
             from lm.store.export import export_quantized
             from lm.store.load import load_trained
 
@@ -85,6 +89,24 @@ class Export:
         print(f"wrote {done['params']:,} params of {what} to {done['out']} ({done['format']}); "
               "read them with lm.store.load.load_params")
         return 0
+
+
+def _check_out(args, fmt: str | None) -> None:
+    """--out checked before anything is loaded: its layout, and that it may be written."""
+    from lm.outputs import check_out
+
+    if args.quantize:
+        from lm.store.export import quantized_out
+
+        quantized_out(args.out)
+        kind = "file"
+    elif fmt in ("hf", "peft"):
+        kind = "dir"
+    else:
+        from lm.store.export import out_layout
+
+        kind = "file" if out_layout(args.out, fmt)[1] == "safetensors" else "dir"
+    check_out(args.out, args.overwrite, "--out", kind)
 
 
 def _export_hf(args) -> int:
@@ -120,6 +142,7 @@ class Import:
         im.add_argument("path", help="the Hugging Face model directory")
         im.add_argument("--out", required=True, help="a directory (orbax) or a file ending in .safetensors")
         im.add_argument("--format", choices=("orbax", "safetensors"), help="default: from the --out suffix")
+        im.add_argument("--overwrite", action="store_true", help=OVERWRITE_HELP)
 
     @staticmethod
     def run(args, overrides=()) -> int:
@@ -128,9 +151,12 @@ class Import:
         if not is_hf_dir(args.path):
             raise UserError(f"lm import hf: '{args.path}' is not a Hugging Face model directory (no config.json "
                             "naming a model_type)")
-        from lm.store.export import export_loaded
+        from lm.outputs import check_out
+        from lm.store.export import export_loaded, out_layout
         from lm.store.hf import load_hf
 
+        check_out(args.out, args.overwrite, "--out", "file" if out_layout(args.out, args.format)[1] == "safetensors"
+                  else "dir")
         done = export_loaded(load_hf(args.path), args.out, args.format)
         print(f"wrote {done['params']:,} params of {args.path} to {done['out']} ({done['format']}); use it with "
               f"--params {done['out']}")

@@ -15,7 +15,8 @@ leading axis of size n_layers because the blocks are scanned, whatever the remat
 A run trained with a sentencepiece tokenizer also gets its tokenizer beside the params:
 PATH/tokenizer.model, or NAME.tokenizer.model beside NAME.safetensors (`lm sample` reads it).
 A model with a Hugging Face tokenizer (imported from an HF directory by `export_loaded`, which
-`lm import hf` calls) gets its tokenizer files in PATH/tokenizer/ or NAME.tokenizer/.
+`lm import hf` calls, or a run started from one: it keeps them in WORKDIR/tokenizer/) gets its
+tokenizer files in PATH/tokenizer/ or NAME.tokenizer/.
 
 `lm.store.load.load_params(path)` reads either back as a nested dict of numpy arrays. A quantized
 export (`export_quantized`, safetensors only) holds integer weights and their scales; `load_trained`
@@ -38,14 +39,17 @@ from lm.errors import UserError
 from lm.model.build import build_model
 from lm.model.params import leaf_paths
 from lm.model.quant import quantize_params, quantized_tensors
+from lm.outputs import copy_file, replacing, write_text
 from lm.store.checkpoint import read_checkpoint_params
 from lm.store.hf_tokenizer_export import TOKENIZER_FILES
 from lm.store.load import with_base
 from lm.store.loaded import Loaded
+from lm.store.meta import tokenizer_beside
 from lm.store.safetensors_files import write_streamed
 
 
-def _layout(out, fmt: str | None) -> tuple[pathlib.Path, str]:
+def out_layout(out, fmt: str | None) -> tuple[pathlib.Path, str]:
+    """(out, 'orbax' | 'safetensors'): the layout asked for, or the one the --out suffix names."""
     out = pathlib.Path(out)
     if fmt is None and out.suffix not in ("", ".safetensors"):
         raise UserError(f"lm export: --out {out}: a '{out.suffix}' file is neither form lm writes; give a file "
@@ -61,7 +65,7 @@ def export_params(workdir, out, step: int | None = None, fmt: str | None = None,
 
     A LoRA run's checkpoints hold its adapters alone: they are exported alone (with the config
     naming their base, sft.init), or with merge=True folded into the base as a plain model."""
-    out, fmt = _layout(out, fmt)
+    out, fmt = out_layout(out, fmt)
     params, meta, step = read_checkpoint_params(workdir, step)
     saved = meta.get("config") or {}
     if merge:
@@ -75,16 +79,16 @@ def export_params(workdir, out, step: int | None = None, fmt: str | None = None,
     if fmt == "safetensors":
         from safetensors.numpy import save_file
 
-        out.parent.mkdir(parents=True, exist_ok=True)
         flat = {p: np.ascontiguousarray(x) for p, x in zip(leaf_paths(params), jax.tree.leaves(params))}
-        save_file(flat, str(out), metadata={"lm_config": config, "lm_step": str(step)})
+        with replacing(out) as tmp:
+            save_file(flat, str(tmp), metadata={"lm_config": config, "lm_step": str(step)})
         tokenizer_out = out.with_name(out.stem + ".tokenizer.model")
     else:
         _write_orbax(out, params, config, {"step": step, "checkpoint": str(pathlib.Path(workdir).absolute())})
         tokenizer_out = out / "tokenizer.model"
-    tokenizer = pathlib.Path(workdir) / "tokenizer.model"  # a sentencepiece run's; byte runs have none
-    if tokenizer.is_file():
-        shutil.copyfile(tokenizer, tokenizer_out)
+    kept = tokenizer_beside(pathlib.Path(workdir))  # a sentencepiece or HF run's; byte runs have none
+    if kept is not None:
+        _keep_tokenizer(kept, tokenizer_out.with_suffix(""))
     n = sum(int(np.prod(x.shape)) for x in jax.tree.leaves(params))
     return {"step": step, "format": fmt, "params": n, "out": str(out)}
 
@@ -94,7 +98,7 @@ def export_loaded(model: Loaded, out, fmt: str | None = None, merge: bool = Fals
     in our layout, with its config (the model section as imported) and its tokenizer, so that
     `--params OUT` reads it back anywhere. The safetensors layout is streamed one leaf at a time;
     the orbax layout holds the params on the host once. merge: fold LoRA adapters into the base."""
-    out, fmt = _layout(out, fmt)
+    out, fmt = out_layout(out, fmt)
     config, params = model.config, model.params
     if merge:
         if not config.model.lora_rank:
@@ -113,15 +117,21 @@ def export_loaded(model: Loaded, out, fmt: str | None = None, merge: bool = Fals
     return {"step": 0, "format": fmt, "params": n, "out": str(out)}
 
 
+def quantized_out(out) -> pathlib.Path:
+    """The --out of a quantized export: a .safetensors file."""
+    out = pathlib.Path(out)
+    if out.suffix != ".safetensors":
+        raise UserError(f"lm export --quantize: --out {out}: expected a file ending in .safetensors (the quantized "
+                        "layout is ours alone; Hugging Face and orbax exports stay float)")
+    return out
+
+
 def export_quantized(model: Loaded, out, mode: str) -> dict:
     """Writes a loaded model's weights quantized (lm.model.quant: int8 per channel or int4 per group,
     LoRA adapters folded in first) to one .safetensors file: each quantized weight as '<path>.q8' or
     '<path>.q4' plus '<path>.scale', everything else as in the float layout; the header says
     'lm_quantization'. `--params OUT` reads it back quantized."""
-    out = pathlib.Path(out)
-    if out.suffix != ".safetensors":
-        raise UserError(f"lm export --quantize: --out {out}: expected a file ending in .safetensors (the quantized "
-                        "layout is ours alone; Hugging Face and orbax exports stay float)")
+    out = quantized_out(out)
     config = model.config
     if config.model.lora_rank:
         config, params = with_base(config, model.params, model.source)
@@ -130,11 +140,11 @@ def export_quantized(model: Loaded, out, mode: str) -> dict:
     built = build_model(config, jax.devices()[:1])
     built.check(params, model.source)
     tensors = quantized_tensors(quantize_params(jax.tree.map(np.asarray, params), built.spec, mode))
-    out.parent.mkdir(parents=True, exist_ok=True)
     from safetensors.numpy import save_file
 
-    save_file({k: np.ascontiguousarray(v) for k, v in tensors.items()}, str(out),
-              metadata={"lm_config": json.dumps(config.to_dict()), "lm_step": "0", "lm_quantization": mode})
+    with replacing(out) as tmp:
+        save_file({k: np.ascontiguousarray(v) for k, v in tensors.items()}, str(tmp),
+                  metadata={"lm_config": json.dumps(config.to_dict()), "lm_step": "0", "lm_quantization": mode})
     _keep_tokenizer(model.tokenizer, out.with_name(out.stem + ".tokenizer"))
     return {"step": 0, "format": f"safetensors, {mode}", "params": sum(int(np.prod(x.shape)) for x in
                                                                       jax.tree.leaves(params)),
@@ -142,29 +152,29 @@ def export_quantized(model: Loaded, out, mode: str) -> dict:
 
 
 def _write_orbax(out: pathlib.Path, params: dict, config_json: str, info: dict) -> None:
-    """The orbax layout: OUT/params (a PyTree checkpoint), OUT/config.json, OUT/export.json."""
-    if out.exists():
-        shutil.rmtree(out)
-    out.mkdir(parents=True)
-    ckptr = ocp.PyTreeCheckpointer()
-    ckptr.save((out / "params").absolute(), args=ocp.args.PyTreeSave(params))
-    ckptr.close()
-    (out / "config.json").write_text(config_json)
-    (out / "export.json").write_text(json.dumps(info))
+    """The orbax layout: OUT/params (a PyTree checkpoint, written beside and swapped in whole),
+    OUT/config.json, OUT/export.json. Nothing else in OUT is touched."""
+    out.mkdir(parents=True, exist_ok=True)
+    with replacing(out / "params", directory=True) as tmp:
+        ckptr = ocp.PyTreeCheckpointer()
+        ckptr.save(tmp.absolute(), args=ocp.args.PyTreeSave(params))
+        ckptr.close()
+    write_text(out / "config.json", config_json)
+    write_text(out / "export.json", json.dumps(info))
 
 
 def _keep_tokenizer(tok, beside: pathlib.Path) -> None:
-    """A sentencepiece model as BESIDE.model; a Hugging Face tokenizer's files in BESIDE/."""
-    path = getattr(tok, "path", None)
+    """A sentencepiece model as BESIDE.model; a Hugging Face tokenizer's files in BESIDE/ (written
+    beside and swapped in whole: it holds only what this copies)."""
+    path = tok if isinstance(tok, pathlib.Path) else getattr(tok, "path", None)  # a tokenizer or its files
     if path is None:  # the byte tokenizer: its name in the config is enough
         return
     path = pathlib.Path(path)
     if path.suffix == ".model" and path.is_file():
-        shutil.copyfile(path, beside.with_name(beside.name + ".model"))
+        copy_file(path, beside.with_name(beside.name + ".model"))
     elif (path / "tokenizer.json").is_file():
-        if beside.exists():
-            shutil.rmtree(beside)
-        beside.mkdir(parents=True)
-        for name in TOKENIZER_FILES + ("generation_config.json",):
-            if (path / name).is_file():
-                shutil.copyfile(path / name, beside / name)
+        with replacing(beside, directory=True) as tmp:
+            tmp.mkdir()
+            for name in TOKENIZER_FILES + ("generation_config.json",):
+                if (path / name).is_file():
+                    shutil.copyfile(path / name, tmp / name)

@@ -28,11 +28,12 @@ from lm.model.families.common import to_hf
 from lm.model.layers import ModelSpec
 from lm.model.lora import SUFFIX_A, SUFFIX_B
 from lm.model.params import leaf_paths
+from lm.outputs import replacing, write_text
 from lm.store.hf_config import is_hf_dir
 from lm.store.hf_tokenizer_export import write_tokenizer
 from lm.store.load import with_base
 from lm.store.loaded import Loaded
-from lm.store.safetensors_files import INDEX, SINGLE, write_sharded
+from lm.store.safetensors_files import write_sharded
 
 DTYPES = {"float32": np.float32, "bfloat16": ml_dtypes.bfloat16, "float16": np.float16}
 SHARD_BYTES = 5 * 2**30
@@ -64,12 +65,12 @@ def export_hf(model: Loaded, out, *, merge: bool = False, dtype: str | None = No
     maps = family.tensors(ModelSpec.from_config(m))
     _check_leaves(params, maps, model.source)
     np_dtype = _dtype(dtype, params)
-    out = _clear(out, (SINGLE, INDEX), "model-*-of-*.safetensors")
+    out = _directory(out)
     ids = write_tokenizer(model.tokenizer, out, m.max_seq_len)
     name = np.dtype(np_dtype).name
     hf = family.hf_config(m) | {"torch_dtype": name, "dtype": name, "bos_token_id": ids.bos,
                                 "eos_token_id": ids.eos[0], "pad_token_id": ids.pad}
-    (out / "config.json").write_text(json.dumps(hf, indent=2) + "\n")
+    write_text(out / "config.json", json.dumps(hf, indent=2) + "\n")
     files = write_sharded(out, hf_tensors(maps, m.n_layers, params, np_dtype), max_bytes, metadata={"format": "pt"})
     return {"out": str(out), "architecture": hf["architectures"][0], "dtype": name, "files": files,
             "params": sum(int(np.prod(x.shape)) for x in _leaves(params).values())}
@@ -112,10 +113,10 @@ def export_peft(model: Loaded, out, *, base: str | None = None, dtype: str | Non
                "layers_to_transform": None}
     from safetensors.numpy import save_file
 
-    out = _clear(out, (PEFT_WEIGHTS,))
-    save_file({k: np.ascontiguousarray(v) for k, v in tensors.items()}, str(out / PEFT_WEIGHTS),
-              metadata={"format": "pt"})
-    (out / PEFT_CONFIG).write_text(json.dumps(adapter, indent=2) + "\n")
+    out = _directory(out)
+    with replacing(out / PEFT_WEIGHTS) as tmp:
+        save_file({k: np.ascontiguousarray(v) for k, v in tensors.items()}, str(tmp), metadata={"format": "pt"})
+    write_text(out / PEFT_CONFIG, json.dumps(adapter, indent=2) + "\n")
     write_tokenizer(model.tokenizer, out, m.max_seq_len)
     return {"out": str(out), "targets": sorted(targets), "rank": m.lora_rank, "base": base,
             "params": sum(int(v.size) for v in tensors.values())}
@@ -197,13 +198,12 @@ def _leaf(params: dict, path: str):
     return node
 
 
-def _clear(out, names: tuple, pattern: str | None = None) -> pathlib.Path:
-    """`out` as a directory, without the weight files a previous export left there."""
+def _directory(out) -> pathlib.Path:
+    """`out` as a directory (created if missing). Files are replaced one by one; the weight files
+    of a previous export that this one does not write are removed once the new ones are in place
+    (lm.store.safetensors_files.write_sharded)."""
     out = pathlib.Path(out)
     if out.exists() and not out.is_dir():
         raise UserError(f"--out {out}: exists and is not a directory")
     out.mkdir(parents=True, exist_ok=True)
-    stale = [out / n for n in names] + (list(out.glob(pattern)) if pattern else [])
-    for path in stale:
-        path.unlink(missing_ok=True)
     return out

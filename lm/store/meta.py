@@ -1,5 +1,12 @@
 """What a run or an export says about itself, read without jax: its training config and its
-tokenizer (kept beside the params)."""
+tokenizer (kept beside the params).
+
+A run keeps the tokenizer it trained with: a sentencepiece model as WORKDIR/tokenizer.model, a
+Hugging Face tokenizer (a model imported from a Hugging Face directory, and every run started
+from one) as its files in WORKDIR/tokenizer/ (tokenizer.json, tokenizer_config.json, special
+tokens, chat template, generation_config.json); data.tokenizer in its config names where that
+tokenizer came from ('byte' for the byte tokenizer). An export keeps the same files beside its
+params (lm.store.export)."""
 
 from __future__ import annotations
 
@@ -7,16 +14,20 @@ import json
 import pathlib
 import shutil
 
-from lm.config import base_config, merge
+from lm.config import ConfigDict, base_config, init_of, merge
 from lm.data.tokenizer import load_tokenizer
 from lm.errors import UserError
 from lm.store.hf_config import hf_config, is_hf_dir
+from lm.store.hf_tokenizer_export import TOKENIZER_FILES
+
+HF_FILES = TOKENIZER_FILES + ("generation_config.json",)  # a Hugging Face tokenizer as a run or an export keeps it
 
 
 def tokenizer_beside(path: pathlib.Path) -> pathlib.Path | None:
     """The sentencepiece model kept with a run (WORKDIR/tokenizer.model) or an export
     (EXPORT/tokenizer.model, or NAME.tokenizer.model beside NAME.safetensors), or the Hugging
-    Face tokenizer files kept with an export (EXPORT/tokenizer/, or NAME.tokenizer/)."""
+    Face tokenizer files kept with a run or an export (WORKDIR/tokenizer/, EXPORT/tokenizer/, or
+    NAME.tokenizer/)."""
     candidates = [path / "tokenizer.model", path.with_name(path.stem + ".tokenizer.model")]
     found = next((p for p in candidates if p.is_file()), None)
     if found is None:
@@ -26,33 +37,89 @@ def tokenizer_beside(path: pathlib.Path) -> pathlib.Path | None:
 
 
 def save_tokenizer(tok, workdir: pathlib.Path) -> None:
-    """A sentencepiece run keeps its model beside the checkpoints (sampling and export read it)."""
+    """A run keeps its tokenizer beside the checkpoints (sampling, evaluation, serving, export
+    and the runs started from it read it): WORKDIR/tokenizer.model or WORKDIR/tokenizer/; nothing
+    for the byte tokenizer, whose name in the config is enough."""
     path = getattr(tok, "path", None)
-    if path is not None and pathlib.Path(path).suffix == ".model":
-        target = pathlib.Path(workdir) / "tokenizer.model"
-        if pathlib.Path(path).resolve() != target.resolve():
-            shutil.copyfile(path, target)
+    if path is not None:
+        copy_tokenizer(pathlib.Path(path), pathlib.Path(workdir) / "tokenizer")
+
+
+def copy_tokenizer(source: pathlib.Path, beside: pathlib.Path) -> None:
+    """A sentencepiece model (a .model file) copied as BESIDE.model; a Hugging Face tokenizer
+    directory's files (HF_FILES) into BESIDE/, which they replace whole (never half written)."""
+    if source.suffix == ".model" and source.is_file():
+        target = beside.with_name(beside.name + ".model")
+        if source.resolve() != target.resolve():
+            shutil.copyfile(source, target)
+        return
+    if not (source / "tokenizer.json").is_file() or source.resolve() == beside.resolve():
+        return
+    staging, old = beside.with_name(f".{beside.name}.new"), beside.with_name(f".{beside.name}.old")
+    for stale in (staging, old):
+        if stale.exists():
+            shutil.rmtree(stale)
+    staging.mkdir(parents=True)
+    for name in HF_FILES:
+        if (source / name).is_file():
+            shutil.copyfile(source / name, staging / name)
+    if beside.exists():
+        beside.rename(old)
+    staging.rename(beside)
+    if old.exists():
+        shutil.rmtree(old)
+
+
+def tokenizer_name(tok) -> str:
+    """What data.tokenizer records for `tok`: the file or directory it was read from (absolute),
+    or its name ('byte')."""
+    path = getattr(tok, "path", None)
+    return str(pathlib.Path(path).absolute()) if path is not None else tok.name
+
+
+def with_tokenizer(config, tok) -> ConfigDict:
+    """A copy of `config` whose data.tokenizer names `tok` (the validated config is never changed)."""
+    out = ConfigDict(config.to_dict())
+    out.data.tokenizer = tokenizer_name(tok)
+    return out
+
+
+def trained_with(config, _seen: frozenset = frozenset()) -> str:
+    """What the run of `config` names as its tokenizer: data.tokenizer, except in a run written
+    before fine-tuning stages recorded theirs ('byte' there, though such a run trains with the
+    tokenizer of the model it starts from): then that model's."""
+    name, init = config.data.tokenizer, init_of(config)
+    if name != "byte" or not init or init in _seen or not pathlib.Path(init).exists():
+        return name
+    try:
+        return tokenizer_source(init, init_config(init), _seen | {init})
+    except UserError:
+        return name
+
+
+def _usable(name: str) -> bool:
+    return name == "byte" or pathlib.Path(name).exists()  # a .model file or an HF directory
+
+
+def check_given(tok, expected, given: str, source: str) -> None:
+    """--tokenizer GIVEN must be the tokenizer of `source` (`expected`): the same id mapping."""
+    if tok.fingerprint() != expected.fingerprint():
+        raise UserError(f"--tokenizer {given} does not match the tokenizer of {source} "
+                        f"({tok.fingerprint()} != {expected.fingerprint()}); leave --tokenizer out to use its own")
 
 
 def tokenizer_for(config, saved: pathlib.Path | None, given: str | None, source: str):
-    trained_with = config.data.tokenizer
+    """The tokenizer of a run or an export: the one kept beside it (`saved`), else the one its
+    config names; `given` (--tokenizer) must be that one, or is used as it is when neither exists."""
+    own = str(saved) if saved is not None else trained_with(config)
     if given:
         tok = load_tokenizer(given)
-        if saved is not None:
-            expected = load_tokenizer(str(saved)).fingerprint()
-        elif trained_with == "byte" or pathlib.Path(trained_with).exists():
-            expected = load_tokenizer(trained_with).fingerprint()
-        else:
-            expected = None
-        if expected is not None and tok.fingerprint() != expected:
-            raise UserError(f"--tokenizer {given} does not match the tokenizer {source} was trained with "
-                            f"({tok.fingerprint()} != {expected}); leave --tokenizer out to use the run's own")
-    elif saved is not None:
-        tok = load_tokenizer(str(saved))
-    elif trained_with == "byte" or pathlib.Path(trained_with).exists():  # a .model file or an HF directory
-        tok = load_tokenizer(trained_with)
+        if _usable(own):
+            check_given(tok, load_tokenizer(own), given, source)
+    elif _usable(own):
+        tok = load_tokenizer(own)
     else:
-        raise UserError(f"{source}: no tokenizer beside it and data.tokenizer='{trained_with}' does not exist; "
+        raise UserError(f"{source}: no tokenizer beside it and data.tokenizer='{own}' does not exist; "
                         "pass --tokenizer PATH.model (or a Hugging Face tokenizer directory)")
     if tok.vocab_size > config.model.vocab_size:
         raise UserError(f"the tokenizer has {tok.vocab_size} ids but {source} has model.vocab_size="
@@ -89,17 +156,17 @@ def init_config(path: str):
     return config_from(saved_config(path), f"'{path}'")
 
 
-def tokenizer_source(path: str, config) -> str:
+def tokenizer_source(path: str, config, _seen: frozenset = frozenset()) -> str:
     """What data.tokenizer must name to tokenize text for the model in `path` (its config given):
-    a Hugging Face directory itself, the tokenizer.model kept beside a run or an export, or the
-    tokenizer it was trained with ('byte' or a .model file)."""
+    a Hugging Face directory itself, the tokenizer kept beside a run or an export (tokenizer.model
+    or tokenizer/), or the tokenizer it was trained with ('byte', a .model file or a directory)."""
     p = pathlib.Path(path)
     if is_hf_dir(p):
         return str(p)
     beside = tokenizer_beside(p)
     if beside is not None:
         return str(beside)
-    trained_with = config.data.tokenizer
-    if trained_with == "byte" or pathlib.Path(trained_with).exists():  # a .model file or an HF directory
-        return trained_with
-    raise UserError(f"'{path}': no tokenizer beside it and data.tokenizer='{trained_with}' does not exist")
+    name = trained_with(config, _seen)
+    if _usable(name):
+        return name
+    raise UserError(f"'{path}': no tokenizer beside it and data.tokenizer='{name}' does not exist")

@@ -33,7 +33,7 @@ from lm.errors import UserError
 from lm.eval.during import with_sets
 from lm.model.params import merge_trees
 from lm.store.load import Loaded, load_init
-from lm.store.meta import save_tokenizer
+from lm.store.meta import save_tokenizer, with_tokenizer
 from lm.train.faults import StopSignal, agree_any
 from lm.train.fit import check_fits, check_resume, fit, save_final_metrics
 from lm.train.metrics import json_default, plot_curves, read_metrics
@@ -163,13 +163,17 @@ def _claimed(ctx: Ctx):
 
 
 def _prepare(stage: Stage, ctx: Ctx) -> None:
-    """The init model, the data, and the settings that follow from the data (a new config)."""
+    """The init model, the data, and the settings that follow from the data (a new config). A
+    stage that trains with its init model's tokenizer records it in data.tokenizer (the run keeps
+    its files: `_write_run_files`)."""
     if stage.init_section and (ctx.config[stage.init_section].init or not stage.init_optional):
         ctx.phase("loading the init model")
         ctx.init = load_init(ctx.config[stage.init_section].init)
     ctx.phase("data preparation")
     ctx.data = stage.read(ctx)
     ctx.config = stage.configure(ctx)
+    if ctx.init is not None and stage.tokenizer(ctx) is ctx.init.tokenizer:
+        ctx.config = with_tokenizer(ctx.config, ctx.init.tokenizer)
 
 
 def _build(stage: Stage, ctx: Ctx) -> None:
@@ -233,7 +237,8 @@ def _summarized(workdir: pathlib.Path, step: int) -> bool:
 
 
 def _write_run_files(stage: Stage, ctx: Ctx) -> None:
-    """config.json, data_stats.json and the tokenizer, by process 0, once every check has passed."""
+    """config.json, data_stats.json and the tokenizer (WORKDIR/tokenizer.model or WORKDIR/tokenizer/:
+    lm.store.meta.save_tokenizer), by process 0, once every check has passed."""
     if not ctx.is_main:
         return
     ctx.workdir.mkdir(parents=True, exist_ok=True)

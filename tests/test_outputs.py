@@ -141,6 +141,28 @@ def test_export_keeps_what_it_did_not_write(small_base, tmp_path, capsys, umask0
     assert export("--workdir", str(small_base), "--out", str(single), "--overwrite") == 0
 
 
+def test_an_export_over_an_earlier_one_leaves_no_tokenizer_of_another_kind(tmp_path):
+    """With --overwrite, a byte model over a sentencepiece export (or a sentencepiece one over an HF
+    export) must not leave the earlier tokenizer beside it: it would be read back with the new model."""
+    from lm.store.export import _keep_tokenizer
+
+    beside = tmp_path / "m.tokenizer"
+    spm = tmp_path / "m.tokenizer.model"
+    spm.write_bytes(b"earlier")
+    (tmp_path / "keep.txt").write_text("x")
+    _keep_tokenizer(None, beside)  # the byte tokenizer
+    assert not spm.exists() and (tmp_path / "keep.txt").exists()
+    hf = tmp_path / "hf-tokenizer"
+    hf.mkdir()
+    (hf / "tokenizer.json").write_text("{}")
+    _keep_tokenizer(hf, beside)
+    assert (beside / "tokenizer.json").read_text() == "{}"
+    source = tmp_path / "t.model"
+    source.write_bytes(b"spm")
+    _keep_tokenizer(source, beside)
+    assert spm.read_bytes() == b"spm" and not beside.exists()
+
+
 def test_export_never_writes_over_a_run(small_base, tmp_path, capsys):
     before = sorted(p.name for p in small_base.iterdir())
     for out in (small_base, small_base / "checkpoints" / "x"):

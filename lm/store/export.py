@@ -86,9 +86,8 @@ def export_params(workdir, out, step: int | None = None, fmt: str | None = None,
     else:
         _write_orbax(out, params, config, {"step": step, "checkpoint": str(pathlib.Path(workdir).absolute())})
         tokenizer_out = out / "tokenizer.model"
-    kept = tokenizer_beside(pathlib.Path(workdir))  # a sentencepiece or HF run's; byte runs have none
-    if kept is not None:
-        _keep_tokenizer(kept, tokenizer_out.with_suffix(""))
+    # a sentencepiece or HF run's; byte runs have none
+    _keep_tokenizer(tokenizer_beside(pathlib.Path(workdir)), tokenizer_out.with_suffix(""))
     n = sum(int(np.prod(x.shape)) for x in jax.tree.leaves(params))
     return {"step": step, "format": fmt, "params": n, "out": str(out)}
 
@@ -165,16 +164,23 @@ def _write_orbax(out: pathlib.Path, params: dict, config_json: str, info: dict) 
 
 def _keep_tokenizer(tok, beside: pathlib.Path) -> None:
     """A sentencepiece model as BESIDE.model; a Hugging Face tokenizer's files in BESIDE/ (written
-    beside and swapped in whole: it holds only what this copies)."""
+    beside and swapped in whole: it holds only what this copies). A tokenizer of the other kind that
+    an earlier export to the same place left there is removed: it would be read back with this model."""
     path = tok if isinstance(tok, pathlib.Path) else getattr(tok, "path", None)  # a tokenizer or its files
-    if path is None:  # the byte tokenizer: its name in the config is enough
-        return
-    path = pathlib.Path(path)
-    if path.suffix == ".model" and path.is_file():
-        copy_file(path, beside.with_name(beside.name + ".model"))
-    elif (path / "tokenizer.json").is_file():
+    path = None if path is None else pathlib.Path(path)  # None: the byte tokenizer, named in the config
+    spm, hf = beside.with_name(beside.name + ".model"), beside
+    kept = None
+    if path is not None and path.suffix == ".model" and path.is_file():
+        copy_file(path, spm)
+        kept = spm
+    elif path is not None and (path / "tokenizer.json").is_file():
         with replacing(beside, directory=True) as tmp:
             tmp.mkdir()
             for name in TOKENIZER_FILES + ("generation_config.json",):
                 if (path / name).is_file():
                     shutil.copyfile(path / name, tmp / name)
+        kept = hf
+    if kept is not spm and spm.is_file():
+        spm.unlink()
+    if kept is not hf and (hf / "tokenizer.json").is_file():
+        shutil.rmtree(hf)

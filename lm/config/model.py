@@ -97,6 +97,8 @@ def check(c) -> None:
     m = c.model
     for key in ("vocab_size", "d_model", "n_layers", "n_heads", "n_kv_heads", "d_ff", "max_seq_len"):
         require(m[key] > 0, f"model.{key}", m[key], "expected a positive integer")
+    for key in ("head_dim", "sliding_window"):
+        require(m[key] >= 0, f"model.{key}", m[key], "expected >= 0 (0 = derived / off)")
     require(m.head_dim > 0 or m.d_model % m.n_heads == 0, "model.n_heads", m.n_heads,
             f"must divide model.d_model={m.d_model} (or set model.head_dim)")
     require(m.lora_rank >= 0, "model.lora_rank", m.lora_rank, "expected >= 0 (0 = no adapters)")

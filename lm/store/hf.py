@@ -20,13 +20,13 @@ import numpy as np
 from lm.data.tokenizer import load_tokenizer
 from lm.errors import UserError
 from lm.model.families import family_of
-from lm.model.families.common import layout_view, stored_values
+from lm.model.families.common import layout_view, stored_shapes
 from lm.model.layers import ModelSpec
 from lm.model.params import leaf_paths
 from lm.model.transformer import Transformer, init_params
 from lm.store.hf_config import hf_config, is_hf_dir, read_hf_config
 from lm.store.loaded import Loaded
-from lm.store.safetensors_files import TensorFiles, aligned_empty
+from lm.store.safetensors_files import FLOATS, NAMES, TensorFiles, aligned_empty
 
 __all__ = ["LazyTensor", "hf_config", "is_hf_dir", "lazy_params", "load_hf"]
 TRANSPOSE_ROWS = 64  # stored rows per block of a transposing copy
@@ -147,13 +147,16 @@ def lazy_params(path, spec: ModelSpec, source: str) -> dict:
         m = m.as_stored(files)
         names = m.names(spec.n_layers, spec.n_experts)
         per_layer = shape[m.lead:]
-        values = stored_values(m.kind, math.prod(per_layer))
+        expected = stored_shapes(m.kind, per_layer)
         for name in names:
             if name not in files:
                 raise UserError(f"{source}: tensor '{name}' is missing from the checkpoint")
-            if math.prod(files.shape(name)) != values:
+            if files.shape(name) not in expected:
                 raise UserError(f"{source}: tensor '{name}' has shape {files.shape(name)}; config.json implies "
-                                f"{values} values ({per_layer} here)")
+                                f"{' or '.join(map(str, expected))}")
+            if NAMES[files.dtype(name)] not in FLOATS:
+                raise UserError(f"{source}: tensor '{name}' has dtype {NAMES[files.dtype(name)]}; expected a "
+                                f"floating dtype ({', '.join(sorted(FLOATS))})")
         dtype = np.float32 if m.kind == "id+1" else files.dtype(names[0])
         node = tree
         *parents, leaf = m.lm.split("/")

@@ -6,7 +6,7 @@ from __future__ import annotations
 import json
 import pathlib
 
-from lm.config import base_config
+from lm.config import base_config, merge, validate
 from lm.errors import UserError
 from lm.model.families import family_of
 
@@ -17,28 +17,43 @@ def is_hf_dir(path) -> bool:
     if not (p / "config.json").is_file():
         return False
     try:
-        return "model_type" in json.loads((p / "config.json").read_text())
-    except ValueError:
+        config = json.loads((p / "config.json").read_text())
+    except (OSError, ValueError, RecursionError):
         return False
+    return isinstance(config, dict) and "model_type" in config
 
 
 def read_hf_config(path) -> dict:
+    """config.json as a dict, whose model_type is a string: one UserError line otherwise."""
     p = pathlib.Path(path) / "config.json"
     try:
-        return json.loads(p.read_text())
-    except (OSError, ValueError) as e:
-        raise UserError(f"{p}: not a readable config.json: {e}") from None
+        config = json.loads(p.read_text())
+    except (OSError, ValueError, RecursionError) as e:
+        raise UserError(f"{p}: not a readable config.json: {str(e).splitlines()[0] if str(e) else type(e).__name__}") \
+            from None
+    if not isinstance(config, dict):
+        raise UserError(f"{p}: expected a JSON object, found {type(config).__name__}")
+    if not isinstance(config.get("model_type"), str):
+        raise UserError(f"{p}: key 'model_type' = {config.get('model_type')!r:.60}: expected a string (the "
+                        "architecture, e.g. 'llama')")
+    return config
 
 
 def hf_config(path):
     """Our config (a ConfigDict) for an HF model directory: its architecture in the model
-    section, its own tokenizer (data.tokenizer = the directory); read without params or jax work."""
+    section, its own tokenizer (data.tokenizer = the directory); read without params or jax work.
+    Every key that changes the model is read or refused (docs/hf.md); the result passes the
+    model section's own checks."""
     hf = read_hf_config(path)
     source = f"{pathlib.Path(path) / 'config.json'}"
-    family = family_of(hf.get("model_type", "?"), source)
+    family = family_of(hf["model_type"], source)
+    keys = family.model_config(hf, source)
     config = base_config()
-    for key, value in family.model_config(hf, source).items():
-        config.model[key] = value
     config.data.tokenizer = str(pathlib.Path(path))
-    config.data.seq_len = min(config.data.seq_len, config.model.max_seq_len)
+    try:
+        merge(config.model, keys, "model.")
+        config.data.seq_len = min(config.data.seq_len, config.model.max_seq_len)
+        validate(config)
+    except UserError as e:
+        raise UserError(f"{source}: {e}") from None
     return config

@@ -10,6 +10,7 @@ import numpy as np
 import orbax.checkpoint as ocp
 
 from lm.config import ConfigDict, init_of
+from lm.data.tokenizer import load_tokenizer
 from lm.errors import UserError
 from lm.model.build import build_model
 from lm.model.lora import merge_lora
@@ -18,7 +19,8 @@ from lm.model.quant import SUFFIXES, from_tensors
 from lm.store.checkpoint import read_checkpoint_params, saved_steps
 from lm.store.hf import is_hf_dir, load_hf
 from lm.store.loaded import Loaded
-from lm.store.meta import config_from, saved_config, tokenizer_beside, tokenizer_for
+from lm.store.meta import check_given, config_from, saved_config, tokenizer_beside, tokenizer_for
+from lm.store.safetensors_files import check_finite
 
 __all__ = ["Loaded", "load_trained", "load_init", "load_params", "with_base"]
 
@@ -32,6 +34,8 @@ def load_trained(workdir: str | None = None, params: str | None = None, tokenize
     if (workdir is None) == (params is None):
         raise UserError("give exactly one of --workdir RUN or --params EXPORT_OR_HF_DIR")
     if params is not None and is_hf_dir(params):
+        if tokenizer and any((pathlib.Path(params) / n).is_file() for n in ("tokenizer.json", "tokenizer.model")):
+            check_given(load_tokenizer(tokenizer), load_tokenizer(params), tokenizer, f"'{params}'")
         return load_hf(params, tokenizer)
     if workdir is not None:
         _check_run(pathlib.Path(workdir), step)
@@ -44,6 +48,7 @@ def load_trained(workdir: str | None = None, params: str | None = None, tokenize
             raise UserError(f"--params {params}: no such file or directory (an `lm export` output)")
         values, source = load_params(path), f"export '{params}'"
         config = config_from(saved_config(path), source)
+    check_finite(values, source)
     if quantized(values):
         values = from_tensors(dict(zip(leaf_paths(values), jax.tree.leaves(values))),
                               build_model(config, jax.devices()[:1]).abstract_params())

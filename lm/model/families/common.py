@@ -76,9 +76,15 @@ def layout_view(kind: str, x: np.ndarray, shape: tuple) -> np.ndarray:
     return (x.T if kind in ("T1", "T2") else x).reshape(shape)
 
 
-def stored_values(kind: str, n: int) -> int:
-    """How many values the HF tensor holds for a leaf part of n values ("E/0", "E/1": twice)."""
-    return 2 * n if kind in ("E/0", "E/1") else n
+def stored_shapes(kind: str, shape: tuple) -> list[tuple]:
+    """The shapes an HF tensor may have for our per-layer leaf of `shape` (the inverse of `layout_view`)."""
+    if kind in ("T1", "T2"):
+        n_in = 1 if kind == "T1" else len(shape) - 1
+        return [(math.prod(shape[n_in:]), math.prod(shape[:n_in]))]
+    if kind.startswith("E"):  # ours [E, in, out...] <- [E, out, in]; "E/0", "E/1": half of the outputs
+        outs = math.prod(shape[2:]) * (2 if kind in ("E/0", "E/1") else 1)
+        return [(shape[0], outs, shape[1])]
+    return [tuple(shape), (math.prod(shape),)] if len(shape) != 1 else [tuple(shape)]
 
 
 def to_hf(kind: str, x: np.ndarray, like_2d: bool = False) -> np.ndarray:
@@ -124,35 +130,100 @@ def llama_like(spec, norm_kind: str = "id", bias: bool = False, qk_norm: bool = 
     return maps
 
 
+MISSING = object()  # a required config.json key: no default
+KINDS = {  # kind -> (test, what is expected)
+    "int+": (lambda v: isinstance(v, int) and not isinstance(v, bool) and v > 0, "a positive integer"),
+    "int0": (lambda v: isinstance(v, int) and not isinstance(v, bool) and v >= 0, "an integer >= 0"),
+    "float": (lambda v: isinstance(v, (int, float)) and not isinstance(v, bool) and math.isfinite(v),
+              "a finite number"),
+    "float+": (lambda v: isinstance(v, (int, float)) and not isinstance(v, bool) and math.isfinite(v) and v > 0,
+               "a positive number"),
+    "bool": (lambda v: isinstance(v, bool), "true or false"),
+    "str": (lambda v: isinstance(v, str), "a string"),
+    "strs": (lambda v: isinstance(v, list) and all(isinstance(x, str) for x in v), "a list of strings"),
+    "ints": (lambda v: isinstance(v, list) and all(isinstance(x, int) and not isinstance(x, bool) for x in v),
+             "a list of integers"),
+    "dict": (lambda v: isinstance(v, dict), "an object"),
+}
+
+
+def shown(value, limit: int = 60) -> str:
+    """A value as one short line of an error message."""
+    text = repr(value)
+    return text if len(text) <= limit else text[:limit] + "..."
+
+
+def typed(hf: dict, key: str, kind: str, source: str, default=MISSING, where: str = "config.json key"):
+    """config.json's `key`, checked to be of `kind` (KINDS); `default` when absent or null (a
+    required key, default MISSING, is refused when absent). One UserError line otherwise."""
+    value = hf.get(key)
+    if value is None:
+        if default is MISSING:
+            raise UserError(f"{source}: config.json has no '{key}' (model_type '{hf.get('model_type')}')")
+        return default
+    ok, expected = KINDS[kind]
+    if not ok(value):
+        raise UserError(f"{source}: {where} '{key}' = {shown(value)}: expected {expected}")
+    return value
+
+
+def with_defaults(hf: dict, defaults: dict) -> dict:
+    """config.json with transformers' own defaults for the keys it leaves out (an explicit null stays)."""
+    return {k: v for k, v in defaults.items() if k not in hf} | hf
+
+
 def refuse(hf: dict, source: str, **unsupported) -> None:
     """One clear error naming the first config key whose value this importer cannot honour:
     unsupported = {key: predicate(value) -> True when the value is unsupported}."""
     for key, bad in unsupported.items():
         if key in hf and hf[key] is not None and bad(hf[key]):
-            raise UserError(f"{source}: config.json key '{key}' = {hf[key]!r} is not supported for "
+            raise UserError(f"{source}: config.json key '{key}' = {shown(hf[key])} is not supported for "
                             f"model_type '{hf.get('model_type')}' (the model would compute something else)")
 
 
-def rope_parameters(hf: dict, layer_type: str | None = None) -> dict:
-    """The RoPE parameters of a config.json in either spelling: `rope_theta` + `rope_scaling` (the
-    checkpoints on the Hub) or `rope_parameters` (transformers 5), per layer type when nested."""
-    params = hf.get("rope_parameters") or {}
-    if layer_type is not None and isinstance(params.get(layer_type), dict):
-        params = params[layer_type]
-    out = {k: v for k, v in params.items() if not isinstance(v, dict)}
-    out.update(hf.get("rope_scaling") or {})
-    if "rope_theta" not in out:
-        out["rope_theta"] = hf.get("rope_theta", 10000.0)
+# Keys every family refuses: a quantized checkpoint holds other tensors than the weights.
+REFUSED = dict(quantization_config=lambda v: True)
+
+
+def rope_parameters(hf: dict, source: str, layer_type: str | None = None, theta: float = 10000.0) -> dict:
+    """The RoPE parameters of a config.json as transformers standardises them: `rope_scaling` (the
+    transformers-4 spelling) wins over `rope_parameters` (transformers 5), per layer type when
+    nested; `rope_theta` and `partial_rotary_factor` at the top level fill what the set leaves out,
+    `theta` (the family's default) after that."""
+    given = hf.get("rope_scaling") or hf.get("rope_parameters") or {}
+    if not isinstance(given, dict):
+        key = "rope_scaling" if hf.get("rope_scaling") else "rope_parameters"
+        raise UserError(f"{source}: config.json key '{key}' = {shown(given)}: expected an object")
+    if layer_type is not None and layer_type in given:
+        given = given[layer_type]
+        if not isinstance(given, dict):
+            raise UserError(f"{source}: config.json key 'rope_parameters.{layer_type}' = {shown(given)}: "
+                            "expected an object")
+    out = {k: v for k, v in given.items() if not isinstance(v, dict)}
+    if "rope_theta" not in out or out["rope_theta"] is None:
+        out["rope_theta"] = hf["rope_theta"] if hf.get("rope_theta") is not None else theta
+    if "partial_rotary_factor" not in out and hf.get("partial_rotary_factor") is not None:
+        out["partial_rotary_factor"] = hf["partial_rotary_factor"]
     out["rope_type"] = out.get("rope_type") or out.get("type") or "default"
     return out
 
 
+ROPE_KINDS = dict(rope_theta="float+", partial_rotary_factor="float+", factor="float+", rope_type="str",
+                  original_max_position_embeddings="int+", low_freq_factor="float+", high_freq_factor="float+",
+                  beta_fast="float", beta_slow="float", attention_factor="float", mscale="float",
+                  mscale_all_dim="float", truncate="bool")
+
+
 def rope_config(rope: dict, hf: dict, source: str) -> dict:
     """Our model-section keys for one set of RoPE parameters."""
+    for key, kind in ROPE_KINDS.items():
+        if rope.get(key) is not None:
+            typed(rope, key, kind, source, where="config.json RoPE parameter")
     kind = rope["rope_type"]
     out = dict(rope_theta=float(rope["rope_theta"]))
     if rope.get("partial_rotary_factor", 1.0) != 1.0:
-        raise UserError(f"{source}: partial_rotary_factor={rope['partial_rotary_factor']} is not supported")
+        raise UserError(f"{source}: config.json key 'partial_rotary_factor' = {rope['partial_rotary_factor']!r} "
+                        "is not supported (RoPE on part of each head; lm rotates whole heads)")
     if kind == "default":
         return out | dict(rope_scaling="none")
     factor = float(rope.get("factor") or 1.0)
@@ -174,7 +245,8 @@ def rope_config(rope: dict, hf: dict, source: str) -> dict:
         return out | dict(rope_scaling="yarn", rope_factor=factor, rope_original_max_len=original,
                           rope_beta_fast=float(rope.get("beta_fast") or 32), rope_beta_slow=float(rope.get("beta_slow") or 1),
                           rope_attention_factor=float(attention or 0.0), rope_truncate=bool(rope.get("truncate", True)))
-    raise UserError(f"{source}: RoPE type '{kind}' is not supported (supported: default, linear, llama3, yarn)")
+    raise UserError(f"{source}: RoPE type {shown(kind)} (config.json key 'rope_type') is not supported (supported: "
+                    "default, linear, llama3, yarn)")
 
 
 def rope_to_hf(m) -> dict:
@@ -195,26 +267,42 @@ def rope_to_hf(m) -> dict:
 
 
 def shared_keys(hf: dict, source: str) -> dict:
-    """The model-section keys every family reads the same way."""
-    try:
-        n_heads = int(hf["num_attention_heads"])
-        d_model = int(hf["hidden_size"])
-        return dict(vocab_size=int(hf["vocab_size"]), d_model=d_model, n_layers=int(hf["num_hidden_layers"]),
-                    n_heads=n_heads, n_kv_heads=int(hf.get("num_key_value_heads") or n_heads),
-                    head_dim=int(hf.get("head_dim") or d_model // n_heads), d_ff=int(hf["intermediate_size"]),
-                    max_seq_len=int(hf.get("max_position_embeddings") or 2048),
-                    norm_eps=float(hf.get("rms_norm_eps") or 1e-6), norm="rmsnorm", position="rope",
-                    tie_embeddings=bool(hf.get("tie_word_embeddings", False)), family=hf["model_type"])
-    except KeyError as e:
-        raise UserError(f"{source}: config.json has no '{e.args[0]}' (model_type '{hf.get('model_type')}')") from None
+    """The model-section keys every family reads the same way (`hf` with the family's defaults), each
+    checked for its type and range: sizes positive, the heads splitting the width (unless head_dim
+    is given), the key/value heads splitting the heads."""
+    get = lambda key, kind, default=MISSING: typed(hf, key, kind, source, default)
+    d_model, n_heads = get("hidden_size", "int+"), get("num_attention_heads", "int+")
+    n_kv_heads = get("num_key_value_heads", "int+", n_heads)
+    head_dim = get("head_dim", "int+", 0)
+    if not head_dim and d_model % n_heads:
+        raise UserError(f"{source}: config.json key 'num_attention_heads' = {n_heads}: expected a divisor of "
+                        f"hidden_size={d_model} (or a head_dim)")
+    if n_heads % n_kv_heads:
+        raise UserError(f"{source}: config.json key 'num_key_value_heads' = {n_kv_heads}: expected a divisor of "
+                        f"num_attention_heads={n_heads}")
+    return dict(vocab_size=get("vocab_size", "int+"), d_model=d_model, n_layers=get("num_hidden_layers", "int+"),
+                n_heads=n_heads, n_kv_heads=n_kv_heads, head_dim=head_dim or d_model // n_heads,
+                d_ff=get("intermediate_size", "int+"), max_seq_len=get("max_position_embeddings", "int+", 2048),
+                norm_eps=float(get("rms_norm_eps", "float+", 1e-6)), norm="rmsnorm", position="rope",
+                tie_embeddings=get("tie_word_embeddings", "bool", False), family=hf["model_type"])
 
 
-def layer_types(hf: dict, n_layers: int, default) -> tuple:
+def layer_types(hf: dict, n_layers: int, default, source: str = "config.json") -> tuple:
     """Per layer 'global'/'local' from config.json's layer_types, else default(i) -> local?."""
-    given = hf.get("layer_types")
+    given = typed(hf, "layer_types", "strs", source, None)
     if given:
+        if len(given) != n_layers or not set(given) <= {"full_attention", "sliding_attention"}:
+            raise UserError(f"{source}: config.json key 'layer_types' = {shown(given)}: expected {n_layers} names "
+                            "among 'full_attention', 'sliding_attention'")
         return tuple("local" if t == "sliding_attention" else "global" for t in given)
     return tuple("local" if default(i) else "global" for i in range(n_layers))
+
+
+def window(hf: dict, types: tuple, source: str) -> dict:
+    """Our sliding-window keys for per-layer `types`: none when every layer is global."""
+    if "local" not in types:
+        return {}
+    return dict(sliding_window=typed(hf, "sliding_window", "int+", source), layer_types=types)
 
 
 def hf_base(m, architecture: str) -> dict:
@@ -245,18 +333,31 @@ def expert_maps(prefixes: tuple[str, ...], names: tuple[str, str, str]) -> list[
     return maps
 
 
-def moe_keys(hf: dict, source: str, width_key: str, router_norm: bool) -> dict:
-    """Our MoE keys from a config.json: the number of experts (num_local_experts, or num_experts
-    as Qwen's configs spell it), experts per token, each expert's width (width_key), softmax
-    routing over all experts, dropless; router_aux_loss_coef, where given, weighs the balance loss."""
-    given = {"num_local_experts": hf.get("num_local_experts") or hf.get("num_experts"),
+def moe_keys(hf: dict, source: str, experts: int, width_key: str, router_norm: bool) -> dict:
+    """Our MoE keys from a config.json: the number of experts (num_local_experts, or num_experts:
+    transformers reads both spellings as one; `experts` when neither is given), experts per token,
+    each expert's width (width_key), softmax routing over all experts, dropless;
+    router_aux_loss_coef weighs the balance loss."""
+    spelled = {k: hf[k] for k in ("num_local_experts", "num_experts") if hf.get(k) is not None}
+    if len(set(map(repr, spelled.values()))) > 1:
+        raise UserError(f"{source}: config.json keys 'num_local_experts' = {spelled['num_local_experts']!r:.20} and "
+                        f"'num_experts' = {spelled['num_experts']!r:.20} differ (transformers reads them as one)")
+    experts_key = next(iter(spelled), "num_local_experts" if "num_local_experts" in hf else "num_experts")
+    given = {experts_key: next(iter(spelled.values()), None if experts_key in hf else experts),
              "num_experts_per_tok": hf.get("num_experts_per_tok"), width_key: hf.get(width_key)}
     for key, value in given.items():
-        if not value or int(value) <= 0:
-            raise UserError(f"{source}: config.json has no positive '{key}' (model_type '{hf.get('model_type')}')")
-    out = dict(n_experts=int(given["num_local_experts"]), experts_per_token=int(hf["num_experts_per_tok"]),
-               expert_d_ff=int(hf[width_key]), shared_d_ff=0, router_score="softmax", router_norm=bool(router_norm),
+        if not KINDS["int+"][0](value):
+            raise UserError(f"{source}: config.json has no positive '{key}' (model_type '{hf.get('model_type')}'; "
+                            f"found {shown(value)})")
+    if given["num_experts_per_tok"] > given[experts_key]:
+        raise UserError(f"{source}: config.json key 'num_experts_per_tok' = {given['num_experts_per_tok']}: expected "
+                        f"at most {experts_key}={given[experts_key]}")
+    out = dict(n_experts=given[experts_key], experts_per_token=given["num_experts_per_tok"],
+               expert_d_ff=given[width_key], shared_d_ff=0, router_score="softmax", router_norm=bool(router_norm),
                capacity_factor=0.0)
-    if hf.get("router_aux_loss_coef") is not None:
-        out["moe_balance_coef"] = float(hf["router_aux_loss_coef"])
+    coef = typed(hf, "router_aux_loss_coef", "float", source, None)
+    if coef is not None:
+        if coef < 0:
+            raise UserError(f"{source}: config.json key 'router_aux_loss_coef' = {coef}: expected >= 0")
+        out["moe_balance_coef"] = float(coef)
     return out

@@ -3,19 +3,26 @@ trained here have this shape and export as Llama."""
 
 from __future__ import annotations
 
-from lm.model.families.common import shared_keys, hf_base, llama_like, refuse, rope_config, rope_parameters, rope_to_hf
+from lm.model.families.common import (REFUSED, hf_base, llama_like, refuse, rope_config, rope_parameters, rope_to_hf,
+                                      shared_keys, window, with_defaults)
 
 MODEL_TYPES = ("llama", "mistral")
+# transformers' defaults for the keys a config.json may leave out (LlamaConfig, MistralConfig)
+DEFAULTS = {"llama": dict(hidden_act="silu", max_position_embeddings=2048, rms_norm_eps=1e-6,
+                          tie_word_embeddings=False),
+            "mistral": dict(hidden_act="silu", num_key_value_heads=8, max_position_embeddings=131072, rms_norm_eps=1e-6,
+                            tie_word_embeddings=False, sliding_window=4096)}
 
 
 def model_config(hf: dict, source: str) -> dict:
-    refuse(hf, source, hidden_act=lambda v: v != "silu", attention_bias=bool, mlp_bias=bool,
-           pretraining_tp=lambda v: v != 1)
+    hf = with_defaults(hf, DEFAULTS[hf["model_type"]])
+    refuse(hf, source, hidden_act=lambda v: v != "silu", **REFUSED)
+    if hf["model_type"] == "llama":  # Mistral's projections have no biases whatever the config says
+        refuse(hf, source, attention_bias=bool, mlp_bias=bool)
     out = shared_keys(hf, source) | dict(mlp="swiglu")
-    out |= rope_config(rope_parameters(hf), hf, source)
-    window = hf.get("sliding_window") if hf["model_type"] == "mistral" else None
-    if window:
-        out |= dict(sliding_window=int(window), layer_types=("local",) * out["n_layers"])
+    out |= rope_config(rope_parameters(hf, source), hf, source)
+    if hf["model_type"] == "mistral" and hf.get("sliding_window") is not None:  # every layer
+        out |= window(hf, ("local",) * out["n_layers"], source)
     return out
 
 

@@ -11,20 +11,26 @@ with model.capacity_factor=0.
 
 from __future__ import annotations
 
-from lm.model.families.common import (expert_maps, hf_base, llama_like, moe_keys, refuse, rope_config,
-                                      rope_parameters, rope_to_hf, shared_keys)
+from lm.model.families.common import (REFUSED, expert_maps, hf_base, llama_like, moe_keys, refuse, rope_config,
+                                      rope_parameters, rope_to_hf, shared_keys, window, with_defaults)
 from lm.model.families.llama import LLAMA_SHAPE, unsupported as llama_unsupported
 
 MODEL_TYPES = ("mixtral",)
 LAYER = "model.layers.{i}."
+# transformers' defaults for the keys a config.json may leave out (MixtralConfig; RoPE base 1e6)
+DEFAULTS = dict(hidden_act="silu", num_key_value_heads=8, max_position_embeddings=131072, rms_norm_eps=1e-5,
+                tie_word_embeddings=False, num_experts_per_tok=2, router_aux_loss_coef=0.001)
+ROPE_THETA = 1e6
 
 
 def model_config(hf: dict, source: str) -> dict:
-    refuse(hf, source, hidden_act=lambda v: v != "silu", attention_bias=bool, mlp_bias=bool)
-    out = shared_keys(hf, source) | dict(mlp="swiglu") | moe_keys(hf, source, "intermediate_size", router_norm=True)
-    out |= rope_config(rope_parameters(hf), hf, source)
-    if hf.get("sliding_window"):  # every layer, as in Mistral
-        out |= dict(sliding_window=int(hf["sliding_window"]), layer_types=("local",) * out["n_layers"])
+    hf = with_defaults(hf, DEFAULTS)
+    refuse(hf, source, hidden_act=lambda v: v != "silu", **REFUSED)
+    out = shared_keys(hf, source) | dict(mlp="swiglu")
+    out |= moe_keys(hf, source, 8, "intermediate_size", router_norm=True)
+    out |= rope_config(rope_parameters(hf, source, theta=ROPE_THETA), hf, source)
+    if hf.get("sliding_window") is not None:  # every layer, as in Mistral
+        out |= window(hf, ("local",) * out["n_layers"], source)
     return out
 
 

@@ -10,22 +10,27 @@ computes it (it reads no `max_window_layers` for this family).
 from __future__ import annotations
 
 from lm.errors import UserError
-from lm.model.families.common import (expert_maps, hf_base, layer_types, llama_like, moe_keys, refuse, rope_config,
-                                      rope_parameters, rope_to_hf, shared_keys)
+from lm.model.families.common import (REFUSED, expert_maps, hf_base, llama_like, moe_keys, refuse, rope_config,
+                                      rope_parameters, rope_to_hf, shared_keys, typed, window, with_defaults)
 
 MODEL_TYPES = ("qwen3_moe",)
+# transformers' defaults for the keys a config.json may leave out (Qwen3MoeConfig)
+DEFAULTS = dict(hidden_act="silu", num_key_value_heads=4, max_position_embeddings=32768, rms_norm_eps=1e-6,
+                tie_word_embeddings=False, intermediate_size=6144, use_sliding_window=False, sliding_window=4096,
+                num_experts_per_tok=8, moe_intermediate_size=768, norm_topk_prob=False,
+                router_aux_loss_coef=0.001)
 
 
 def model_config(hf: dict, source: str) -> dict:
+    hf = with_defaults(hf, DEFAULTS)
     refuse(hf, source, hidden_act=lambda v: v != "silu", attention_bias=bool, mlp_only_layers=bool,
-           decoder_sparse_step=lambda v: v != 1, shared_expert_intermediate_size=bool)
+           decoder_sparse_step=lambda v: v != 1, shared_expert_intermediate_size=bool, **REFUSED)
     out = shared_keys(hf, source) | dict(mlp="swiglu", qk_norm=True)
-    out |= moe_keys(hf, source, "moe_intermediate_size", router_norm=bool(hf.get("norm_topk_prob", False)))
-    out |= rope_config(rope_parameters(hf), hf, source)
-    if hf.get("use_sliding_window") and hf.get("sliding_window"):
-        types = layer_types(hf, out["n_layers"], lambda i: True)
-        if "local" in types:
-            out |= dict(sliding_window=int(hf["sliding_window"]), layer_types=types)
+    norm = typed(hf, "norm_topk_prob", "bool", source, False)
+    out |= moe_keys(hf, source, 128, "moe_intermediate_size", router_norm=norm)
+    out |= rope_config(rope_parameters(hf, source), hf, source)
+    if typed(hf, "use_sliding_window", "bool", source, False) and hf.get("sliding_window") is not None:
+        out |= window(hf, ("local",) * out["n_layers"], source)  # every layer; layer_types is not read
     return out
 
 

@@ -1,11 +1,14 @@
 """`lm` command line: a table of verbs, each with its package (lm.verb.Verb: add_parser, run). Here:
-config overrides split off, user errors as one line (exit 2), huge pages for the process."""
+config overrides split off, user errors as one line (exit 2), huge pages for the process, and
+SIGTERM/SIGINT handled from the start of every command (lm.train.faults.StopSignal): a training
+command stops with nothing lost (exit 0, the line says how to go on); any other stops at once
+with one line and the shell's code for the signal (130 for SIGINT, 143 for SIGTERM)."""
 
 from __future__ import annotations
 
 import argparse
-import contextlib
 import shlex
+import signal
 import sys
 
 from lm import demo_cli, plan_cli
@@ -17,7 +20,7 @@ from lm.infer import cli as infer_cli
 from lm.infer.serve import cli as serve_cli
 from lm.store import cli as store_cli
 from lm.train import cli as train_cli
-from lm.train.faults import StopRequested, StopSignal
+from lm.train.faults import StopRequested, StopSignal, hard_exit
 from lm.verb import Stopped, Verb
 
 # the verbs that train: SIGTERM/SIGINT stop them cleanly from start-up on (lm.train.faults.StopSignal)
@@ -62,38 +65,61 @@ def _parser() -> tuple[argparse.ArgumentParser, dict[str, Verb]]:
 
 def main(argv: list[str] | None = None) -> int:
     argv = sys.argv[1:] if argv is None else argv
+    training = False
     try:
         rest, overrides = _split_overrides(argv)
         parser, reaches = _parser()
         args = parser.parse_args(rest)
-        with _signals(reaches[args.verb], args):
-            return reaches[args.verb].run(args, overrides)
+        verb = reaches[args.verb]
+        training = verb in TRAINING and getattr(args, "action", None) is None  # `lm reward score` is not
+        with StopSignal("start-up" if training else args.verb, defer=False, saved=False) as stop:
+            try:
+                return verb.run(args, overrides)
+            except (Stopped, StopRequested, UserError) as e:
+                if isinstance(e, UserError) and stop.received is not None:
+                    raise StopRequested(stop.received, stop.phase, stop.saved) from e
+                raise
+            except Exception as e:  # whatever broke once a signal came is the signal's doing
+                if stop.received is None:
+                    raise
+                raise StopRequested(stop.received, stop.phase, stop.saved) from e
     except UserError as e:
         _close_progress_bars()
         print(f"lm: error: {e}", file=sys.stderr)
         return 2
     except Stopped as e:  # after a checkpoint: say how to continue; exit 0 (nothing was lost)
+        _stopped_midway()
         again = shlex.join(a for a in argv if a != "--resume")
-        print(f"lm: {e}; checkpoint saved. Continue with: lm {again} --resume", file=sys.stderr)
+        print(f"lm: {e}. Continue with: lm {again} --resume", file=sys.stderr)
         return 0
-    except StopRequested as e:  # outside the loop: nothing to save; say how to go on; exit 0
-        if e.saved:
+    except StopRequested as e:
+        _stopped_midway()
+        if not training:  # a result was cut short: the shell's code for that signal
+            print(f"lm: stopped by {e.by}; {args.verb} did not finish", file=sys.stderr)
+            return 128 + getattr(signal, e.by, signal.SIGINT)
+        if e.saved:  # outside the loop: nothing to save; say how to go on; exit 0
             again = shlex.join([*(a for a in argv if a != "--resume"), "--resume"])
             print(f"lm: {e}; finish it with: lm {again}", file=sys.stderr)
         else:
             print(f"lm: {e}; run again with the same command: lm {shlex.join(argv)}", file=sys.stderr)
         return 0
     except KeyboardInterrupt:
+        _stopped_midway()
         print("lm: interrupted", file=sys.stderr)
         return 130
 
 
-def _signals(verb: Verb, args):
-    """A training command handles SIGTERM/SIGINT from its start (data preparation included), not
-    only in its loop; `lm reward score` is not training."""
-    if verb in TRAINING and getattr(args, "action", None) is None:
-        return StopSignal("start-up", defer=False, saved=False)
-    return contextlib.nullcontext()
+# set when a signal stopped the command: XLA may still be compiling on its threads (lm.train.faults.hard_exit)
+_HARD_EXIT = False
+
+
+def _stopped_midway() -> None:
+    """A stopped command ends without the interpreter's teardown; not on several processes, whose
+    runtime shuts down together with its peers at exit."""
+    global _HARD_EXIT
+    jax = sys.modules.get("jax")
+    _HARD_EXIT = jax is None or not jax.distributed.is_initialized()
+    _close_progress_bars()
 
 
 def _close_progress_bars() -> None:
@@ -112,7 +138,14 @@ def run() -> None:
 
     quiet_absent_tpu(os.environ)
     reexec_with_hugepages()
-    sys.exit(main())
+    end(main())
+
+
+def end(code: int) -> None:
+    """Ends the process with `code` (what `main` returned): at once after a stop (lm.train.faults.hard_exit)."""
+    if _HARD_EXIT:
+        hard_exit(code)
+    sys.exit(code)
 
 
 if __name__ == "__main__":

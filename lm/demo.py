@@ -48,8 +48,70 @@ def _stage(title: str) -> None:
     print(f"\n=== {title} ===", flush=True)
 
 
+class _Stages:
+    """The demo's stages as they start. The one in progress names a stop; no stage starts once a
+    signal came (each start is a safe point of lm.train.faults.StopSignal). With `resume`, a
+    training stage whose run finished (its summary.json) is read back instead of trained again,
+    and one stopped part-way resumes from its newest checkpoint."""
+
+    def __init__(self, stop, resume: bool, show_progress: bool):
+        self.stop, self.resume, self.show_progress, self.current = stop, resume, show_progress, None
+
+    def start(self, number: int, name: str, title: str) -> None:
+        self.stop.enter(f"demo stage {number} ({name})")
+        self.current = self.stop.phase
+        _stage(f"{number}. {title}")
+
+    def train(self, fn, config, workdir) -> dict:
+        """`fn(config, workdir, ...)`, a training stage; a stop in its loop stops the demo."""
+        from lm.store.checkpoint import saved_steps
+        from lm.verb import Stopped
+
+        workdir = pathlib.Path(workdir)
+        if self.resume and (done := finished_run(workdir)) is not None:
+            print(f"{workdir}: finished by an earlier run; reusing its summary")
+            return done
+        resume = self.resume and bool(saved_steps(workdir / "checkpoints"))
+        out = fn(config, workdir, resume=resume, show_progress=self.show_progress)
+        if out.get("stopped_by"):
+            raise Stopped(out["stopped_by"], out["step"], self.current)
+        return out
+
+
+def finished_run(workdir: pathlib.Path) -> dict | None:
+    """The summary of a run that finished (written last, whole: lm.train.stage), or None."""
+    try:
+        return json.loads((pathlib.Path(workdir) / "summary.json").read_text())
+    except (OSError, ValueError):
+        return None
+
+
 def run_demo(workdir, show_progress: bool = True, pretrain_overrides=(), sft_overrides=(), pair_overrides=(),
-             rl_overrides=(), n_train: int = 20000, n_heldout: int = 256, n_pairs: int = 4000) -> dict:
+             rl_overrides=(), n_train: int = 20000, n_heldout: int = 256, n_pairs: int = 4000,
+             resume: bool = False) -> dict:
+    """Runs every stage into `workdir`; returns the summary. SIGTERM/SIGINT stop the stage in progress
+    cleanly (a training stage with its checkpoint) and start no later stage: `lm.verb.Stopped`
+    says where; `resume=True` then skips the finished training stages and resumes the stopped one."""
+    from lm.train.faults import StopRequested, StopSignal
+    from lm.verb import Stopped
+
+    with StopSignal("the demo", defer=False, saved=False) as stop:  # the command's own under lm.cli
+        stages = _Stages(stop, resume, show_progress)
+        try:
+            return _run_stages(stages, pathlib.Path(workdir), pretrain_overrides, sft_overrides, pair_overrides,
+                               rl_overrides, n_train, n_heldout, n_pairs)
+        except Stopped:
+            raise
+        except StopRequested as e:
+            raise Stopped(e.by, None, stages.current, "the finished stages are kept") from None
+        except Exception as e:  # whatever broke once a signal came is the signal's doing
+            if stop.received is None:
+                raise
+            raise Stopped(stop.received, None, stages.current, "the finished stages are kept") from e
+
+
+def _run_stages(stages: _Stages, root: pathlib.Path, pretrain_overrides, sft_overrides, pair_overrides,
+                rl_overrides, n_train: int, n_heldout: int, n_pairs: int) -> dict:
     from lm.train.distill import distill
     from lm.train.dpo import dpo  # lazy: jax after the CPU flags are set
     from lm.train.pretrain import train
@@ -57,60 +119,59 @@ def run_demo(workdir, show_progress: bool = True, pretrain_overrides=(), sft_ove
     from lm.train.rl import rl
     from lm.train.sft import sft
 
-    root = pathlib.Path(workdir)
     base_dir, task_dir = root / "pretrain", root / "task"
-    _stage("1. pretraining on the Python standard library")
-    base = train(load_config(PRETRAIN_CONFIG, [*PRETRAIN_EVAL, *pretrain_overrides]), base_dir,
-                 show_progress=show_progress)
-    _stage("2. the sort task: 'sort 70931' -> '01379'")
+    stages.start(1, "pretraining", "pretraining on the Python standard library")
+    base = stages.train(train, load_config(PRETRAIN_CONFIG, [*PRETRAIN_EVAL, *pretrain_overrides]), base_dir)
+    stages.start(2, "the sort task", "the sort task: 'sort 70931' -> '01379'")
     paths = write_sort_task(task_dir, n_train=n_train, n_heldout=n_heldout)
     print(f"wrote {n_train} training and {n_heldout} held-out conversations to {task_dir}")
     runs = {}
     for name, extra in (("sft", []), ("sft-lora", LORA)):
-        _stage(f"3. supervised fine-tuning ({name})")
+        stages.start(3, name, f"supervised fine-tuning ({name})")
         config = finetune_config(init_config(str(base_dir.absolute())), SFT_CONFIG, [*extra, *sft_overrides],
                             init=str(base_dir.absolute()), data=str(paths["train"]), eval_data=str(paths["heldout"]))
-        runs[name] = sft(config, root / name, show_progress=show_progress)
-    _stage("4. preference pairs: the answer vs a plausible wrong one")
+        runs[name] = stages.train(sft, config, root / name)
+    stages.start(4, "preference pairs", "preference pairs: the answer vs a plausible wrong one")
     pair_paths = write_sort_pairs(task_dir, n_train=n_pairs, n_heldout=n_heldout)
     sft_dir = str((root / "sft").absolute())
     keys = dict(init=sft_dir, data=str(pair_paths["train"]), eval_data=str(pair_paths["heldout"]))
-    _stage("5. DPO from the SFT model")
+    stages.start(5, "dpo", "DPO from the SFT model")
     config = finetune_config(init_config(sft_dir), PAIRS_CONFIG, list(pair_overrides), "pairs",
                              eval_answers=str(paths["heldout"]), **keys)
-    preference = {"dpo": dpo(config, root / "dpo", show_progress=show_progress)}
-    _stage("6. a reward model from the SFT model")
+    preference = {"dpo": stages.train(dpo, config, root / "dpo")}
+    stages.start(6, "reward", "a reward model from the SFT model")
     config = finetune_config(init_config(sft_dir), PAIRS_CONFIG, [*REWARD, *pair_overrides], "pairs", **keys)
-    preference["reward"] = reward(config, root / "reward", show_progress=show_progress)
-    _stage("7. GRPO from the SFT model: reward 1 for the exact answer")
+    preference["reward"] = stages.train(reward, config, root / "reward")
+    stages.start(7, "grpo", "GRPO from the SFT model: reward 1 for the exact answer")
     config = finetune_config(init_config(sft_dir), RL_CONFIG, list(rl_overrides), "rl", init=sft_dir,
                              data=str(paths["train"]), eval_data=str(paths["heldout"]), eval_answers=str(paths["heldout"]))
-    grpo = rl(config, root / "grpo", show_progress=show_progress)
-    _stage("8. distillation: the GRPO model into a student of half the width, beside SFT alone")
-    half = train(load_config(PRETRAIN_CONFIG, [*HALF, *pretrain_overrides]), root / "pretrain-half",
-                 show_progress=show_progress)
+    grpo = stages.train(rl, config, root / "grpo")
+    stages.start(8, "distillation", "distillation: the GRPO model into a student of half the width, beside SFT alone")
+    half = stages.train(train, load_config(PRETRAIN_CONFIG, [*HALF, *pretrain_overrides]), root / "pretrain-half")
     half_dir, grpo_dir = str((root / "pretrain-half").absolute()), str((root / "grpo").absolute())
     student = dict(init=half_dir, data=str(paths["train"]), eval_data=str(paths["heldout"]))
-    sft_half = sft(finetune_config(init_config(half_dir), SFT_CONFIG, list(sft_overrides), **student),
-                   root / "sft-half", show_progress=show_progress)
+    sft_half = stages.train(sft, finetune_config(init_config(half_dir), SFT_CONFIG, list(sft_overrides), **student),
+                            root / "sft-half")
     config = finetune_config(init_config(half_dir), SFT_CONFIG, [*DISTILL, f"distill.teacher={grpo_dir}",
                                                                   *sft_overrides], **student)
-    distilled = distill(config, root / "distilled", show_progress=show_progress)
+    distilled = stages.train(distill, config, root / "distilled")
     summary = _summary(base, runs, preference, grpo, root)
     summary["sft"] |= {"sft-half": _row(sft_half), "distilled": _row(distilled) | {"response_loss": distilled.get("eval_nll")}}
     summary["distill"] = {"student_pretrain_eval_loss": half.get("eval_loss"), "steps": distilled.get("step"),
                           "top1_agreement": distilled.get("eval_top1_agreement"),
                           "response_loss": distilled.get("eval_nll"), "exact_match": distilled.get("exact_match")}
-    _stage("9. evaluation of every model: held-out bits per byte, exact match, contamination")
+    stages.start(9, "evaluation", "evaluation of every model: held-out bits per byte, exact match, contamination")
     summary["eval"] = evaluate_all(root, paths)
-    _stage("10. the GRPO model as a Hugging Face checkpoint, reloaded by transformers")
+    stages.start(10, "export", "the GRPO model as a Hugging Face checkpoint, reloaded by transformers")
     summary["hf"] = export_and_reload(root / "grpo", root / "grpo-hf", paths["heldout"])
-    _stage("11. the pretraining step compiled for a TPU v5e-4 slice ahead of time (no TPU needed)")
+    stages.start(11, "TPU plan", "the pretraining step compiled for a TPU v5e-4 slice ahead of time (no TPU needed)")
     summary["tpu"] = plan_for_tpu(load_config(PRETRAIN_CONFIG, list(pretrain_overrides)), "v5e-4")
-    _stage("12. serving: the GRPO model behind the OpenAI API, quantized, and with speculative decoding")
+    stages.start(12, "serving", "serving: the GRPO model behind the OpenAI API, quantized, and with speculative decoding")
     summary["serve"] = serving(root, paths["heldout"])
-    _stage("13. a mixture of experts at the dense model's active FLOPs, beside the dense pretraining")
-    summary["moe"] = moe_pretraining(root, base_dir, show_progress=show_progress)
+    stages.start(13, "mixture of experts",
+                 "a mixture of experts at the dense model's active FLOPs, beside the dense pretraining")
+    summary["moe"] = moe_pretraining(root, base_dir, show_progress=stages.show_progress, resume=stages.resume)
+    stages.stop.enter("writing the demo's summary")  # a safe point: a stop in the last stage writes none
     text = evidence(summary, n_heldout)
     print("\n" + text)
     (root / "demo_summary.json").write_text(json.dumps(summary, indent=2))

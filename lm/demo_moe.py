@@ -15,6 +15,7 @@ import pathlib
 
 from lm import plan
 from lm.config import ConfigDict, apply_overrides, validate
+from lm.store.checkpoint import saved_steps
 from lm.store.meta import init_config
 from lm.train.metrics import moe_routing, plot_runs, read_metrics
 from lm.train.pretrain import train
@@ -37,12 +38,13 @@ def moe_config(dense: ConfigDict, steps: int, n_experts: int = N_EXPERTS, k: int
 
 
 def moe_pretraining(root: pathlib.Path, dense_dir: pathlib.Path, steps: int = STEPS,
-                    show_progress: bool = True) -> dict:
-    """Trains the MoE into root/pretrain-moe; returns its figures beside the dense run's at `steps`."""
+                    show_progress: bool = True, resume: bool = False) -> dict:
+    """Trains the MoE into root/pretrain-moe (resume: from its checkpoints, if any); returns its
+    figures beside the dense run's at `steps`."""
     dense_dir, workdir = pathlib.Path(dense_dir), pathlib.Path(root) / "pretrain-moe"
     dense_config = init_config(str(dense_dir.absolute()))
     config = moe_config(dense_config, steps)
-    train(config, workdir, show_progress=show_progress)
+    train(config, workdir, resume=resume and bool(saved_steps(workdir / "checkpoints")), show_progress=show_progress)
     dense_rows, rows = read_metrics(dense_dir / "metrics.jsonl"), read_metrics(workdir / "metrics.jsonl")
     done, dense_summary = (json.loads((d / "summary.json").read_text()) for d in (workdir, dense_dir))
     m, dm = config.model, dense_config.model

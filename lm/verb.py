@@ -23,11 +23,13 @@ class Verb(Protocol):
 
 
 class Stopped(Exception):
-    """A signal ended a training run after its checkpoint was saved: nothing was lost."""
+    """A signal ended a run where nothing was lost: --resume continues it. `during`: where (a demo's
+    stage); `kept`: what a resume starts from."""
 
-    def __init__(self, by: str, step: int):
-        super().__init__(f"stopped by {by} at step {step}")
-        self.by, self.step = by, step
+    def __init__(self, by: str, step: int | None = None, during: str | None = None, kept: str = "checkpoint saved"):
+        where = "".join([f" during {during}" if during else "", f" at step {step}" if step is not None else ""])
+        super().__init__(f"stopped by {by}{where}; {kept}")
+        self.by, self.step, self.during = by, step, during
 
 
 def with_overrides(sub, name: str, **kw) -> argparse.ArgumentParser:

@@ -3,9 +3,9 @@
 from __future__ import annotations
 
 import json
-import pathlib
 
 from lm.errors import UserError
+from lm.outputs import check_out, write_text
 from lm.verb import add_distributed, is_main, start_distributed
 
 
@@ -20,6 +20,7 @@ def add_parser(sub) -> None:
     src.add_argument("--compare", nargs=2, metavar=("A.json", "B.json"), help="two reports side by side")
     p.add_argument("--tasks", nargs="+", default=[], help="task specs, e.g. heldout=data.jsonl mmlu=mc.jsonl?shots=5")
     p.add_argument("--out", help="write the JSON report here")
+    p.add_argument("--overwrite", action="store_true", help="replace an existing --out")
     p.add_argument("--batch-size", type=int, default=0, help="rows per scoring batch (default: eval.batch_size)")
     p.add_argument("--tokenizer", help="a sentencepiece .model (default: the one the model was trained with)")
     p.add_argument("--no-progress", action="store_true", help="no progress bars")
@@ -61,12 +62,14 @@ def evaluate(loaded, specs: list[str], batch_size: int = 0, progress: bool = Tru
 def run(args, overrides=()) -> int:
     from lm.eval.report import compare, compare_table, read_report, table
 
+    if args.out is not None:  # before any work: a report nobody can write is refused first
+        check_out(args.out, args.overwrite)
     if args.compare:
         a, b = (read_report(p, "--compare") for p in args.compare)
         result = compare(a, b)
         print(compare_table(a, b, result))
         if args.out:
-            pathlib.Path(args.out).write_text(json.dumps(result, indent=2))
+            write_text(args.out, json.dumps(result, indent=2))
         return 0
     if not args.tasks:
         raise UserError("lm eval: give --tasks SPEC [SPEC ...] (and --workdir or --params), or --compare A B")
@@ -83,5 +86,5 @@ def run(args, overrides=()) -> int:
     if main:
         print(table(report))
         if args.out:
-            pathlib.Path(args.out).write_text(json.dumps(report, indent=1))
+            write_text(args.out, json.dumps(report, indent=1))
     return 0

@@ -3,6 +3,7 @@ with --draft, by speculative decoding (lm.infer.speculative)."""
 
 from __future__ import annotations
 
+import contextlib
 import json
 import os
 import pathlib
@@ -10,6 +11,7 @@ import sys
 
 from lm.data.jsonl import read_jsonl
 from lm.errors import UserError
+from lm.outputs import atomic_open, check_out
 from lm.verb import add_distributed, is_main, start_distributed
 
 BATCH = 16  # prompts decoded together from a --prompts file
@@ -27,7 +29,9 @@ def add_parser(sub) -> None:
     what = p.add_mutually_exclusive_group(required=True)
     what.add_argument("--prompt", help="one prompt; the completion streams as it is generated")
     what.add_argument("--prompts", help="a JSONL file of {\"prompt\": ...} objects")
-    p.add_argument("--out", help="with --prompts: where to write the JSONL results (default: stdout)")
+    p.add_argument("--out", help="with --prompts: where to write the JSONL results (default: stdout); written "
+                                 "beside and renamed at the end, so an interrupted run leaves it as it was")
+    p.add_argument("--overwrite", action="store_true", help="replace an existing --out")
     p.add_argument("--max-new-tokens", type=int, default=128)
     p.add_argument("--temperature", type=float, default=0.8, help="0 = greedy")
     p.add_argument("--top-k", type=int, default=0, help="0 = off")
@@ -77,6 +81,10 @@ def read_prompts(path: str, chat: bool = False) -> list[dict]:
 
 
 def run(args, overrides=()) -> int:
+    if args.out is not None:
+        if args.prompts is None:
+            raise UserError("--out writes the results of --prompts; one --prompt streams to stdout")
+        check_out(args.out, args.overwrite)
     start_distributed(args)
     from lm.infer.sampling import SamplingParams
     from lm.store.load import load_trained
@@ -107,16 +115,13 @@ def run(args, overrides=()) -> int:
                   file=sys.stderr)
         return 0
     if not main:
-        out = open(os.devnull, "w", encoding="utf-8")
-    else:
-        out = open(args.out, "w", encoding="utf-8") if args.out else sys.stdout
-    try:
+        writing = open(os.devnull, "w", encoding="utf-8")
+    else:  # --out: written beside and renamed at the end, so an interrupted run leaves it as it was
+        writing = atomic_open(args.out) if args.out else contextlib.nullcontext(sys.stdout)
+    with writing as out:
         for row, result in zip(rows, generate([r.get("messages") or r["prompt"] for r in rows])):
             out.write(json.dumps(row | {"completion": result["text"], "finish_reason": result["finish_reason"],
                                         "tokens": result["ids"], "logprobs": result["logprobs"]}) + "\n")
-    finally:
-        if out is not sys.stdout:
-            out.close()
     if args.out and main:
         print(f"wrote {len(rows)} completions to {args.out}{getattr(generate, 'note', '')}", file=sys.stderr)
     return 0

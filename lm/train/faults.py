@@ -8,12 +8,17 @@
   after `max_bad_steps` in a row or on a loss spike, asks the loop to roll back or stop.
 - On several processes every decision taken from host-local facts (a signal, the clock)
   goes through `agree_any`, so all processes stop or save at the same step.
+- A process forked while the handlers are installed (a worker) leaves stopping to the one that
+  installed them: it ignores SIGINT and ends quietly on SIGTERM (what its parent sends it).
+- A command stopped outside a loop may leave XLA compiling on its threads: it ends with
+  `hard_exit` (output flushed, no interpreter teardown under XLA's feet).
 """
 
 from __future__ import annotations
 
 import collections
 import dataclasses
+import os
 import signal
 import sys
 
@@ -50,6 +55,7 @@ class StopSignal:
         self.phase, self.defer, self.saved = phase, defer, saved
         self._previous = {}
         self._outer: StopSignal | None = None
+        self._pid = os.getpid()  # the process whose handlers these are (set again on entering)
 
     def enter(self, phase: str, defer: bool = False, saved: bool = False) -> None:
         """Begins `phase` (saved: a stop there keeps the training, in its checkpoints). A safe point
@@ -62,6 +68,13 @@ class StopSignal:
                 signal.signal(sig, self._handle)
 
     def _handle(self, signum, frame):
+        if os.getpid() != self._pid:  # a forked worker: its parent stops it
+            if signum != signal.SIGINT:
+                hard_exit(128 + signum)
+            return
+        if self.received is not None and not self.defer:  # stopping already, and signalled again: out now
+            print("lm: interrupted", file=sys.stderr)
+            hard_exit(128 + signum)
         if self.received is not None and signum == signal.SIGINT:
             raise KeyboardInterrupt  # a second Ctrl-C: the user really wants out now
         name = signal.Signals(signum).name
@@ -74,6 +87,7 @@ class StopSignal:
         if StopSignal.active is not None:
             self._outer = StopSignal.active
             return self._outer
+        self._pid = os.getpid()
         for sig in self.SIGNALS:
             self._previous[sig] = signal.signal(sig, self._handle)
         self._previous_hook, sys.unraisablehook = sys.unraisablehook, self._unraisable
@@ -96,6 +110,17 @@ class StopSignal:
         sys.unraisablehook = self._previous_hook
         StopSignal.active = None
         return False
+
+
+def hard_exit(code: int) -> None:
+    """Ends the process now with `code`, its output flushed: no interpreter teardown, which would
+    free XLA's client while a compilation a stop interrupted still runs on its threads (a crash)."""
+    for stream in (sys.stdout, sys.stderr):
+        try:
+            stream.flush()
+        except Exception:  # a closed or broken stream: nothing more can be said
+            pass
+    os._exit(code)
 
 
 def agree_any(flags: list[bool]) -> list[bool]:

@@ -17,7 +17,9 @@ from __future__ import annotations
 import collections
 import functools
 import json
+import os
 import re
+import signal
 from pathlib import Path
 
 import datatrove.executor.base as _executor_base
@@ -355,9 +357,20 @@ def _close_file_only_task_logger(logfile) -> None:
 
 class QuietLocalExecutor(LocalPipelineExecutor):
     """datatrove's local executor, logging each task to its file only: curation shows its own
-    progress and report. Set per task (not on import) so worker processes do the same."""
+    progress and report. Set per task (not on import) so worker processes do the same.
+
+    A worker process leaves stopping to the process that started the executor: it ignores
+    SIGINT (a Ctrl-C reaches the whole process group) and dies quietly on SIGTERM, which is how
+    its pool ends it."""
+
+    def __init__(self, *args, **kwargs):
+        super().__init__(*args, **kwargs)
+        self.owner_pid = os.getpid()
 
     def _run_for_rank(self, rank: int, local_rank: int = 0, node_rank: int = -1):
+        if os.getpid() != self.owner_pid:
+            signal.signal(signal.SIGINT, signal.SIG_IGN)
+            signal.signal(signal.SIGTERM, signal.SIG_DFL)
         _executor_base.add_task_logger = _file_only_task_logger
         _executor_base.close_task_logger = _close_file_only_task_logger
         for module in (_exact_dedup, _minhash):  # their bookkeeping bars, shown even for tiny jobs

@@ -106,6 +106,20 @@ def build(stats: dict, cfg, inputs: list[str], n_files: int, skipped_binary: lis
     return report
 
 
+def kept_nothing(report: dict) -> str | None:
+    """What dropped every document, in a few words (None when some were kept)."""
+    if report["kept"]["docs"]:
+        return None
+    if not report["in"]["docs"]:
+        return f"its {report['files']} file(s) hold no documents"
+    drops = []
+    for name, s in report["stages"].items():
+        if s["dropped_docs"]:
+            reasons = ", ".join(f"{r} {v['docs']:,}" for r, v in s["reasons"].items())
+            drops.append(f"{name} dropped {s['dropped_docs']:,} ({reasons})")
+    return f"all {report['in']['docs']:,} were dropped: " + "; ".join(drops)
+
+
 def _mb(n: int) -> str:
     if n < 1000:
         return f"{n} B"

@@ -2,7 +2,6 @@
 
 from __future__ import annotations
 
-import concurrent.futures
 import hashlib
 import importlib.metadata
 import json
@@ -11,7 +10,7 @@ import multiprocessing
 import os
 import re
 import shutil
-import sys
+import signal
 import time
 from pathlib import Path
 
@@ -22,6 +21,7 @@ from lm.errors import UserError
 REPORT = "report.json"
 BYTES_PER_TASK = 8 << 20
 MAX_TASKS = 256
+STOP_GRACE = 30.0  # seconds a curation worker process has to end on a stop before it is killed
 _VERSION = 1  # bump when the output for the same inputs and config changes
 
 
@@ -137,13 +137,91 @@ def _build_and_run(cfg, files, tasks: int, work: Path, workers: int, progress: b
 
 
 def _run_local(cfg, files, tasks: int, work: Path, workers: int, progress: bool) -> list[Path]:
-    """Runs the passes here, or in a fresh process when JAX is loaded: datatrove forks (its
-    manager and worker pools), and a fork of a process running JAX's threads can deadlock."""
-    if "jax" not in sys.modules:
-        return _build_and_run(cfg, files, tasks, work, workers, progress)
+    """Runs the passes in a fresh process: datatrove forks (its manager and worker pools), and a
+    fork of a process running JAX's threads can deadlock; and a stop here ends that process and
+    all it started, quietly (`in_worker_process`)."""
+    return in_worker_process(_build_and_run, cfg, files, tasks, work, workers, progress)
+
+
+def in_worker_process(fn, *args):
+    """`fn(*args)` in a fresh (spawned) process, its result or error returned or raised here.
+
+    The worker and everything it starts form a process group of their own with SIGINT blocked:
+    Ctrl-C at a terminal reaches this process alone, which decides. On a stop here (or any
+    error) the worker is asked to end (SIGTERM: it unwinds, ending its pools), and its whole
+    group is killed if it has not within STOP_GRACE seconds; if this process dies, the worker is
+    asked to end the same way (Linux)."""
     context = multiprocessing.get_context("spawn")
-    with concurrent.futures.ProcessPoolExecutor(1, mp_context=context) as pool:
-        return pool.submit(_build_and_run, cfg, files, tasks, work, workers, progress).result()
+    receive, send = context.Pipe(duplex=False)
+    worker = context.Process(target=_worker_main, args=(send, fn, args), name="lm-curate")
+    blocked = signal.pthread_sigmask(signal.SIG_BLOCK, {signal.SIGINT})  # inherited by the worker
+    try:
+        worker.start()
+    finally:
+        signal.pthread_sigmask(signal.SIG_SETMASK, blocked)  # a Ctrl-C meanwhile is delivered here now
+    send.close()
+    try:
+        try:
+            ok, value = receive.recv()
+        except EOFError:
+            worker.join()
+            raise RuntimeError(f"the curation process ended without a result (exit code {worker.exitcode})") from None
+        worker.join()
+    except BaseException:
+        _end_worker(worker)
+        raise
+    finally:
+        receive.close()
+    if not ok:
+        raise value
+    return value
+
+
+def _worker_main(send, fn, args) -> None:
+    os.setpgid(0, 0)
+    leader = os.getpid()
+
+    def end(signum, frame):  # from the parent, or on its death (below)
+        if os.getpid() != leader:  # a process the worker forked: its own parent ends it
+            os._exit(128 + signum)
+        raise SystemExit(128 + signum)
+
+    signal.signal(signal.SIGINT, signal.SIG_IGN)
+    signal.signal(signal.SIGTERM, end)
+    _die_with_parent(signal.SIGTERM)
+    try:
+        result = (True, fn(*args))
+    except BaseException as e:  # noqa: BLE001 - handed to the parent, which raises it
+        result = (False, e)
+    try:
+        send.send(result)
+    except Exception as e:  # an error that does not pickle: its text still does
+        send.send((False, RuntimeError(f"{type(result[1]).__name__}: {result[1]} ({e})")))
+    send.close()
+
+
+def _die_with_parent(signum: int) -> None:
+    """Asks Linux to send `signum` to this process when its parent dies (elsewhere: nothing)."""
+    try:
+        import ctypes
+
+        ctypes.CDLL(None, use_errno=True).prctl(1, int(signum))  # PR_SET_PDEATHSIG
+    except (OSError, AttributeError):
+        pass
+
+
+def _end_worker(worker) -> None:
+    """Asks the worker to end, then kills its process group (all it started): at once if the worker
+    has not ended within STOP_GRACE seconds, else whatever it left behind."""
+    if worker.pid is None:
+        return
+    worker.terminate()
+    worker.join(STOP_GRACE)
+    try:
+        os.killpg(worker.pid, signal.SIGKILL)
+    except (ProcessLookupError, PermissionError):  # no group (left): the worker alone
+        worker.kill()
+    worker.join()
 
 
 def collect_stats(log_dirs: list[Path]) -> dict[str, dict[str, float]]:
@@ -199,6 +277,7 @@ def curate(inputs: list[str] | str, out_dir: Path, cfg, workers: int = 1, progre
     if report := _is_complete(out_dir, fingerprint):
         if progress:
             print(f"curate: {out_dir} is up to date with these inputs and config; nothing to do")
+        _check_kept(report, inputs, labels, out_dir)
         return report
     work = out_dir / f".work-{fingerprint}"
     out_dir.mkdir(parents=True, exist_ok=True)
@@ -213,4 +292,14 @@ def curate(inputs: list[str] | str, out_dir: Path, cfg, workers: int = 1, progre
     shutil.rmtree(work)
     if show_report:
         print(reports.table(report))
+    _check_kept(report, inputs, labels, out_dir)
     return report
+
+
+def _check_kept(report: dict, inputs: list[str], labels: list[str] | None, out_dir: Path) -> None:
+    """A curation that kept no document is an error (its report stays, for inspection)."""
+    from lm.data.curate.report import kept_nothing
+
+    if (problem := kept_nothing(report)) is not None:
+        named = ", ".join(f"{label} '{spec}'" for label, spec in zip(labels or ["--input"] * len(inputs), inputs))
+        raise UserError(f"curation kept no documents of {named}: {problem}; see {out_dir / REPORT}")

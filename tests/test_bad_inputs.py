@@ -216,7 +216,6 @@ def test_bad_input_gets_one_line(case, tmp_path, request, capsys, monkeypatch):
 
 
 def test_the_table_only_grows():
-    """Names are unique (a row is never replaced by another of the same name)."""
+    """Names are unique (a row is never replaced by another of the same name), and none was dropped."""
     names = [c.name for c in CASES]
-    assert len(names) == len(set(names)) and len(names) >= 7
-    json.dumps(names)
+    assert len(names) == len(set(names)) and len(names) >= 42  # raise with every row added

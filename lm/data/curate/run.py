@@ -148,9 +148,9 @@ def in_worker_process(fn, *args):
 
     The worker and everything it starts form a process group of their own with SIGINT blocked:
     Ctrl-C at a terminal reaches this process alone, which decides. On a stop here (or any
-    error) the worker is asked to end (SIGTERM: it unwinds, ending its pools), and its whole
-    group is killed if it has not within STOP_GRACE seconds; if this process dies, the worker is
-    asked to end the same way (Linux)."""
+    error) the worker's group is asked to end (SIGTERM: the worker unwinds, its pools' processes
+    end), and killed if the worker has not ended within STOP_GRACE seconds; if this process dies,
+    the worker is asked to end the same way (Linux)."""
     context = multiprocessing.get_context("spawn")
     receive, send = context.Pipe(duplex=False)
     worker = context.Process(target=_worker_main, args=(send, fn, args), name="lm-curate")
@@ -211,11 +211,16 @@ def _die_with_parent(signum: int) -> None:
 
 
 def _end_worker(worker) -> None:
-    """Asks the worker to end, then kills its process group (all it started): at once if the worker
-    has not ended within STOP_GRACE seconds, else whatever it left behind."""
+    """Asks the worker and everything it started to end (SIGTERM to its process group: the pool's
+    processes and its fork server end at once, so none is left spawning a child from a pool the
+    worker is tearing down), then kills the group: at once if the worker has not ended within
+    STOP_GRACE seconds, else whatever it left behind."""
     if worker.pid is None:
         return
-    worker.terminate()
+    try:
+        os.killpg(worker.pid, signal.SIGTERM)
+    except (ProcessLookupError, PermissionError):  # no group of its own yet: the worker alone
+        worker.terminate()
     worker.join(STOP_GRACE)
     try:
         os.killpg(worker.pid, signal.SIGKILL)

@@ -39,12 +39,11 @@ from lm.errors import UserError
 from lm.model.build import build_model
 from lm.model.params import leaf_paths
 from lm.model.quant import quantize_params, quantized_tensors
-from lm.outputs import copy_file, replacing, write_text
+from lm.outputs import replacing, write_text
 from lm.store.checkpoint import read_checkpoint_params
-from lm.store.hf_tokenizer_export import TOKENIZER_FILES
 from lm.store.load import with_base
 from lm.store.loaded import Loaded
-from lm.store.meta import tokenizer_beside
+from lm.store.meta import copy_tokenizer, tokenizer_beside
 from lm.store.safetensors_files import write_streamed
 
 
@@ -163,24 +162,13 @@ def _write_orbax(out: pathlib.Path, params: dict, config_json: str, info: dict) 
 
 
 def _keep_tokenizer(tok, beside: pathlib.Path) -> None:
-    """A sentencepiece model as BESIDE.model; a Hugging Face tokenizer's files in BESIDE/ (written
-    beside and swapped in whole: it holds only what this copies). A tokenizer of the other kind that
-    an earlier export to the same place left there is removed: it would be read back with this model."""
+    """A sentencepiece model as BESIDE.model; a Hugging Face tokenizer's files in BESIDE/
+    (lm.store.meta.copy_tokenizer). A tokenizer of the other kind that an earlier export to the
+    same place left there is removed: it would be read back with this model."""
     path = tok if isinstance(tok, pathlib.Path) else getattr(tok, "path", None)  # a tokenizer or its files
-    path = None if path is None else pathlib.Path(path)  # None: the byte tokenizer, named in the config
+    kept = None if path is None else copy_tokenizer(pathlib.Path(path), beside)  # None: the byte tokenizer
     spm, hf = beside.with_name(beside.name + ".model"), beside
-    kept = None
-    if path is not None and path.suffix == ".model" and path.is_file():
-        copy_file(path, spm)
-        kept = spm
-    elif path is not None and (path / "tokenizer.json").is_file():
-        with replacing(beside, directory=True) as tmp:
-            tmp.mkdir()
-            for name in TOKENIZER_FILES + ("generation_config.json",):
-                if (path / name).is_file():
-                    shutil.copyfile(path / name, tmp / name)
-        kept = hf
-    if kept is not spm and spm.is_file():
+    if kept != spm and spm.is_file():
         spm.unlink()
-    if kept is not hf and (hf / "tokenizer.json").is_file():
+    if kept != hf and (hf / "tokenizer.json").is_file():
         shutil.rmtree(hf)

@@ -17,6 +17,7 @@ import shutil
 from lm.config import ConfigDict, base_config, init_of, merge
 from lm.data.tokenizer import load_tokenizer
 from lm.errors import UserError
+from lm.outputs import copy_file, replacing
 from lm.store.hf_config import hf_config, is_hf_dir
 from lm.store.hf_tokenizer_export import TOKENIZER_FILES
 
@@ -45,29 +46,24 @@ def save_tokenizer(tok, workdir: pathlib.Path) -> None:
         copy_tokenizer(pathlib.Path(path), pathlib.Path(workdir) / "tokenizer")
 
 
-def copy_tokenizer(source: pathlib.Path, beside: pathlib.Path) -> None:
+def copy_tokenizer(source: pathlib.Path, beside: pathlib.Path) -> pathlib.Path | None:
     """A sentencepiece model (a .model file) copied as BESIDE.model; a Hugging Face tokenizer
-    directory's files (HF_FILES) into BESIDE/, which they replace whole (never half written)."""
+    directory's files (HF_FILES) into BESIDE/, which they replace whole (written beside, then
+    renamed: never half written). Returns what holds the copy, or None when `source` is neither."""
     if source.suffix == ".model" and source.is_file():
         target = beside.with_name(beside.name + ".model")
         if source.resolve() != target.resolve():
-            shutil.copyfile(source, target)
-        return
-    if not (source / "tokenizer.json").is_file() or source.resolve() == beside.resolve():
-        return
-    staging, old = beside.with_name(f".{beside.name}.new"), beside.with_name(f".{beside.name}.old")
-    for stale in (staging, old):
-        if stale.exists():
-            shutil.rmtree(stale)
-    staging.mkdir(parents=True)
-    for name in HF_FILES:
-        if (source / name).is_file():
-            shutil.copyfile(source / name, staging / name)
-    if beside.exists():
-        beside.rename(old)
-    staging.rename(beside)
-    if old.exists():
-        shutil.rmtree(old)
+            copy_file(source, target)
+        return target
+    if not (source / "tokenizer.json").is_file():
+        return None
+    if source.resolve() != beside.resolve():
+        with replacing(beside, directory=True) as tmp:
+            tmp.mkdir()
+            for name in HF_FILES:
+                if (source / name).is_file():
+                    shutil.copyfile(source / name, tmp / name)
+    return beside
 
 
 def tokenizer_name(tok) -> str:

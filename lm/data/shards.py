@@ -65,7 +65,7 @@ class _SplitWriter:
 
     def add(self, ids: np.ndarray, n_bytes: int) -> None:
         if self.file is None:  # lazily: a split that gets no document gets no files
-            self.file = self.stack.enter_context(atomic_open(self.directory / f"{self.name}.tokens"))
+            self.file = self.stack.enter_context(atomic_open(self.directory / f"{self.name}.tokens", "wb"))
         self.file.write(ids.astype(self.dtype).tobytes())
         self.file.write(self.eos)
         self.n_tokens += len(ids) + 1
@@ -76,7 +76,7 @@ class _SplitWriter:
     def meta(self, files: list[str]) -> dict | None:
         if self.file is None:
             return None
-        with atomic_open(self.directory / f"{self.name}.offsets") as f:
+        with atomic_open(self.directory / f"{self.name}.offsets", "wb") as f:
             f.write(np.asarray(self.offsets, np.int64).tobytes())
         return {"name": self.name, "n_docs": len(self.offsets) - 1, "n_tokens": self.n_tokens,
                 "n_bytes": self.n_bytes, "max_id": self.max_id, "files": files}

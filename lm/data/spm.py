@@ -180,10 +180,6 @@ def _without_thread_count(model: bytes) -> bytes:
     return proto.SerializeToString()
 
 
-def _write_atomic(path: Path, data: bytes) -> None:
-    write_bytes(path, data)  # whole or not at all, with the umask's mode
-
-
 def train_sentencepiece(docs: Iterable[str | bytes], out_prefix: str | Path, vocab_size: int,
                         max_bytes: int = 50_000_000, num_threads: int | None = None,
                         max_doc_bytes: int = 1 << 20) -> SentencePieceTokenizer:
@@ -227,9 +223,9 @@ def train_sentencepiece(docs: Iterable[str | bytes], out_prefix: str | Path, voc
     sp = _spm().SentencePieceProcessor(model_proto=model)
     vocab = "".join(f"{sp.id_to_piece(i)}\t{sp.get_score(i):g}\n" for i in range(sp.get_piece_size()))
     # Each file appears whole or not at all; .model last, so its presence means done.
-    _write_atomic(out_prefix.with_name(out_prefix.name + ".vocab"), vocab.encode("utf-8"))
+    write_bytes(out_prefix.with_name(out_prefix.name + ".vocab"), vocab.encode("utf-8"))
     model_path = out_prefix.with_name(out_prefix.name + ".model")
-    _write_atomic(model_path, model)
+    write_bytes(model_path, model)
     tok = SentencePieceTokenizer(model_path)
     tok.train_stats = stats
     return tok

@@ -20,6 +20,7 @@ import sys
 import time
 
 from lm.errors import UserError
+from lm.outputs import write_text
 
 LOCK = ".lock"
 # Folders a run writes into beside the workdir's own files (checkpoints/STEP: old steps are deleted).
@@ -162,12 +163,5 @@ def _require(path: pathlib.Path, what: str | None = None) -> None:
 
 
 def write_atomic(path, text: str) -> None:
-    """Writes `text` to a temporary file beside `path`, then renames it: a kill leaves the old file or the new one."""
-    path = pathlib.Path(path)
-    tmp = path.with_name(f".{path.name}.tmp")
-    try:
-        tmp.write_text(text)
-        os.replace(tmp, path)
-    except BaseException:  # a stop by signal included: no half-written file stays behind
-        tmp.unlink(missing_ok=True)
-        raise
+    """`text` at `path` whole or not at all: a kill leaves the old file or the new one (lm.outputs)."""
+    write_text(path, text)

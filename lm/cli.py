@@ -21,6 +21,7 @@ from lm.infer.serve import cli as serve_cli
 from lm.store import cli as store_cli
 from lm.train import cli as train_cli
 from lm.train.faults import StopRequested, StopSignal, hard_exit
+from lm.train.identity import record_command
 from lm.verb import Stopped, Verb
 
 # the verbs that train: SIGTERM/SIGINT stop them cleanly from start-up on (lm.train.faults.StopSignal)
@@ -65,6 +66,7 @@ def _parser() -> tuple[argparse.ArgumentParser, dict[str, Verb]]:
 
 def main(argv: list[str] | None = None) -> int:
     argv = sys.argv[1:] if argv is None else argv
+    record_command(argv)
     training = False
     try:
         rest, overrides = _split_overrides(argv)

@@ -21,7 +21,8 @@ import time
 from collections.abc import Callable
 from pathlib import Path
 
-from lm.data.cache_manifest import entry_problem, mark_verified, write_manifest
+from lm.data import provenance
+from lm.data.cache_manifest import entry_problem, mark_verified, read_manifest, write_manifest
 from lm.errors import UserError
 
 LOCKS = ".locks"
@@ -95,17 +96,23 @@ def cached_dir(root: Path, name: str, build: Callable[[Path], None]) -> tuple[Pa
     root = Path(root)
     final = root / name
     if final.is_dir() and entry_problem(final) is None:
-        return final, False
+        return _noted(final), False
     with locked(root, name):
         if final.is_dir() or final.exists():
             # Checked again under the lock: another run may have built or replaced it while we waited.
             problem = entry_problem(final) if final.is_dir() else "not a directory"
             if problem is None:
-                return final, False
+                return _noted(final), False
             _move_aside(final, problem)
         staging = root / f".{name}.partial"
         build(staging)
         write_manifest(staging)
         os.rename(staging, final)  # atomic: readers see no entry or the whole one, manifest included
         mark_verified(final)
-    return final, True
+    return _noted(final), True
+
+
+def _noted(entry: Path) -> Path:
+    """The entry, noted by its content for the run reading it (lm.data.provenance)."""
+    provenance.note_entry(entry, read_manifest(entry) or {})
+    return entry

@@ -66,6 +66,11 @@ def _read(entry: Path) -> tuple[dict | None, str | None]:
         return None, f"{MANIFEST} is unreadable ({e})"
 
 
+def read_manifest(entry: Path) -> dict | None:
+    """The entry's manifest (None if missing or unreadable)."""
+    return _read(Path(entry))[0]
+
+
 def _signature(entry: Path, manifest: dict) -> tuple[tuple | None, list[str]]:
     """(the stats of every listed file and of the manifest, problems): sizes and presence only."""
     stats, problems = [], []

@@ -18,6 +18,7 @@ import pathlib
 
 import numpy as np
 
+from lm.data import provenance
 from lm.data.chat import ChatTemplate
 from lm.data.jsonl import ONE_OBJECT, iter_jsonl
 from lm.data.preference import prompt_messages
@@ -75,6 +76,7 @@ def read_prompts(path, tokenizer, *, seq_len: int, max_new_tokens: int, on_bad_r
     path = pathlib.Path(path)
     if not path.is_file():
         raise UserError(f"prompts: '{path}' is not a file; expected a JSONL file of prompts")
+    provenance.note_file("prompts", path)
     template = ChatTemplate.for_tokenizer(tokenizer)
     room = seq_len - max_new_tokens
     if room < 1:

@@ -5,18 +5,22 @@ One checkpoint is a step directory with three items written together:
           the mesh or remat policy (layers are always scanned: a leading `layers` axis);
   data/   the grain iterator state of each process, process_I-of-N.json (a resumed run sees
           exactly the batches, or RL prompts, it would have seen);
-  meta/   JSON: the resolved config, the shape and checksum of every state leaf, the sha256 of
-          every process's data state, the loop's fault counters, and a sha256 of itself
+  meta/   JSON: the resolved config, the run's identity (lm.train.identity), the shape and
+          checksum of every state leaf, the sha256 of every process's data state, the digest of
+          metrics.jsonl so far, the loop's fault counters, and a sha256 of itself
           (lm.store.checkpoint_checks).
 Orbax writes each step to a temporary directory and renames it when complete, so a crash,
 a kill or a full disk during a save never touches the checkpoints already there.
 
-On resume the newest checkpoint is checked (meta readable and equal to its digest, shapes match
-the config, every array restorable, state checksums and data digests equal) and, if damaged,
-moved to `rejected_checkpoints/` with a one-line warning naming the fault and the file; the next
-newest is tried. Shapes that do not fit the config, or a data position saved by another number
-of processes, are refused outright: that is a wrong setup, not a damaged file. A checkpoint
-written before meta and data digests existed is restored with a warning that they are unchecked.
+On resume the newest checkpoint is checked (meta readable and equal to its digest, made by this
+run, shapes match the config, every array restorable, state checksums and data digests equal);
+if damaged, the next newest is tried, and once one is restored the damaged newer ones are moved
+to `rejected_checkpoints/` with a one-line warning naming the fault and the file. Only damage
+sets a checkpoint aside: another run's checkpoint, shapes that do not fit the config, a data
+position saved by another number of processes (a wrong setup), a permission or I/O error (the
+storage, not the files) end the resume with one line and move nothing; so does a resume that
+finds no intact checkpoint. A checkpoint written before meta and data digests existed is
+restored with a warning that they are unchecked.
 """
 
 from __future__ import annotations
@@ -27,6 +31,7 @@ import logging
 import pathlib
 import shutil
 import time
+from typing import Callable
 
 import grain
 import jax
@@ -36,7 +41,9 @@ import orbax.checkpoint as ocp
 from lm.errors import UserError
 from lm.model.params import leaf_paths
 from lm.store.checkpoint_checks import (
+    HASH,
     Damaged,
+    access_fault,
     checksums,
     data_checksums,
     data_file,
@@ -74,8 +81,12 @@ class Checkpointer:
     `keep_period`-th step, and restores onto any target shardings."""
 
     def __init__(self, directory, every_steps: int = 100, keep: int = 3, *, every_minutes: float = 0.0,
-                 keep_period: int = 0, config=None):
+                 keep_period: int = 0, config=None, identity: dict | None = None,
+                 accept: Callable[[int, dict], None] | None = None, metrics_digest: Callable[[], str] | None = None):
+        """identity: recorded in every meta; accept(step, meta): raises (a UserError) for a checkpoint
+        this run must not restore; metrics_digest(): the digest of metrics.jsonl so far."""
         self.directory = pathlib.Path(directory).absolute()
+        self.identity, self.accept, self.metrics_digest = identity, accept, metrics_digest
         self.rejected_dir = self.directory.parent / "rejected_checkpoints"
         self.every_steps, self.every_minutes = every_steps, every_minutes
         self.config = json.loads(config.to_json()) if config is not None else None
@@ -87,10 +98,10 @@ class Checkpointer:
         quiet_background_threads()
 
     @classmethod
-    def from_config(cls, directory, config) -> "Checkpointer":
+    def from_config(cls, directory, config, **kw) -> "Checkpointer":
         k = config.checkpoint
         return cls(directory, k.every_steps, k.keep, every_minutes=k.every_minutes, keep_period=k.keep_period,
-                   config=config)
+                   config=config, **kw)
 
     # ---- saving ----------------------------------------------------------------------------
 
@@ -110,8 +121,9 @@ class Checkpointer:
         """Starts an async save of everything at `step`; returns once the arrays are copied off device.
         A failure of the previous save is reported first, under that save's step."""
         self.wait()
-        meta = seal({"step": int(step), "shapes": _shapes(state), "checksums": checksums(state),
-                     "data_checksums": data_checksums(data_iter), "config": self.config, "health": health})
+        meta = seal({"step": int(step), "shapes": _shapes(state), "checksum_kind": HASH, "checksums": checksums(state),
+                     "data_checksums": data_checksums(data_iter), "config": self.config, "identity": self.identity,
+                     "metrics_digest": self.metrics_digest() if self.metrics_digest else None, "health": health})
         args = ocp.args.Composite(state=ocp.args.StandardSave(state), data=grain.checkpoint.CheckpointSave(data_iter),
                                   meta=ocp.args.JsonSave(meta))
         with self._reporting(step):
@@ -137,10 +149,13 @@ class Checkpointer:
             raise
         except Exception as error:
             self._pending_step = None  # reported once; the manager has given up on that save
+            steps = [s for s in self.all_steps() if s != step]
+            then = ("then run the same command with --resume" if steps else
+                    f"then run the same command again without --resume (no checkpoint was saved yet; move "
+                    f"'{self.directory}' aside first if it is there)")
+            kept = f"the checkpoints already there are intact (steps {steps})" if steps else "no checkpoint is saved"
             raise UserError(f"saving the checkpoint of step {step} in '{self.directory}' failed: "
-                            f"{describe(error)}; the checkpoints already there are intact "
-                            f"(steps {self.all_steps()}); free space or fix permissions, then --resume"
-                            ) from error
+                            f"{describe(error)}; {kept}; free space or fix permissions, {then}") from error
 
     # ---- restoring -------------------------------------------------------------------------
 
@@ -149,23 +164,34 @@ class Checkpointer:
         `data_iter` in place when given. Damaged checkpoints are set aside with a warning.
 
         Returns (state, step, meta) where meta holds the saved config and fault counters.
+        Only damage sets a checkpoint aside, and only once an older one is restored: a refusal
+        (UserError), a permission or I/O error, or no intact checkpoint at all moves nothing.
         """
         steps = [step] if step is not None else sorted(self.manager.all_steps(), reverse=True)
         if not steps:
             raise UserError(f"--resume: no checkpoint in '{self.directory}'; run without --resume to start fresh")
-        problems = []
+        damaged = []
         for s in steps:
             try:
                 state, meta = self._restore_checked(s, abstract_state, data_iter)
-            except IncompatibleCheckpoint:
-                raise
-            except Exception as e:  # any damage: missing files, garbage bytes, bad metadata
+            except UserError:
+                raise  # a wrong setup, not a damaged file
+            except Exception as e:  # damage (missing files, garbage bytes, bad metadata), or the storage
                 reason = describe(e, self.directory / str(s))
-                problems.append(f"step {s}: {reason}")
-                self._reject(s, reason)
+                fault = access_fault(e)
+                if fault:
+                    raise UserError(f"checkpoint step {s} in '{self.directory}' cannot be read ({fault}: {reason}); "
+                                    "nothing was moved; fix the permissions or the storage, then run the same "
+                                    "command with --resume again") from None
+                damaged.append((s, reason))
                 continue
+            for bad, reason in damaged:
+                self._reject(bad, reason, s)
             return state, s, meta
-        raise UserError(f"no intact checkpoint in '{self.directory}' (" + "; ".join(problems) + ")")
+        problems = "; ".join(f"step {s}: {reason}" for s, reason in damaged)
+        raise UserError(f"no intact checkpoint in '{self.directory}' ({problems}); nothing was moved; to train "
+                        f"again from the start, move it aside (mv '{self.directory}' '{self.directory}.damaged') "
+                        "and run the same command without --resume")
 
     def _restore_checked(self, step: int, abstract_state, data_iter):
         step_dir = self.directory / str(step)
@@ -182,6 +208,8 @@ class Checkpointer:
             verify_meta(meta, step_dir)
             if meta.get("step") != step:
                 raise Damaged(f"meta '{step}/meta/metadata' belongs to step {meta.get('step')}")
+        if self.accept is not None:
+            self.accept(step, meta)
         self._check_compatible(step, meta, abstract_state)
         verify_array_files(step_dir / "state")
         self._check_array_metadata(step, meta)
@@ -195,7 +223,7 @@ class Checkpointer:
             print(f"lm: warning: checkpoint step {step} in '{self.directory}' predates the checksums of its meta "
                   "and data items; restoring them unchecked (the state's arrays are checked)", flush=True)
         state = self.manager.restore(step, args=ocp.args.Composite(**items))["state"]
-        for path, want, got in zip(leaf_paths(state), meta["checksums"], checksums(state)):
+        for path, want, got in zip(leaf_paths(state), meta["checksums"], checksums(state, meta.get("checksum_kind"))):
             if want != got:
                 raise Damaged(f"state array '{path}' differs from what was saved (checksum {got} != {want})")
         return state, meta
@@ -237,13 +265,13 @@ class Checkpointer:
         raise IncompatibleCheckpoint(f"checkpoint step {step} in '{self.directory}' does not fit this config: "
                                      f"{shown}{keys}; use the config it was trained with or a new --workdir")
 
-    def _reject(self, step: int, reason: str) -> None:
+    def _reject(self, step: int, reason: str, restored: int) -> None:
         """Moves a damaged step out of the manager's sight (kept for inspection) and says why.
         Every process checks every item, so all reject the same step; process 0 moves it once
         all of them are done reading it."""
         target = self.rejected_dir / str(step)
         print(f"lm: warning: checkpoint step {step} is damaged ({reason}); moved to '{target}', "
-              "trying the previous one", flush=True)
+              f"resuming from step {restored}", flush=True)
         _barrier(f"lm_checked_checkpoint_{step}")
         if jax.process_index() == 0:
             self.rejected_dir.mkdir(parents=True, exist_ok=True)
@@ -322,7 +350,7 @@ def read_checkpoint_params(workdir, step: int | None = None) -> tuple[dict, dict
             "params": jax.tree.map(lambda _: ocp.RestoreArgs(restore_type=np.ndarray), tree)})
         params = ckptr.restore(step_dir / "state", args=args)["params"]
     saved = dict(zip(meta["shapes"], meta["checksums"]))
-    for path, got in zip(leaf_paths({"params": params}), checksums(params)):
+    for path, got in zip(leaf_paths({"params": params}), checksums(params, meta.get("checksum_kind"))):
         if saved.get(path) != got:
             raise UserError(f"lm export: '{path}' in '{step_dir}' does not match its saved checksum; "
                             "the checkpoint is damaged, pick another --step")

@@ -1,7 +1,8 @@
 """What makes a training checkpoint trustworthy, and what is said when it is not.
 
 Every item a checkpoint restores is covered by a checksum recorded in its meta item:
-  state   one wrapping uint32 sum of the raw bits per leaf (params, optimizer state, rng, step);
+  state   an order-sensitive 64-bit hash of the raw bits of each leaf (params, optimizer state,
+          rng, step), computed where the arrays are (older checkpoints: a wrapping uint32 sum);
   data    a sha256 of each process's grain iterator state (data/process_I-of-N.json): the
           position of the training batches, and of the RL prompt stream;
   meta    a sha256 of the meta item itself (config, shapes, checksums, the loop's fault counters).
@@ -11,6 +12,7 @@ background threads echo the same failure as tracebacks, which are kept off stder
 
 from __future__ import annotations
 
+import errno
 import hashlib
 import json
 import logging
@@ -37,13 +39,51 @@ def _as_u32(x):
 
 @jax.jit
 def _leaf_sums(tree):
-    # uint32 addition wraps, so the sum is exact and independent of sharding and reduction order
+    # the checksums of checkpoints saved before HASH: uint32 addition wraps, so the sum is exact
     return [jnp.sum(_as_u32(x), dtype=jnp.uint32) for x in jax.tree.leaves(tree)]
 
 
-def checksums(tree) -> list[int]:
-    """One wrapping uint32 sum of the raw bits per leaf: any changed byte changes it (p ~ 1 - 2^-32)."""
-    return [int(v) for v in jax.device_get(_leaf_sums(tree))]
+HASH = "mix64"  # meta["checksum_kind"] of the hash below; a meta without one holds wrapping sums
+
+
+def _mix(h):
+    """murmur3's 32-bit finaliser: every input bit flips each output bit with probability ~1/2."""
+    h = h ^ (h >> 16)
+    h = h * jnp.uint32(0x85EBCA6B)
+    h = h ^ (h >> 13)
+    h = h * jnp.uint32(0xC2B2AE35)
+    return h ^ (h >> 16)
+
+
+def _global_index(shape):
+    """Each element's row-major index in the whole array, as uint32 (built from iotas: no reshape,
+    so a sharded array is hashed where its shards are)."""
+    index, stride = jnp.zeros(shape, jnp.uint32), 1
+    for axis in reversed(range(len(shape))):
+        index = index + jax.lax.broadcasted_iota(jnp.uint32, shape, axis) * jnp.uint32(stride % 2**32)
+        stride *= shape[axis]
+    return index
+
+
+@jax.jit
+def _leaf_hashes(tree):
+    # sum over elements of mix(value bits, global index): wrapping addition is exact in any order
+    # (sharding and reduction order do not matter) while the index makes it order-sensitive.
+    out = []
+    for x in jax.tree.leaves(tree):
+        bits, index = _as_u32(x), _global_index(x.shape)
+        lanes = [jnp.sum(_mix(_mix(index ^ jnp.uint32(seed)) ^ (bits * jnp.uint32(0x9E3779B1))), dtype=jnp.uint32)
+                 for seed in (0x3C6EF372, 0xA54FF53A)]
+        out.append(jnp.stack(lanes))
+    return out
+
+
+def checksums(tree, kind: str | None = HASH) -> list[int]:
+    """One checksum per leaf: HASH (a 64-bit hash that any changed, swapped or moved element
+    changes), or the wrapping uint32 sum of older checkpoints (kind None)."""
+    if kind != HASH:
+        return [int(v) for v in jax.device_get(_leaf_sums(tree))]
+    return [int(v[0]) << 32 | int(v[1]) for v in jax.device_get(_leaf_hashes(tree))]
 
 
 def _json_digest(value) -> str:
@@ -136,6 +176,27 @@ def describe(error: BaseException, step_dir: pathlib.Path | None = None) -> str:
             return _read_fault(read.group(1), pathlib.Path(read.group(2)), m, step_dir)
     plain = next((e for e in _chain(error) if "TensorStore details" not in str(e)), error)
     return f"{type(plain).__name__}: {_first_line(plain)}"
+
+
+_ACCESS_ERRNOS = {errno.EACCES: "permission denied", errno.EPERM: "permission denied",
+                  errno.EIO: "input/output error", errno.EROFS: "read-only file system",
+                  errno.ESTALE: "stale file handle", errno.ENOTCONN: "storage not connected",
+                  errno.ETIMEDOUT: "storage timed out"}
+_ACCESS_TEXT = {"Permission denied": "permission denied", "PERMISSION_DENIED": "permission denied",
+                "Input/output error": "input/output error", "Read-only file system": "read-only file system"}
+
+
+def access_fault(error: BaseException) -> str | None:
+    """What keeps a checkpoint from being read when the fault is the storage's, not the files'
+    (permissions, I/O errors): None for damage. Such a checkpoint may be intact once the
+    storage is fixed, so it is never set aside."""
+    for e in _chain(error):
+        if getattr(e, "errno", None) in _ACCESS_ERRNOS:
+            return _ACCESS_ERRNOS[e.errno]
+        found = next((v for k, v in _ACCESS_TEXT.items() if k in str(e)), None)
+        if found:
+            return found
+    return None
 
 
 def _array(key: bytes | str) -> str:

@@ -20,9 +20,10 @@ from lm.errors import UserError
 from lm.perf import measure_matmul_peak
 from lm.model.params import leaf_paths
 from lm.store.checkpoint import Checkpointer, IncompatibleCheckpoint, read_meta, saved_steps
-from lm.train.faults import FaultPolicy, StopSignal
+from lm.train.faults import FaultPolicy, StopSignal, agree_any
+from lm.train.identity import check_identity
 from lm.train.loop import Faults, LoopSpec, run_loop
-from lm.train.metrics import MetricsWriter, json_default, read_metrics, truncate_after
+from lm.train.metrics import MetricsWriter, json_default, metrics_problem, read_metrics, truncate_after
 from lm.train.steps import summarize
 from lm.train.workdir import write_atomic
 
@@ -43,16 +44,34 @@ def check_resume(directory: pathlib.Path, resume: bool, total_steps: int) -> int
     return steps[-1] if resume and steps[-1] >= total_steps else None
 
 
-def check_fits(run, directory: pathlib.Path) -> None:
-    """The newest checkpoint must hold the arrays `run` has: checked on its metadata before a resume
-    writes anything (restoring checks each checkpoint again). A step whose metadata cannot be read
-    is left to the restore, which sets damaged checkpoints aside."""
+def newest_meta(directory: pathlib.Path) -> tuple[int | None, dict]:
+    """(step, meta) of the newest checkpoint whose meta can be read, or (None, {}). A step whose
+    meta cannot be read is left to the restore, which tells damage from a storage fault."""
     for step in reversed(saved_steps(directory)):
         try:
             meta = read_meta(directory, step)
-            saved = dict(meta["shapes"])
-        except Exception:  # damaged: not this check's business
+            if isinstance(meta, dict) and isinstance(meta.get("shapes"), dict):
+                return step, meta
+        except Exception:  # noqa: BLE001 - damaged or unreadable: not this check's business
             continue
+    return None, {}
+
+
+def check_made_by(directory: pathlib.Path, identity: dict, parts: tuple = ()) -> None:
+    """The newest checkpoint must be this run's (its stage and run id, then `parts` of its
+    identity): checked on its metadata before any data work (parts=()) and again once the data
+    are read (every part); restoring checks each checkpoint again."""
+    step, meta = newest_meta(directory)
+    if step is not None:
+        check_identity(meta.get("identity"), identity, f"checkpoint step {step} in '{directory}'", parts)
+
+
+def check_fits(run, directory: pathlib.Path) -> None:
+    """The newest checkpoint must hold the arrays `run` has: checked on its metadata before a resume
+    writes anything (restoring checks each checkpoint again)."""
+    step, meta = newest_meta(directory)
+    if step is not None:
+        saved = dict(meta["shapes"])
         now = _shapes(run.abstract_state())
         diffs = [f"{p}: saved {saved[p][0]} {saved[p][1]}, now {now[p][0]} {now[p][1]}"
                  for p in now if p in saved and list(saved[p]) != now[p]]
@@ -64,7 +83,6 @@ def check_fits(run, directory: pathlib.Path) -> None:
             raise IncompatibleCheckpoint(f"checkpoint step {step} in '{directory}' does not fit this config: {shown}"
                                          f"{_model_keys(meta.get('config'), run.config)}; use the config it was "
                                          "trained with or a new --workdir")
-        return
 
 
 def _shapes(tree) -> dict:
@@ -136,9 +154,40 @@ def peak_flops(config) -> tuple[float, str]:
                             "vendor's figure for a stable MFU")
 
 
+def _accepting(identity: dict | None, directory: pathlib.Path) -> Callable[[int, dict], None]:
+    """The restore's test of a checkpoint's identity (lm.train.identity): another stage's, run's or
+    trajectory's is refused; one saved before identities existed passes with one warning."""
+    warned = []
+
+    def accept(step: int, meta: dict) -> None:
+        if identity is None:
+            return
+        if not meta.get("identity"):
+            if not warned:
+                print(f"lm: warning: checkpoint step {step} in '{directory}' predates run identities: the stage, "
+                      "run and settings that made it are unchecked", flush=True)
+                warned.append(step)
+            return
+        check_identity(meta["identity"], identity, f"checkpoint step {step} in '{directory}'")
+
+    return accept
+
+
+def _check_metrics(workdir: pathlib.Path, step: int, meta: dict, is_main: bool) -> None:
+    """metrics.jsonl up to the restored step must be what the run wrote (lm.train.metrics digests),
+    checked before the resume writes anything; all processes refuse together."""
+    path = workdir / "metrics.jsonl"
+    problem = metrics_problem(path, step, meta.get("metrics_digest")) if is_main else None
+    if agree_any([problem is not None])[0]:
+        raise UserError(f"{problem or 'process 0 found metrics.jsonl edited'}; metrics.jsonl is the run's record: "
+                        f"put the original back, or move it aside (mv '{path}' '{path}.edited') to resume with a "
+                        f"record that starts after step {step}")
+
+
 def fit(run, workdir, data_iter, *, resume: bool, init: Callable, ready: Callable[[], None] = lambda: None,
         evaluate: Callable | None = None, first_row: dict | None = None, frozen=None, signature: dict | None = None,
-        show_progress: bool = True, flops_per_token: float | None = None, step_fn: Callable | None = None):
+        show_progress: bool = True, flops_per_token: float | None = None, step_fn: Callable | None = None,
+        identity: dict | None = None):
     """Trains `run` from a fresh `init()` state (or the newest checkpoint when resuming) to
     config.train.steps. Returns (state, last) where last holds the final logged and eval metrics,
     run throughput, `stopped_by` (a signal's name when one ended the run early) and the peak.
@@ -152,17 +201,23 @@ def fit(run, workdir, data_iter, *, resume: bool, init: Callable, ready: Callabl
     step_fn: `step(state, host batch) -> (state, metrics)` of a stage whose step is more than the
     jitted update (RL: rollouts, rewards, several updates); it places its own data, and
     `signature` then describes the rows its updates see (for tokens/s).
+    identity: the run's (lm.train.identity), recorded in every checkpoint; a resume restores only
+    a checkpoint with the same one.
     """
     config, workdir = run.config, pathlib.Path(workdir)
     t, is_main = config.train, jax.process_index() == 0
     signature = signature or run.signature()
     to_device = (lambda batch: batch) if step_fn is not None else run.placer(signature)
-    checkpointer = Checkpointer.from_config(workdir / "checkpoints", config)
+    writer = None
+    checkpointer = Checkpointer.from_config(workdir / "checkpoints", config, identity=identity,
+                                            accept=_accepting(identity, workdir / "checkpoints"),
+                                            metrics_digest=lambda: writer.digest if writer is not None else "")
     target = run.abstract_state()
     health = None
     if resume:
         state, step, meta = checkpointer.restore(target, data_iter)
         health = meta.get("health")
+        _check_metrics(workdir, step, meta, is_main)
         ready()
         if step >= t.steps:
             checkpointer.close()

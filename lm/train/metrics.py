@@ -1,7 +1,10 @@
 """Run metrics: one JSON object per line, TensorBoard event files, and PNG curves.
 
 `metrics.jsonl` is the record of a run: each row is appended (and the file closed) as it
-comes, and on resume the file is cut back to the restored step, atomically. The TensorBoard
+comes, and on resume the file is cut back to the restored step, atomically. Each row carries a
+running digest (`digest`: a sha256 of the previous row's digest and this row), and every
+checkpoint records the digest of the rows written before it: a resume finds an edited, removed
+or inserted row (`metrics_problem`) instead of carrying it on. The TensorBoard
 event file is a view of it, rebuilt from metrics.jsonl whenever a writer opens: after a kill
 and a resume, a reader sees each step once with exactly the values of metrics.jsonl (events
 still buffered at the kill are written again, events past the restored step are gone).
@@ -9,6 +12,7 @@ still buffered at the kill are written again, events past the restored step are 
 
 from __future__ import annotations
 
+import hashlib
 import json
 import math
 import os
@@ -20,6 +24,7 @@ import uuid
 import numpy as np
 
 from lm.data.jsonl import iter_jsonl
+from lm.outputs import atomic_open
 
 EXPECTED = "one JSON object of metrics per line"
 FLUSH_SECONDS = 10.0  # a row written this long after the last flush flushes the events (checkpoints do too)
@@ -33,13 +38,17 @@ class MetricsWriter:
         self.events_dir = pathlib.Path(workdir) / "tensorboard"
         self.enabled = enabled
         self._tb, self._flushed = None, time.monotonic()
+        self.digest = ""  # of the last row written: what a checkpoint records
         if enabled:
-            self._tb = _fresh_event_file(self.events_dir, read_metrics(self.path) if self.path.exists() else [])
+            rows = read_metrics(self.path) if self.path.exists() else []
+            self.digest = rows[-1].get("digest", "") if rows else ""
+            self._tb = _fresh_event_file(self.events_dir, rows)
 
     def write(self, step: int, values: dict) -> None:
         if not self.enabled:
             return
         row = {"step": int(step)} | {k: _plain(v) for k, v in values.items()}
+        row["digest"] = self.digest = row_digest(self.digest, row)
         with self.path.open("a") as f:
             f.write(json.dumps(row) + "\n")
         _add_row(self._tb, row)
@@ -56,6 +65,38 @@ class MetricsWriter:
         if self._tb is not None:
             self._tb.close()
             self._tb = None
+
+
+def row_digest(previous: str, row: dict) -> str:
+    """The running digest of a metrics row: the previous row's digest and this row's values."""
+    body = json.dumps({k: v for k, v in row.items() if k != "digest"}, sort_keys=True, separators=(",", ":"))
+    return hashlib.sha256(f"{previous}\n{body}".encode()).hexdigest()[:16]
+
+
+def metrics_problem(path: pathlib.Path, step: int, anchor: str | None) -> str | None:
+    """What shows the rows of metrics.jsonl up to `step` are not those the run wrote (a row whose
+    digest does not match, or the checkpoint's `anchor` digest missing), or None. Rows without a
+    digest (written before digests existed) restart the chain, as the writer does."""
+    path = pathlib.Path(path)
+    if not path.is_file():
+        return None  # gone: the resumed run starts a new record
+    rows, _ = _read_rows(path)
+    previous, seen = "", {""}
+    for line, row in enumerate(rows, 1):
+        if row["step"] > step:
+            break
+        if "digest" not in row:
+            previous = ""
+            continue
+        if row["digest"] != row_digest(previous, row):
+            return (f"{path}:{line}: the row of step {row['step']} is not the one the run wrote "
+                    "(edited after it was logged: its digest does not match)")
+        previous = row["digest"]
+        seen.add(previous)
+    if anchor and anchor not in seen:
+        return (f"{path}: the rows logged before the checkpoint of step {step} are missing or replaced "
+                "(the digest the checkpoint recorded is not in the file)")
+    return None
 
 
 def _fresh_event_file(directory: pathlib.Path, rows: list[dict]):
@@ -146,12 +187,8 @@ def truncate_after(path: pathlib.Path, step: int) -> None:
     rows, note = _read_rows(path)
     if note:
         print(f"lm: note: {note}", file=sys.stderr)
-    tmp = path.with_name(path.name + ".tmp")
-    with tmp.open("w") as f:
+    with atomic_open(path) as f:
         f.write("".join(json.dumps(r) + "\n" for r in rows if r["step"] <= step))
-        f.flush()
-        os.fsync(f.fileno())
-    os.replace(tmp, path)
 
 
 def plot_curves(metrics_path: pathlib.Path, out_path: pathlib.Path, baseline: float | None = None,

@@ -27,6 +27,7 @@ SUMMARY_KEYS = ("loss", "eval_loss", "tokens_per_s", "mfu", "run_tokens_per_s", 
 
 
 class Pretrain(Stage):
+    verb = "train"
     init_section = "train"  # train.init: continued pretraining from a trained or imported model
     init_optional = True
 

@@ -63,6 +63,7 @@ def _prompts(path, loaded, config, limit: int = 0) -> PromptSet:
 class Rl(Stage):
     """Prompts in; each step samples, scores and updates (lm.train.rl_step)."""
 
+    verb = "rl"
     init_section = "rl"
     check_eval_batch = False  # held-out prompts are answered in batches of their own
 

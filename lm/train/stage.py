@@ -2,10 +2,12 @@
 a declaration over `run_stage` — its data, its run (loss, trained params, frozen models), its
 batches and evaluators, what it reports. The runner does the rest, in this order:
 
-    cheap checks -> resume checks -> the workdir claimed: writable, locked (all before any data
-    work) -> the init model -> the data -> settings derived from the data (epochs -> steps: a
-    new config) -> nothing left to do? -> the run -> batch checks -> a resume's checkpoint fits
-    the run (its metadata) -> state and frozen models (the frozen ones from their sources on
+    cheap checks -> the workdir claimed: writable, locked -> resume checks: a checkpoint there
+    (or none, for a fresh run), made by this stage and this run (all before any data work) ->
+    the init model -> the data (noted by content) -> settings derived from the data (epochs ->
+    steps: a new config) -> the run's identity (lm.train.identity) -> nothing left to do? ->
+    the run -> batch checks -> a resume's checkpoint fits the run and is this trajectory's (its
+    metadata) -> state and frozen models (the frozen ones from their sources on
     every start, a resume included) -> batches, evaluators (+ config.eval.sets) -> the one loop
     (lm.train.fit; the run files are written there, once the state is restored or made) ->
     stop reason -> the stage's report, the plot, summary.json
@@ -29,13 +31,15 @@ from typing import Callable
 import jax
 
 from lm.config import ConfigDict
+from lm.data.provenance import recording
 from lm.errors import UserError
 from lm.eval.during import with_sets
 from lm.model.params import merge_trees
 from lm.store.load import Loaded, load_init
 from lm.store.meta import save_tokenizer, with_tokenizer
 from lm.train.faults import StopSignal, agree_any
-from lm.train.fit import check_fits, check_resume, fit, save_final_metrics
+from lm.train.fit import check_fits, check_made_by, check_resume, fit, newest_meta, save_final_metrics
+from lm.train.identity import RUN_FILE, new_identity, read_run_file
 from lm.train.metrics import json_default, plot_curves, read_metrics
 from lm.train.workdir import check_writable, lock_workdir, write_atomic
 
@@ -52,6 +56,8 @@ class Ctx:
     show_progress: bool = True
     init: Loaded | None = None  # the model the stage starts from (None: a fresh one)
     data: object = None  # whatever the stage's `read` returns
+    data_notes: dict = dataclasses.field(default_factory=dict)  # the content of what it read (lm.data.provenance)
+    identity: dict | None = None  # what the run is (lm.train.identity): in every checkpoint
     run: object = None  # lm.train.setup.Run
     frozen: dict | None = None  # {name: placed params} (lm.train.steps)
     state: object = None
@@ -76,6 +82,7 @@ class Ctx:
 class Stage:
     """A training stage as a declaration: override what differs."""
 
+    verb: str = ""  # the command that runs it (`lm VERB`), recorded as the run's stage
     init_section: str | None = None  # the config section whose `init` names the start model
     init_optional: bool = False  # an empty `init` starts from scratch instead of failing (pretraining)
     check_eval_batch = True  # eval.batch_size must split over the mesh like train.batch_size
@@ -129,9 +136,12 @@ def run_stage(stage: Stage, config, workdir, resume: bool = False, show_progress
     with StopSignal() as ctx.stop:  # the command's own when lm.cli installed one at start-up
         ctx.phase("the checks")
         stage.check(config)
-        check_resume(ctx.checkpoints, resume, ALL_STEPS)
         with _claimed(ctx):
+            check_resume(ctx.checkpoints, resume, ALL_STEPS)
+            if resume:
+                check_made_by(ctx.checkpoints, _identity(stage, ctx, early=True))
             _prepare(stage, ctx)
+            ctx.identity = _identity(stage, ctx)
             finished = check_resume(ctx.checkpoints, resume, ctx.config.train.steps)
             if finished is not None and _summarized(ctx.workdir, finished):
                 return {"step": finished, "nothing_to_do": True, "stopped_by": None, "eval_loss": None}
@@ -170,7 +180,8 @@ def _prepare(stage: Stage, ctx: Ctx) -> None:
         ctx.phase("loading the init model")
         ctx.init = load_init(ctx.config[stage.init_section].init)
     ctx.phase("data preparation")
-    ctx.data = stage.read(ctx)
+    with recording() as ctx.data_notes:
+        ctx.data = stage.read(ctx)
     ctx.config = stage.configure(ctx)
     if ctx.init is not None and stage.tokenizer(ctx) is ctx.init.tokenizer:
         ctx.config = with_tokenizer(ctx.config, ctx.init.tokenizer)
@@ -187,6 +198,7 @@ def _build(stage: Stage, ctx: Ctx) -> None:
         run.check_batch(e.batch_size, 1, key="eval.batch_size")
     if ctx.resume:
         check_fits(run, ctx.checkpoints)
+        check_made_by(ctx.checkpoints, ctx.identity, ("settings", "data", "models"))
 
 
 def _train(stage: Stage, ctx: Ctx) -> None:
@@ -208,7 +220,7 @@ def _train(stage: Stage, ctx: Ctx) -> None:
                               ready=lambda: _write_run_files(stage, ctx), evaluate=evaluate,
                               first_row=stage.first_row(ctx), frozen=ctx.frozen, signature=signature,
                               show_progress=ctx.show_progress, flops_per_token=stage.flops_per_token(ctx),
-                              step_fn=step_fn)
+                              step_fn=step_fn, identity=ctx.identity)
     if ctx.is_main and not ctx.last["stopped_by"]:
         save_final_metrics(ctx.workdir, ctx.last)
 
@@ -236,12 +248,28 @@ def _summarized(workdir: pathlib.Path, step: int) -> bool:
         return False
 
 
+def _identity(stage: Stage, ctx: Ctx, early: bool = False) -> dict:
+    """This run's identity: a fresh run draws a new id; a resume keeps the one of run.json, or of
+    the newest checkpoint (a run whose run.json is gone). Early (before the data are read) only
+    its stage and id are known."""
+    run_id = None
+    if ctx.resume:
+        run_id = ((read_run_file(ctx.workdir) or {}).get("run_id")
+                  or (newest_meta(ctx.checkpoints)[1].get("identity") or {}).get("run_id"))
+    if early:
+        return {"stage": stage.verb, "run_id": run_id}
+    return new_identity(stage.verb, ctx.config, ctx.data_notes, run_id)
+
+
 def _write_run_files(stage: Stage, ctx: Ctx) -> None:
-    """config.json, data_stats.json and the tokenizer (WORKDIR/tokenizer.model or WORKDIR/tokenizer/:
-    lm.store.meta.save_tokenizer), by process 0, once every check has passed."""
+    """config.json, data_stats.json, run.json (the identity the run started with) and the tokenizer
+    (WORKDIR/tokenizer.model or WORKDIR/tokenizer/: lm.store.meta.save_tokenizer), by process 0,
+    once every check has passed."""
     if not ctx.is_main:
         return
     ctx.workdir.mkdir(parents=True, exist_ok=True)
+    if (read_run_file(ctx.workdir) or {}).get("run_id") != ctx.identity["run_id"]:
+        write_atomic(ctx.workdir / RUN_FILE, json.dumps(ctx.identity, indent=2, default=str))
     write_atomic(ctx.workdir / "config.json", ctx.config.to_json(indent=2))
     write_atomic(ctx.workdir / "data_stats.json", json.dumps(stage.stats(ctx), indent=2))
     save_tokenizer(stage.tokenizer(ctx), ctx.workdir)

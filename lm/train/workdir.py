@@ -148,6 +148,9 @@ def check_writable(workdir) -> None:
             _require(path)
     for name in FOLDERS:
         folder = workdir / name
+        if folder.exists() and not folder.is_dir():
+            raise UserError(f"'{folder}' is a file where the run keeps a folder; move it away or choose "
+                            "another --workdir")
         if folder.is_dir():
             _require(folder)
             for step in sorted(folder.iterdir()):

@@ -19,7 +19,7 @@ import pytest
 
 from lm.config import base_config
 from lm.errors import UserError
-from lm.store.checkpoint import Checkpointer, IncompatibleCheckpoint
+from lm.store.checkpoint import Checkpointer, IncompatibleCheckpoint, saved_steps
 from lm.store.checkpoint_checks import seal
 from lm.train.setup import build_run
 
@@ -474,6 +474,10 @@ def tiny_runs(tmp_path_factory, corpus):
     return root
 
 
+def proc_cwd() -> pathlib.Path:
+    return pathlib.Path(__file__).resolve().parents[2]
+
+
 def _losses(workdir) -> dict:
     rows = [json.loads(line) for line in (workdir / "metrics.jsonl").read_text().splitlines()]
     return {r["step"]: r["loss"] for r in rows if "loss" in r}
@@ -502,21 +506,31 @@ def test_a_resume_that_rejects_every_checkpoint_exits_with_one_line(tiny_runs, c
 
     work = tmp_path / "w"
     shutil.copytree(tiny_runs / "straight", work)
+    (work / "summary.json").unlink()  # the end-of-run work is left to do: the resume restores step 6
     for step_dir in (work / "checkpoints").iterdir():
         _cut(_largest_file(step_dir), 100)
     env = os.environ | {"XLA_FLAGS": xla_flags(8), "JAX_PLATFORMS": "cpu"}
     proc = subprocess.run([sys.executable, "-m", "lm.cli", "train", "--workdir", str(work),
-                           f"--config.data.corpus={corpus}", "--config.train.steps=8", *SMALL, "--resume"],
-                          env=env, cwd=pathlib.Path(__file__).resolve().parents[2], capture_output=True, text=True,
-                          timeout=600, check=False)
+                           f"--config.data.corpus={corpus}", "--config.train.steps=6", "--config.checkpoint.every_steps=2",
+                           "--config.checkpoint.keep=3", *SMALL, "--resume"],
+                          env=env, cwd=proc_cwd(), capture_output=True, text=True, timeout=600, check=False)
     assert proc.returncode == 2, proc.stderr[-3000:]
     for noise in ("Event loop is closed", "Traceback", "never retrieved", "Exception ignored"):
         assert noise not in proc.stderr, proc.stderr[-3000:]
     last = proc.stderr.strip().splitlines()[-1]
     assert last.startswith(f"lm: error: no intact checkpoint in '{work / 'checkpoints'}' (step 6: state array")
     assert "is truncated" in last and "TensorStore" not in last
-    warnings = [line for line in proc.stdout.splitlines() if "is damaged" in line]
-    assert len(warnings) == 3 and all(re.search(r"file '\d/state/\S+' is truncated", w) for w in warnings), warnings
+    assert len(re.findall(r"step \d: state array '[^']+': file '\d/state/\S+' is truncated", last)) == 3, last
+    # Nothing is set aside when no checkpoint can be restored; the advice given works from there.
+    assert "nothing was moved" in last and "is damaged" not in proc.stdout
+    assert saved_steps(work / "checkpoints") == [2, 4, 6] and not (work / "rejected_checkpoints").exists()
+    move = re.search(r"\(mv '([^']+)' '([^']+)'\) and run the same command without --resume", last)
+    assert move, last
+    pathlib.Path(move.group(1)).rename(move.group(2))
+    again = subprocess.run([a for a in proc.args if a != "--resume"], env=env, cwd=proc_cwd(), capture_output=True,
+                           text=True, timeout=600, check=False)
+    assert again.returncode == 0, again.stderr[-3000:]
+    assert saved_steps(work / "checkpoints") == [2, 4, 6]
 
 
 @pytest.mark.slow

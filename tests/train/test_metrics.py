@@ -9,8 +9,39 @@ from types import SimpleNamespace
 
 from lm.train import loop, pairs
 from lm.train.loop import LoopSpec, run_loop
-from lm.train.metrics import (MetricsWriter, curves_figure, moe_routing, plot_curves, plot_rl, plot_runs,
-                              read_metrics, rl_figure, runs_figure, truncate_after)
+from lm.train.metrics import (MetricsWriter, curves_figure, metrics_problem, moe_routing, plot_curves, plot_rl,
+                              plot_runs, read_metrics, rl_figure, runs_figure, truncate_after)
+
+
+def test_rows_carry_a_running_digest_that_finds_edits(tmp_path):
+    path = tmp_path / "metrics.jsonl"
+    writer = MetricsWriter(tmp_path)
+    for step in (1, 2, 3):
+        writer.write(step, {"loss": 1.0 / step})
+    anchor = writer.digest
+    writer.write(4, {"loss": 0.25})
+    writer.close()
+    text = path.read_text()
+    assert metrics_problem(path, 3, anchor) is None and metrics_problem(path, 4, writer.digest) is None
+    # A reopened writer continues the chain from the last row.
+    again = MetricsWriter(tmp_path)
+    again.write(5, {"loss": 0.2})
+    again.close()
+    assert metrics_problem(path, 5, again.digest) is None
+    lines = text.splitlines(keepends=True)
+    edited = json.loads(lines[1]) | {"loss": 0.75}
+    path.write_text(lines[0] + json.dumps(edited) + "\n" + "".join(lines[2:]))
+    assert metrics_problem(path, 3, anchor).startswith(f"{path}:2: the row of step 2 is not the one the run wrote")
+    swapped = [lines[0], lines[2], lines[1], lines[3]]  # rows moved: their digests no longer chain
+    path.write_text("".join(swapped))
+    assert metrics_problem(path, 4, writer.digest).startswith(f"{path}:2:")
+    path.write_text("".join(lines[:1] + lines[2:]))  # a row removed
+    assert metrics_problem(path, 3, anchor).startswith(f"{path}:2:")
+    path.write_text(lines[0])  # rows cut: the checkpoint's anchor is gone
+    assert "missing or replaced" in metrics_problem(path, 3, anchor)
+    old = [{k: v for k, v in json.loads(line).items() if k != "digest"} for line in lines]
+    path.write_text("".join(json.dumps(r) + "\n" for r in old))  # rows of a run from before digests
+    assert metrics_problem(path, 4, None) is None
 
 
 def test_rows_truncation_and_plot(tmp_path):
@@ -20,7 +51,7 @@ def test_rows_truncation_and_plot(tmp_path):
     writer.write(20, {"eval_loss": 0.2})
     writer.write(40, {"loss": math.nan, "grad_norm": math.inf})
     writer.close()
-    rows = read_metrics(tmp_path / "metrics.jsonl")
+    rows = [{k: v for k, v in r.items() if k != "digest"} for r in read_metrics(tmp_path / "metrics.jsonl")]
     assert rows[0] == {"step": 10, "loss": 0.3, "lr": 0.1}
     assert rows[-1] == {"step": 40, "loss": "nan", "grad_norm": "inf"}
     assert list((tmp_path / "tensorboard").glob("events.out.tfevents.*"))

@@ -1,0 +1,136 @@
+"""What a run is, recorded in every checkpoint and checked by --resume.
+
+A run's identity: its stage (the verb that made it), an id drawn at its first start and kept by
+every resume, the command that started it, and what shapes its trajectory:
+  settings  every config key except those that leave the trajectory alone (NEUTRAL: logging,
+            evaluation, checkpoint cadence, the mesh, implementation choices, the fault policy,
+            and the paths of data and models, which are named by their content instead);
+  data      the content of the data the stage read (lm.data.provenance: prepared cache entries
+            by their manifests, files by their sha256);
+  models    the models it starts from or holds frozen (init, teacher, reward model), by
+            lm.store.fingerprint.
+A checkpoint whose record differs is another stage's, another run's or another trajectory's:
+--resume refuses it in one line, naming the fields and the command that made it. A checkpoint
+written before these records existed is restored with one warning.
+"""
+
+from __future__ import annotations
+
+import json
+import pathlib
+import shlex
+import sys
+import time
+import uuid
+
+from lm.errors import UserError
+from lm.store.fingerprint import fingerprint_or_empty
+
+RUN_FILE = "run.json"  # the identity a run started with, beside its checkpoints
+
+# Keys (or prefixes ending in '.') whose change keeps the trajectory: resume may change them.
+NEUTRAL = ("eval.", "checkpoint.", "mesh.", "curate.workers", "data.cache_dir", "data.workers", "data.tokenizer",
+           "data.corpus", "data.sources", "train.log_every", "train.peak_flops", "train.sample_tokens",
+           "train.sample_prompt", "train.max_bad_steps", "train.on_bad", "train.spike_window",
+           "train.spike_threshold", "train.max_rollbacks", "train.peer_timeout_s", "train.startup_timeout_s",
+           "model.remat", "model.kernels", "model.attention", "model.pipeline_microbatches",
+           "sft.data", "pairs.data", "rl.data", "sft.on_bad_record", "pairs.on_bad_record", "rl.on_bad_record",
+           "sft.max_skipped_fraction", "pairs.max_skipped_fraction", "rl.max_skipped_fraction")
+MODEL_KEYS = ("train.init", "sft.init", "pairs.init", "rl.init", "distill.teacher", "rl.reward_model")
+
+
+def _neutral(key: str) -> bool:
+    section, _, name = key.partition(".")
+    return (key in NEUTRAL or any(p.endswith(".") and key.startswith(p) for p in NEUTRAL)
+            or key in MODEL_KEYS or name.startswith("eval_"))
+
+
+def _flat(d: dict, prefix: str = "") -> dict:
+    out = {}
+    for k, v in d.items():
+        out |= _flat(v, f"{prefix}{k}.") if isinstance(v, dict) else {f"{prefix}{k}": v}
+    return out
+
+
+def settings(config) -> dict:
+    """{dotted key: value} of the config keys that shape the trajectory."""
+    flat = _flat(json.loads(config.to_json()))
+    weights = [entry.rsplit(":", 1)[1] if ":" in entry else "1" for entry in flat.get("data.sources") or []]
+    # train.steps shapes the steps already taken only through the schedule (lm.train.optim): a run
+    # whose decay length is set apart from it may be extended
+    decay = {"optim.decay_steps": flat["optim.decay_steps"] or flat["train.steps"]}
+    return ({k: v for k, v in flat.items() if not _neutral(k) and k not in ("train.steps", "optim.decay_steps")}
+            | decay | ({"data.source_weights": weights} if weights else {}))
+
+
+def models(config) -> dict:
+    """{config key: fingerprint} of every model the run starts from or holds frozen."""
+    out = {}
+    for key in MODEL_KEYS:
+        section, name = key.split(".")
+        value = config[section].get(name) if section in config else None
+        if value:
+            out[key] = fingerprint_or_empty(value)
+    return out
+
+
+_COMMAND: list[str] = []  # the arguments of `lm` when it was called with some (lm.cli.main)
+
+
+def record_command(argv: list[str]) -> None:
+    _COMMAND[:] = argv
+
+
+def new_identity(stage: str, config, data: dict, run_id: str | None = None) -> dict:
+    argv = _COMMAND or sys.argv[1:]
+    return {"stage": stage, "run_id": run_id or uuid.uuid4().hex[:12],
+            "command": shlex.join(["lm", *argv])[:2000], "started": time.strftime("%Y-%m-%d %H:%M:%S"),
+            "settings": settings(config), "data": data, "models": models(config)}
+
+
+PARTS = ("settings", "data", "models")
+
+
+def differences(saved: dict, now: dict, parts: tuple = PARTS) -> list[str]:
+    """What differs between a checkpoint's identity and this run's, one phrase per field (the
+    stage and the run id, then `parts`)."""
+    diffs = []
+    if saved.get("stage") != now["stage"]:
+        diffs.append(f"stage: {saved.get('stage')} (checkpoint) vs {now['stage']} (now)")
+    if now.get("run_id") and saved.get("run_id") != now["run_id"]:
+        diffs.append(f"run: {saved.get('run_id')} (checkpoint) vs {now['run_id']} (this workdir)")
+    for part in parts:
+        before, after = saved.get(part) or {}, now.get(part) or {}
+        for key in sorted(before.keys() | after.keys()):
+            if part == "settings" and key not in before:
+                continue  # a key added to the code since the checkpoint: its default is all it knew
+            if before.get(key) != after.get(key):
+                label = f"{key}" if part == "settings" else f"{part} {key}"
+                diffs.append(f"{label}: {before.get(key, '(none)')!r} (checkpoint) vs {after.get(key, '(none)')!r} (now)")
+    return diffs
+
+
+class NotThisRun(UserError):
+    """A checkpoint made by another stage, another run or another trajectory: never restored, never moved."""
+
+
+def check_identity(saved: dict | None, now: dict | None, where: str, parts: tuple = PARTS) -> None:
+    """Refuses a checkpoint whose identity differs from `now`; a checkpoint without one passes
+    (the caller warns once)."""
+    if not saved or not now:
+        return
+    diffs = differences(saved, now, parts)
+    if not diffs:
+        return
+    shown = "; ".join(diffs[:8]) + (f"; ... ({len(diffs)} in all)" if len(diffs) > 8 else "")
+    raise NotThisRun(f"{where} is not this run's to resume ({shown}); it was made by `{saved.get('command')}`: "
+                     "resume it with that command, or start this one in a new --workdir")
+
+
+def read_run_file(workdir) -> dict | None:
+    """The identity recorded in WORKDIR/run.json (None if missing or unreadable)."""
+    try:
+        value = json.loads((pathlib.Path(workdir) / RUN_FILE).read_text())
+    except (OSError, ValueError):
+        return None
+    return value if isinstance(value, dict) else None

@@ -124,7 +124,8 @@ def final_metrics(workdir, step: int) -> dict:
     print(f"lm: note: {workdir / FINAL_METRICS} is missing or not of step {step}; the summary takes the metrics "
           f"logged at step {step} (no run-wide throughput)", file=sys.stderr)
     rows = [r for r in read_metrics(workdir / "metrics.jsonl") if r["step"] == step]
-    return {k: v for r in rows for k, v in r.items() if k != "step"} | {"stopped_by": None, "stop_step": step}
+    kept = {k: v for r in rows for k, v in r.items() if k not in ("step", "digest")}
+    return kept | {"stopped_by": None, "stop_step": step}
 
 
 def evaluator(eval_fn, batches: list, placer, frozen=None, prefix: str = "eval", metrics=("loss",)) -> Callable:

@@ -81,10 +81,14 @@ def record_command(argv: list[str]) -> None:
     _COMMAND[:] = argv
 
 
-def new_identity(stage: str, config, data: dict, run_id: str | None = None) -> dict:
+def new_identity(stage: str, config, data: dict, first: dict | None = None) -> dict:
+    """This run's identity; a resume keeps the id, command and start time of its `first` start
+    (run.json, or the newest checkpoint's identity)."""
+    first = first or {}
     argv = _COMMAND or sys.argv[1:]
-    return {"stage": stage, "run_id": run_id or uuid.uuid4().hex[:12],
-            "command": shlex.join(["lm", *argv])[:2000], "started": time.strftime("%Y-%m-%d %H:%M:%S"),
+    return {"stage": stage, "run_id": first.get("run_id") or uuid.uuid4().hex[:12],
+            "command": first.get("command") or shlex.join(["lm", *argv])[:2000],
+            "started": first.get("started") or time.strftime("%Y-%m-%d %H:%M:%S"),
             "settings": settings(config), "data": data, "models": models(config)}
 
 
@@ -124,7 +128,14 @@ def check_identity(saved: dict | None, now: dict | None, where: str, parts: tupl
         return
     shown = "; ".join(diffs[:8]) + (f"; ... ({len(diffs)} in all)" if len(diffs) > 8 else "")
     raise NotThisRun(f"{where} is not this run's to resume ({shown}); it was made by `{saved.get('command')}`: "
-                     "resume it with that command, or start this one in a new --workdir")
+                     f"resume it with `{resume_command(saved.get('command') or 'lm')}`, or start this one in a new "
+                     "--workdir")
+
+
+def resume_command(command: str) -> str:
+    """A run's first command as the command that resumes it."""
+    words = shlex.split(command)
+    return shlex.join(words if "--resume" in words else [*words, "--resume"])
 
 
 def read_run_file(workdir) -> dict | None:

@@ -252,13 +252,12 @@ def _identity(stage: Stage, ctx: Ctx, early: bool = False) -> dict:
     """This run's identity: a fresh run draws a new id; a resume keeps the one of run.json, or of
     the newest checkpoint (a run whose run.json is gone). Early (before the data are read) only
     its stage and id are known."""
-    run_id = None
+    first = {}
     if ctx.resume:
-        run_id = ((read_run_file(ctx.workdir) or {}).get("run_id")
-                  or (newest_meta(ctx.checkpoints)[1].get("identity") or {}).get("run_id"))
+        first = read_run_file(ctx.workdir) or newest_meta(ctx.checkpoints)[1].get("identity") or {}
     if early:
-        return {"stage": stage.verb, "run_id": run_id}
-    return new_identity(stage.verb, ctx.config, ctx.data_notes, run_id)
+        return {"stage": stage.verb, "run_id": first.get("run_id")}
+    return new_identity(stage.verb, ctx.config, ctx.data_notes, first)
 
 
 def _write_run_files(stage: Stage, ctx: Ctx) -> None:

@@ -4,6 +4,7 @@ trajectory), and a refusal or a storage fault moves nothing."""
 import json
 import pathlib
 import re
+import shlex
 import shutil
 
 import pytest
@@ -49,6 +50,10 @@ def test_another_stage_is_refused_before_any_data_work(small_base, tmp_path, cap
         assert f"checkpoint step 10 in '{work / 'checkpoints'}' is not this run's to resume" in line, line
         assert f"stage: train (checkpoint) vs {verb} (now)" in line and "made by `lm train --workdir" in line, line
     assert _files(work) == before and saved_steps(work / "checkpoints") == [10]
+    # The advice works: the command that made the run resumes it (here: a finished run, nothing to do).
+    command = re.search(r"resume it with `([^`]+)`", line).group(1).replace(str(small_base), str(work))
+    words = shlex.split(command)
+    assert words[0] == "lm" and words[-1] == "--resume" and main(words[1:]) == 0
 
 
 @pytest.mark.slow
@@ -176,3 +181,13 @@ def test_a_first_save_that_fails_advises_a_fresh_start(tmp_path):
     message = str(raised.value)
     assert "no space left on device" in message and "no checkpoint is saved" in message
     assert "run the same command again without --resume" in message and "then --resume" not in message
+
+
+def test_the_docs_list_exactly_the_keys_a_resume_may_change():
+    from lm.train.identity import MODEL_KEYS, NEUTRAL
+
+    page = (pathlib.Path(__file__).resolve().parents[2] / "docs" / "resume.md").read_text()
+    block = page.split("<!-- neutral-keys -->")[1].split("<!-- /neutral-keys -->")[0]
+    listed = set(re.findall(r"`([a-z_.*]+)`", block))
+    want = {k + "*" if k.endswith(".") else k for k in NEUTRAL} | set(MODEL_KEYS) | {"*.eval_*"}
+    assert listed == want, (listed ^ want)

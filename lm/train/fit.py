@@ -57,13 +57,16 @@ def newest_meta(directory: pathlib.Path) -> tuple[int | None, dict]:
     return None, {}
 
 
-def check_made_by(directory: pathlib.Path, identity: dict, parts: tuple = ()) -> None:
+def check_made_by(directory: pathlib.Path, identity: dict, parts: tuple = (), updates_per_step: int | None = None
+                  ) -> None:
     """The newest checkpoint must be this run's (its stage and run id, then `parts` of its
-    identity): checked on its metadata before any data work (parts=()) and again once the data
-    are read (every part); restoring checks each checkpoint again."""
+    identity, and the schedule of its updates when `updates_per_step` is known): checked on its
+    metadata before any data work (parts=()) and again once the run is built (every part);
+    restoring checks each checkpoint again."""
     step, meta = newest_meta(directory)
     if step is not None:
-        check_identity(meta.get("identity"), identity, f"checkpoint step {step} in '{directory}'", parts)
+        updates = step * updates_per_step if updates_per_step else None
+        check_identity(meta.get("identity"), identity, f"checkpoint step {step} in '{directory}'", parts, updates)
 
 
 def check_fits(run, directory: pathlib.Path) -> None:
@@ -155,7 +158,7 @@ def peak_flops(config) -> tuple[float, str]:
                             "vendor's figure for a stable MFU")
 
 
-def _accepting(identity: dict | None, directory: pathlib.Path) -> Callable[[int, dict], None]:
+def _accepting(identity: dict | None, directory: pathlib.Path, updates_per_step: int) -> Callable[[int, dict], None]:
     """The restore's test of a checkpoint's identity (lm.train.identity): another stage's, run's or
     trajectory's is refused; one saved before identities existed passes with one warning."""
     warned = []
@@ -169,7 +172,8 @@ def _accepting(identity: dict | None, directory: pathlib.Path) -> Callable[[int,
                       "run and settings that made it are unchecked", flush=True)
                 warned.append(step)
             return
-        check_identity(meta["identity"], identity, f"checkpoint step {step} in '{directory}'")
+        check_identity(meta["identity"], identity, f"checkpoint step {step} in '{directory}'",
+                       updates=step * updates_per_step)
 
     return accept
 
@@ -211,7 +215,7 @@ def fit(run, workdir, data_iter, *, resume: bool, init: Callable, ready: Callabl
     to_device = (lambda batch: batch) if step_fn is not None else run.placer(signature)
     writer = None
     checkpointer = Checkpointer.from_config(workdir / "checkpoints", config, identity=identity,
-                                            accept=_accepting(identity, workdir / "checkpoints"),
+                                            accept=_accepting(identity, workdir / "checkpoints", run.updates_per_step),
                                             metrics_digest=lambda: writer.digest if writer is not None else "")
     target = run.abstract_state()
     health = None

@@ -21,6 +21,7 @@ import pathlib
 import shlex
 import sys
 import time
+import types
 import uuid
 
 from lm.errors import UserError
@@ -56,11 +57,32 @@ def settings(config) -> dict:
     """{dotted key: value} of the config keys that shape the trajectory."""
     flat = _flat(json.loads(config.to_json()))
     weights = [entry.rsplit(":", 1)[1] if ":" in entry else "1" for entry in flat.get("data.sources") or []]
-    # train.steps shapes the steps already taken only through the schedule (lm.train.optim): a run
-    # whose decay length is set apart from it may be extended
-    decay = {"optim.decay_steps": flat["optim.decay_steps"] or flat["train.steps"]}
-    return ({k: v for k, v in flat.items() if not _neutral(k) and k not in ("train.steps", "optim.decay_steps")}
-            | decay | ({"data.source_weights": weights} if weights else {}))
+    return ({k: v for k, v in flat.items() if not _neutral(k) and k not in SCHEDULE}
+            | ({"data.source_weights": weights} if weights else {}))
+
+
+# The run's length shapes the steps already taken only through the learning rate (lm.train.optim):
+# a resume may change it when the schedule gives the same rate to every update made so far (a
+# longer run with optim.decay_steps set, or one still in its warmup).
+SCHEDULE = ("train.steps", "optim.decay_steps")
+
+
+def schedule(config) -> dict:
+    return {"train.steps": config.train.steps, "optim.decay_steps": config.optim.decay_steps}
+
+
+def _same_rates(saved: dict, now: dict, updates: int) -> bool:
+    import numpy as np
+
+    from lm.train.optim import make_schedule
+
+    def rates(part: dict):
+        s = now["settings"]
+        o = types.SimpleNamespace(lr=s["optim.lr"], warmup_steps=s["optim.warmup_steps"],
+                                  min_lr_ratio=s["optim.min_lr_ratio"], decay_steps=part["optim.decay_steps"])
+        return np.asarray(make_schedule(o, part["train.steps"])(np.arange(updates)))
+
+    return np.array_equal(rates(saved["schedule"]), rates(now["schedule"]))
 
 
 def models(config) -> dict:
@@ -89,15 +111,15 @@ def new_identity(stage: str, config, data: dict, first: dict | None = None) -> d
     return {"stage": stage, "run_id": first.get("run_id") or uuid.uuid4().hex[:12],
             "command": first.get("command") or shlex.join(["lm", *argv])[:2000],
             "started": first.get("started") or time.strftime("%Y-%m-%d %H:%M:%S"),
-            "settings": settings(config), "data": data, "models": models(config)}
+            "settings": settings(config), "schedule": schedule(config), "data": data, "models": models(config)}
 
 
 PARTS = ("settings", "data", "models")
 
 
-def differences(saved: dict, now: dict, parts: tuple = PARTS) -> list[str]:
+def differences(saved: dict, now: dict, parts: tuple = PARTS, updates: int | None = None) -> list[str]:
     """What differs between a checkpoint's identity and this run's, one phrase per field (the
-    stage and the run id, then `parts`)."""
+    stage and the run id, then `parts`; the schedule with `updates`, the updates made so far)."""
     diffs = []
     if saved.get("stage") != now["stage"]:
         diffs.append(f"stage: {saved.get('stage')} (checkpoint) vs {now['stage']} (now)")
@@ -111,6 +133,11 @@ def differences(saved: dict, now: dict, parts: tuple = PARTS) -> list[str]:
             if before.get(key) != after.get(key):
                 label = f"{key}" if part == "settings" else f"{part} {key}"
                 diffs.append(f"{label}: {before.get(key, '(none)')!r} (checkpoint) vs {after.get(key, '(none)')!r} (now)")
+    if updates is not None and not diffs and saved.get("schedule") and saved["schedule"] != now["schedule"] \
+            and not _same_rates(saved, now, updates):
+        shown = ", ".join(f"{k}={saved['schedule'][k]} (checkpoint) vs {now['schedule'][k]} (now)" for k in SCHEDULE
+                          if saved["schedule"][k] != now["schedule"][k])
+        diffs.append(f"the learning rate of the {updates} updates made differs ({shown})")
     return diffs
 
 
@@ -118,12 +145,13 @@ class NotThisRun(UserError):
     """A checkpoint made by another stage, another run or another trajectory: never restored, never moved."""
 
 
-def check_identity(saved: dict | None, now: dict | None, where: str, parts: tuple = PARTS) -> None:
+def check_identity(saved: dict | None, now: dict | None, where: str, parts: tuple = PARTS,
+                   updates: int | None = None) -> None:
     """Refuses a checkpoint whose identity differs from `now`; a checkpoint without one passes
     (the caller warns once)."""
     if not saved or not now:
         return
-    diffs = differences(saved, now, parts)
+    diffs = differences(saved, now, parts, updates)
     if not diffs:
         return
     shown = "; ".join(diffs[:8]) + (f"; ... ({len(diffs)} in all)" if len(diffs) > 8 else "")

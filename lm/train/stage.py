@@ -198,7 +198,7 @@ def _build(stage: Stage, ctx: Ctx) -> None:
         run.check_batch(e.batch_size, 1, key="eval.batch_size")
     if ctx.resume:
         check_fits(run, ctx.checkpoints)
-        check_made_by(ctx.checkpoints, ctx.identity, ("settings", "data", "models"))
+        check_made_by(ctx.checkpoints, ctx.identity, ("settings", "data", "models"), run.updates_per_step)
 
 
 def _train(stage: Stage, ctx: Ctx) -> None:

@@ -47,7 +47,7 @@ def test_dpo_logs_trl_metrics_and_reports_held_out_pairs_and_answers(small_base,
     assert first["eval_rewards/margins"] == pytest.approx(0, abs=1e-5)
     summary = json.loads((w / "summary.json").read_text())
     assert summary["reference"] == "precomputed" and summary["eval"]["eval_rewards/margins"] > 0
-    assert set(np.load(w / "reference_logps.npz").files) == {"train", "heldout"}
+    assert set(np.load(w / "reference_logps.npz").files) == {"train", "heldout", "record"}
     assert summary["exact_match_n"] == 4 and 0 <= summary["exact_match"] <= 1
     assert (w / "loss.png").read_bytes()[:4] == b"\x89PNG"
 

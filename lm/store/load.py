@@ -3,7 +3,10 @@
 
 from __future__ import annotations
 
+import concurrent.futures
+import contextvars
 import pathlib
+import threading
 
 import jax
 import numpy as np
@@ -17,6 +20,7 @@ from lm.model.lora import merge_lora
 from lm.model.params import leaf_paths, merge_trees
 from lm.model.quant import SUFFIXES, from_tensors
 from lm.store.checkpoint import read_checkpoint_params, saved_steps
+from lm.store.checkpoint_checks import quiet_background_threads
 from lm.store.hf import is_hf_dir, load_hf
 from lm.store.loaded import Loaded
 from lm.store.meta import check_given, config_from, saved_config, tokenizer_beside, tokenizer_for
@@ -39,7 +43,7 @@ def load_trained(workdir: str | None = None, params: str | None = None, tokenize
         return load_hf(params, tokenizer)
     if workdir is not None:
         _check_run(pathlib.Path(workdir), step)
-        values, meta, step = read_checkpoint_params(workdir, step)
+        values, meta, step = off_main_thread(read_checkpoint_params, workdir, step)
         source = f"run '{workdir}' (step {step})"
         config, path = config_from(meta.get("config"), source), pathlib.Path(workdir)
     else:
@@ -122,11 +126,33 @@ def load_params(path) -> dict:
             node[leaf] = array
         return tree
     if (path / "params").is_dir():
-        ckptr = ocp.PyTreeCheckpointer()
-        tree = ckptr.metadata((path / "params").absolute()).item_metadata.tree
-        restore_args = jax.tree.map(lambda _: ocp.RestoreArgs(restore_type=np.ndarray), tree)
-        return ckptr.restore((path / "params").absolute(), args=ocp.args.PyTreeRestore(restore_args=restore_args))
+        return off_main_thread(_read_export, (path / "params").absolute())
     raise UserError(f"'{path}' is neither a .safetensors file nor an `lm export` directory (PATH/params/)")
+
+
+def _read_export(directory: pathlib.Path) -> dict:
+    ckptr = ocp.PyTreeCheckpointer()
+    tree = ckptr.metadata(directory).item_metadata.tree
+    restore_args = jax.tree.map(lambda _: ocp.RestoreArgs(restore_type=np.ndarray), tree)
+    return ckptr.restore(directory, args=ocp.args.PyTreeRestore(restore_args=restore_args))
+
+
+def off_main_thread(read, *args):
+    """read(*args) on a worker thread, waited for here. A signal's exception (a stop) is raised in
+    the main thread: it then lands in this wait, not inside orbax's event loop, where it would
+    abandon half-made loops and reads that print tracebacks as they are collected. The worker is
+    left to end with the process."""
+    quiet_background_threads()
+    result, context = concurrent.futures.Future(), contextvars.copy_context()
+
+    def work():
+        try:
+            result.set_result(context.run(read, *args))
+        except BaseException as e:  # noqa: BLE001 - handed to the waiting thread as it is
+            result.set_exception(e)
+
+    threading.Thread(target=work, name="lm-read-model", daemon=True).start()
+    return result.result()
 
 
 def quantized(tree: dict) -> bool:

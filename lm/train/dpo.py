@@ -6,7 +6,9 @@ The reference is the init model, frozen. `dpo.reference` picks how it is held:
                dtype, sharded like the params, with no gradient or optimizer state; with LoRA it is
                the frozen base with the adapters off (no copy at all);
   precomputed  its log-probs are computed once, in a pass over the pairs before training, and
-               fed as a per-pair field: the step holds one model.
+               fed as a per-pair field: the step holds one model. They are kept in the workdir
+               with a record of the pairs and the model they came from; a resume reuses them
+               only while both are the same.
 SimPO needs no reference. Metrics carry TRL's names (rewards/chosen, rewards/margins, ...), on
 the held-out pairs too; at the end the held-out metrics of the init and the tuned model are
 printed, and with `pairs.eval_answers` the exact match of their greedy answers.
@@ -15,7 +17,8 @@ printed, and with `pairs.eval_answers` the exact match of their greedy answers.
 from __future__ import annotations
 
 import dataclasses
-import os
+import hashlib
+import json
 import pathlib
 
 import jax
@@ -27,7 +30,9 @@ from lm.data.pipeline import ready_batches
 from lm.eval.answers import compare_answers
 from lm.model.lora import is_adapter
 from lm.model.params import subtree
+from lm.outputs import atomic_open
 from lm.sharding import place_leaf
+from lm.store.fingerprint import model_fingerprint
 from lm.train import pairs
 from lm.train.pair_losses import DpoSettings, dpo_loss, pair_logprobs
 from lm.train.setup import build_run, reference_slot
@@ -37,6 +42,7 @@ EVAL_METRICS = ("loss", "rewards/accuracies", "rewards/margins", "rewards/chosen
                 "logps/chosen", "logps/rejected", "logps/accuracies")
 TABLE_KEYS = ("loss", "rewards/accuracies", "rewards/margins", "logps/accuracies", "logps/chosen", "logps/rejected")
 REF_FILE = "reference_logps.npz"
+RECORD = "record"  # the array in REF_FILE that holds reference_record as JSON
 
 
 def reference_mode(config) -> str:
@@ -82,11 +88,12 @@ def reference_logps(run, base: dict, rows, batch_size: int) -> np.ndarray:
 
 def _precomputed(ctx) -> tuple:
     """(ref_logps of the train pairs, of the held-out pairs or None), computed once and kept in the
-    workdir (a resumed run reads them back, recomputing them if the file is damaged; a fresh one
-    computes them anew)."""
+    workdir with the record of what they were computed from (reference_record). A resumed run
+    reads them back; it computes them again when the file is damaged or its record differs."""
     path, (train, heldout) = ctx.workdir / REF_FILE, ctx.data
+    record = reference_record(ctx)
     if ctx.resume and path.is_file():
-        saved = read_reference(path, len(train), len(heldout) if heldout is not None else None)
+        saved = read_reference(path, len(train), len(heldout) if heldout is not None else None, record)
         if saved is not None:
             return saved
     bs, base = ctx.config.eval.batch_size, ctx.init.params
@@ -94,34 +101,62 @@ def _precomputed(ctx) -> tuple:
     out = reference_logps(ctx.run, base, train, bs)
     held = reference_logps(ctx.run, base, heldout, bs) if heldout is not None else None
     if ctx.is_main:
-        write_reference(path, out, held)
+        write_reference(path, out, held, record)
     return out, held
 
 
-def write_reference(path: pathlib.Path, train: np.ndarray, heldout: np.ndarray | None) -> None:
-    """Written beside and renamed into place: a kill or a full disk never leaves half a file."""
-    path.parent.mkdir(parents=True, exist_ok=True)
-    tmp = path.with_name(f".{path.name}.{os.getpid()}.tmp")
-    try:
-        with open(tmp, "wb") as f:
-            np.savez(f, train=train, **({"heldout": heldout} if heldout is not None else {}))
-            f.flush()
-            os.fsync(f.fileno())
-        os.replace(tmp, path)
-    finally:
-        tmp.unlink(missing_ok=True)
+# Model settings that leave the reference's values alone: the reference is the plain init model
+# (LoRA's adapters are off), and remat or pipelining change how it runs, not what it computes.
+NOT_REFERENCE = ("remat", "pipeline_microbatches")
 
 
-def read_reference(path: pathlib.Path, n_train: int, n_heldout: int | None) -> tuple | None:
-    """The saved reference log-probs if they fit the data ([pairs, 2] floats, finite), else None
-    after a one-line warning (they are then computed again)."""
+def reference_record(ctx) -> dict:
+    """What the reference log-probs follow from: the pairs they score (rows_digest, per split)
+    and the reference model (its init's fingerprint and the model settings)."""
+    train, heldout = ctx.data
+    model = {f"model.{k}": v for k, v in ctx.config.model.to_dict().items()
+             if not k.startswith("lora_") and k not in NOT_REFERENCE}
+    record = {"data": {"train": rows_digest(train), "heldout": rows_digest(heldout) if heldout is not None else None},
+              "model": {"pairs.init": model_fingerprint(ctx.config.pairs.init)} | model}
+    return json.loads(json.dumps(record))  # as it reads back (tuples as lists)
+
+
+def rows_digest(rows) -> str:
+    """sha256 of the pairs' arrays in order (token ids, loss weights, lengths; lm.data.preference)
+    and their row length: their content, wherever the cache keeps them."""
+    digest = hashlib.sha256(f"pairs seq_len {rows.seq_len}".encode())
+    for name in ("tokens", "weights", "lengths"):
+        array = getattr(rows, name)
+        digest.update(f"{name} {array.dtype.str} {list(array.shape)}".encode())
+        step = max(1, (64 << 20) // max(array[:1].nbytes, 1))  # ~64 MiB of a memory-mapped array at a time
+        for start in range(0, len(array), step):
+            digest.update(np.ascontiguousarray(array[start:start + step]).data)
+    return digest.hexdigest()
+
+
+def write_reference(path: pathlib.Path, train: np.ndarray, heldout: np.ndarray | None, record: dict) -> None:
+    """The values and their record in one file, replaced whole (lm.outputs): a kill or a full disk
+    never leaves half a file, nor values beside another computation's record."""
+    held = {"heldout": heldout} if heldout is not None else {}
+    with atomic_open(path, "wb") as f:
+        np.savez(f, train=train, **held, **{RECORD: np.array(json.dumps(record))})
+
+
+def read_reference(path: pathlib.Path, n_train: int, n_heldout: int | None, record: dict) -> tuple | None:
+    """The saved reference log-probs if they were computed from what `record` names and fit the
+    data ([pairs, 2] floats, finite), else None after a one-line warning (they are then computed
+    again)."""
     want = {"train": n_train} | ({"heldout": n_heldout} if n_heldout is not None else {})
     try:
         with np.load(path, allow_pickle=False) as saved:
-            arrays = {k: saved[k] for k in want if k in saved.files}
+            arrays = {k: saved[k] for k in (*want, RECORD) if k in saved.files}
     except Exception as e:  # a truncated or garbled file: zipfile, zlib, numpy format errors
         problem = f"unreadable: {type(e).__name__}: {(str(e).strip().splitlines() or [''])[0][:200]}"
     else:
+        source = _other_source(arrays.get(RECORD), record, n_heldout is not None)
+        if source is not None:
+            print(f"lm: warning: the precomputed reference '{path}' {source}; computing it again", flush=True)
+            return None
         problem = _reference_problem(arrays, want)
         if problem is None:
             held = arrays["heldout"].astype(np.float32) if n_heldout is not None else None
@@ -129,6 +164,33 @@ def read_reference(path: pathlib.Path, n_train: int, n_heldout: int | None) -> t
     print(f"lm: warning: the precomputed reference '{path}' is damaged or does not fit the data ({problem}); "
           "computing it again", flush=True)
     return None
+
+
+def _other_source(saved, record: dict, heldout: bool) -> str | None:
+    """How the saved record differs from this run's, as the end of a sentence; None if it does not."""
+    if saved is None:
+        return "records no fingerprint of the data and model it was computed from (an older file)"
+    try:
+        saved = json.loads(str(saved[()]))
+        data, model = dict(saved["data"]), dict(saved["model"])
+    except (ValueError, TypeError, KeyError, IndexError):
+        return "has an unreadable record of the data and model it was computed from"
+    splits = {"train": "train pairs"} | ({"heldout": "held-out pairs"} if heldout else {})
+    other_data = [f"{label}: sha256 {_short(data.get(k))} (file) vs {_short(record['data'][k])} (now)"
+                  for k, label in splits.items() if data.get(k) != record["data"][k]]
+    now = record["model"]
+    # a model setting added to the code since the file was written: its default is all it knew
+    other_model = [f"{k}: {model.get(k, '(none)')!r} (file) vs {now.get(k, '(none)')!r} (now)"
+                   for k in sorted(model.keys() | now.keys())
+                   if model.get(k) != now.get(k) and (k in model or not k.startswith("model."))]
+    if not other_data and not other_model:
+        return None
+    what = " and ".join(w for w, d in (("other data", other_data), ("another reference model", other_model)) if d)
+    return f"was computed from {what} ({'; '.join(other_data + other_model)})"
+
+
+def _short(digest) -> str:
+    return digest[:12] if isinstance(digest, str) else repr(digest)
 
 
 def _reference_problem(arrays: dict, want: dict) -> str | None:

@@ -3,6 +3,7 @@ stop strings, refused requests, client disconnects, and a graceful stop on SIGTE
 
 import argparse
 import json
+import logging
 import os
 import signal
 import socket
@@ -194,6 +195,7 @@ CHAT = {"model": "tiny", "messages": [{"role": "user", "content": "hi"}]}
 @pytest.mark.parametrize("path, body, status, param, words", [
     ("completions", b"{not json", 400, None, "not valid JSON"),
     ("completions", b"[1, 2]", 400, None, "expected a JSON object"),
+    ("completions", b"[" * 100_000, 400, None, "100000 levels deep; at most 64"),
     ("completions", {**OK, "model": "gpt-4"}, 404, "model", "'gpt-4' does not exist"),
     ("completions", {"prompt": "x"}, 400, "model", "missing required field 'model'"),
     ("completions", {**OK, "max_tokens": "5"}, 400, "max_tokens", "expected an integer"),
@@ -207,6 +209,7 @@ CHAT = {"model": "tiny", "messages": [{"role": "user", "content": "hi"}]}
     ("completions", {**OK, "prompt": ["a", "b"]}, 400, "prompt", "array of one string"),
     ("completions", {**OK, "stop": ["a", "b", "c", "d", "e"]}, 400, "stop", "at most 4"),
     ("completions", {**OK, "top_p": 0}, 400, "top_p", "in (0, 1]"),
+    ("completions", {**OK, "top_k": 2**40}, 400, "top_k", "0 to 2147483647"),
     ("completions", {**OK, "frobnicate": 1}, 400, "frobnicate", "unrecognized request field"),
     ("completions", {**OK, "logprobs": 3}, 400, "logprobs", "not supported"),
     ("chat/completions", {**CHAT, "messages": [{"role": "robot", "content": "hi"}]}, 400, "messages", "robot"),
@@ -359,7 +362,7 @@ def test_lm_serve_answers_and_sigterm_exits_0(export, session, capsys):
 
 
 @pytest.mark.parametrize("grace, finished", [(10.0, True), (0.2, False)])
-def test_sigterm_lets_running_requests_finish_within_the_grace(export, monkeypatch, grace, finished):
+def test_sigterm_lets_running_requests_finish_within_the_grace(export, monkeypatch, capfd, caplog, grace, finished):
     backend = Scripted(delay=0.02)
     monkeypatch.setattr("lm.infer.serve.engine_backend.make_backend", lambda loaded, args: backend)
 
@@ -370,19 +373,20 @@ def test_sigterm_lets_running_requests_finish_within_the_grace(export, monkeypat
             next(lines)
             seen["signalled"] = True
             os.kill(os.getpid(), signal.SIGTERM)  # mid-stream: 50 tokens take 1 s
-            try:
-                seen["events"] = [line for line in lines if line.startswith("data: ")]
-            except httpx.HTTPError:
-                seen["events"] = None  # cut off when the grace ran out
+            seen["events"] = [line for line in lines if line.startswith("data: ")]
 
     code, seen = serve_until_sigterm(["--params", str(export), "--grace", str(grace)], work)
-    assert code == 0 and backend.shut == [True]
+    err, said = capfd.readouterr().err, [r.getMessage() for r in caplog.records if r.levelno >= logging.WARNING]
+    assert code == 0 and backend.shut == [True] and seen["events"][-1] == "data: [DONE]" and "Traceback" not in err
+    assert not [r for r in caplog.records if r.exc_info]
     if finished:
-        assert seen["events"][-1] == "data: [DONE]" and backend.cancelled == []
+        assert backend.cancelled == [] and said == []
         texts = [json.loads(e[6:])["choices"][0]["text"] for e in seen["events"][:-1]]
         assert "".join(texts) == "x" * 49  # the first chunk was read before the signal
-    else:
-        assert len(backend.cancelled) == 1 and (seen["events"] is None or "data: [DONE]" not in seen["events"][-1:])
+    else:  # the grace ran out: the stream ends with the error event, then [DONE]
+        assert len(backend.cancelled) == 1 and json.loads(seen["events"][-2][6:])["error"]["code"] == \
+            "server_shutting_down"
+        assert said == ["lm serve: grace period over, 1 request aborted"]
 
 
 # ---- the verb ------------------------------------------------------------------------------------
@@ -395,6 +399,8 @@ def test_a_missing_extra_and_bad_flags_are_one_line_errors(export, monkeypatch, 
     assert main(["serve", "--params", str(export), "--port", "0", "--slots", "0"]) == 2
     err = capsys.readouterr().err.strip()
     assert err.startswith("lm: error: --slots 0: expected at least 1") and "\n" not in err
+    assert main(["serve", "--params", str(export), "--port", "0", "--max-body-mib", "0"]) == 2
+    assert capsys.readouterr().err.strip() == "lm: error: --max-body-mib 0: expected a size > 0"
 
 
 def test_the_served_engine_takes_quantized_weights_and_int8_pages(export):

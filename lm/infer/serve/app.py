@@ -4,7 +4,9 @@ over one `Backend` that every request shares.
 A backend's Stream is blocking, so each request's Deltas are read by a thread of its own and
 handed to the event loop: a request waiting for its turn holds no worker of the loop's pool.
 A client that goes away cancels its request (a stream notices when a write fails; a plain
-request is polled while it waits).
+request is polled while it waits). When a stopping server's grace period ends, `Inflight.abort`
+ends every running request with an error object (a plain one: 503; a stream: an error event,
+then [DONE]) rather than cutting it.
 """
 
 from __future__ import annotations
@@ -23,15 +25,42 @@ from starlette.exceptions import HTTPException
 from lm.errors import UserError
 from lm.infer.sampling import SamplingParams
 from lm.infer.serve.backend import Backend, Delta, Stream
-from lm.infer.serve.protocol import (RequestError, chunk_body, completion_body, error_body, new_id, now,
-                                     parse_request, usage)
+from lm.infer.serve.guard import Guard, shutting_down
+from lm.infer.serve.protocol import (MAX_BODY, RequestError, check_content_type, chunk_body, completion_body,
+                                     error_body, new_id, now, parse_request, usage)
 
 POLL_S = 0.25  # how often a plain request checks that its client is still there
-_END = object()
+_END, _ABORT = object(), object()
 
 
-def make_app(backend: Backend) -> FastAPI:
+class Inflight:
+    """The requests that are generating now (each by its inbox of Deltas). Used on the event loop only."""
+
+    def __init__(self):
+        self.inboxes: set[asyncio.Queue] = set()
+        self.aborted = False
+
+    def add(self, inbox: asyncio.Queue) -> None:
+        self.inboxes.add(inbox)
+        if self.aborted:
+            inbox.put_nowait(_ABORT)
+
+    def abort(self) -> int:
+        """Ends every running request (each after the text it already has); how many there were."""
+        self.aborted = True
+        for inbox in self.inboxes:
+            inbox.put_nowait(_ABORT)
+        return len(self.inboxes)
+
+
+class Aborted(Exception):
+    pass
+
+
+def make_app(backend: Backend, max_body: int = MAX_BODY) -> FastAPI:
     app = FastAPI(title="lm serve", docs_url=None, redoc_url=None, openapi_url=None)
+    app.state.inflight = inflight = Inflight()
+    app.add_middleware(Guard, max_body=max_body, stopping=lambda: inflight.aborted)
     started = now()
 
     @app.exception_handler(RequestError)
@@ -40,7 +69,8 @@ def make_app(backend: Backend) -> FastAPI:
 
     @app.exception_handler(HTTPException)
     async def http_error(request, e: HTTPException):  # unknown paths and methods, in OpenAI's shape
-        return JSONResponse(error_body(f"{request.method} {request.url.path}: {e.detail}"), status_code=e.status_code)
+        return JSONResponse(error_body(f"{request.method} {request.url.path}: {e.detail}"), status_code=e.status_code,
+                            headers=e.headers)  # a 405's Allow
 
     @app.get("/health")
     async def health():
@@ -53,11 +83,11 @@ def make_app(backend: Backend) -> FastAPI:
 
     @app.post("/v1/completions")
     async def completions(request: Request):
-        return await _answer(backend, request, "completion")
+        return await _answer(backend, inflight, request, "completion")
 
     @app.post("/v1/chat/completions")
     async def chat(request: Request):
-        return await _answer(backend, request, "chat")
+        return await _answer(backend, inflight, request, "chat")
 
     return app
 
@@ -99,20 +129,23 @@ def _seed(seed: int | None) -> int:
     return secrets.randbits(31) if seed is None else seed % 2**32
 
 
-async def _answer(backend: Backend, request: Request, kind: str):
+async def _answer(backend: Backend, inflight: Inflight, request: Request, kind: str):
+    check_content_type(request.headers.get("content-type"))
     req = parse_request(await request.body(), kind)
     stream = _submit(backend, req)
     rid, created = new_id(kind), now()
     if req.stream:
-        events = _events(stream, req, rid, created, backend.model_name)
+        events = _events(stream, inflight, req, rid, created, backend.model_name)
         return StreamingResponse(events, media_type="text/event-stream", headers={"Cache-Control": "no-cache"})
     texts, tokens, finish = [], 0, None
     watcher = asyncio.create_task(_cancel_when_gone(request, stream))
     try:
-        async for delta in _deltas(stream):
+        async for delta in _deltas(stream, inflight):
             texts.append(delta.text)
             tokens += len(delta.token_ids)
             finish = delta.finish_reason
+    except Aborted:
+        raise shutting_down() from None
     except UserError as e:
         raise RequestError(str(e)) from None
     except Exception as e:  # noqa: BLE001 (the backend failed: say so, keep serving)
@@ -125,15 +158,17 @@ async def _answer(backend: Backend, request: Request, kind: str):
                            usage(stream.prompt_tokens, tokens))
 
 
-async def _events(stream: Stream, req, rid: str, created: int, model: str) -> AsyncIterator[str]:
+async def _events(stream: Stream, inflight: Inflight, req, rid: str, created: int,
+                  model: str) -> AsyncIterator[str]:
     """Server-sent events: (chat: the assistant role first) a chunk per piece of text, one with the
-    finish reason, the usage chunk if asked for, then [DONE]."""
+    finish reason, the usage chunk if asked for, then [DONE]. An aborted stream ends with the
+    error event and [DONE]: OpenAI's SDKs raise on it, so a cut text never passes for a whole one."""
     tokens = 0
     chunk = functools.partial(chunk_body, req.kind, rid, created, model, include_usage=req.include_usage)
     try:
         if req.kind == "chat":
             yield _event(chunk("", None, role=True))
-        async for delta in _deltas(stream):
+        async for delta in _deltas(stream, inflight):
             tokens += len(delta.token_ids)
             if delta.text:
                 yield _event(chunk(delta.text, None))
@@ -141,6 +176,8 @@ async def _events(stream: Stream, req, rid: str, created: int, model: str) -> As
                 yield _event(chunk("", delta.finish_reason))
         if req.include_usage:
             yield _event(chunk(None, None) | {"usage": usage(stream.prompt_tokens, tokens)})
+    except Aborted:
+        yield _event(shutting_down().body())
     except Exception as e:  # noqa: BLE001 (reported in the stream: its headers are already sent)
         kind = "invalid_request_error" if isinstance(e, UserError) else "server_error"
         yield _event(error_body(f"generation failed: {e}", kind=kind))
@@ -158,9 +195,9 @@ async def _cancel_when_gone(request: Request, stream: Stream) -> None:
     stream.cancel()
 
 
-async def _deltas(stream: Stream) -> AsyncIterator[Delta]:
+async def _deltas(stream: Stream, inflight: Inflight) -> AsyncIterator[Delta]:
     """The Stream's Deltas, read by a thread; the Stream is cancelled if the reader stops early
-    (a stream's client went away, or the server is stopping)."""
+    (a stream's client went away, or the server is stopping: Aborted)."""
     loop = asyncio.get_running_loop()
     inbox: asyncio.Queue = asyncio.Queue()
 
@@ -180,13 +217,17 @@ async def _deltas(stream: Stream) -> AsyncIterator[Delta]:
 
     threading.Thread(target=pump, name="lm-serve-reader", daemon=True).start()
     finished = False
+    inflight.add(inbox)
     try:
         while (item := await inbox.get()) is not _END:
+            if item is _ABORT:
+                raise Aborted
             if isinstance(item, BaseException):
                 finished = True
                 raise item
             yield item
         finished = True
     finally:
+        inflight.inboxes.discard(inbox)
         if not finished:
             stream.cancel()

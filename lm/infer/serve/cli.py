@@ -5,8 +5,9 @@ from __future__ import annotations
 import sys
 
 from lm.errors import UserError
+from lm.infer.serve.protocol import MAX_BODY
 
-GRACE_S = 30.0  # after SIGTERM/SIGINT: how long running requests may take before they are cancelled
+GRACE_S = 30.0  # after SIGTERM/SIGINT: how long running requests may take before they are aborted
 
 
 def add_parser(sub) -> None:
@@ -29,7 +30,11 @@ def add_parser(sub) -> None:
                                                            "kv head)")
     p.add_argument("--max-model-len", type=int, help="positions a prompt and its new tokens may take "
                                                      "(default: the model's context, at most 4096)")
-    p.add_argument("--grace", type=float, default=GRACE_S, help="seconds running requests may take after a stop")
+    p.add_argument("--grace", type=float, default=GRACE_S, help="seconds running requests may take after a stop; "
+                                                                 "then each ends with a 503 error (a stream: an error "
+                                                                 "event and [DONE])")
+    p.add_argument("--max-body-mib", type=float, default=MAX_BODY / 2**20, help="largest request body taken, in MiB "
+                                                                             "(larger: 413)")
     p.add_argument("--access-log", action="store_true", help="log every request")
 
 
@@ -51,6 +56,8 @@ def _check_flags(args) -> None:
         raise UserError(f"--port {args.port}: expected 0 to 65535")
     if args.grace < 0:
         raise UserError(f"--grace {args.grace}: expected seconds >= 0")
+    if not args.max_body_mib > 0:
+        raise UserError(f"--max-body-mib {args.max_body_mib:g}: expected a size > 0")
 
 
 def run(args, overrides=()) -> int:
@@ -65,7 +72,8 @@ def run(args, overrides=()) -> int:
     sock = bind(args.host, args.port)  # before loading: a taken port fails at once
     try:
         backend = make_backend(load_trained(args.workdir, args.params, args.tokenizer), args)
-        server = make_server(make_app(backend), args.grace, args.access_log)
+        app = make_app(backend, max_body=int(args.max_body_mib * 2**20))
+        server = make_server(app, args.grace, args.access_log)
         print(f"lm serve: {args.model_name} at {url_of(sock)}/v1 (context {backend.context} positions)", flush=True)
         try:
             server.run(sockets=[sock])

@@ -3,7 +3,8 @@ naming the field), and the JSON of completions, chunks, usage and errors.
 
 Fields OpenAI does not define are refused (400 naming them), as OpenAI's own API does, and so
 are OpenAI fields this server does not implement when they ask for something (logprobs, tools,
-penalties, ...); at their neutral value (null, 0, false) they are accepted.
+penalties, ...); at their neutral value (null, 0, false) they are accepted. A body nested deeper
+than MAX_DEPTH is refused before it is parsed (the size limit, MAX_BODY, is the Guard's).
 """
 
 from __future__ import annotations
@@ -14,7 +15,15 @@ import math
 import time
 import uuid
 
+import numpy as np
+
 MAX_STOP = 4  # stop strings per request, as OpenAI allows
+MAX_BODY = 8 * 2**20  # bytes in a request body: the longest context's prompt, JSON-escaped, fits many times over
+# arrays and objects inside each other: json.loads recurses once per level (a RecursionError near
+# 1,000), and no request this server takes needs more than 5
+MAX_DEPTH = 64
+_OPEN, _CLOSE = np.frombuffer(b"[{", np.uint8), np.frombuffer(b"]}", np.uint8)
+_CHUNK = 1 << 20
 
 _SAMPLING = ("model", "max_tokens", "temperature", "top_p", "n", "stop", "stream", "stream_options", "seed",
              "user", "top_k", "min_p")
@@ -160,12 +169,46 @@ def _check_fields(body: dict, kind: str) -> None:
                                code="unsupported_field")
 
 
+def nesting(raw: bytes) -> int:
+    """How deep arrays and objects nest in a JSON text, brackets inside strings left out: a scan
+    of the bytes (in chunks: bounded memory), so that a body too deep to parse is refused unparsed."""
+    text = np.frombuffer(raw.replace(b"\\\\", b"").replace(b'\\"', b""), np.uint8)  # now '"' starts or ends a string
+    depth = deepest = quotes = 0
+    for i in range(0, text.size, _CHUNK):
+        part = text[i:i + _CHUNK]
+        seen = quotes + np.cumsum(part == ord('"'))
+        step = np.isin(part, _OPEN).astype(np.int64) - np.isin(part, _CLOSE)
+        running = depth + np.cumsum(np.where(seen % 2 == 0, step, 0))
+        deepest, depth, quotes = max(deepest, int(running.max())), int(running[-1]), int(seen[-1])
+    return deepest
+
+
+def check_content_type(value: str | None) -> None:
+    """JSON or nothing said. Refusing other types also keeps browsers' cross-site "simple" posts
+    (forms, text/plain), which need no preflight, away from a server on localhost."""
+    media = (value or "application/json").split(";")[0].strip().lower()
+    if media != "application/json" and not (media.startswith("application/") and media.endswith("+json")):
+        raise RequestError(f"Content-Type '{value}': expected application/json (curl: -H 'Content-Type: "
+                           "application/json')", status=415, code="unsupported_media_type")
+
+
+def _load(raw: bytes):
+    depth = nesting(raw)
+    if depth > MAX_DEPTH:
+        raise RequestError(f"the request body nests arrays and objects {depth} levels deep; at most {MAX_DEPTH} "
+                           "are allowed", code="too_deeply_nested")
+    try:
+        return json.loads(raw)
+    except RecursionError:  # a deep body that the scan misread (it is not JSON then)
+        raise RequestError(f"the request body nests deeper than {MAX_DEPTH} levels", code="too_deeply_nested") \
+            from None
+    except (UnicodeDecodeError, ValueError) as e:  # ValueError: also an integer of over 4,300 digits
+        raise RequestError(f"the request body is not valid JSON ({e})", code="invalid_json") from None
+
+
 def parse_request(raw: bytes, kind: str) -> Request:
     """The request of a /v1/completions ("completion") or /v1/chat/completions ("chat") body."""
-    try:
-        body = json.loads(raw)
-    except (UnicodeDecodeError, json.JSONDecodeError) as e:
-        raise RequestError(f"the request body is not valid JSON ({e})", code="invalid_json") from None
+    body = _load(raw)
     if not isinstance(body, dict):
         raise RequestError(f"the request body is {_type_name(body)}; expected a JSON object")
     _check_fields(body, kind)
@@ -182,7 +225,7 @@ def parse_request(raw: bytes, kind: str) -> Request:
     top_p = _get(body, "top_p", "a number", _is_number, 1.0)
     _check_range("top_p", top_p, 0 < top_p <= 1, "in (0, 1] (1 = off)")
     top_k = _get(body, "top_k", "an integer", _is_int, 0)
-    _check_range("top_k", top_k, top_k >= 0, ">= 0 (0 = off)")
+    _check_range("top_k", top_k, 0 <= top_k < 2**31, "0 to 2147483647 (0 = off)")  # the engine keeps int32
     min_p = _get(body, "min_p", "a number", _is_number, 0.0)
     _check_range("min_p", min_p, 0 <= min_p < 1, "in [0, 1) (0 = off)")
     n = _get(body, "n", "an integer", _is_int, 1)

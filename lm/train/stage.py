@@ -26,9 +26,11 @@ import dataclasses
 import json
 import math
 import pathlib
+import uuid
 from typing import Callable
 
 import jax
+import numpy as np
 
 from lm.config import ConfigDict
 from lm.data.provenance import recording
@@ -257,7 +259,18 @@ def _identity(stage: Stage, ctx: Ctx, early: bool = False) -> dict:
         first = read_run_file(ctx.workdir) or newest_meta(ctx.checkpoints)[1].get("identity") or {}
     if early:
         return {"stage": stage.verb, "run_id": first.get("run_id")}
-    return new_identity(stage.verb, ctx.config, ctx.data_notes, first)
+    return new_identity(stage.verb, ctx.config, ctx.data_notes, first or {"run_id": _shared_run_id()})
+
+
+def _shared_run_id() -> str:
+    """A new run id, process 0's on every process (each checks checkpoints against it)."""
+    run_id = uuid.uuid4().hex[:12]
+    if jax.process_count() > 1:
+        from jax.experimental import multihost_utils
+
+        drawn = np.frombuffer(run_id.encode(), np.uint8)
+        run_id = bytes(np.asarray(multihost_utils.broadcast_one_to_all(drawn)).astype(np.uint8)).decode()
+    return run_id
 
 
 def _write_run_files(stage: Stage, ctx: Ctx) -> None:

@@ -40,25 +40,45 @@ def with_overrides(sub, name: str, **kw) -> argparse.ArgumentParser:
 def add_distributed(p: argparse.ArgumentParser) -> None:
     """The multi-host flags every verb that runs a model takes (`start_distributed` acts on them)."""
     g = p.add_argument_group("multi-host", "every process runs the same command; process 0 alone writes files "
-                                           "and prints results")
+                                           "and prints results (docs/multihost.md)")
     g.add_argument("--distributed", action="store_true",
                    help="call jax.distributed.initialize() (auto-detects TPU pods, Slurm, ...)")
     g.add_argument("--coordinator", help="host:port of process 0 (else auto-detected; implies --distributed)")
     g.add_argument("--num-processes", type=int, help="number of processes (implies --distributed)")
     g.add_argument("--process-id", type=int, help="this process's index (implies --distributed)")
+    g.add_argument("--startup-timeout", type=_seconds, default=300.0, metavar="SECONDS",
+                   help="how long a process waits for every other one to join; then it ends with one line "
+                        "naming who is missing (default: 300)")
+    g.add_argument("--peer-timeout", type=_seconds, default=60.0, metavar="SECONDS",
+                   help="once joined, a process silent this long (killed, crashed, its host gone) ends every "
+                        "other one, at any point of the command, with one line naming it, the last step and "
+                        "the checkpoint to resume from (exit 75; default: 60)")
+
+
+def _seconds(text: str) -> float:
+    try:
+        value = float(text)
+    except ValueError:
+        value = 0.0
+    if not 1 <= value <= 86400:
+        raise argparse.ArgumentTypeError(f"expected seconds from 1 to 86400, got {text!r}")
+    return value
 
 
 def start_distributed(args: argparse.Namespace) -> None:
     """jax.distributed.initialize() when the flags of `add_distributed` ask for it: after the CPU
     flags are set, before any computation. A coordinator, a count or an index alone also asks (a
-    process that ran alone would write the same files as its peers). Calling it again is a no-op."""
+    process that ran alone would write the same files as its peers). Joining is bounded by
+    --startup-timeout, and from then on a lost process ends the others (lm.peers). Calling it again
+    is a no-op."""
     values = (args.coordinator, args.num_processes, args.process_id)
     if not args.distributed and all(v is None for v in values):
         return
-    import jax
+    from lm import peers
 
-    if not jax.distributed.is_initialized():
-        jax.distributed.initialize(*values)
+    launch = peers.Launch(args.startup_timeout, args.peer_timeout, resumable=hasattr(args, "resume"),
+                          resumed=bool(getattr(args, "resume", False)))
+    peers.start(*values, launch)
 
 
 def is_main() -> bool:

@@ -52,8 +52,8 @@ def small_base(tmp_path_factory, corpus):
 
 
 # The longest files (minutes each on a 2-core machine), longest first.
-LONGEST = ("test_notebook.py", "test_distributed.py", "test_fault_resume.py", "test_distributed_stages.py",
-           "test_checkpoint.py")
+LONGEST = ("test_notebook.py", "test_distributed.py", "test_fault_resume.py", "test_lost_host.py",
+           "test_distributed_stages.py", "test_checkpoint.py")
 
 
 def pytest_collection_modifyitems(items):

@@ -33,7 +33,7 @@ RUN_FILE = "run.json"  # the identity a run started with, beside its checkpoints
 NEUTRAL = ("eval.", "checkpoint.", "mesh.", "curate.workers", "data.cache_dir", "data.workers", "data.tokenizer",
            "data.corpus", "data.sources", "train.log_every", "train.peak_flops", "train.sample_tokens",
            "train.sample_prompt", "train.max_bad_steps", "train.on_bad", "train.spike_window",
-           "train.spike_threshold", "train.max_rollbacks", "train.peer_timeout_s", "train.startup_timeout_s",
+           "train.spike_threshold", "train.max_rollbacks",
            "model.remat", "model.kernels", "model.attention", "model.pipeline_microbatches",
            "sft.data", "pairs.data", "rl.data", "sft.on_bad_record", "pairs.on_bad_record", "rl.on_bad_record",
            "sft.max_skipped_fraction", "pairs.max_skipped_fraction", "rl.max_skipped_fraction")

@@ -21,6 +21,7 @@ from typing import Callable, Iterator
 import jax
 from tqdm import tqdm
 
+from lm import peers
 from lm.data.progress import bars
 from lm.errors import UserError
 from lm.perf import mfu
@@ -162,18 +163,21 @@ class _Logger:
                 "run_train_seconds": self.run_seconds, "run_timed_steps": self.run_steps}
 
 
+@peers.settling()  # multi-host: an error that a lost peer caused waits for the watchdog to name it
 def run_loop(spec: LoopSpec, state, step_fn: Callable, data_iter: Iterator, to_device: Callable, *,
              evaluate: Callable | None = None, writer=None, checkpointer=None, faults: Faults | None = None,
              show_progress: bool = True):
     """Runs from state.step to spec.total_steps; returns (state, last logged and eval metrics).
 
     The returned dict holds `stopped_by` (a signal name) when a signal ended the run early.
+    lm.peers.PROGRESS follows the last step checked and the checkpoints saved.
     """
     faults = faults or Faults()
     health = Health(faults.policy)
     if faults.health:
         health.load_state_dict(faults.health)
     step = int(jax.device_get(state.step)) // spec.updates_per_step
+    peers.PROGRESS.started(step, getattr(checkpointer, "directory", None))
     log = _Logger(spec, writer, step, show_progress)
     pending, last_eval, stopped_by = [], {}, None
     while step < spec.total_steps:
@@ -201,6 +205,7 @@ def run_loop(spec: LoopSpec, state, step_fn: Callable, data_iter: Iterator, to_d
             log.pause()
         if ckpt_due:
             checkpointer.save(step, state, data_iter, health=health.state_dict())
+            peers.PROGRESS.saving_started(step)
             log.flush()
             log.pause()
         if stop:
@@ -227,6 +232,7 @@ def _check(pending: list, health: Health, log: _Logger, spec: LoopSpec, upto: in
         s, metrics = pending.pop(0)
         host = {k: float(v) for k, v in jax.device_get(metrics).items()}
         verdict = health.observe(s, host["loss"], host.get("update_skipped", 0.0) > 0)
+        peers.PROGRESS.step = s
         if _due(s, spec.log_every, spec.total_steps) or verdict is not None:
             log.log(s, host | health.metrics())
         if verdict is not None:
@@ -249,6 +255,7 @@ def _handle(verdict, state, step: int, checkpointer, faults: Faults, health: Hea
     del state  # free the bad state before the restored one arrives
     state, restored_step, _ = checkpointer.restore(faults.abstract_state)
     health.rolled_back()
+    peers.PROGRESS.step = restored_step
     log.say(f"lm: warning: {verdict.reason}; rolled back to step {restored_step} and skipped the "
             f"{step - restored_step} batches since ({health.rollbacks} rollback(s) so far)")
     log.write(step, {"rollback_to": restored_step} | health.metrics())

@@ -9,6 +9,10 @@ shapes: one uninterrupted run, then the same run again while it is
     position further, the meta JSON changed, a token id of the prepared-data cache entry changed,
     the cache entry truncated: each must be rejected (checkpoint) or rebuilt (cache entry);
   - joined by a second writer on its workdir (while the first is paused): it must be refused;
+  - resumed, between two episodes, by another stage's command, by its own command with other
+    trajectory settings, and (on a copy) as another run: each must be refused in one line with
+    nothing in the workdir changed; a precomputed DPO reference replaced by one computed from
+    other pairs must be computed again with one warning (bench/fault_drill_identity.py);
 and every logged value after each resume (timings aside) and the final params must equal the
 uninterrupted run's bitwise; at the end summary.json must be there and TensorBoard's points must
 equal metrics.jsonl's rows. Every child writes to a log file under the drill's directory and
@@ -20,7 +24,6 @@ has a deadline (--timeout).
 from __future__ import annotations
 
 import argparse
-import dataclasses
 import os
 import pathlib
 import random
@@ -35,7 +38,6 @@ import time
 os.environ.setdefault("JAX_PLATFORMS", "cpu")  # the drill itself reads checkpoints at the end
 
 from fault_drill_parts import (  # noqa: E402 - bench/ is on the path when run as a script
-    CACHE_DAMAGE,
     CHECKPOINT_DAMAGE,
     Child,
     child_env,
@@ -55,38 +57,11 @@ from fault_drill_parts import (  # noqa: E402 - bench/ is on the path when run a
     traceback_line,
     values_by_step,
 )
-from fault_drill_stages import STAGES, STEPS, EVERY, UNCACHED, Inputs, setup, stage_command  # noqa: E402
+from fault_drill_identity import COLUMNS as IDENTITY_COLUMNS, IdentityCases, cells  # noqa: E402
+from fault_drill_stages import STAGES, STEPS, EVERY, UNCACHED, Episode, Inputs, plan, setup, stage_command  # noqa: E402
 
 STOPPED = re.compile(r"^lm: (.*?)(?:run again with the same command|Continue with|finish it with): lm (.*)$", re.M)
 PHASE = re.compile(r"^lm: stopped by SIGTERM (?:during (.*?)|at step (\d+));", re.M)
-
-
-@dataclasses.dataclass
-class Episode:
-    end: str  # how the child ends: sigkill_step|sigkill_save|sigkill_time|sigterm_start|sigterm_mid|sigterm_end|finish
-    target: int = 0  # the step a kill or a mid-run stop waits for
-    damage: list = dataclasses.field(default_factory=list)
-    writer: bool = False  # a second writer tries the workdir while this child holds it
-    before: tuple | None = None  # final_metrics.json's stamp when the child started
-
-
-def plan(rng: random.Random, kills: int, cached: bool) -> list[Episode]:
-    """A fresh start stopped at once, a fresh run SIGKILLed (a second writer tried meanwhile), the
-    other kills and a mid-run SIGTERM in random order, a resume stopped at start-up, one stopped
-    after its last checkpoint, and the resume that finishes; one damage before each resume that
-    restores, in turn."""
-    targets = sorted(rng.sample(range(2 * EVERY + 1, STEPS - EVERY), kills + 1))
-    kinds = [["sigkill_save", "sigkill_time", "sigkill_step"][i % 3] for i in range(kills - 1)]
-    rng.shuffle(kinds)
-    kinds.insert(rng.randrange(kills), "sigterm_mid")
-    episodes = [Episode("sigterm_start"), Episode("sigkill_step", targets[0], writer=True)]
-    episodes += [Episode(kind, t) for kind, t in zip(kinds, targets[1:])]
-    episodes += [Episode("sigterm_start"), Episode("sigterm_end"), Episode("finish")]
-    restoring = [e for e in episodes[2:] if e.end != "sigterm_start"]
-    damages = [*CHECKPOINT_DAMAGE, *(CACHE_DAMAGE if cached else ())]
-    for i, kind in enumerate(damages):
-        restoring[i % len(restoring)].damage.append(kind)
-    return episodes
 
 
 class StageDrill:
@@ -107,6 +82,7 @@ class StageDrill:
         self.r = dict(kills=0, kills_survived=0, resumes=0, resumes_exact=0, sigterms=0, sigterms_ok=0, damages=0,
                       rejected=0, wrongly_rejected=0, silent_wrong=0, writer="-", summary="-", tensorboard="-",
                       problems=[], notes=[], events=[], kill_pending=False)
+        self.identity = IdentityCases(self, inp)
 
     # ---- children ----
 
@@ -248,6 +224,7 @@ class StageDrill:
             self.problem(f"{label}: a traceback in its output ({traceback_line(text)})", child)
         self.judge_rejections(child, text)
         self.compare(child, text)
+        self.identity.seen(child)
 
     def judge_stop(self, child: Child, ep: Episode, code: int, reached: bool, text: str) -> None:
         if not reached:
@@ -320,6 +297,7 @@ class StageDrill:
             child = self.start(self.argv(resume=bool(saved_steps(self.workdir))), "finish-again")
             self.judge(child, Episode("finish"), child.finish(), False)
             self.r["notes"].append(f"summary.json was missing after the plan; one more --resume (log {child.log})")
+        self.identity.finish()
         self.r["summary"] = "yes" if summary_step(self.workdir) == STEPS else "NO"
         if self.r["summary"] != "yes":
             self.problem(f"summary.json missing or not of step {STEPS} at the end")
@@ -346,6 +324,8 @@ class StageDrill:
                                            "episode(s) were skipped")
                     break
                 self.episode(ep)
+                if i < len(episodes) - 1:
+                    self.identity.between()
             self.finish_checks()
         self.r["seconds"] = time.monotonic() - t0
         return self.r
@@ -353,13 +333,13 @@ class StageDrill:
 
 COLUMNS = [("stage", 16), ("kills survived", 9), ("resumes exact", 9), ("SIGTERM clean", 9), ("damages rejected", 9),
            ("good wrongly rejected", 9), ("silent wrong", 7), ("2nd writer refused", 9), ("summary present", 8),
-           ("TB == metrics", 8), ("wall s", 7)]
+           ("TB == metrics", 8), *IDENTITY_COLUMNS, ("wall s", 7)]
 
 
 def rows(results: dict) -> list[list[str]]:
     return [[name, f"{r['kills_survived']}/{r['kills']}", f"{r['resumes_exact']}/{r['resumes']}",
              f"{r['sigterms_ok']}/{r['sigterms']}", f"{r['rejected']}/{r['damages']}", str(r["wrongly_rejected"]),
-             str(r["silent_wrong"]), r["writer"], r["summary"], r["tensorboard"], f"{r['seconds']:.0f}"]
+             str(r["silent_wrong"]), r["writer"], r["summary"], r["tensorboard"], *cells(r), f"{r['seconds']:.0f}"]
             for name, r in results.items()]
 
 

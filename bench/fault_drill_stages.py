@@ -1,15 +1,17 @@
 """What the fault drill (bench/fault_drill.py) runs: the inputs every stage starts from (a corpus,
-the sort task and its pairs, a reward file, a small base model and a teacher) and each stage's
-command on tiny shapes, so that a step takes milliseconds and a run's cost is its start-up."""
+the sort task and its pairs, a reward file, a small base model and a teacher), each stage's
+command on tiny shapes, so that a step takes milliseconds and a run's cost is its start-up, and
+the plan of episodes (kills, stops, damage) its drilled run goes through."""
 
 from __future__ import annotations
 
 import dataclasses
 import pathlib
+import random
 import shutil
 import sysconfig
 
-from fault_drill_parts import Child, child_env
+from fault_drill_parts import CACHE_DAMAGE, CHECKPOINT_DAMAGE, Child, child_env
 
 STAGES = ("pretrain", "sft", "sft-lora", "dpo", "dpo-precomputed", "reward", "grpo", "ppo", "distill")
 UNCACHED = ("grpo", "ppo")  # RL reads its prompts directly: no prepared-data cache entry to damage
@@ -89,3 +91,31 @@ def stage_command(name: str, inp: Inputs) -> list[str]:
         return ["rl", *tune, "--data", str(inp.task["train"]), "--eval-data", str(inp.task["heldout"]), "--rewards",
                 inp.rewards, *COMMON, *RL, f"--config.rl.algo={name}"]
     raise ValueError(name)
+
+
+@dataclasses.dataclass
+class Episode:
+    end: str  # how the child ends: sigkill_step|sigkill_save|sigkill_time|sigterm_start|sigterm_mid|sigterm_end|finish
+    target: int = 0  # the step a kill or a mid-run stop waits for
+    damage: list = dataclasses.field(default_factory=list)
+    writer: bool = False  # a second writer tries the workdir while this child holds it
+    before: tuple | None = None  # final_metrics.json's stamp when the child started
+
+
+def plan(rng: random.Random, kills: int, cached: bool) -> list[Episode]:
+    """A fresh start stopped at once, a fresh run SIGKILLed (a second writer tried meanwhile), the
+    other kills and a mid-run SIGTERM in random order, a resume stopped at start-up, one stopped
+    after its last checkpoint, and the resume that finishes; one damage before each resume that
+    restores, in turn."""
+    targets = sorted(rng.sample(range(2 * EVERY + 1, STEPS - EVERY), kills + 1))
+    kinds = [["sigkill_save", "sigkill_time", "sigkill_step"][i % 3] for i in range(kills - 1)]
+    rng.shuffle(kinds)
+    kinds.insert(rng.randrange(kills), "sigterm_mid")
+    episodes = [Episode("sigterm_start"), Episode("sigkill_step", targets[0], writer=True)]
+    episodes += [Episode(kind, t) for kind, t in zip(kinds, targets[1:])]
+    episodes += [Episode("sigterm_start"), Episode("sigterm_end"), Episode("finish")]
+    restoring = [e for e in episodes[2:] if e.end != "sigterm_start"]
+    damages = [*CHECKPOINT_DAMAGE, *(CACHE_DAMAGE if cached else ())]
+    for i, kind in enumerate(damages):
+        restoring[i % len(restoring)].damage.append(kind)
+    return episodes

@@ -41,7 +41,7 @@ MODEL_KEYS = ("train.init", "sft.init", "pairs.init", "rl.init", "distill.teache
 
 
 def _neutral(key: str) -> bool:
-    section, _, name = key.partition(".")
+    name = key.partition(".")[2]
     return (key in NEUTRAL or any(p.endswith(".") and key.startswith(p) for p in NEUTRAL)
             or key in MODEL_KEYS or name.startswith("eval_"))
 

@@ -15,10 +15,13 @@ shapes: one uninterrupted run, then the same run again while it is
     other pairs must be computed again with one warning (bench/fault_drill_identity.py);
 and every logged value after each resume (timings aside) and the final params must equal the
 uninterrupted run's bitwise; at the end summary.json must be there and TensorBoard's points must
-equal metrics.jsonl's rows. Every child writes to a log file under the drill's directory and
-has a deadline (--timeout).
+equal metrics.jsonl's rows. With pretrain among the stages, its run is also drilled as a
+two-process run losing a process mid-run and at start-up (bench/fault_drill_lost_host.py; table of
+its own; --no-lost-host skips it, --only-lost-host runs it alone). Every child writes to a log
+file under the drill's directory and has a deadline (--timeout).
 
     python bench/fault_drill.py [--stages sft,dpo] [--kills 6] [--seed 0] [--timeout 300] [--keep]
+                                [--no-lost-host | --only-lost-host]
 """
 
 from __future__ import annotations
@@ -57,6 +60,7 @@ from fault_drill_parts import (  # noqa: E402 - bench/ is on the path when run a
     traceback_line,
     values_by_step,
 )
+from fault_drill_lost_host import COLUMNS as LOST_HOST_COLUMNS, PEER_S, STARTUP_S, LostHostDrill  # noqa: E402
 from fault_drill_identity import COLUMNS as IDENTITY_COLUMNS, IdentityCases, cells  # noqa: E402
 from fault_drill_stages import STAGES, STEPS, EVERY, UNCACHED, Episode, Inputs, plan, setup, stage_command  # noqa: E402
 
@@ -350,7 +354,12 @@ def main() -> int:
     ap.add_argument("--seed", type=int, default=0)
     ap.add_argument("--timeout", type=float, default=300.0, help="seconds each child may take")
     ap.add_argument("--keep", action="store_true", help="keep the work directories (kept anyway on a problem)")
+    ap.add_argument("--lost-host", action=argparse.BooleanOptionalAction, default=True,
+                    help="with pretrain among the stages, drill it as a two-process run losing a process")
+    ap.add_argument("--only-lost-host", action="store_true", help="the lost-host case alone (no stage drills)")
     args = ap.parse_args()
+    if args.only_lost_host:
+        args.stages, args.lost_host = "pretrain", True
     stages = [s.strip() for s in args.stages.split(",") if s.strip()]
     unknown = [s for s in stages if s not in STAGES]
     most = STEPS - 3 * EVERY - 2  # distinct kill steps between the second checkpoint and the last steps
@@ -359,19 +368,27 @@ def main() -> int:
                  f"--kills must be between 1 and {most}")
     t0 = time.monotonic()
     tmp = pathlib.Path(tempfile.mkdtemp(prefix="lm_fault_drill_"))
-    print(f"fault drill in {tmp}: {len(stages)} stage(s), {args.kills} SIGKILLs + 4 SIGTERMs + damage per stage, "
-          f"{STEPS} steps each, seed {args.seed}", flush=True)
+    what = "the lost-host case alone" if args.only_lost_host else \
+        f"{len(stages)} stage(s), {args.kills} SIGKILLs + 4 SIGTERMs + damage per stage"
+    print(f"fault drill in {tmp}: {what}, {STEPS} steps each, seed {args.seed}", flush=True)
     inp = setup(tmp, stages, args.timeout)
     results = {}
-    for name in stages:
+    for name in stages * (not args.only_lost_host):
         rng = random.Random(f"{args.seed}-{name}")
         results[name] = StageDrill(name, inp, tmp / name, args, rng).run(args.kills)
         r = results[name]
         print(f"  {name}: {r['seconds']:.0f} s, {len(r['problems'])} problem(s)", flush=True)
-    print()
-    print("\n".join(table(COLUMNS, rows(results))))
-    print("\nwhat was done (kill: where it landed; SIGTERM: the phase its message names):")
-    print("\n".join(f"  {n}: " + ", ".join(r["events"]) for n, r in results.items()))
+    if results:
+        print()
+        print("\n".join(table(COLUMNS, rows(results))))
+        print("\nwhat was done (kill: where it landed; SIGTERM: the phase its message names):")
+        print("\n".join(f"  {n}: " + ", ".join(r["events"]) for n, r in results.items()))
+    if args.lost_host and "pretrain" in stages:
+        print(f"\nlost host: pretrain as 2 processes x 4 CPU devices, --peer-timeout {PEER_S}, --startup-timeout "
+              f"{STARTUP_S}", flush=True)
+        lost = LostHostDrill(inp, tmp / "lost-host", args.timeout).run()
+        print("\n".join(table(LOST_HOST_COLUMNS, lost["rows"])) + f"\n  ({lost['seconds']:.0f} s)")
+        results["lost-host"] = lost
     problems = [(n, p) for n, r in results.items() for p in r["problems"]]
     notes = [(n, p) for n, r in results.items() for p in r["notes"]]
     for title, items in (("problems", problems), ("notes", notes)):

@@ -11,6 +11,7 @@ import sys
 import pytest
 from tensorboardX.proto.event_pb2 import Event
 
+from lm import outputs
 from lm.errors import UserError
 from lm.train.metrics import MetricsWriter, read_metrics, truncate_after
 
@@ -128,10 +129,10 @@ class Killed(BaseException):
 def test_truncation_killed_mid_write_leaves_the_file_whole(tmp_path, monkeypatch):
     path = tmp_path / "metrics.jsonl"
     text = write_rows(path, range(20))
-    real_open = pathlib.Path.open
+    real_open = open
 
-    def open_then_die_on_write(self, mode="r", *args, **kwargs):
-        f = real_open(self, mode, *args, **kwargs)
+    def open_then_die_on_write(file, mode="r", *args, **kwargs):
+        f = real_open(file, mode, *args, **kwargs)
         if "w" not in mode:
             return f
 
@@ -147,14 +148,14 @@ def test_truncation_killed_mid_write_leaves_the_file_whole(tmp_path, monkeypatch
 
         return Dying()
 
-    monkeypatch.setattr(pathlib.Path, "open", open_then_die_on_write)
+    monkeypatch.setattr(outputs, "open", open_then_die_on_write, raising=False)  # lm.outputs writes it
     with pytest.raises(Killed):
         truncate_after(path, 10)
     monkeypatch.undo()
     assert path.read_text() == text
     truncate_after(path, 10)  # the next resume does it
     assert [r["step"] for r in read_metrics(path)] == list(range(11))
-    assert not list(tmp_path.glob("*.tmp"))
+    assert sorted(p.name for p in tmp_path.iterdir()) == ["metrics.jsonl"]  # no temporary left
 
 
 def test_partial_last_line_is_dropped_with_a_note(tmp_path, capsys):

@@ -21,7 +21,7 @@ from lm.perf import measure_matmul_peak
 from lm.model.params import leaf_paths
 from lm.store.checkpoint import Checkpointer, IncompatibleCheckpoint, read_meta, saved_steps
 from lm.train.faults import FaultPolicy, StopSignal, agree_any
-from lm.train.identity import check_identity
+from lm.train.identity import check_identity, flat_keys
 from lm.train.loop import Faults, LoopSpec, run_loop
 from lm.train.metrics import MetricsWriter, json_default, metrics_problem, read_metrics, truncate_after
 from lm.train.steps import summarize
@@ -96,17 +96,11 @@ def _model_keys(saved: dict | None, config) -> str:
     """The model keys whose values differ between a checkpoint's config and `config`, as text."""
     if not isinstance(saved, dict):
         return ""
-    before, after = _flat(saved.get("model") or {}), _flat(json.loads(config.to_json()).get("model", {}))
+    before, after = flat_keys(saved.get("model") or {}), flat_keys(json.loads(config.to_json()).get("model", {}))
     changed = [f"model.{k}={before.get(k)!r} (checkpoint) vs {after.get(k)!r} (now)"
                for k in sorted(before.keys() | after.keys()) if before.get(k) != after.get(k)]
     return f"; config differs in {', '.join(changed)}" if changed else ""
 
-
-def _flat(d: dict, prefix: str = "") -> dict:
-    out = {}
-    for k, v in d.items():
-        out |= _flat(v, f"{prefix}{k}.") if isinstance(v, dict) else {f"{prefix}{k}": v}
-    return out
 
 
 def save_final_metrics(workdir, last: dict) -> None:

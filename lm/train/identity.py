@@ -46,16 +46,17 @@ def _neutral(key: str) -> bool:
             or key in MODEL_KEYS or name.startswith("eval_"))
 
 
-def _flat(d: dict, prefix: str = "") -> dict:
+def flat_keys(d: dict, prefix: str = "") -> dict:
+    """{dotted key: value} of a nested dict."""
     out = {}
     for k, v in d.items():
-        out |= _flat(v, f"{prefix}{k}.") if isinstance(v, dict) else {f"{prefix}{k}": v}
+        out |= flat_keys(v, f"{prefix}{k}.") if isinstance(v, dict) else {f"{prefix}{k}": v}
     return out
 
 
 def settings(config) -> dict:
     """{dotted key: value} of the config keys that shape the trajectory."""
-    flat = _flat(json.loads(config.to_json()))
+    flat = flat_keys(json.loads(config.to_json()))
     weights = [entry.rsplit(":", 1)[1] if ":" in entry else "1" for entry in flat.get("data.sources") or []]
     return ({k: v for k, v in flat.items() if not _neutral(k) and k not in SCHEDULE}
             | ({"data.source_weights": weights} if weights else {}))

@@ -28,12 +28,12 @@ import jax.numpy as jnp
 import numpy as np
 
 from lm.config import base_config
-from lm.hardware import chip_of_kind
+from lm.plan.hardware import chip_of_kind
 from lm.model.apply import target_logprobs
 from lm.model.attention import attend, reference_attention, segment_causal_mask
 from lm.model.layers import ModelSpec
 from lm.model.transformer import Transformer, init_params
-from lm.perf import measure_matmul_peak
+from lm.train.perf import measure_matmul_peak
 
 IMPLEMENTATIONS = ("cudnn", "xla", "blockwise")
 DTYPES = ("bfloat16", "float32")

@@ -21,7 +21,7 @@
 # 3. Attention: cudnn, xla and blockwise against the reference, on packed documents, kernel and model
 #    (bench/accelerator_check.py attention). No cuDNN on TPU or CPU: those rows are skipped, with why.
 # 4. Throughput: bench/train_throughput.py's bf16 train step, MFU against the chip's vendor bf16 peak
-#    (lm/hardware.py), or against the measured matmul peak when the chip is unknown (the row says so).
+#    (lm/plan/hardware.py), or against the measured matmul peak when the chip is unknown (the row says so).
 # 5. Decode: bench/decode_throughput.py, the engine against the static decoder and transformers'
 #    `generate` on the same accelerator (target: 2x generate; below it the row says "below", not FAIL).
 set -uo pipefail

@@ -10,7 +10,7 @@ float32), so the step holds one model. Per variant:
   arguments, temporaries, generated code; XLA:CPU reports 0 for the code);
 - the bytes of the trained params, of their optimizer state (AdamW: two moments per param), of
   the frozen params (the reference copy; live only) and of the batch;
-- model FLOPs per step (lm.plan's convention over both rows of every pair: 6N per token for the
+- model FLOPs per step (lm.model.counts's convention over both rows of every pair: 6N per token for the
   policy's forward and backward, plus 2N for the live reference's forward, i.e. x 4/3 as lm dpo
   counts it);
 - tokens/s over interleaved rounds (live, precomputed, live, precomputed, ...), median round per
@@ -32,7 +32,7 @@ rows of a pair, every target counted, the reference log-probs (precomputed) and 
         [--dtype float32] [--rounds 3] [--steps 1] [--precompute-batches 4] [--out figures.json]
 
 Runs on one device (jax.devices()[:1]) with the XLA flags and huge-page malloc that `lm` sets
-for itself (lm.cpu_flags, lm.hugepages). Prints figures only; asserts nothing.
+for itself (lm.process.cpu_flags, lm.process.hugepages). Prints figures only; asserts nothing.
 """
 
 from __future__ import annotations
@@ -72,8 +72,8 @@ ARGS = parse_args() if __name__ == "__main__" else None
 os.environ["XLA_FLAGS"] = re.sub(r"--xla_force_host_platform_device_count=\S+", "",
                                  os.environ.get("XLA_FLAGS", "")).strip()
 if ARGS is not None:
-    from lm.cpu_flags import apply_cpu_defaults
-    from lm.hugepages import reexec_with_hugepages
+    from lm.process.cpu_flags import apply_cpu_defaults
+    from lm.process.hugepages import reexec_with_hugepages
 
     reexec_with_hugepages()
     apply_cpu_defaults(ARGS.dtype)
@@ -81,8 +81,8 @@ if ARGS is not None:
 import jax  # noqa: E402
 import numpy as np  # noqa: E402
 
-from lm import plan  # noqa: E402
 from lm.config import load_config  # noqa: E402
+from lm.model import counts  # noqa: E402
 from lm.train.dpo import build_dpo_run, reference_logps  # noqa: E402
 from lm.train.pair_losses import DpoSettings  # noqa: E402
 from lm.train.pairs import PAIR_EXTRA  # noqa: E402
@@ -202,7 +202,7 @@ def main(args) -> int:
     print(f"shape: {m.n_layers} layers, d_model {m.d_model}, {m.n_heads} heads, d_ff {m.d_ff}, vocab "
           f"{m.vocab_size}, {m.mlp}, {m.norm}, remat {m.remat}, {m.compute_dtype}; {args.batch_size} pairs x 2 "
           f"rows x seq {args.seq_len} = {args.batch_size * 2 * args.seq_len} tokens/step; "
-          f"{plan.param_count(m) / 1e6:.1f}M params; DPO {live_config.dpo.loss}, "
+          f"{counts.param_count(m) / 1e6:.1f}M params; DPO {live_config.dpo.loss}, "
           f"beta {DpoSettings.from_config(live_config.dpo).loss_beta:g}",
           flush=True)
     pre_run = build_dpo_run(pre_config, devices=devices)
@@ -227,7 +227,7 @@ def main(args) -> int:
           f"{pre['pairs']} pairs: {pre[f'wall_s_{args.precompute_batches}_batches']:.1f}s (each incl. its compile)",
           flush=True)
 
-    per_token = plan.flops_per_token(m, args.seq_len)
+    per_token = counts.flops_per_token(m, args.seq_len)
     out = {"shape": dict(m.to_dict(), seq_len=args.seq_len, batch_size=args.batch_size),
            "dpo": dict(live_config.dpo.to_dict()), "xla_flags": os.environ.get("XLA_FLAGS", ""),
            "load_average_start": load_start, "variants": {}, "precompute": pre}

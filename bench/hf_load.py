@@ -3,7 +3,7 @@
 Writes (once, cached under --dir) a random bf16 Llama checkpoint with transformers, sharded with
 an index, then measures in a fresh subprocess each (so each peak RSS is its own):
 
-  lm        lm.store.hf.load_hf + build_model + Built.place on one CPU device, mesh (1,1,1)
+  lm        lm.store.hf.reader.load_hf + build_model + Built.place on one CPU device, mesh (1,1,1)
   lm-mesh   the same on 4 simulated CPU devices, mesh (1,4,1) (data=1, fsdp=4, tensor=1)
   hf        transformers AutoModelForCausalLM.from_pretrained(dir, dtype=torch.bfloat16); it maps
             the files copy-on-write and reads nothing, so it has two rows: "hf lazy" when it
@@ -197,7 +197,7 @@ def import_lm():
     import jax
 
     import lm.model.build  # noqa: F401
-    import lm.store.hf  # noqa: F401
+    import lm.store.hf.reader  # noqa: F401
 
     return jax
 
@@ -262,7 +262,7 @@ def check_lm(params, ckpt: pathlib.Path, n_layers: int) -> dict:
 def child_lm(ckpt: pathlib.Path, devices: int, sampler: Sampler, trace: bool) -> dict:
     jax = import_lm()
     from lm.model.build import build_model
-    from lm.store.hf import load_hf
+    from lm.store.hf.reader import load_hf
 
     assert len(jax.devices()) == devices, jax.devices()
     out = {"after_import": status()["VmRSS"]}
@@ -374,14 +374,14 @@ def measure(rows: list, label: str, fn):
 
 
 def split_steps(name, x, sharding, dtype) -> list[dict]:
-    """The largest leaf's placement in its steps, as lm.store.hf.LazyTensor and
+    """The largest leaf's placement in its steps, as lm.store.hf.reader.LazyTensor and
     lm.sharding.place_leaf take them, each with its own peak and what it leaves behind."""
     import gc
 
     import jax
     import numpy as np
 
-    from lm.model.families.common import layout_view
+    from lm.store.hf.families.common import layout_view
 
     rows: list = []
     indices = list(sharding.addressable_devices_indices_map(tuple(x.shape)).values())

@@ -27,8 +27,8 @@ sys.path.insert(0, str(pathlib.Path(__file__).resolve().parent.parent))
 
 import jax  # noqa: E402
 
-from lm import plan  # noqa: E402
 from lm.config import base_config, validate  # noqa: E402
+from lm.model import counts  # noqa: E402
 from lm.train.setup import build_run, host_batch  # noqa: E402
 
 
@@ -88,7 +88,7 @@ def main():
         c = runs[kind][3]
         sec = statistics.median(times[kind])
         out[kind] = {"step_ms": 1e3 * sec, "tokens_per_s": tokens / sec, "compile_s": runs[kind][4],
-                     "params": plan.param_count(c.model), "active_params": plan.active_param_count(c.model),
+                     "params": counts.param_count(c.model), "active_params": counts.active_param_count(c.model),
                      "per_round_ratio_to_dense": [d / t for d, t in zip(times["dense"], times[kind])]}
     for kind in kinds:
         o = out[kind]

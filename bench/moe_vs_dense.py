@@ -72,18 +72,18 @@ ARGS = parse_args() if __name__ == "__main__" else None
 os.environ["XLA_FLAGS"] = re.sub(r"--xla_force_host_platform_device_count=\S+", "",
                                  os.environ.get("XLA_FLAGS", "")).strip()
 if ARGS is not None:
-    from lm.cpu_flags import apply_cpu_defaults
-    from lm.hugepages import reexec_with_hugepages
+    from lm.process.cpu_flags import apply_cpu_defaults
+    from lm.process.hugepages import reexec_with_hugepages
 
     reexec_with_hugepages()
     apply_cpu_defaults("float32")
 
 import jax  # noqa: E402
 
-from lm import plan  # noqa: E402
 from lm.config import load_config  # noqa: E402
 from lm.data.cache import data_cache_dir  # noqa: E402
 from lm.data.prepare import prepare_pretrain_data  # noqa: E402
+from lm.model import counts  # noqa: E402
 from lm.train.metrics import moe_routing, plot_runs, read_metrics  # noqa: E402
 from lm.train.pretrain import train  # noqa: E402
 from lm.train.setup import build_run, host_batch  # noqa: E402
@@ -104,8 +104,8 @@ def make_configs(args):
 
 
 def sizes(m, seq_len: int) -> dict:
-    return {"params_total": plan.param_count(m), "params_active": plan.active_param_count(m),
-            "flops_per_token": plan.flops_per_token(m, seq_len)}
+    return {"params_total": counts.param_count(m), "params_active": counts.active_param_count(m),
+            "flops_per_token": counts.flops_per_token(m, seq_len)}
 
 
 class Timed:

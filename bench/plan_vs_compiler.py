@@ -1,4 +1,4 @@
-"""The planner (lm.plan_memory, no compile) against the TPU compiler (libtpu, ahead of time on this
+"""The planner (lm.plan.memory, no compile) against the TPU compiler (libtpu, ahead of time on this
 CPU machine) for the pretraining step of each config and slice below: per-device total bytes and
 the error. Needs the `tpu` extra. Prints one row per case as it compiles, then the table.
 
@@ -20,11 +20,11 @@ import time
 os.environ.setdefault("JAX_PLATFORMS", "cpu")
 sys.path.insert(0, os.path.join(os.path.dirname(__file__), ".."))
 
-from lm.aot import compile_step, target_devices  # noqa: E402
+from lm.plan.aot import compile_step, target_devices  # noqa: E402
 from lm.config import load_config  # noqa: E402
-from lm.hardware import parse_target  # noqa: E402
-from lm.plan_memory import estimate, mesh_sizes  # noqa: E402
-from lm.plan_report import mesh_text  # noqa: E402
+from lm.plan.hardware import parse_target  # noqa: E402
+from lm.plan.memory import estimate, mesh_sizes  # noqa: E402
+from lm.plan.report import mesh_text  # noqa: E402
 
 # 8 experts (top-2) of width 512 over 2 layers of width 256, split over expert 2 x fsdp 2; one row of
 # 4096 tokens a chip, so the activations live in HBM, not in the chip's on-chip memory

@@ -63,8 +63,8 @@ ARGS = parse_args() if __name__ == "__main__" else None
 os.environ["XLA_FLAGS"] = re.sub(r"--xla_force_host_platform_device_count=\S+", "",
                                  os.environ.get("XLA_FLAGS", "")).strip()
 if ARGS is not None:
-    from lm.cpu_flags import apply_cpu_defaults
-    from lm.hugepages import reexec_with_hugepages
+    from lm.process.cpu_flags import apply_cpu_defaults
+    from lm.process.hugepages import reexec_with_hugepages
 
     reexec_with_hugepages()
     apply_cpu_defaults(ARGS.dtype)

@@ -8,7 +8,7 @@ the full fine-tune trains every param, LoRA sets model.lora_rank and trains only
   arguments, temporaries, generated code; XLA:CPU reports 0 for the code);
 - the bytes of the trained params, of their optimizer state (AdamW: two moments per trained
   param) and of the frozen params, and the trained-param count;
-- model FLOPs per step (lm.plan's convention; LoRA's frozen matrices get no weight gradient);
+- model FLOPs per step (lm.model.counts's convention; LoRA's frozen matrices get no weight gradient);
 - tokens/s over interleaved rounds (full, LoRA, full, LoRA, ...), median round per variant,
   and the median of the per-round ratios LoRA/full. The first call of each compiled step is
   untimed (it follows the ahead-of-time compile that gives the memory analysis).
@@ -21,7 +21,7 @@ dtype overridable so that it runs on a small CPU box; random tokens, every targe
         [--dtype float32] [--rounds 3] [--steps 1] [--rank 8] [--out figures.json]
 
 Runs on one device (jax.devices()[:1]) with the XLA flags and huge-page malloc that `lm` sets
-for itself (lm.cpu_flags, lm.hugepages). Prints figures only; asserts nothing.
+for itself (lm.process.cpu_flags, lm.process.hugepages). Prints figures only; asserts nothing.
 """
 
 from __future__ import annotations
@@ -61,8 +61,8 @@ ARGS = parse_args() if __name__ == "__main__" else None
 os.environ["XLA_FLAGS"] = re.sub(r"--xla_force_host_platform_device_count=\S+", "",
                                  os.environ.get("XLA_FLAGS", "")).strip()
 if ARGS is not None:
-    from lm.cpu_flags import apply_cpu_defaults
-    from lm.hugepages import reexec_with_hugepages
+    from lm.process.cpu_flags import apply_cpu_defaults
+    from lm.process.hugepages import reexec_with_hugepages
 
     reexec_with_hugepages()
     apply_cpu_defaults(ARGS.dtype)
@@ -70,8 +70,8 @@ if ARGS is not None:
 import jax  # noqa: E402
 import numpy as np  # noqa: E402
 
-from lm import plan  # noqa: E402
 from lm.config import load_config  # noqa: E402
+from lm.model import counts  # noqa: E402
 from lm.model.lora import is_adapter  # noqa: E402
 from lm.train.losses import sft_loss  # noqa: E402
 from lm.train.setup import build_run, host_batch  # noqa: E402
@@ -88,12 +88,12 @@ def make_config(args, lora_rank: int):
 
 
 def model_flops(m, seq_len: int, tokens: int) -> tuple[float, float]:
-    """(full, LoRA) model FLOPs per step, lm.plan's convention: 6 per matmul weight per token for
+    """(full, LoRA) model FLOPs per step, lm.model.counts's convention: 6 per matmul weight per token for
     the full step; 4 for LoRA, whose frozen matrices get no weight gradient (the forward product
     and the input gradient remain); attention's products have no weights and count alike in both.
     The adapters' own products (rank r) are left out."""
-    full = plan.flops_per_token(m, seq_len)
-    attn = 12 * m.n_layers * m.n_heads * plan.head_dim(m) * seq_len
+    full = counts.flops_per_token(m, seq_len)
+    attn = 12 * m.n_layers * m.n_heads * counts.head_dim(m) * seq_len
     return full * tokens, ((full - attn) * 4 / 6 + attn) * tokens
 
 
@@ -166,7 +166,7 @@ def main(args) -> int:
           f"load average {load_start:.1f}; XLA_FLAGS={os.environ.get('XLA_FLAGS', '')!r}", flush=True)
     print(f"shape: {m.n_layers} layers, d_model {m.d_model}, {m.n_heads} heads, d_ff {m.d_ff}, vocab "
           f"{m.vocab_size}, {m.mlp}, {m.norm}, remat {m.remat}, {m.compute_dtype}; batch {args.batch_size} x seq "
-          f"{args.seq_len} = {args.batch_size * args.seq_len} tokens/step; {plan.param_count(m) / 1e6:.1f}M params; "
+          f"{args.seq_len} = {args.batch_size * args.seq_len} tokens/step; {counts.param_count(m) / 1e6:.1f}M params; "
           f"LoRA r={args.rank}, alpha {lora_config.model.lora_alpha:g}", flush=True)
     variants = []
     for name, config, lora in (("full", full_config, False), (f"LoRA r={args.rank}", lora_config, True)):

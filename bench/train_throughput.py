@@ -2,14 +2,14 @@
 
 Shape (nanoGPT's "baby GPT" scale): 6 layers, 6 heads, d_model 384, SwiGLU d_ff 1024 (the
 parameter count of a 4x GELU MLP), seq_len 256, batch 16, byte vocabulary, tied embeddings,
-RoPE. MFU is against the matmul peak measured in the same run (lm.perf.measure_matmul_peak).
+RoPE. MFU is against the matmul peak measured in the same run (lm.train.perf.measure_matmul_peak).
 
     PYTHONPATH=. python bench/train_throughput.py [--steps 20] [--rounds 1] [--out figures.json] \
         [--peer-python /tmp/torch-venv/bin/python --nanogpt /tmp/nanoGPT]
 
 With the peer flags, bench/nanogpt_peer.py runs right after our measurement of each dtype,
 twice: as it ships (the environment this script was started with) and with the huge-page
-malloc tunable that `lm` sets for itself (lm.hugepages), so the ratio ours/peer is printed
+malloc tunable that `lm` sets for itself (lm.process.hugepages), so the ratio ours/peer is printed
 both for each as shipped and for the same process environment. With --rounds N the
 measurement alternates N times and medians are reported. Prints figures only; asserts
 nothing.
@@ -29,24 +29,24 @@ import time
 
 # One real CPU device: drop a simulated-device count inherited from the environment. A worker
 # (--worker DTYPE, started by main for each dtype) then applies the CPU defaults that `lm train`
-# applies for that compute dtype (lm.cpu_flags) before jax starts, so its figures are those of
+# applies for that compute dtype (lm.process.cpu_flags) before jax starts, so its figures are those of
 # `lm train`; the flags differ by dtype, hence one process per dtype.
 os.environ["XLA_FLAGS"] = re.sub(r"--xla_force_host_platform_device_count=\S+", "",
                                  os.environ.get("XLA_FLAGS", "")).strip()
 sys.path.insert(0, str(pathlib.Path(__file__).resolve().parent.parent))
 if "--worker" in sys.argv:
-    from lm.cpu_flags import apply_cpu_defaults
+    from lm.process.cpu_flags import apply_cpu_defaults
 
     apply_cpu_defaults(sys.argv[sys.argv.index("--worker") + 1])
 
 import jax  # noqa: E402
 import numpy as np  # noqa: E402
 
-from lm import plan  # noqa: E402
-from lm.aot import compile_train_step  # noqa: E402
+from lm.model import counts  # noqa: E402
+from lm.plan.aot import compile_train_step  # noqa: E402
 from lm.config import base_config, validate  # noqa: E402
-from lm.hugepages import with_hugepages  # noqa: E402
-from lm.perf import measure_matmul_peak, mfu  # noqa: E402
+from lm.process.hugepages import with_hugepages  # noqa: E402
+from lm.train.perf import measure_matmul_peak, mfu  # noqa: E402
 from lm.train.setup import build_run, host_batch  # noqa: E402
 
 REPO = pathlib.Path(__file__).resolve().parent.parent
@@ -87,11 +87,11 @@ def measure_ours(dtype: str, steps: int, warmup: int, peak: float) -> dict:
         times.append(time.perf_counter() - t0)
     dt = float(np.mean(times))
     tps = BATCH * SEQ / dt
-    flops = plan.flops_per_token(config.model, SEQ)
+    flops = counts.flops_per_token(config.model, SEQ)
     return {"dtype": dtype, "tokens_per_s": tps, "ms_per_step": dt * 1e3,
             "ms_per_step_median": float(np.median(times)) * 1e3, "ms_per_step_min": min(times) * 1e3,
             "mfu": mfu(tps, flops, peak), "compile_s": compile_s, "flops_per_token": flops,
-            "params": plan.param_count(config.model), "loss": float(metrics["loss"])}
+            "params": counts.param_count(config.model), "loss": float(metrics["loss"])}
 
 
 def measure_peer(args, dtype: str, env: dict) -> dict | None:

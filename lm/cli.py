@@ -11,13 +11,14 @@ import shlex
 import signal
 import sys
 
-from lm import demo_cli, plan_cli
 from lm.data import cli as data_cli
+from lm.demo import cli as demo_cli
 from lm.errors import UserError
 from lm.eval import cli as eval_cli
 from lm.eval import contamination_cli, harness_cli
 from lm.infer import cli as infer_cli
 from lm.infer.serve import cli as serve_cli
+from lm.plan import cli as plan_cli
 from lm.store import cli as store_cli
 from lm.train import cli as train_cli
 from lm.train.faults import StopRequested, StopSignal, hard_exit
@@ -132,11 +133,11 @@ def _close_progress_bars() -> None:
 
 
 def run() -> None:
-    """The `lm` console script: huge-page malloc for the step's temporaries (lm.hugepages), then main."""
+    """The `lm` console script: huge-page malloc for the step's temporaries (lm.process.hugepages), then main."""
     import os
 
-    from lm.hardware import quiet_absent_tpu
-    from lm.hugepages import reexec_with_hugepages
+    from lm.plan.hardware import quiet_absent_tpu
+    from lm.process.hugepages import reexec_with_hugepages
 
     quiet_absent_tpu(os.environ)
     reexec_with_hugepages()

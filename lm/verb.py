@@ -69,12 +69,12 @@ def start_distributed(args: argparse.Namespace) -> None:
     """jax.distributed.initialize() when the flags of `add_distributed` ask for it: after the CPU
     flags are set, before any computation. A coordinator, a count or an index alone also asks (a
     process that ran alone would write the same files as its peers). Joining is bounded by
-    --startup-timeout, and from then on a lost process ends the others (lm.peers). Calling it again
+    --startup-timeout, and from then on a lost process ends the others (lm.process.peers). Calling it again
     is a no-op."""
     values = (args.coordinator, args.num_processes, args.process_id)
     if not args.distributed and all(v is None for v in values):
         return
-    from lm import peers
+    from lm.process import peers
 
     launch = peers.Launch(args.startup_timeout, args.peer_timeout, resumable=hasattr(args, "resume"),
                           resumed=bool(getattr(args, "resume", False)))

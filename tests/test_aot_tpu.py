@@ -8,12 +8,12 @@ import jax
 import pytest
 from jax.sharding import PartitionSpec as P
 
-from lm.aot import compile_step, target_devices
+from lm.plan.aot import compile_step, target_devices
 from lm.config import load_config
-from lm.hardware import parse_target
+from lm.plan.hardware import parse_target
 from lm.model.apply import logits_of
 from lm.model.build import build_model
-from lm.plan_memory import estimate
+from lm.plan.memory import estimate
 
 pytestmark = [pytest.mark.slow,
               pytest.mark.skipif(importlib.util.find_spec("libtpu") is None, reason="needs lm[tpu] (libtpu)")]

@@ -71,15 +71,15 @@ def test_sft_settings_defaults_are_the_sft_sections():
 
 
 def test_model_spec_reads_the_model_section_and_derives_head_dim_once():
-    from lm import plan
-    from lm.model import layers
+    from lm.model import counts, layers
 
     m = base_config().model
     spec = layers.ModelSpec.from_config(m)
     assert all(f.default is dataclasses.MISSING for f in dataclasses.fields(spec))
     section = {k: v for k, v in m.to_dict().items() if k != "family"}  # where it came from: not the model's
     assert dataclasses.asdict(spec) == section | {"head_dim": m.d_model // m.n_heads, "expert_d_ff": m.d_ff}
-    assert plan.head_dim is layers.head_dim is lm.config.model.head_dim
+    assert counts.head_dim is layers.head_dim  # the model's one derivation; the config's checks agree:
+    assert counts.head_dim(m) == lm.config.model.head_dim(m) == m.d_model // m.n_heads
 
 
 def test_settings_keep_their_old_homes():

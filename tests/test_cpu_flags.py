@@ -1,6 +1,6 @@
 """CPU XLA flag defaults: added for float32, never overriding a flag the user set."""
 
-from lm.cpu_flags import FLOAT32_DEFAULTS, apply_cpu_defaults, with_cpu_defaults
+from lm.process.cpu_flags import FLOAT32_DEFAULTS, apply_cpu_defaults, with_cpu_defaults
 
 YNN = "--xla_cpu_experimental_ynn_fusion_type"
 

@@ -7,8 +7,8 @@ import sys
 
 import pytest
 
-from lm import hugepages
-from lm.hugepages import TUNABLE, hugepage_environ, thp_mode
+from lm.process import hugepages
+from lm.process.hugepages import TUNABLE, hugepage_environ, thp_mode
 
 NEW_GLIBC = (2, 36)
 
@@ -39,7 +39,7 @@ def test_thp_mode_reads_the_bracketed_choice(tmp_path):
 applies = hugepage_environ({}, hugepages._glibc_version(), thp_mode()) is not None
 needs_thp = pytest.mark.skipif(not applies, reason="needs Linux, glibc >= 2.35 and THP madvise/always")
 
-REPORT = ("from lm.hugepages import reexec_with_hugepages; reexec_with_hugepages(); import os, sys; "
+REPORT = ("from lm.process.hugepages import reexec_with_hugepages; reexec_with_hugepages(); import os, sys; "
           "print(os.environ.get('GLIBC_TUNABLES', ''), sys.argv[1:])")
 
 

@@ -12,7 +12,7 @@ import time
 
 import pytest
 
-from lm import peers
+from lm.process import peers
 from tests.conftest import xla_flags
 from tests.test_cli_train import SMALL
 from tests.test_distributed import free_port

@@ -3,7 +3,7 @@
 import math
 import time
 
-from lm.perf import measure_matmul_peak, mfu
+from lm.train.perf import measure_matmul_peak, mfu
 
 
 def test_mfu_is_achieved_over_peak():

@@ -1,11 +1,12 @@
-"""Checks lm.plan against published parameter counts and hand-written arithmetic."""
+"""Checks lm.model.counts against published parameter counts and hand-written arithmetic."""
 
 from types import SimpleNamespace
 
 import ml_collections
 import pytest
 
-from lm import plan
+from lm.model import counts
+from lm.plan import units
 
 
 def gpt2_124m():
@@ -33,7 +34,7 @@ def tiny(**overrides):
 
 def test_gpt2_124m_matches_hf_count():
     # Published HF `gpt2` num_parameters(): 124,439,808.
-    assert plan.param_count(gpt2_124m()) == 124_439_808
+    assert counts.param_count(gpt2_124m()) == 124_439_808
 
 
 def test_gpt2_124m_non_embedding_by_hand():
@@ -44,16 +45,16 @@ def test_gpt2_124m_non_embedding_by_hand():
     block = 2 * ln + attn + mlp                  # = 7,087,872
     expected = L * block + ln                    # blocks + ln_f = 85,056,000 (~85M)
     assert expected == 85_056_000
-    assert plan.non_embedding_params(gpt2_124m()) == expected
-    b = plan.param_breakdown(gpt2_124m())
+    assert counts.non_embedding_params(gpt2_124m()) == expected
+    b = counts.param_breakdown(gpt2_124m())
     assert b["embedding"] == 50257 * 768 and b["position"] == 1024 * 768
     assert b["head"] == 0  # tied
-    assert sum(b.values()) == plan.param_count(gpt2_124m())
+    assert sum(b.values()) == counts.param_count(gpt2_124m())
 
 
 def test_llama3_8b_and_70b_published_counts():
-    assert plan.param_count(llama3(4096, 32, 32, 14336)) == 8_030_261_248
-    assert plan.param_count(llama3(8192, 80, 64, 28672)) == 70_553_706_496
+    assert counts.param_count(llama3(4096, 32, 32, 14336)) == 8_030_261_248
+    assert counts.param_count(llama3(8192, 80, 64, 28672)) == 70_553_706_496
 
 
 def test_gpt2_flops_per_token_formula():
@@ -61,16 +62,16 @@ def test_gpt2_flops_per_token_formula():
     n_matmul = L * (4 * d * d + 2 * d * ff) + d * V   # blocks + (tied) output head
     assert n_matmul == 123_532_032
     expected = 6 * n_matmul + 12 * L * H * hd * T     # 741,192,192 + 113,246,208
-    assert plan.flops_per_token(gpt2_124m(), T) == expected == 854_438_400
+    assert counts.flops_per_token(gpt2_124m(), T) == expected == 854_438_400
 
 
 def test_tiny_flops_every_term():
     # q: 4x(2*2)=16, k: 4x(1*2)=8, v: 8, o: 16 -> 48; swiglu: 3*4*8=96; head 4*10=40.
     n_matmul = 16 + 8 + 8 + 16 + 96 + 40             # = 184
     attn = 12 * 1 * 2 * 2 * 3                        # L*H*hd*T at seq_len 3 -> 144
-    assert plan.flops_per_token(tiny(), 3) == 6 * n_matmul + attn == 1248
+    assert counts.flops_per_token(tiny(), 3) == 6 * n_matmul + attn == 1248
     # Tying, biases, norms and position tables do not change matmul FLOPs.
-    assert plan.flops_per_token(tiny(tie_embeddings=False, use_bias=True,
+    assert counts.flops_per_token(tiny(tie_embeddings=False, use_bias=True,
                                      position="learned", norm="layernorm"), 3) == 1248
 
 
@@ -82,22 +83,22 @@ def test_tiny_param_count_every_term():
     mlp = (4 * 8 + 8) + (8 * 4 + 4)                  # fc + proj with biases
     norms = 3 * (4 + 4)                              # 2 per block + final, scale+bias
     head = 4 * 10
-    assert plan.param_count(m) == emb + pos + attn + mlp + norms + head == 304  # 40+64+60+76+24+40
-    assert plan.non_embedding_params(m) == 304 - emb - pos
+    assert counts.param_count(m) == emb + pos + attn + mlp + norms + head == 304  # 40+64+60+76+24+40
+    assert counts.non_embedding_params(m) == 304 - emb - pos
 
 
 def test_head_dim_derivation():
-    assert plan.head_dim(tiny()) == 2
-    assert plan.head_dim(tiny(head_dim=3)) == 3
-    assert plan.head_dim(gpt2_124m()) == 64
+    assert counts.head_dim(tiny()) == 2
+    assert counts.head_dim(tiny(head_dim=3)) == 3
+    assert counts.head_dim(gpt2_124m()) == 64
 
 
 def test_chinchilla_and_summary():
-    assert plan.chinchilla_tokens(gpt2_124m()) == 20 * 124_439_808
-    s = plan.summary(gpt2_124m(), 1024)
+    assert counts.chinchilla_tokens(gpt2_124m()) == 20 * 124_439_808
+    s = units.summary(gpt2_124m(), 1024)
     assert "124,439,808" in s and "attention" in s and "chinchilla" in s
 
 
 def test_unknown_mlp_rejected():
     with pytest.raises(ValueError):
-        plan.param_count(tiny(mlp="relu"))
+        counts.param_count(tiny(mlp="relu"))

@@ -11,12 +11,13 @@ import jax
 import numpy as np
 import pytest
 
-from lm import plan
+from lm.model import counts
+from lm.plan import units
 from lm.config import load_config
 from lm.errors import UserError
 from lm.model.layers import ModelSpec
 from lm.model.transformer import Transformer, init_params
-from lm.plan_memory import estimate
+from lm.plan.memory import estimate
 
 
 def tiny_moe(**overrides):
@@ -31,30 +32,30 @@ def tiny_moe(**overrides):
 def test_tiny_moe_total_and_active_params_by_hand():
     m = tiny_moe()
     attn, router, experts, norms, emb = 48, 4 * 4, 4 * 3 * 4 * 6, 3 * 4, 10 * 4  # experts: 4 x (gate, up, down)
-    b = plan.param_breakdown(m)
+    b = counts.param_breakdown(m)
     assert (b["attention"], b["router"], b["experts"], b["norms"]) == (attn, router, experts, norms)
     assert "mlp" not in b and "shared mlp" not in b
-    assert plan.param_count(m) == emb + attn + router + experts + norms == 404
-    assert plan.active_param_count(m) == 404 - experts + experts * 2 // 4 == 260  # 2 of the 4 experts
-    assert plan.expert_params(m) == experts
+    assert counts.param_count(m) == emb + attn + router + experts + norms == 404
+    assert counts.active_param_count(m) == 404 - experts + experts * 2 // 4 == 260  # 2 of the 4 experts
+    assert counts.expert_params(m) == experts
     shared = tiny_moe(shared_d_ff=5)  # a shared SwiGLU of width 5 counts whole in both
-    assert plan.param_breakdown(shared)["shared mlp"] == 3 * 4 * 5
-    assert plan.param_count(shared) == 404 + 60 and plan.active_param_count(shared) == 260 + 60
+    assert counts.param_breakdown(shared)["shared mlp"] == 3 * 4 * 5
+    assert counts.param_count(shared) == 404 + 60 and counts.active_param_count(shared) == 260 + 60
 
 
 def test_dense_models_are_all_active():
     m = load_config("configs/llama3_8b.py").model
-    assert plan.active_param_count(m) == plan.param_count(m) == 8_030_261_248
-    assert plan.expert_params(m) == 0
+    assert counts.active_param_count(m) == counts.param_count(m) == 8_030_261_248
+    assert counts.expert_params(m) == 0
 
 
 def test_flops_per_token_count_active_params():
     # matmul weights a token meets: attention 48, router 16, 2 of 4 experts 144, (tied) head 40
-    assert plan.flops_per_token(tiny_moe(), 3) == 6 * (48 + 16 + 144 + 40) + 12 * 1 * 2 * 2 * 3 == 1632
-    assert plan.flops_per_token(tiny_moe(shared_d_ff=5), 3) == 1632 + 6 * 60
+    assert counts.flops_per_token(tiny_moe(), 3) == 6 * (48 + 16 + 144 + 40) + 12 * 1 * 2 * 2 * 3 == 1632
+    assert counts.flops_per_token(tiny_moe(shared_d_ff=5), 3) == 1632 + 6 * 60
     # all experts taken: the FLOPs of a dense model with the experts' weights
     every = tiny_moe(experts_per_token=4)
-    assert plan.flops_per_token(every, 3) == 6 * (48 + 16 + 288 + 40) + 144
+    assert counts.flops_per_token(every, 3) == 6 * (48 + 16 + 288 + 40) + 144
 
 
 def test_mixtral_8x7b_is_46_7b_total_12_9b_active():
@@ -63,12 +64,12 @@ def test_mixtral_8x7b_is_46_7b_total_12_9b_active():
     attn = 2 * d * d + 2 * d * 1024  # q, o: 32 heads of 128; k, v: 8 heads of 128
     expert = 3 * d * ff
     total = 2 * V * d + L * (attn + d * e + e * expert + 2 * d) + d
-    assert plan.param_count(m) == total == 46_702_792_704  # Hugging Face's Mixtral-8x7B count
+    assert counts.param_count(m) == total == 46_702_792_704  # Hugging Face's Mixtral-8x7B count
     active = total - L * 6 * expert
-    assert plan.active_param_count(m) == active == 12_879_925_248
+    assert counts.active_param_count(m) == active == 12_879_925_248
     matmul = L * (attn + d * e + 2 * expert) + d * V  # blocks (router, 2 experts) + the head
-    assert plan.flops_per_token(m, 4096) == 6 * matmul + 12 * L * 32 * 128 * 4096
-    text = plan.summary(m, 4096)
+    assert counts.flops_per_token(m, 4096) == 6 * matmul + 12 * L * 32 * 128 * 4096
+    text = units.summary(m, 4096)
     assert "46,702,792,704 (46.70B) total, 12,879,925,248 (12.88B) active (2 of 8 experts)" in text
     assert "expert weights" in text and "180.39GB float32" in text
 
@@ -78,7 +79,7 @@ def test_built_moe_params_are_the_planners():
                                              "model.expert_d_ff=96", "model.shared_d_ff=64"])
     spec = dataclasses.replace(ModelSpec.from_config(config.model), attention="xla")
     boxed = jax.eval_shape(lambda key: init_params(Transformer(spec), key), jax.random.key(0))
-    assert sum(int(np.prod(x.shape)) for x in jax.tree.leaves(nn.unbox(boxed))) == plan.param_count(config.model)
+    assert sum(int(np.prod(x.shape)) for x in jax.tree.leaves(nn.unbox(boxed))) == counts.param_count(config.model)
 
 
 def tiny_config(*overrides):
@@ -89,7 +90,7 @@ def test_expert_weights_split_over_the_expert_axis():
     moe = ["model.n_experts=4", "model.expert_d_ff=96", "train.batch_size=8"]
     one = estimate(tiny_config(*moe, "mesh.data=8"), "pretrain", 8).parts
     four = estimate(tiny_config(*moe, "mesh.data=2", "mesh.expert=4"), "pretrain", 8).parts
-    experts = plan.expert_params(tiny_config(*moe).model)
+    experts = counts.expert_params(tiny_config(*moe).model)
     assert one["params"] - four["params"] == 4 * experts * 3 // 4  # float32, a quarter of them per device
     assert four["optimizer"] == 2 * four["params"]
     assert "expert work" in four and "mlp" not in str(four)
@@ -99,7 +100,7 @@ def test_pipeline_stage_holds_its_share_of_the_layers():
     pipe = ["model.pipeline_microbatches=4", "train.batch_size=16", "mesh.fsdp=1", "mesh.tensor=1"]
     m = tiny_config().model
     rest = m.vocab_size * m.d_model + m.d_model  # the (tied) embedding and the final norm: on every stage
-    blocks = plan.param_count(m) - rest
+    blocks = counts.param_count(m) - rest
     for stages in (1, 2, 4):
         parts = estimate(tiny_config(*pipe, f"mesh.stage={stages}", "mesh.data=-1"), "pretrain", 8).parts
         assert parts["params"] == 4 * (blocks // stages + rest)
@@ -132,8 +133,8 @@ def test_plan_prints_the_bubble_and_active_params(capsys):
     ["mesh.data=1", "mesh.stage=2", "mesh.fsdp=2", "mesh.tensor=2", "model.pipeline_microbatches=4"],
 ], ids=["experts", "stages"])
 def test_compiled_arguments_are_the_planners_state(overrides):
-    from lm.aot import compile_step, target_devices
-    from lm.hardware import parse_target
+    from lm.plan.aot import compile_step, target_devices
+    from lm.plan.hardware import parse_target
 
     config = tiny_config("train.batch_size=16", "data.seq_len=64", "model.max_seq_len=64", *overrides)
     c = compile_step("pretrain", config, target_devices(parse_target("cpu:8")))
@@ -145,8 +146,8 @@ def test_compiled_arguments_are_the_planners_state(overrides):
 
 
 def test_pipelined_70b_config_splits_its_layers_over_four_stages():
-    from lm.hardware import parse_target
-    from lm.plan_memory import pipeline_of, mesh_sizes
+    from lm.plan.hardware import parse_target
+    from lm.plan.memory import pipeline_of, mesh_sizes
 
     target = parse_target("v5p-128")
     config = load_config("configs/llama3_70b_pipeline.py")
@@ -156,7 +157,7 @@ def test_pipelined_70b_config_splits_its_layers_over_four_stages():
     parts = estimate(config, "pretrain", target.chips, chip=target.chip).parts
     m = config.model
     tables = 2 * m.vocab_size * m.d_model  # embedding and head: split over fsdp x tensor, on every stage
-    blocks = plan.param_count(m) - tables - m.d_model  # less the final norm (replicated)
+    blocks = counts.param_count(m) - tables - m.d_model  # less the final norm (replicated)
     norms = 2 * m.n_layers * m.d_model  # the blocks' norms: split over the stages only
     expected = (blocks - norms) // (4 * 2 * 8) + norms // 4 + tables // (2 * 8) + m.d_model
     assert parts["params"] == 4 * expected

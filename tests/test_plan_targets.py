@@ -5,12 +5,12 @@ import importlib.util
 
 import pytest
 
-from lm import plan
+from lm.model import counts
 from lm.config import load_config
 from lm.errors import UserError
-from lm.hardware import GPUS, TPUS, chip_of_kind, parse_target
-from lm.plan_fit import candidates
-from lm.plan_memory import estimate
+from lm.plan.hardware import GPUS, TPUS, chip_of_kind, parse_target
+from lm.plan.fit import candidates
+from lm.plan.memory import estimate
 
 
 @pytest.mark.parametrize("name, chips, topology", [
@@ -42,7 +42,7 @@ def test_planner_state_is_exact_for_llama3_8b():
     # fsdp=8 splits every weight 8 ways except the norms (replicated): 266,240 norm params stay whole
     config = load_config("configs/llama3_8b.py", ["mesh.fsdp=8", "train.micro_batches=1"])
     parts = estimate(config, "pretrain", 8).parts
-    n, norms = plan.param_count(config.model), plan.param_breakdown(config.model)["norms"]
+    n, norms = counts.param_count(config.model), counts.param_breakdown(config.model)["norms"]
     assert parts["params"] == 4 * ((n - norms) // 8 + norms)
     assert parts["optimizer"] == 2 * parts["params"] and parts["grads"] == parts["params"]
     two = estimate(load_config("configs/llama3_8b.py", ["mesh.fsdp=8", "train.micro_batches=2"]), "pretrain", 8)
@@ -73,7 +73,7 @@ def test_fit_candidates_start_with_the_config_and_change_little():
 
 
 def test_tpu_target_without_libtpu_says_what_to_install(monkeypatch):
-    from lm import aot
+    from lm.plan import aot
 
     monkeypatch.setattr(importlib.util, "find_spec", lambda name: None)
     with pytest.raises(UserError, match=r"pip install 'lm\[tpu\]'"):
@@ -100,7 +100,7 @@ def test_plan_rejects_unknown_steps(capsys):
 
 
 def test_fit_finds_one_row_per_chip_for_70b_on_a_v5p_64():
-    from lm.plan_fit import search
+    from lm.plan.fit import search
 
     config = load_config("configs/llama3_70b.py")  # 4 micro-batches: 64 rows of 8192 a chip
     found, est, compiled = search(config, "pretrain", parse_target("v5p-64"), devices=None)
@@ -109,9 +109,9 @@ def test_fit_finds_one_row_per_chip_for_70b_on_a_v5p_64():
 
 
 def test_step_flops_count_every_token_of_the_step():
-    from lm.plan_report import step_flops
+    from lm.plan.report import step_flops
 
     config = load_config("configs/llama3_70b.py")
-    per_token = plan.flops_per_token(config.model, 8192)
+    per_token = counts.flops_per_token(config.model, 8192)
     assert step_flops(config, "pretrain", 32) == pytest.approx(per_token * 1024 * 8192 / 32)
     assert step_flops(config, "dpo", 32) == pytest.approx(per_token * 4 / 3 * 2 * 1024 * 8192 / 32)

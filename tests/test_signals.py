@@ -86,7 +86,7 @@ def test_a_signal_stops_the_demo_as_a_whole_and_resume_goes_on(tmp_path, corpus)
 
     # --resume: the stopped pretraining resumes from its checkpoint and finishes; the next stage starts
     resumed = demo_args(work, corpus, stop_step + 2) + ["--resume"]
-    proc, out = start_patched("lm.demo", "write_sort_task", "writing the task", resumed)
+    proc, out = start_patched("lm.demo.pipeline", "write_sort_task", "writing the task", resumed)
     proc.send_signal(signal.SIGTERM)
     err = proc.communicate(timeout=GUARD)[1]
     assert proc.returncode == 0, err[-3000:]
@@ -96,7 +96,7 @@ def test_a_signal_stops_the_demo_as_a_whole_and_resume_goes_on(tmp_path, corpus)
                                      "stages are kept. Continue with: lm demo"), err[-3000:]
 
     # again: the finished pretraining is not run again
-    proc, out = start_patched("lm.demo", "write_sort_task", "writing the task", resumed)
+    proc, out = start_patched("lm.demo.pipeline", "write_sort_task", "writing the task", resumed)
     proc.send_signal(signal.SIGTERM)
     err = proc.communicate(timeout=GUARD)[1]
     assert proc.returncode == 0, err[-3000:]

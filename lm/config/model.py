@@ -11,7 +11,7 @@ from lm.config.core import require
 # The projections LoRA can adapt (lm.model.lora), by param name.
 LORA_TARGETS = ("wq", "wk", "wv", "wo", "w_gate", "w_up", "w_down", "w_in")
 
-# Variations that published architectures need (lm.model.families maps them from a Hugging Face
+# Variations that published architectures need (lm.store.hf.families maps them from a Hugging Face
 # config.json); the defaults are the plain decoder trained here.
 ARCHITECTURE = dict(
     family="",  # the Hugging Face model_type it came from ("": trained here; exports as llama, mixtral with experts)

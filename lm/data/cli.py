@@ -87,7 +87,7 @@ class Curate:
         from pathlib import Path
 
         from lm.config import load_config
-        from lm.cpu_flags import apply_cpu_defaults
+        from lm.process.cpu_flags import apply_cpu_defaults
 
         _check_curate_out(Path(args.out), args.input)
         config = load_config(args.config, overrides)

@@ -73,7 +73,7 @@ def run(args, overrides=()) -> int:
         return 0
     if not args.tasks:
         raise UserError("lm eval: give --tasks SPEC [SPEC ...] (and --workdir or --params), or --compare A B")
-    from lm.cpu_flags import apply_cpu_defaults
+    from lm.process.cpu_flags import apply_cpu_defaults
 
     apply_cpu_defaults("float32")
     start_distributed(args)

@@ -16,10 +16,10 @@ from __future__ import annotations
 import re
 import string
 
+from lm.config.userfn import load_function
 from lm.data.chat import ChatTemplate
 from lm.errors import UserError
 from lm.eval.complete import completions
-from lm.userfn import load_function
 
 SCORERS = ("exact", "normalized", "checker", "rouge_l", "bleu")
 

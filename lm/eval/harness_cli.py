@@ -38,7 +38,7 @@ def run(args, overrides=()) -> int:
     if args.offline:  # read when the datasets library is imported
         os.environ.update(HF_DATASETS_OFFLINE="1", HF_HUB_OFFLINE="1")
     os.environ.setdefault("DISABLE_MULTIPROC", "1")  # the harness's bootstrap would fork a process running jax
-    from lm.cpu_flags import apply_cpu_defaults
+    from lm.process.cpu_flags import apply_cpu_defaults
 
     apply_cpu_defaults("float32")
     start_distributed(args)

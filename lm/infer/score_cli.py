@@ -32,7 +32,7 @@ def add_parser(sub) -> None:
 def run(args, overrides=()) -> int:
     if args.out is not None:
         check_out(args.out, args.overwrite)
-    from lm.cpu_flags import apply_cpu_defaults
+    from lm.process.cpu_flags import apply_cpu_defaults
 
     apply_cpu_defaults("float32")
     from lm.infer.score import RewardScorer, read_texts

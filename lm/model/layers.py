@@ -10,8 +10,8 @@ import jax
 import jax.numpy as jnp
 from jax.sharding import Mesh, NamedSharding
 
-from lm.config.model import expert_d_ff, head_dim
 from lm.model import cpu_kernels
+from lm.model.counts import expert_d_ff, head_dim
 from lm.model.lora import lora_delta, targeted
 from lm.model.params import param
 

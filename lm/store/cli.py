@@ -110,7 +110,7 @@ def _check_out(args, fmt: str | None) -> None:
 
 
 def _export_hf(args) -> int:
-    from lm.store.hf_export import export_hf, export_peft
+    from lm.store.hf.export import export_hf, export_peft
     from lm.store.load import load_trained
 
     max_bytes = byte_size(args.shard_size)
@@ -146,14 +146,14 @@ class Import:
 
     @staticmethod
     def run(args, overrides=()) -> int:
-        from lm.store.hf_config import is_hf_dir
+        from lm.store.hf.config import is_hf_dir
 
         if not is_hf_dir(args.path):
             raise UserError(f"lm import hf: '{args.path}' is not a Hugging Face model directory (no config.json "
                             "naming a model_type)")
         from lm.outputs import check_out
         from lm.store.export import export_loaded, out_layout
-        from lm.store.hf import load_hf
+        from lm.store.hf.reader import load_hf
 
         check_out(args.out, args.overwrite, "--out", "file" if out_layout(args.out, args.format)[1] == "safetensors"
                   else "dir")

@@ -21,7 +21,7 @@ from lm.model.params import leaf_paths, merge_trees
 from lm.model.quant import SUFFIXES, from_tensors
 from lm.store.checkpoint import read_checkpoint_params, saved_steps
 from lm.store.checkpoint_checks import quiet_background_threads
-from lm.store.hf import is_hf_dir, load_hf
+from lm.store.hf.reader import is_hf_dir, load_hf
 from lm.store.loaded import Loaded
 from lm.store.meta import check_given, config_from, saved_config, tokenizer_beside, tokenizer_for
 from lm.store.safetensors_files import check_finite
@@ -32,7 +32,7 @@ __all__ = ["Loaded", "load_trained", "load_init", "load_params", "with_base"]
 def load_trained(workdir: str | None = None, params: str | None = None, tokenizer: str | None = None,
                  step: int | None = None, merge_adapters: bool = True) -> Loaded:
     """From an `lm train` workdir (its newest checkpoint, or `step`), an `lm export` (dir or
-    .safetensors) or a Hugging Face model directory (lazy params: lm.store.hf). A LoRA model's
+    .safetensors) or a Hugging Face model directory (lazy params: lm.store.hf.reader). A LoRA model's
     adapters are folded into its base unless merge_adapters=False (then its params and config
     are as saved: the adapters, alone or beside the base, and model.lora_rank > 0)."""
     if (workdir is None) == (params is None):

@@ -8,6 +8,6 @@ import dataclasses
 @dataclasses.dataclass
 class Loaded:
     config: object  # the training config (ConfigDict)
-    params: dict  # numpy arrays, or lazy leaves that read their part on demand (lm.store.hf)
+    params: dict  # numpy arrays, or lazy leaves that read their part on demand (lm.store.hf.reader)
     tokenizer: object
     source: str  # what was loaded, for messages

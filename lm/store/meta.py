@@ -18,8 +18,8 @@ from lm.config import ConfigDict, base_config, init_of, merge
 from lm.data.tokenizer import load_tokenizer
 from lm.errors import UserError
 from lm.outputs import copy_file, replacing
-from lm.store.hf_config import hf_config, is_hf_dir
-from lm.store.hf_tokenizer_export import TOKENIZER_FILES
+from lm.store.hf.config import hf_config, is_hf_dir
+from lm.store.hf.tokenizer import TOKENIZER_FILES
 
 HF_FILES = TOKENIZER_FILES + ("generation_config.json",)  # a Hugging Face tokenizer as a run or an export keeps it
 

@@ -29,7 +29,7 @@ class Pretrain:
     @staticmethod
     def run(args, overrides) -> int:
         from lm.config import load_config
-        from lm.cpu_flags import apply_cpu_defaults
+        from lm.process.cpu_flags import apply_cpu_defaults
 
         config = load_config(args.config, overrides)
         if args.init:
@@ -97,7 +97,7 @@ class FineTune:
         from pathlib import Path
 
         from lm.train.finetune import finetune_config
-        from lm.cpu_flags import apply_cpu_defaults
+        from lm.process.cpu_flags import apply_cpu_defaults
         from lm.store.meta import init_config
 
         if not Path(args.init).exists():

@@ -25,9 +25,9 @@ import jax
 import numpy as np
 from jax.sharding import NamedSharding, PartitionSpec
 
-from lm import plan
 from lm.data.pipeline import ready_batches
 from lm.eval.answers import compare_answers
+from lm.model import counts
 from lm.model.lora import is_adapter
 from lm.model.params import subtree
 from lm.outputs import atomic_open
@@ -224,7 +224,7 @@ class Dpo(pairs.PairStage):
         return {"ref_logps": ((2,), np.float32)}, {"ref_logps": train}, ({"ref_logps": held} if held is not None else None)
 
     def flops_per_token(self, ctx):
-        flops = plan.flops_per_token(ctx.config.model, ctx.config.data.seq_len)
+        flops = counts.flops_per_token(ctx.config.model, ctx.config.data.seq_len)
         if reference_mode(ctx.config) in ("live", "adapters_off"):
             flops *= 4 / 3  # the reference's forward pass: 2N beside the policy's 6N
         return flops

@@ -15,9 +15,9 @@ from typing import Callable
 
 import jax
 
-from lm import plan
+from lm.model import counts
 from lm.errors import UserError
-from lm.perf import measure_matmul_peak
+from lm.train.perf import measure_matmul_peak
 from lm.model.params import leaf_paths
 from lm.store.checkpoint import Checkpointer, IncompatibleCheckpoint, read_meta, saved_steps
 from lm.train.faults import FaultPolicy, StopSignal, agree_any
@@ -196,7 +196,7 @@ def fit(run, workdir, data_iter, *, resume: bool, init: Callable, ready: Callabl
     A resumed run whose checkpoint already reached train.steps (killed during its end-of-run work)
     trains no further: its state comes back with the loop's final metrics (`final_metrics`).
     first_row: step-0 metrics of a fresh run (evaluate(state) is added to it).
-    flops_per_token: for MFU (default: the trained model's, lm.plan.flops_per_token).
+    flops_per_token: for MFU (default: the trained model's, lm.model.counts.flops_per_token).
     step_fn: `step(state, host batch) -> (state, metrics)` of a stage whose step is more than the
     jitted update (RL: rollouts, rewards, several updates); it places its own data, and
     `signature` then describes the rows its updates see (for tokens/s).
@@ -231,7 +231,7 @@ def fit(run, workdir, data_iter, *, resume: bool, init: Callable, ready: Callabl
             (workdir / "metrics.jsonl").replace(workdir / "metrics.jsonl.prev")
     step_fn = step_fn or run.bind(run.train_step(signature), frozen)
     seq = signature["inputs"].shape[-1]
-    flops = flops_per_token or plan.flops_per_token(config.model, seq)
+    flops = flops_per_token or counts.flops_per_token(config.model, seq)
     peak, peak_source = peak_flops(config)
     writer = MetricsWriter(workdir, enabled=is_main)
     if not resume:

@@ -21,10 +21,10 @@ from typing import Callable, Iterator
 import jax
 from tqdm import tqdm
 
-from lm import peers
+from lm.process import peers
 from lm.data.progress import bars
 from lm.errors import UserError
-from lm.perf import mfu
+from lm.train.perf import mfu
 from lm.train.faults import FaultPolicy, Health, StopSignal, agree_any
 
 
@@ -170,7 +170,7 @@ def run_loop(spec: LoopSpec, state, step_fn: Callable, data_iter: Iterator, to_d
     """Runs from state.step to spec.total_steps; returns (state, last logged and eval metrics).
 
     The returned dict holds `stopped_by` (a signal name) when a signal ended the run early.
-    lm.peers.PROGRESS follows the last step checked and the checkpoints saved.
+    lm.process.peers.PROGRESS follows the last step checked and the checkpoints saved.
     """
     faults = faults or Faults()
     health = Health(faults.policy)

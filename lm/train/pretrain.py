@@ -9,7 +9,6 @@ from __future__ import annotations
 
 import jax
 
-from lm import plan
 from lm.data.cache import data_cache_dir
 from lm.data.checks import check_data_config
 from lm.data.pipeline import eval_batches, train_dataset
@@ -17,6 +16,7 @@ from lm.data.prepare import describe, prepare_pretrain_data
 from lm.infer.generate import Generator, generation_context
 from lm.infer.sampling import SamplingParams
 from lm.infer.text import complete
+from lm.model import counts
 from lm.train.fit import evaluator
 from lm.train.metrics import plot_curves
 from lm.train.setup import build_run
@@ -70,7 +70,7 @@ class Pretrain(Stage):
 
     def first_row(self, ctx) -> dict:
         s = ctx.data.stats
-        return {"unigram_baseline": s["unigram_entropy_nats"], "params": plan.param_count(ctx.config.model),
+        return {"unigram_baseline": s["unigram_entropy_nats"], "params": counts.param_count(ctx.config.model),
                 "train_docs": s["train_docs"], "split_docs": s["split_docs"]}
 
     def finish(self, ctx) -> dict:

@@ -26,10 +26,10 @@ from typing import Callable
 import jax
 import numpy as np
 
+from lm.config.userfn import load_function
 from lm.errors import UserError
 from lm.infer.score import RewardScorer
 from lm.store.load import load_init
-from lm.userfn import load_function
 
 
 @dataclasses.dataclass

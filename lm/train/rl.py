@@ -12,13 +12,13 @@ exact match of the init and the tuned model's greedy answers.
 
 from __future__ import annotations
 
-from lm import plan
 from lm.config import ConfigDict
 from lm.data.chat import ChatTemplate
 from lm.data.pipeline import Source, train_dataset
 from lm.data.prompts import PromptSet, describe, read_prompts
 from lm.eval.answers import compare_answers
 from lm.infer.sampling import SamplingParams
+from lm.model import counts
 from lm.model.build import reward_model
 from lm.model.lora import is_adapter, is_adapter_or_head
 from lm.model.transformer import Transformer
@@ -113,7 +113,7 @@ class Rl(Stage):
         # and sampling (~2N); the loop's tokens per step are those of one minibatch
         r = ctx.config.rl
         passes = r.epochs + (self.scorer.active + 1) / 3
-        return plan.flops_per_token(ctx.config.model, ctx.config.data.seq_len) * passes * r.minibatches
+        return counts.flops_per_token(ctx.config.model, ctx.config.data.seq_len) * passes * r.minibatches
 
     def first_row(self, ctx) -> dict:
         return {"trainable_params": trainable_count(ctx.run), **{f"data/{k}": v for k, v in ctx.data[0].stats.items()}}

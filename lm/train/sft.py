@@ -13,7 +13,7 @@ from __future__ import annotations
 
 import math
 
-from lm import plan
+from lm.model import counts
 from lm.data.cache import data_cache_dir
 from lm.data.pipeline import Source, eval_batches, train_dataset
 from lm.data.sft import SftSettings, describe, prepare_sft
@@ -97,7 +97,7 @@ class Sft(Stage):
                          metrics=self.eval_metrics)
 
     def first_row(self, ctx) -> dict:
-        return {"params": plan.param_count(ctx.config.model), "trainable_params": trainable_count(ctx.run),
+        return {"params": counts.param_count(ctx.config.model), "trainable_params": trainable_count(ctx.run),
                 **{f"data/{k}": v for k, v in ctx.data[0].stats.items()}}
 
     def finish(self, ctx) -> dict:

@@ -1,4 +1,4 @@
-"""The built model's params: count equals lm.plan.param_count; logical axis annotations."""
+"""The built model's params: count equals lm.model.counts.param_count; logical axis annotations."""
 
 import dataclasses
 
@@ -8,8 +8,8 @@ import numpy as np
 import pytest
 from jax.sharding import PartitionSpec as P
 
-from lm import plan
 from lm.config import base_config, load_config
+from lm.model import counts
 from lm.model.layers import ModelSpec
 from lm.model.transformer import Transformer, init_params
 from tests.model.test_transformer import model_spec
@@ -34,7 +34,7 @@ def built_count(model_config) -> int:
 ])
 def test_param_count_matches_published_and_plan(path, published):
     m = load_config(path).model
-    assert plan.param_count(m) == published
+    assert counts.param_count(m) == published
     assert built_count(m) == published
 
 
@@ -43,9 +43,9 @@ def test_param_count_every_option_on():
     c.model.update(vocab_size=50, d_model=32, n_layers=3, n_heads=4, n_kv_heads=2, head_dim=12, d_ff=48,
                    mlp="gelu", norm="layernorm", use_bias=True, position="learned", max_seq_len=20,
                    tie_embeddings=False)
-    assert built_count(c.model) == plan.param_count(c.model)
+    assert built_count(c.model) == counts.param_count(c.model)
     c.model.update(mlp="swiglu", norm="rmsnorm", use_bias=False, position="rope", tie_embeddings=True)
-    assert built_count(c.model) == plan.param_count(c.model)
+    assert built_count(c.model) == counts.param_count(c.model)
 
 
 @pytest.fixture(scope="module")

@@ -10,7 +10,7 @@ from tests.test_cli_sft import SFT  # noqa: E402
 
 
 def test_exported_run_answers_as_lm_sample(small_base, tmp_path):
-    from lm.demo import export_and_reload
+    from lm.demo.pipeline import export_and_reload
 
     task = write_sort_task(tmp_path / "task", n_train=200, n_heldout=8)
     work = tmp_path / "sft"

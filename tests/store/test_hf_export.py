@@ -26,8 +26,8 @@ from lm.errors import UserError  # noqa: E402
 from lm.model.layers import ModelSpec  # noqa: E402
 from lm.model.lora import merge_lora  # noqa: E402
 from lm.model.transformer import Transformer, init_params  # noqa: E402
-from lm.store.hf import load_hf  # noqa: E402
-from lm.store.hf_export import export_hf, export_peft  # noqa: E402
+from lm.store.hf.reader import load_hf  # noqa: E402
+from lm.store.hf.export import export_hf, export_peft  # noqa: E402
 from lm.store.load import load_trained  # noqa: E402
 from lm.store.loaded import Loaded  # noqa: E402
 from tests.hf_models import FAMILIES, VARIANTS, write_model, write_tokenizer  # noqa: E402
@@ -121,7 +121,7 @@ def test_tokenizer_gives_our_ids(trained, spm):
     hf = transformers.AutoTokenizer.from_pretrained(out)
     text = stdlib_text(200_000, skip=120)  # modules the tokenizer was not trained on
     for special in ("<s>", "</s>", "<pad>", "<unk>", *CHAT_TOKENS, "\u2581"):
-        assert special not in text  # HF would read these as their tokens (see hf_tokenizer_export)
+        assert special not in text  # HF would read these as their tokens (see lm.store.hf.tokenizer)
     ids = hf(text, add_special_tokens=True)["input_ids"]
     ours = spm.encode(text)
     assert len(ours) > 40_000
@@ -335,7 +335,7 @@ def test_export_verb_writes_peft_and_merged_from_params(lora, spm, tmp_path, cap
 
 def test_byte_tokenizer_export(tmp_path):
     from lm.data.tokenizer import ByteTokenizer
-    from lm.store.hf_tokenizer_export import write_tokenizer
+    from lm.store.hf.tokenizer import write_tokenizer
 
     tok = ByteTokenizer()
     assert write_tokenizer(tok, tmp_path, 64).eos == (257,)

@@ -15,8 +15,8 @@ pytest.importorskip("transformers")
 from lm.errors import UserError  # noqa: E402
 from lm.model.build import build_model  # noqa: E402
 from lm.store import safetensors_files  # noqa: E402
-from lm.store.hf import lazy_params  # noqa: E402
-from lm.store.hf_config import hf_config  # noqa: E402
+from lm.store.hf.reader import lazy_params  # noqa: E402
+from lm.store.hf.config import hf_config  # noqa: E402
 from lm.model.layers import ModelSpec  # noqa: E402
 from tests.hf_models import FAMILIES, VARIANTS, write_model  # noqa: E402
 
@@ -129,7 +129,7 @@ def test_bf16_checkpoint_stays_bf16_when_frozen(tmp_path):
 
 
 def test_unsupported_architectures_and_keys_are_one_line(tmp_path, models):
-    from lm.store.hf import load_hf
+    from lm.store.hf.reader import load_hf
 
     path = models["llama3"][0]
     config = json.loads((path / "config.json").read_text())

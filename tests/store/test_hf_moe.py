@@ -22,9 +22,9 @@ from lm.errors import UserError  # noqa: E402
 from lm.model.build import build_model  # noqa: E402
 from lm.model.layers import ModelSpec  # noqa: E402
 from lm.model.transformer import Transformer, init_params  # noqa: E402
-from lm.store.hf import lazy_params, load_hf  # noqa: E402
-from lm.store.hf_config import hf_config  # noqa: E402
-from lm.store.hf_export import export_hf  # noqa: E402
+from lm.store.hf.reader import lazy_params, load_hf  # noqa: E402
+from lm.store.hf.config import hf_config  # noqa: E402
+from lm.store.hf.export import export_hf  # noqa: E402
 from lm.store.loaded import Loaded  # noqa: E402
 from tests.hf_models import MOE_SHAPE, MOE_VARIANTS, write_model, write_tokenizer  # noqa: E402
 

@@ -17,7 +17,7 @@ from hypothesis import HealthCheck, given, settings
 from hypothesis import strategies as st
 
 from lm.errors import UserError
-from lm.store.hf_config import hf_config
+from lm.store.hf.config import hf_config
 from lm.store.safetensors_files import TensorFiles, check_finite
 
 DOC = pathlib.Path(__file__).resolve().parents[2] / "docs" / "hf.md"
@@ -264,7 +264,7 @@ def place(path):
     import jax
 
     from lm.model.build import build_model
-    from lm.store.hf import lazy_params
+    from lm.store.hf.reader import lazy_params
 
     config = hf_config(path)
     built = build_model(config, jax.devices()[:1])
@@ -327,7 +327,7 @@ def test_exports_with_non_finite_params_are_refused(tmp_path):
     from safetensors.numpy import save_file
 
     from lm.store.export import export_loaded
-    from lm.store.hf import load_hf
+    from lm.store.hf.reader import load_hf
     from lm.store.load import load_trained
     from tests.hf_models import write_tokenizer
 

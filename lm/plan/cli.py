@@ -1,0 +1,67 @@
+"""`lm plan`: params, FLOPs and per-device memory of a config's steps on a target; with --compile,
+each step compiled ahead of time for it (lm.plan.aot) with the compiler's figures beside the planner's;
+with --fit, the first setting that fits. This verb sits above lm.plan.aot."""
+
+from __future__ import annotations
+
+import os
+
+from lm.verb import with_overrides
+
+STEP_HELP = "pretrain,sft,sft_lora,dpo,rl,decode"
+
+
+def add_parser(sub) -> None:
+    pl = with_overrides(sub, "plan", help="params, FLOPs and per-device memory of a config on a target")
+    pl.add_argument("--config", default="configs/tiny.py")
+    pl.add_argument("--target", default="",
+                    help="what to plan for: a Cloud TPU slice (v4-N, v5e-N, v5p-N, v6e-N; N as in the slice's "
+                         "name) or cpu:N (N simulated CPU devices); default: the summary alone")
+    pl.add_argument("--steps", default="pretrain", help=f"comma-separated, among {STEP_HELP} (or 'all')")
+    pl.add_argument("--compile", action="store_true",
+                    help="compile each step ahead of time for the target (a TPU slice needs lm[tpu]); "
+                         "nothing is allocated")
+    pl.add_argument("--fit", action="store_true",
+                    help="if a step does not fit, search remat, micro-batches and fsdp x tensor for the first "
+                         "setting that does, compiled to confirm")
+
+
+def _steps(text: str) -> tuple:
+    from lm.errors import UserError
+    from lm.plan.aot_steps import STEPS
+
+    steps = STEPS if text == "all" else tuple(s.strip() for s in text.split(",") if s.strip())
+    unknown = [s for s in steps if s not in STEPS]
+    if unknown or not steps:
+        raise UserError(f"--steps {text}: unknown {unknown or 'nothing'}; expected some of {STEP_HELP} or 'all'")
+    return steps
+
+
+def run(args, overrides) -> int:
+    from lm.config import load_config
+    from lm.plan.hardware import parse_target
+    from lm.plan.units import summary
+
+    if (args.fit or args.compile) and not args.target.strip():
+        from lm.errors import UserError
+
+        flag = "--fit" if args.fit else "--compile"
+        raise UserError(f"lm plan {flag} needs --target (a Cloud TPU slice such as v5e-8, or cpu:N): it compiles "
+                        "the steps for that target")
+    config = load_config(args.config, overrides)
+    target = parse_target(args.target) if args.target else None
+    steps = _steps(args.steps)
+    print(summary(config.model, config.data.seq_len))
+    if target is None:
+        return 0
+    # before jax is first imported: simulated CPU devices, or the CPU backend beside a TPU topology
+    os.environ["JAX_PLATFORMS"] = "cpu"
+    if target.platform == "cpu":
+        from lm.process.cpu_flags import apply_cpu_defaults
+
+        apply_cpu_defaults(config.model.compute_dtype)
+        os.environ["XLA_FLAGS"] = f"{os.environ.get('XLA_FLAGS', '')} " \
+                                  f"--xla_force_host_platform_device_count={target.chips}".strip()
+    from lm.plan.report import plan_target
+
+    return plan_target(config, target, steps, compile_=args.compile or args.fit, fit=args.fit)

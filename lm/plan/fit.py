@@ -1,0 +1,101 @@
+"""`lm plan --fit`: the first setting under which a step fits the target's memory.
+
+Candidates vary the remat policy (the config's, or one that keeps less), the micro-batch count
+(the config's, doubled while every device keeps at least one row) and the mesh (data x fsdp x
+tensor, tensor a power of two whose splits divide every param). They are ranked by how little
+they change (fewest settings changed, then fewest micro-batches, lightest remat, least tensor
+parallelism: the fastest first); the planner screens them, and the first that it says fits with
+a margin is compiled to confirm. A refusal by the compiler moves on to the next one.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import itertools
+
+from lm.config import ConfigDict, rules_table
+from lm.errors import UserError
+from lm.plan.hardware import Target
+from lm.plan.memory import estimate, mesh_sizes, param_leaves, splits
+from lm.model.layers import ModelSpec
+
+REMAT_ORDER = ("none", "dots_with_no_batch_dims_saveable", "dots_saveable", "full")  # keeps less ->
+MARGIN = 0.92  # the planner's estimate must leave this share of HBM unused (its error is within 15%)
+MAX_COMPILES = 3
+
+
+def _setting(config, remat: str, micro: int, mesh: dict) -> ConfigDict:
+    out = ConfigDict(config.to_dict())
+    out.model.remat, out.train.micro_batches = remat, micro
+    out.mesh.update(mesh)
+    return out
+
+
+def _meshes(config, chips: int) -> list[dict]:
+    """The config's mesh first, then data=1 with fsdp x tensor over every chip (tensor <= 16; the
+    config's stage and expert sizes kept)."""
+    own = mesh_sizes(config, chips)
+    rest = own["stage"] * own["expert"]
+    spec = ModelSpec.from_config(config.model)
+    leaves = param_leaves(dataclasses.replace(spec, attention="xla", kernels="plain"))
+    rules = dict(rules_table(config))
+    out = [own]
+    for tensor in (1, 2, 4, 8, 16):
+        if (chips // rest) % tensor or chips % rest:
+            continue
+        mesh = own | {"data": 1, "fsdp": chips // rest // tensor, "tensor": tensor}
+        if all(_divides(leaf, rules, mesh) for leaf in leaves) and mesh != own:
+            out.append(mesh)
+    return out
+
+
+def _divides(leaf, rules, mesh) -> bool:
+    return all(dim % splits((name,), rules, mesh) == 0 for dim, name in zip(leaf.shape, leaf.names))
+
+
+def candidates(config, step: str, chips: int) -> list[ConfigDict]:
+    """Every setting to try, in the order of the module doc."""
+    t, remat = config.train, config.model.remat
+    remats = REMAT_ORDER[REMAT_ORDER.index(remat):] if remat in REMAT_ORDER else (remat,)
+    micros = [t.micro_batches]
+    while t.batch_size % (micros[-1] * 2) == 0:
+        micros.append(micros[-1] * 2)
+    found = []
+    meshes = _meshes(config, chips)
+    for r, m, mesh in itertools.product(remats, micros, meshes):
+        c = _setting(config, r, m, mesh)
+        sizes = mesh
+        rows = t.batch_size // m
+        if step != "rl" and (rows % splits(("batch",), dict(rules_table(c)), sizes)):
+            continue  # every device must keep a whole number of rows
+        changed = (r != remat) + (m != t.micro_batches) + (mesh != meshes[0])
+        found.append(((changed, m, REMAT_ORDER.index(r) if r in REMAT_ORDER else 0, mesh["tensor"]), c))
+    return [c for _, c in sorted(found, key=lambda x: x[0])]
+
+
+def overrides(config) -> str:
+    return (f"--config.model.remat={config.model.remat} --config.train.micro_batches={config.train.micro_batches} "
+            f"--config.mesh.data={config.mesh.data} --config.mesh.fsdp={config.mesh.fsdp} "
+            f"--config.mesh.tensor={config.mesh.tensor}")
+
+
+def search(config, step: str, target: Target, devices):
+    """(config, estimate, compiled or None) of the first candidate that fits (compiled to confirm
+    when `devices` are given), or (None, None, compiles tried)."""
+    from lm.plan.aot import compile_step
+
+    compiles = 0
+    for c in candidates(config, step, target.chips):
+        try:
+            est = estimate(c, step, target.chips, chip=target.chip)
+        except UserError:  # a batch this setting cannot split
+            continue
+        if est.total > MARGIN * target.hbm_bytes:
+            continue
+        compiled = compile_step(step, c, devices) if devices is not None else None
+        compiles += compiled is not None
+        if compiled is None or not compiled.error and compiled.total <= target.hbm_bytes:
+            return c, est, compiled
+        if compiles >= MAX_COMPILES:
+            break
+    return None, None, compiles

@@ -1,0 +1,320 @@
+"""`lm plan`'s per-device memory of each step, without compiling: what a user can check before
+renting a pod, and what `lm plan --compile` puts beside the TPU compiler's figures.
+
+The state part is exact: every param's shape and logical axes come from the model itself
+(`jax.eval_shape` of its init: nothing is allocated), and the rule table says how many ways each
+is split on the mesh (params and Adam's moments in float32, frozen models in the compute dtype).
+The rest is a model of what the compiler keeps alive at the peak of a step, in the step's shapes
+(rows per device and micro-batch, sequence, widths split over `tensor`):
+
+    gradients (float32; twice with gradient accumulation: the sum and one micro-batch's)
+  + the residual stream saved at every layer (the scan's carry; more under lighter remat)
+  + the `xla` attention path's float32 scores and its probabilities, one layer at a time
+  + one layer's backward (float32 buffers as wide as the stream and the MLP)
+  + the float32 logits, and the embedding's and head's gradients before they are split over fsdp
+  + a compute-dtype copy of the trained params, and the update's temporaries under tensor parallelism
+  - what fits in the chip's on-chip memory (only small configs)
+
+Mixture of experts (model.n_experts > 0): the expert weights are split over the `expert` axis by
+their logical names like every other param. The MLP's activations become the experts': dropless
+routing (lm.model.moe.dropless) sorts the (token, expert) assignments of the whole micro-batch,
+so every device runs experts_per_token copies of ALL the batch shards' tokens through the grouped
+matmuls; capacity routing holds [experts / expert-axis, all rows, capacity, width] buffers and
+the [rows, seq, experts, capacity] dispatch and combine tensors.
+
+Pipeline (mesh.stage > 1, lm.model.pipeline): params are split over `stage` by the "layers" rule
+(each stage holds its layers), so the state parts are per stage. A layer works on one pipeline
+micro-batch (rows / pipeline_microbatches) at a time, and the backward needs each layer's input
+(and the RoPE tables) of every iteration: (M * repeats + stages - 1) iterations of
+L / (stages * repeats) layers. Beside them: float32 copies of the stage's block params in the
+pipeline's view (a circular schedule: the chunk each iteration runs, kept for the backward), the
+micro-batches' store, and the final norm's and head's backward and the logits over all the rows.
+
+Its coefficients were fitted to the TPU compiler's figures for the configs of
+bench/plan_vs_compiler.py; the README shows that table with the errors. A program over the chip's
+memory makes the compiler work harder to shrink it, so past the HBM the two part ways.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import functools
+import math
+
+import flax.linen as nn
+import jax
+import numpy as np
+
+from lm.config import rules_table
+from lm.errors import UserError
+from lm.infer.generate import generation_context
+from lm.model import pipeline
+from lm.model.layers import ModelSpec
+from lm.model.moe import capacity
+from lm.model.transformer import Transformer, init_params
+from lm.sharding import AXES, mesh_shape
+from lm.train.rl_losses import RlSettings
+
+ADAM_MOMENTS = 2  # float32 first and second moments per trained param
+# Fitted to the TPU compiler (bench/plan_vs_compiler.py): residual streams saved per layer by remat
+# policy, MLP-wide activations saved per layer without full remat, float32 buffers of the width of
+# the stream + MLP live in one layer's backward, float32 logits copies, and the temporaries of the
+# update when tensor parallelism splits it (in units of the trained float32 params).
+SAVED_STREAMS = {"full": 1.0, "dots_saveable": 4.0, "dots_with_no_batch_dims_saveable": 4.0, "none": 6.0}
+SAVED_MLP = 3.0
+LAYER_WORK = 8.0
+LOGIT_COPIES = 1.5
+TP_UPDATE = 1.5
+CODE_BYTES = 6 * 2**20
+LOOP_CODE_BYTES = 32 * 2**20  # the code of a pipelined or mixture-of-experts step (its loops and routing)
+# Mixture of experts, fitted like the above: float32 buffers of the experts' width and the stream's
+# per assignment slot live in one layer's backward (by routing: the capacity path's einsums keep
+# more), and the share of capacity routing's dispatch and combine tensors that is materialised.
+EXPERT_WORK = {"dropless": 4.0, "capacity": 8.0}
+DISPATCH_COPIES = 0.1
+# Pipeline, fitted to compiles of pipelined configs (small ones and Llama-3-70B): float32 copies of
+# a stage's block params (the gradients' accumulator in the pipeline's view), copies of the
+# micro-batches' store, and float32 streams of all the rows in the backward of the final norm and
+# head. A circular schedule picks the chunk each stage runs inside the loop, and the compiler kept
+# that float32 chunk for every iteration (Llama-3-70B; a small config kept far less).
+STAGE_PARAM_COPIES = 1.0
+PIPELINE_STORES = 2.0
+HEAD_STREAMS = 4.0
+
+
+@dataclasses.dataclass(frozen=True)
+class Leaf:
+    path: str
+    shape: tuple
+    names: tuple  # logical axis per dimension
+
+    @property
+    def size(self) -> int:
+        return math.prod(self.shape)
+
+
+@functools.lru_cache(maxsize=8)
+def param_leaves(spec: ModelSpec) -> tuple[Leaf, ...]:
+    """Every param of the model: shape and logical axes (from its init, abstractly)."""
+    boxed = jax.eval_shape(lambda r: init_params(Transformer(spec), r), jax.random.PRNGKey(0))
+    specs = nn.get_partition_spec(boxed)
+    shapes = nn.unbox(boxed)
+    out = []
+    for (path, leaf), names in zip(jax.tree_util.tree_leaves_with_path(shapes), jax.tree.leaves(
+            specs, is_leaf=lambda x: isinstance(x, jax.sharding.PartitionSpec))):
+        out.append(Leaf(jax.tree_util.keystr(path), tuple(leaf.shape), tuple(names)))
+    return tuple(out)
+
+
+def splits(names, rules: dict, mesh: dict) -> int:
+    """How many ways the mesh splits an array with these logical axes (each mesh axis used once)."""
+    used, total = set(), 1
+    for name in names:
+        for axis in rules.get(name) or ():
+            if axis not in used:
+                used.add(axis)
+                total *= mesh[axis]
+    return total
+
+
+def leaf_bytes(leaf: Leaf, rules: dict, mesh: dict, itemsize: int) -> int:
+    return -(-leaf.size * itemsize // splits(leaf.names, rules, mesh))
+
+
+ARGUMENTS = ("params", "optimizer", "frozen base", "reference", "kv cache")  # what the step is given
+
+
+@dataclasses.dataclass
+class Estimate:
+    parts: dict  # name -> bytes per device
+    resident: dict = dataclasses.field(default_factory=dict)  # held beside the step, not read by it
+
+    def by_kind(self) -> dict:
+        """The parts as the compiler reports them: arguments, outputs (donated: none), temporaries, code."""
+        args = sum(v for k, v in self.parts.items() if k in ARGUMENTS)
+        code = self.parts.get("code", 0)
+        return {"arguments": args, "outputs": 0, "temporaries": self.total - args - code, "code": code}
+
+    @property
+    def total(self) -> int:
+        return sum(self.parts.values())
+
+
+def mesh_sizes(config, devices: int) -> dict:
+    return dict(zip(AXES, mesh_shape(config.mesh, devices)))
+
+
+def _is_adapter(path: str) -> bool:
+    return "lora_" in path
+
+
+def estimate(config, step: str, devices: int, lora_rank: int = 16, chip=None) -> Estimate:
+    """Per-device bytes of `step` (lm.plan.aot_steps.STEPS) of `config` on `devices` devices."""
+    mesh = mesh_sizes(config, devices)
+    rules = dict(rules_table(config))
+    m = config.model
+    lora = step == "sft_lora"
+    spec = ModelSpec.from_config(m)
+    spec = dataclasses.replace(spec, lora_rank=(m.lora_rank or lora_rank) if lora else 0)
+    leaves = param_leaves(dataclasses.replace(spec, attention="xla", kernels="plain"))  # same params; traceable here
+    compute = np.dtype(m.compute_dtype).itemsize
+    if step == "decode":
+        return _decode(config, spec, leaves, rules, mesh, compute)
+    trained = [x for x in leaves if _is_adapter(x.path)] if lora else leaves
+    frozen = [x for x in leaves if not _is_adapter(x.path)] if lora else []
+    state = sum(leaf_bytes(x, rules, mesh, 4) for x in trained)
+    parts = {"params": state, "optimizer": ADAM_MOMENTS * state,
+             "grads": state * (2 if config.train.micro_batches > 1 else 1)}
+    if frozen:
+        parts["frozen base"] = sum(leaf_bytes(x, rules, mesh, compute) for x in frozen)
+    resident = {}
+    if step in ("dpo", "rl") and _has_reference(config, step):
+        reference = sum(leaf_bytes(x, rules, mesh, compute) for x in leaves if not _is_adapter(x.path))
+        # RL's update reads the reference's log-probs from its batch (the scoring pass made them)
+        (resident if step == "rl" else parts)["reference"] = reference
+    parts |= activations(config, step, spec, leaves, rules, mesh, compute, state)
+    if chip is not None and chip.vmem_bytes:  # temporaries this small stay in the chip's VMEM
+        temps = sum(v for k, v in parts.items() if k not in ARGUMENTS)
+        parts["in on-chip memory"] = -min(temps, chip.vmem_bytes)
+    parts["code"] = LOOP_CODE_BYTES if spec.n_experts or pipeline_of(config, step, mesh) else CODE_BYTES
+    return Estimate(parts, resident)
+
+
+def _has_reference(config, step) -> bool:
+    if step == "dpo":
+        return config.dpo.loss != "simpo"
+    return RlSettings.from_config(config.rl).needs_reference
+
+
+def batch_rows(config, step: str, mesh: dict, rules: dict) -> int:
+    """Rows of one micro-batch on one device (a preference pair counts twice)."""
+    t = config.train
+    rows = t.batch_size
+    if step == "rl":
+        r = config.rl
+        rows = r.prompts_per_step * r.group_size // r.minibatches
+    shards = splits(("batch",), rules, mesh)
+    if rows % t.micro_batches or (rows // t.micro_batches) % shards:
+        raise UserError(f"train.batch_size={rows} ({step}) with {t.micro_batches} micro-batch(es) does not split "
+                        f"evenly over the {shards} batch shards of mesh {mesh}")
+    rows = rows // t.micro_batches // shards
+    return rows * (2 if step == "dpo" else 1)
+
+
+@dataclasses.dataclass(frozen=True)
+class Pipeline:
+    """The schedule a pipelined step runs (lm.model.pipeline)."""
+
+    stages: int
+    microbatches: int
+    repeats: int
+
+    @property
+    def iterations(self) -> int:
+        return self.microbatches * self.repeats + self.stages - 1
+
+    @property
+    def bubble(self) -> float:
+        return pipeline.bubble_fraction(self.stages, self.microbatches, self.repeats)
+
+
+def pipeline_of(config, step: str, mesh: dict) -> Pipeline | None:
+    """The pipeline of a step on this mesh (mesh.stage > 1; decoding runs the plain layer scan)."""
+    stages = mesh["stage"]
+    if stages == 1 or step == "decode":
+        return None
+    return Pipeline(stages, pipeline.microbatches(config.model, stages), config.model.pipeline_repeats)
+
+
+def activations(config, step, spec: ModelSpec, leaves, rules, mesh, c, trained_f32: int) -> dict:
+    """The activation terms (see the module doc) of one micro-batch on one device."""
+    r, T = batch_rows(config, step, mesh, rules), config.data.seq_len
+    d, ff, L, V = spec.d_model, spec.d_ff, spec.n_layers, spec.vocab_size
+    heads = spec.n_heads / splits(("act_heads",), rules, mesh)
+    mlp = (spec.shared_d_ff if spec.n_experts else ff) / splits(("act_mlp",), rules, mesh)  # dense or shared
+    vocab = V / splits(("act_vocab",), rules, mesh)
+    length = T / splits(("length",), rules, mesh)
+    embed = d / splits(("act_embed",), rules, mesh)
+    pipe, rows, saved_layers = pipeline_of(config, step, mesh), r, L
+    if pipe is not None:  # a layer works on one pipeline micro-batch; its inputs are saved every iteration
+        shards = splits(("batch",), rules, mesh)
+        pipeline.check(spec, pipe.stages, r * shards, shards)
+        rows, saved_layers = r / pipe.microbatches, pipe.iterations * L / (pipe.stages * pipe.repeats)
+    stream = rows * length * embed * c  # one layer's residual stream
+    saved = SAVED_STREAMS.get(spec.remat, SAVED_STREAMS["none"])
+    lighter = spec.remat != "full"
+    parts = {"saved residuals": int(saved_layers * (saved * stream + lighter * SAVED_MLP * rows * length * mlp * c))}
+    if spec.attention in ("xla", "reference", "cudnn"):
+        parts["attention scores"] = int(rows * heads * length * T * (4 + c))  # float32 scores, probs
+    elif lighter:  # blockwise keeps q, k, v and its output per layer for its backward
+        parts["saved residuals"] += int(saved_layers * 4 * rows * length * heads * spec.head_dim * c)
+    parts["layer backward"] = int(LAYER_WORK * rows * length * (embed + mlp) * 4)
+    if spec.n_experts:
+        parts |= experts(spec, rules, mesh, rows, T, c, saved_layers if lighter else 0)
+    if pipe is not None:
+        side = pipeline_parts(pipe, spec, leaves, rules, mesh, r, rows, length, embed, c)
+        parts["saved residuals"] += side.pop("saved residuals", 0)
+        parts |= side
+    parts["logits"] = int(LOGIT_COPIES * r * length * vocab * 4)
+    # the embedding's and head's gradients before they are split over fsdp (float32)
+    parts["table gradients"] = int(3 * V / splits(("vocab",), rules, mesh) * d * 4)
+    if c < 4:
+        parts["params in compute dtype"] = int(trained_f32 * c / 4)
+    if mesh["tensor"] > 1:
+        parts["tensor-parallel update"] = int(TP_UPDATE * trained_f32)
+    return parts
+
+
+def pipeline_parts(pipe: Pipeline, spec: ModelSpec, leaves, rules, mesh, r, rows, length, embed, c) -> dict:
+    """What a pipelined step holds beside the layers' saved inputs: the stage's block params in the
+    pipeline's view (float32: their gradients' accumulator; for a circular schedule, the chunk
+    each iteration runs), the backward of the final norm and head over all the rows (float32
+    streams), the micro-batches' store, and the RoPE tables each iteration saves (cos and sin,
+    float32). r: rows per device, rows: per pipeline micro-batch."""
+    blocks = sum(leaf_bytes(x, rules, mesh, 4) for x in leaves if x.path.startswith("['blocks']"))
+    parts = {"stage params": int(STAGE_PARAM_COPIES * blocks)}
+    if pipe.repeats > 1:  # the chunk a stage runs, picked in each iteration and kept for the backward
+        parts["circular chunks"] = int(pipe.iterations * blocks / pipe.repeats)
+    parts["final backward"] = int(HEAD_STREAMS * r * length * embed * 4)
+    parts["pipeline store"] = int(PIPELINE_STORES * r * length * embed * c)
+    if spec.position == "rope":
+        parts["saved residuals"] = int(pipe.iterations * 2 * rows * length * spec.head_dim * 4)
+    return parts
+
+
+def expert_slots(spec: ModelSpec, rules, mesh, rows: float, seq: int) -> float:
+    """Assignment slots one device runs through its experts in one layer (see the module doc)."""
+    shards = splits(("batch",), rules, mesh)
+    if spec.capacity_factor > 0:  # its experts' slots for every row of the batch
+        return spec.n_experts / splits(("act_expert",), rules, mesh) * rows * shards * capacity(spec, seq)
+    return spec.experts_per_token * rows * shards * seq  # every token of the batch, sorted by expert
+
+
+def experts(spec: ModelSpec, rules, mesh, rows: float, seq: int, c: int, saved_layers: float) -> dict:
+    """A mixture-of-experts layer's activations on one device: the experts' float32 work in one
+    layer's backward, their saved activations under lighter remat, capacity routing's tensors."""
+    width = spec.expert_d_ff / splits(("expert_mlp",), rules, mesh)
+    slots = expert_slots(spec, rules, mesh, rows, seq)
+    embed = spec.d_model / splits(("act_embed",), rules, mesh)
+    work = EXPERT_WORK["capacity" if spec.capacity_factor > 0 else "dropless"]
+    parts = {"expert work": int(work * slots * (width + embed) * 4)}
+    if saved_layers:
+        parts["saved expert activations"] = int(saved_layers * SAVED_MLP * slots * width * c)
+    if spec.capacity_factor > 0:  # combine (float32) and dispatch [rows, seq, experts, capacity]
+        parts["routing"] = int(DISPATCH_COPIES * rows * seq * spec.n_experts * capacity(spec, seq) * (4 + c))
+    return parts
+
+
+def _decode(config, spec, leaves, rules, mesh, c) -> Estimate:
+    """One decode step: params in the compute dtype, the KV cache, the cache the scan writes anew
+    (the layers' updated caches, stacked), one layer's weights gathered over fsdp, the logits."""
+    batch = splits(("batch",), rules, mesh)
+    rows = -(-config.eval.batch_size // batch)
+    length = generation_context(spec)
+    kv = spec.n_kv_heads / splits(("act_kv_heads",), rules, mesh)
+    cache = int(2 * spec.n_layers * rows * kv * length * spec.head_dim * c)
+    layer = sum(x.size for x in leaves if x.path.startswith("['blocks']")) / spec.n_layers
+    parts = {"params": sum(leaf_bytes(x, rules, mesh, c) for x in leaves), "kv cache": cache,
+             "updated kv cache": cache, "gathered layer": int(2 * layer * c / splits(("mlp",), rules, mesh)),
+             "logits": int(rows * spec.vocab_size / splits(("act_vocab",), rules, mesh) * 4)}
+    return Estimate(parts)

@@ -1,0 +1,1 @@
+"""Process-level set-up: backend flags, huge pages, multi-host joining."""

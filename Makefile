@@ -1,5 +1,5 @@
 # The two entry points: `make demo` (install + pretrain the tiny model on the Python
-# standard library, then fine-tune, preference-train, RL-train, distil and evaluate it) and `make test` (install + run the test suite).
+# standard library, then fine-tune, preference-train, RL-train, distil and evaluate it) and `make test` (install + run the test suite); `make check` runs the unit tests alone.
 PYTHON ?= python3
 VENV ?= .venv
 PY := $(VENV)/bin/python
@@ -22,4 +22,8 @@ demo: $(VENV)/.installed
 test: $(VENV)/.installed
 	$(PY) -m pytest -q -n 2 --dist loadfile --no-loadscope-reorder
 
-.PHONY: install demo test
+# the unit tests alone (no end-to-end run, nothing marked slow): for iteration
+check: $(VENV)/.installed
+	$(PY) -m pytest -q -n 2 --dist loadfile -m "not slow"
+
+.PHONY: install demo test check

@@ -3,7 +3,7 @@
 64 requests (prompts of 8-192 tokens, 16-384 new tokens each, drawn once with a fixed seed) on the
 small Llama of decode_throughput.py, greedy. The engine (lm.infer.engine) decodes them through
 `--slots` slots: a request leaves when its budget is spent and the next one takes its place. The
-static peer (lm.infer.static_batch, a dense KV cache) takes them `--slots` at a time in the same
+static peer (tests/reference/static_decoder.py, a dense KV cache) takes them `--slots` at a time in the same
 order; every batch runs until its longest request is done, as a static batch must. Both count only
 each request's own tokens. Rounds alternate between the two; medians are reported.
 
@@ -30,7 +30,7 @@ import numpy as np  # noqa: E402
 from bench.decode_throughput import SHAPE, spec  # noqa: E402
 from lm.infer.engine.engine import Engine, EngineConfig, Request  # noqa: E402
 from lm.infer.sampling import SamplingParams  # noqa: E402
-from lm.infer.static_batch import StaticGenerator  # noqa: E402
+from tests.reference.static_decoder import StaticGenerator  # noqa: E402
 from lm.model.transformer import Transformer, init_params  # noqa: E402
 
 

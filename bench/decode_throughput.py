@@ -1,5 +1,5 @@
 """Decode throughput: new tokens/s of the engine (lm.infer.engine: paged KV cache, what every
-caller generates through), against the static dense-cache decoder (lm.infer.static_batch), against
+caller generates through), against the static dense-cache decoder (tests/reference/static_decoder.py), against
 recomputing the whole forward pass per token, and against Hugging Face transformers `generate`
 on the same machine.
 
@@ -42,7 +42,7 @@ import numpy as np  # noqa: E402
 from lm.config import base_config  # noqa: E402
 from lm.infer.generate import Generator  # noqa: E402
 from lm.infer.sampling import SamplingParams  # noqa: E402
-from lm.infer.static_batch import StaticGenerator  # noqa: E402
+from tests.reference.static_decoder import StaticGenerator  # noqa: E402
 from lm.model.layers import ModelSpec  # noqa: E402
 from lm.model.transformer import Transformer, init_params  # noqa: E402
 

@@ -10,7 +10,7 @@ group advantages, then `--epochs` x `--minibatches` jitted updates. Per round it
 - sampling share: sampler seconds / (sampler + update seconds) of the step.
 
 Peers, measured in the same rounds (interleaved: RL step, peers, RL step, ...):
-- the same RL step with the static dense-cache decoder as its sampler (lm.infer.static_batch,
+- the same RL step with the static dense-cache decoder as its sampler (tests/reference/static_decoder.py,
   how rollouts were sampled before the engine): step seconds and sampling share before/after;
 - the sampler alone: lm.infer.generate.Generator on the same prompts, as `lm sample` runs it
   (ratio rollout / sampler: what the rollout path adds, e.g. folding the policy's params);
@@ -77,7 +77,7 @@ from lm.data.prompts import PromptSet  # noqa: E402
 from lm.data.tokenizer import ByteTokenizer  # noqa: E402
 from lm.infer.generate import Generator  # noqa: E402
 from lm.infer.sampling import SamplingParams  # noqa: E402
-from lm.infer.static_batch import StaticGenerator  # noqa: E402
+from tests.reference.static_decoder import StaticGenerator  # noqa: E402
 from lm.train.rewards import RewardFn, Rewards  # noqa: E402
 from lm.train.rl import build_rl_run  # noqa: E402
 from lm.train.rl_losses import RlSettings  # noqa: E402

@@ -25,15 +25,27 @@ from lm.train.faults import StopRequested, StopSignal, hard_exit
 from lm.train.identity import record_command
 from lm.verb import Stopped, Verb
 
-# the verbs that train: SIGTERM/SIGINT stop them cleanly from start-up on (lm.train.faults.StopSignal)
-TRAINING: tuple[Verb, ...] = (train_cli.Pretrain, train_cli.SFT, train_cli.DPO, train_cli.REWARD, train_cli.RL,
-                              train_cli.DISTILL)
-# in `lm --help` order; none imports jax before its `run` (the CPU flags come first)
-VERBS: tuple[Verb, ...] = (
-    *TRAINING, demo_cli,
-    data_cli.Tokenizer, store_cli.Export, store_cli.Import, data_cli.Tokenize, data_cli.Curate, plan_cli,
-    infer_cli, serve_cli, eval_cli, contamination_cli, harness_cli,
-)
+
+def training_verbs() -> tuple[Verb, ...]:
+    """The verbs that train, one per stage of the registry (lm.train.registry): SIGTERM/SIGINT stop
+    them cleanly from start-up on (lm.train.faults.StopSignal)."""
+    return train_cli.verbs()
+
+
+def all_verbs() -> tuple[Verb, ...]:
+    """In `lm --help` order; none imports jax before its `run` (the CPU flags come first)."""
+    return (*training_verbs(), demo_cli,
+            data_cli.Tokenizer, store_cli.Export, store_cli.Import, data_cli.Tokenize, data_cli.Curate, plan_cli,
+            infer_cli, serve_cli, eval_cli, contamination_cli, harness_cli)
+
+
+TRAINING: tuple[Verb, ...] = training_verbs()  # the stages registered at import
+VERBS: tuple[Verb, ...] = all_verbs()
+
+
+def _verbs() -> tuple[Verb, ...]:
+    """VERBS, then the verbs of stages registered since (lm.train.registry.register)."""
+    return (*VERBS, *(verb for verb in training_verbs() if verb not in TRAINING))
 
 
 def _split_overrides(argv: list[str]) -> tuple[list[str], list[str]]:
@@ -59,7 +71,7 @@ def _parser() -> tuple[argparse.ArgumentParser, dict[str, Verb]]:
     p = argparse.ArgumentParser(prog="lm", description="Train language models end to end.")
     sub = p.add_subparsers(dest="verb", required=True)
     reaches = {}
-    for verb in VERBS:
+    for verb in _verbs():
         verb.add_parser(sub)
         reaches.update({name: verb for name in sub.choices if name not in reaches})
     return p, reaches
@@ -74,7 +86,7 @@ def main(argv: list[str] | None = None) -> int:
         parser, reaches = _parser()
         args = parser.parse_args(rest)
         verb = reaches[args.verb]
-        training = verb in TRAINING and getattr(args, "action", None) is None  # `lm reward score` is not
+        training = verb in training_verbs() and getattr(args, "action", None) is None  # `lm reward score` is not
         with StopSignal("start-up" if training else args.verb, defer=False, saved=False) as stop:
             try:
                 return verb.run(args, overrides)

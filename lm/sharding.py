@@ -119,6 +119,19 @@ def split_count(mesh: Mesh, axes) -> int:
     return math.prod(mesh.shape[a] for a in axes)
 
 
+def to_host(tree):
+    """The arrays of `tree` as whole numpy arrays on this host, in one transfer. With several
+    processes a jax array is gathered from the shards every process holds, and a host (numpy)
+    array is this process's part: the parts of all processes are concatenated along its first
+    axis (process_allgather(tiled=True); give a part a leading axis of 1 to stack them)."""
+    leaves = jax.tree.leaves(tree)
+    if jax.process_count() == 1 or all(isinstance(x, jax.Array) and x.is_fully_addressable for x in leaves):
+        return jax.device_get(tree)
+    from jax.experimental import multihost_utils
+
+    return jax.tree.map(np.asarray, multihost_utils.process_allgather(tree, tiled=True))
+
+
 def per_device_bytes(tree) -> int:
     """Bytes of `tree` held on the first device (shows how sharding shrinks memory)."""
     device = jax.devices()[0]

@@ -43,7 +43,7 @@ def _data_cache(tmp_path_factory):
 def small_base(tmp_path_factory, corpus):
     """A small byte-level model pretrained for 10 steps at seq_len 64: what fine-tuning tests start from."""
     from lm.cli import main
-    from tests.test_cli_train import SMALL
+    from tests.e2e.test_cli_train import SMALL
 
     workdir = tmp_path_factory.mktemp("base") / "base"
     assert main(["train", "--workdir", str(workdir), f"--config.data.corpus={corpus}", "--config.train.steps=10",
@@ -51,18 +51,12 @@ def small_base(tmp_path_factory, corpus):
     return workdir
 
 
-# The longest files (minutes each on a 2-core machine), longest first.
-LONGEST = ("test_notebook.py", "test_distributed.py", "test_fault_resume.py", "test_lost_host.py",
-           "test_distributed_stages.py", "test_checkpoint.py")
-
-
+@pytest.hookimpl(tryfirst=True)  # before `-m` deselects by marker
 def pytest_collection_modifyitems(items):
-    """The longest files, then the other slow end-to-end tests, first: with `-n 2 --dist loadfile
-    --no-loadscope-reorder` (make test; xdist would otherwise order files by their number of tests)
-    they start at once instead of ending the run on one worker while the other idles."""
-    def rank(item):
-        name = item.path.name
-        return (LONGEST.index(name) if name in LONGEST else len(LONGEST),
-                item.get_closest_marker("slow") is None)
-
-    items.sort(key=rank)
+    """End-to-end runs (tests/e2e/, all marked slow there) and the other slow tests first: with
+    `-n 2 --dist loadfile --no-loadscope-reorder` (make test) the long files start at once instead of
+    ending the run on one worker while the other idles."""
+    for item in items:
+        if "e2e" in item.path.parts:
+            item.add_marker(pytest.mark.slow)
+    items.sort(key=lambda item: ("e2e" not in item.path.parts, item.get_closest_marker("slow") is None))

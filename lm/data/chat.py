@@ -111,6 +111,26 @@ class ChatTemplate:
         return text if self.special else text.split(END, 1)[0]
 
 
+def prompt_ids(template, conversation) -> list[int]:
+    """The ONE chat-prompt encoder: a conversation (messages ending with a user turn, or a string:
+    one user turn) -> the prompt ids with the template's generation prompt. Bad messages: ValueError."""
+    messages = [{"role": "user", "content": conversation}] if isinstance(conversation, str) else conversation
+    return [int(t) for t in template.prompt(messages)]
+
+
+def chat_prompts(tokenizer, conversations: list) -> tuple[list[list[int]], ChatTemplate]:
+    """Prompt ids of each conversation (see `prompt_ids`) with `tokenizer`'s chat template, and the
+    template (its stop ids and strings end the answers). Bad messages: UserError naming the one."""
+    template = ChatTemplate.for_tokenizer(tokenizer)
+    out = []
+    for i, conversation in enumerate(conversations):
+        try:
+            out.append(prompt_ids(template, conversation))
+        except ValueError as e:
+            raise UserError(f"conversation {i}: {e}") from None
+    return out, template
+
+
 def _special_ids(tok) -> list[int] | None:
     """The chat tokens' control ids, or None if the tokenizer lacks any of them."""
     if not hasattr(tok, "special_id"):

@@ -10,13 +10,13 @@ import time
 
 import numpy as np
 
-from lm.data.chat import ChatTemplate
+from lm.data.chat import chat_prompts
 from lm.eval.answers import exact_match, read_conversations
 from lm.infer.engine.engine import EngineConfig
+from lm.infer.generate import Generator
 from lm.infer.sampling import SamplingParams
 from lm.infer.session import Session
 from lm.infer.speculative import DraftModel, SpeculativeDecoder, on_one_device
-from lm.infer.static_batch import StaticGenerator
 from lm.model.quant import weight_bytes
 from lm.store.load import load_trained
 
@@ -82,11 +82,10 @@ def _quantized(loaded, conversations: list) -> dict:
 def _speculative(loaded, student, conversations: list) -> dict:
     """Greedy answers with the student (or prompt lookup) drafting 4 tokens per target pass, against
     plain greedy decoding: identical tokens, and how many drafts the target kept."""
-    template = ChatTemplate.for_tokenizer(loaded.tokenizer)
-    prompts = [[int(t) for t in template.prompt(c[:-1])] for c in conversations]
+    prompts, template = chat_prompts(loaded.tokenizer, [c[:-1] for c in conversations])
     model, params = on_one_device(loaded)
     greedy = SamplingParams(max_new_tokens=MAX_NEW, temperature=0)
-    plain = StaticGenerator(model, params, greedy, eos_id=template.stop_ids)(prompts)
+    plain = Generator(model, params, greedy, eos_id=template.stop_ids)(prompts)  # the engine
     out = {}
     for name, draft in (("student", DraftModel(*on_one_device(student))), ("ngram", "ngram")):
         spec = SpeculativeDecoder(model, params, greedy, draft=draft, k=4, eos_id=template.stop_ids)(prompts)

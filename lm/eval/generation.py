@@ -17,7 +17,7 @@ import re
 import string
 
 from lm.config.userfn import load_function
-from lm.data.chat import ChatTemplate
+from lm.data.chat import ChatTemplate, chat_prompts
 from lm.errors import UserError
 from lm.eval.complete import completions
 
@@ -82,8 +82,7 @@ def prompt_ids(examples: list[dict], tokenizer, chat: bool) -> list:
         if any("prompt" not in ex for ex in examples):
             raise UserError("chat=false needs {\"prompt\"} examples; chat lines go through the chat template")
         return [tokenizer.encode(ex["prompt"]) for ex in examples]
-    template = ChatTemplate.for_tokenizer(tokenizer)
-    return [template.prompt(ex.get("messages") or [{"role": "user", "content": ex["prompt"]}]) for ex in examples]
+    return chat_prompts(tokenizer, [ex.get("messages") or ex["prompt"] for ex in examples])[0]
 
 
 def score_generation(scorer_model, examples: list[dict], *, scorer: str = "exact", checker: str = "",

@@ -137,8 +137,7 @@ def _plain(args, loaded, sampling):
     def generate(prompts: list, **kw):
         if not args.chat:
             return session.complete(prompts, sampling, stop=stop, **kw)
-        turns = [p if isinstance(p, list) else [{"role": "user", "content": p}] for p in prompts]
-        return session.chat(turns, sampling, stop=stop, **kw)
+        return session.chat(prompts, sampling, stop=stop, **kw)
 
     return generate
 
@@ -166,21 +165,13 @@ class _Speculative:
         self.proposed = self.accepted = self.calls = self.tokens = 0
 
     def __call__(self, prompts: list, stream=None) -> list[dict]:
-        from lm.data.chat import ChatTemplate, check_messages
+        from lm.data.chat import chat_prompts
         from lm.infer.text import complete, complete_ids
 
         stop = tuple(self.args.stop)
         if not self.args.chat:
             return complete(self._counted(self.make(self.tokenizer.eos_id)), self.tokenizer, prompts, stop, stream)
-        template = ChatTemplate.for_tokenizer(self.tokenizer)
-        encoded = []
-        for i, p in enumerate(prompts):
-            messages = p if isinstance(p, list) else [{"role": "user", "content": p}]
-            try:
-                check_messages(messages, for_prompt=True)
-            except ValueError as e:
-                raise UserError(f"conversation {i}: {e}") from None
-            encoded.append([int(t) for t in template.prompt(messages)])
+        encoded, template = chat_prompts(self.tokenizer, prompts)
         return complete_ids(self._counted(self.make(template.stop_ids)), self.tokenizer, encoded,
                             stop + template.stop_strings, stream)
 

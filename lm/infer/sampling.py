@@ -2,9 +2,12 @@
 
 Filters follow the usual order: temperature scales the logits, then top-k, top-p and min-p
 each remove tokens (set to -inf) from what is left; the token is drawn from the softmax of
-the survivors. Log-probabilities reported for sampled tokens are those of the model's own
-distribution (log-softmax of the raw logits), not of the filtered one: they are what RL and
-scoring need, and they do not depend on the sampling settings.
+the survivors. `filter_logits` is the one routine that applies them: the engine (per-row settings,
+lm.infer.engine.rows), `choose` and speculative verification (lm.infer.spec_verify) all call it.
+
+Log-probabilities reported for sampled tokens are those of the model's own distribution
+(log-softmax of the raw logits), not of the filtered one: they are what RL and scoring need, and
+they do not depend on the sampling settings.
 """
 
 from __future__ import annotations
@@ -45,23 +48,42 @@ class SamplingParams:
         return self.temperature == 0 or self.top_k == 1
 
 
-def filter_logits(logits: jax.Array, p: SamplingParams) -> jax.Array:
-    """float32 logits [..., V] -> the same with removed tokens at -inf (temperature applied)."""
-    x = logits.astype(jnp.float32) / (p.temperature if p.temperature > 0 else 1.0)
-    if p.top_k > 0 and p.top_k < x.shape[-1]:
-        kth = jax.lax.top_k(x, p.top_k)[0][..., -1:]
-        x = jnp.where(x < kth, NEG_INF, x)
-    if p.top_p < 1.0:
+def row_settings(p: SamplingParams, shape=()) -> dict:
+    """One setting as the per-row arrays `filter_logits` takes, broadcast to `shape` (the logits'
+    leading axes)."""
+    return {"temperature": jnp.full(shape, p.temperature, jnp.float32),
+            "top_k": jnp.full(shape, p.top_k, jnp.int32), "top_p": jnp.full(shape, p.top_p, jnp.float32),
+            "min_p": jnp.full(shape, p.min_p, jnp.float32)}
+
+
+def filter_logits(logits: jax.Array, s) -> jax.Array:
+    """float32 logits [..., V] -> the same with removed tokens at -inf (temperature applied).
+
+    s: a SamplingParams (the same setting for every row), or per-row settings {temperature, top_k,
+    top_p, min_p} as arrays over the logits' leading axes (0 or 1 turns a filter off, as in
+    SamplingParams), so one compiled step serves any mix of requests."""
+    if isinstance(s, SamplingParams):
+        s = row_settings(s, logits.shape[:-1])
+    temp = s["temperature"][..., None]
+    x = logits.astype(jnp.float32) / jnp.where(temp > 0, temp, 1.0)
+    top_k, top_p = s["top_k"][..., None], s["top_p"][..., None]
+
+    def sorted_filters(x):
+        desc = -jnp.sort(-x, axis=-1)
+        kth = jnp.take_along_axis(desc, jnp.clip(top_k - 1, 0, x.shape[-1] - 1), axis=-1)
+        x = jnp.where((top_k > 0) & (x < kth), NEG_INF, x)
         probs = jax.nn.softmax(x, axis=-1)
         sorted_probs = -jnp.sort(-probs, axis=-1)
         before = jnp.cumsum(sorted_probs, axis=-1) - sorted_probs  # mass of strictly likelier tokens
-        n_keep = jnp.sum(before < p.top_p, axis=-1, keepdims=True)  # the smallest prefix reaching top_p
+        n_keep = jnp.sum(before < top_p, axis=-1, keepdims=True)  # the smallest prefix reaching top_p
         cutoff = jnp.take_along_axis(sorted_probs, n_keep - 1, axis=-1)
-        x = jnp.where(probs >= cutoff, x, NEG_INF)
-    if p.min_p > 0.0:
-        probs = jax.nn.softmax(x, axis=-1)
-        x = jnp.where(probs >= p.min_p * probs.max(axis=-1, keepdims=True), x, NEG_INF)
-    return x
+        return jnp.where((top_p < 1.0) & (probs < cutoff), NEG_INF, x)
+
+    # sorting the vocabulary is the costly part: skipped when no row asks for top-k or top-p
+    x = jax.lax.cond(jnp.any((top_k > 0) | (top_p < 1.0)), sorted_filters, lambda x: x, x)
+    probs = jax.nn.softmax(x, axis=-1)
+    min_p = s["min_p"][..., None]
+    return jnp.where((min_p > 0) & (probs < min_p * probs.max(axis=-1, keepdims=True)), NEG_INF, x)
 
 
 def choose(rng: jax.Array, logits: jax.Array, p: SamplingParams) -> tuple[jax.Array, jax.Array]:

@@ -2,8 +2,7 @@
 
 from __future__ import annotations
 
-from lm.data.chat import ChatTemplate, check_messages
-from lm.errors import UserError
+from lm.data.chat import chat_prompts
 from lm.infer.engine.engine import EngineConfig
 from lm.infer.generate import Generator, generation_context
 from lm.infer.sampling import SamplingParams
@@ -40,16 +39,10 @@ class Session:
     def complete(self, prompts: list[str], sampling: SamplingParams, stop=(), stream=None) -> list[dict]:
         return complete(self.generator(sampling), self.tokenizer, prompts, stop=stop, stream=stream)
 
-    def chat(self, conversations: list[list[dict]], sampling: SamplingParams, stop=(), stream=None) -> list[dict]:
-        """Assistant replies to conversations (each ending with a user turn), with the chat template."""
-        template = ChatTemplate.for_tokenizer(self.tokenizer)
-        prompts = []
-        for i, messages in enumerate(conversations):
-            try:
-                check_messages(messages, for_prompt=True)
-            except ValueError as e:
-                raise UserError(f"conversation {i}: {e}") from None
-            prompts.append([int(t) for t in template.prompt(messages)])
+    def chat(self, conversations: list, sampling: SamplingParams, stop=(), stream=None) -> list[dict]:
+        """Assistant replies to conversations (each ending with a user turn, or a string: one user
+        turn), with the chat template."""
+        prompts, template = chat_prompts(self.tokenizer, conversations)
         return complete_ids(self.generator(sampling, template.stop_ids), self.tokenizer, prompts,
                             stop=tuple(stop) + template.stop_strings, stream=stream)
 

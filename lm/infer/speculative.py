@@ -1,13 +1,14 @@
-"""Speculative decoding at batch 1 on the dense KV cache: a cheap draft proposes k tokens, the
-target scores them all in one cache step and keeps the prefix it agrees with.
+"""Speculative decoding at batch 1: a cheap draft proposes k tokens, the target scores them all in
+one step of the engine over its paged KV pool and keeps the prefix it agrees with.
 
 Drafts: a smaller model with the target's vocabulary (`DraftModel`), decoding autoregressively
 with its own cache; or prompt lookup (`NGRAM`, `spec_verify.ngram_drafts`): the tokens that
 followed the most recent earlier occurrence of the context's last 3 (then 2, then 1) tokens;
 without a match the step is a plain one-token step.
 
-One step, jitted whole: draft k tokens, feed the pending token and the k drafts to the target in
-ONE `decode_step` (t = k+1), keep a prefix with the rejection sampler
+One step, jitted whole: draft k tokens, feed the pending token and the k drafts to the target as
+ONE chunk (t = k+1) through the engine's step function (`lm.infer.engine.steps.forward`) over a
+paged pool (one page holding the whole context), keep a prefix with the rejection sampler
 (`spec_verify.accept_drafts`), emit it and the token that follows. The host only loops over calls
 that each run many steps (one call per prompt unless it streams). A token's cache slot is its
 position and a query sees only slots at or before its own, so the slots of rejected drafts need
@@ -31,11 +32,14 @@ import jax.numpy as jnp
 import numpy as np
 
 from lm.errors import UserError
+from lm.infer.engine.pool import Placement, init_pool
+from lm.infer.engine.steps import forward
 from lm.infer.generate import Generation, generation_context
 from lm.infer.sampling import SamplingParams, choose
 from lm.infer.spec_verify import accept_drafts, draw, ngram_drafts, probs_of
 from lm.model.cache import decode_step, init_cache
 from lm.model.layers import ModelSpec
+from lm.model.paged import Paging
 from lm.model.params import check_fits
 from lm.model.transformer import Transformer, init_params, unstack_layers
 from lm.sharding import place_leaf
@@ -91,7 +95,7 @@ def _prefill(target, draft, sampling, k, max_len, t_params, d_params, t_cache, d
     p = ids.shape[1]
     seg = (jnp.arange(p) < length).astype(jnp.int32)[None]
     pos, at = jnp.arange(p, dtype=jnp.int32)[None], (length - 1)[None]
-    logits, t_cache = decode_step(target, t_params, t_cache, ids, seg, pos, logits_at=at)
+    logits, t_cache = forward(target, t_params, t_cache, ids, seg, pos, _one_page(), logits_at=at)
     if draft is not None:
         _, d_cache = decode_step(draft, d_params, d_cache, ids, seg, pos, logits_at=at)
     rng, key = jax.random.split(jax.random.fold_in(rng, index))
@@ -128,6 +132,11 @@ def _draft_tokens(draft, sampling, k, max_len, d_params, d_cache, context, pos, 
     return tokens, jnp.concatenate([qs, q_last[None]]), d_cache
 
 
+def _one_page():
+    """The target's page table: its one row owns the pool's one page (the whole context)."""
+    return jnp.zeros((1, 1), jnp.int32)
+
+
 def _target_logits(target, k, max_len, t_params, t_cache, context, pos, drafts, n_valid, may_skip: bool):
     """The target's logits [k+1, V] after the pending token and each draft: one call over all of
     them, or (may_skip: n-gram drafts, often without a match) a plain one-token step, its logits
@@ -136,13 +145,13 @@ def _target_logits(target, k, max_len, t_params, t_cache, context, pos, drafts, 
     def verify(cache):
         tokens = jnp.concatenate([context[pos][None], drafts])[None]
         at = pos + jnp.arange(k + 1)
-        logits, cache = decode_step(target, t_params, cache, tokens, (at < max_len).astype(jnp.int32)[None],
-                                    jnp.minimum(at, max_len - 1)[None])
+        logits, cache = forward(target, t_params, cache, tokens, (at < max_len).astype(jnp.int32)[None],
+                                jnp.minimum(at, max_len - 1)[None], _one_page())
         return logits[0], cache
 
     def plain(cache):
         one = jnp.ones((1, 1), jnp.int32)
-        logits, cache = decode_step(target, t_params, cache, context[pos][None, None], one, pos[None, None])
+        logits, cache = forward(target, t_params, cache, context[pos][None, None], one, pos[None, None], _one_page())
         return jnp.broadcast_to(logits[0], (k + 1, logits.shape[-1])), cache
 
     return jax.lax.cond(n_valid > 0, verify, plain, t_cache) if may_skip else verify(t_cache)
@@ -228,6 +237,8 @@ class SpeculativeDecoder:
         if self.max_len > model.spec.max_seq_len:
             raise UserError(f"generation: max_len {self.max_len} exceeds the model's context "
                             f"({model.spec.max_seq_len} positions)")
+        # the target's KV cache: the engine's paged pool, one page holding the whole context
+        self.target = self.target.clone(paging=Paging(self.max_len, 1, in_place=True))
         filters = dataclasses.replace(sampling, max_new_tokens=1, seed=0)  # what the compiled steps depend on
         self._start, self._run = _compiled(self.target, self.draft, filters, self.k, self.max_len)
         self._eos, self._n = jnp.asarray(self.eos_id, jnp.int32), jnp.int32(sampling.max_new_tokens)
@@ -273,7 +284,7 @@ class SpeculativeDecoder:
 
     def _caches(self):
         d_cache = {} if self.draft is None else init_cache(self.draft, 1, self.max_len)
-        return init_cache(self.target, 1, self.max_len), d_cache
+        return init_pool(self.target, Placement()), d_cache
 
     def _ids(self, prompt):
         width = min(max(MIN_PREFILL, 1 << (len(prompt) - 1).bit_length()), self.max_len)

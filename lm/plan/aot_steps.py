@@ -1,7 +1,8 @@
 """The jitted steps of every stage, with abstract arguments (ShapeDtypeStructs carrying their
-shardings): what `lm.plan.aot` lowers and compiles for a target. Each builder makes the step the
+shardings): what `lm.plan.aot` lowers and compiles for a target. The steps and their builders are
+declared in the stage registry (lm.train.registry.CompiledStep); each builder makes the step the
 stage itself runs (the same lm.train.setup.Run, loss and batch signature), so a compile here is a
-compile of the real thing; nothing is allocated.
+compile of the real thing; nothing is allocated. Today's steps:
 
     pretrain   next-token loss, the whole model trained
     sft        the SFT loss, the whole model trained
@@ -9,8 +10,8 @@ compile of the real thing; nothing is allocated.
                base frozen in the compute dtype (as an imported bf16 checkpoint stays)
     dpo        DPO with a live reference (a frozen copy in the compute dtype), pairs per row
     rl         one GRPO/PPO update minibatch (rl.*), with the reference when the KL needs one
-    decode     one token for eval.batch_size rows against a KV cache of the generation context,
-               params in the compute dtype
+    decode     the generation engine's decode block: eval.batch_size slots against a paged KV pool
+               holding each slot's whole generation context, params in the compute dtype
 """
 
 from __future__ import annotations
@@ -21,21 +22,14 @@ import jax
 import numpy as np
 
 from lm.config import ConfigDict
+from lm.infer.engine.engine import Engine, EngineConfig
 from lm.infer.generate import generation_context
 from lm.model.build import build_model
-from lm.model.cache import abstract_cache, cache_shardings, decode_step
 from lm.model.layers import ModelSpec
-from lm.model.lora import is_adapter
 from lm.model.params import split_params
-from lm.train import pairs
-from lm.train.dpo import build_dpo_run
-from lm.train.losses import sft_loss
-from lm.train.rl import build_rl_run, rl_config
-from lm.train.rl_losses import RlSettings
-from lm.train.rl_step import extra_fields
-from lm.train.setup import build_run
+from lm.train.registry import compiled_step, load, step_names
 
-STEPS = ("pretrain", "sft", "sft_lora", "dpo", "rl", "decode")
+STEPS = step_names()  # the registry's at import (lm.train.registry.step_names: any registered since)
 DEFAULT_LORA_RANK = 16
 
 
@@ -105,48 +99,26 @@ def _spec(config, devices) -> ModelSpec:
 
 
 def build_step(name: str, config, devices) -> StepBuild:
-    """The step `name` (one of STEPS) of `config` on `devices` (real or a TPU topology's)."""
+    """The compiled step `name` (lm.train.registry.compiled_steps) of `config` on `devices` (real or
+    a TPU topology's): built with model.lora_rank=0, or over LoRA adapters for a `lora` step."""
+    step = compiled_step(name)
     dtype = config.model.compute_dtype
-    if name == "pretrain":
-        run = build_run(config, devices=devices, spec=_spec(config, devices))
-        return _train(name, run, run.signature(), dtype)
-    if name in ("sft", "sft_lora"):
-        if name == "sft_lora":
-            config = with_keys(config, model__lora_rank=config.model.lora_rank or DEFAULT_LORA_RANK)
-        else:
-            config = with_keys(config, model__lora_rank=0)
-        run = build_run(config, sft_loss, devices=devices, spec=_spec(config, devices),
-                        trainable=is_adapter if name == "sft_lora" else None)
-        return _train(name, run, run.signature(), dtype)
-    if name == "dpo":
-        config = with_keys(config, dpo__reference="live", model__lora_rank=0)
-        run = build_dpo_run(config, devices)
-        return _train(name, run, run.signature(pairs=True, extra=pairs.PAIR_EXTRA), dtype)
-    if name == "rl":
-        config = rl_config(with_keys(config, model__lora_rank=0))
-        run = build_rl_run(config, devices)
-        fields = extra_fields(RlSettings.from_config(config.rl))
-        t = config.data.seq_len
-        return _train(name, run, run.signature(extra={k: ((t,), dt) for k, dt in fields.items()}), dtype)
-    if name == "decode":
-        return _decode(config, devices)
-    raise ValueError(f"unknown step {name!r}")
+    config = with_keys(config, model__lora_rank=(config.model.lora_rank or DEFAULT_LORA_RANK) if step.lora else 0)
+    if step.generation:
+        return load(step.build)(config, devices)
+    run, signature = load(step.build)(config, devices, _spec(config, devices))
+    return _train(name, run, signature, dtype)
 
 
 def _decode(config, devices) -> StepBuild:
+    """The engine's decode block (lm.infer.engine) over eval.batch_size slots, each holding a whole
+    generation context in the paged pool: the program `lm sample`, `lm serve`, evaluation and RL
+    rollouts decode with. Layers stay stacked (the CPU kernel path unstacks them at run time)."""
     config = with_keys(config, model__lora_rank=0)
     built = build_model(config, devices, spec=_spec(config, devices))
-    rows = -(-config.eval.batch_size // built.batch_shards()) * built.batch_shards()
-    length = generation_context(built.spec)
+    engine = Engine(built.module, max_len=generation_context(built.spec),
+                    config=EngineConfig(slots=config.eval.batch_size), mesh=built.mesh, rules=built.rules,
+                    unstack=False)
     params = abstract(built.abstract_params(), built.param_shardings, config.model.compute_dtype)
-    shardings = cache_shardings(built.module, rows, length, built.mesh, built.rules)
-    cache = abstract_cache(built.module, rows, length, shardings)
-    token_sharding = built.batch_shardings({"t": (rows, 1)})["t"]
-    token = jax.ShapeDtypeStruct((rows, 1), np.int32, sharding=token_sharding)
-    model = built.module
-
-    def step(params, cache, tokens, segment_ids, positions):
-        return decode_step(model, params, cache, tokens, segment_ids, positions)
-
-    fn = jax.jit(step, donate_argnums=1)
-    return StepBuild("decode", fn, (params, cache, token, token, token), config)
+    fn, args = engine.abstract_decode(params)
+    return StepBuild("decode", fn, args, config)

@@ -6,9 +6,8 @@ from __future__ import annotations
 
 import os
 
+from lm.train.registry import step_names
 from lm.verb import with_overrides
-
-STEP_HELP = "pretrain,sft,sft_lora,dpo,rl,decode"
 
 
 def add_parser(sub) -> None:
@@ -17,7 +16,8 @@ def add_parser(sub) -> None:
     pl.add_argument("--target", default="",
                     help="what to plan for: a Cloud TPU slice (v4-N, v5e-N, v5p-N, v6e-N; N as in the slice's "
                          "name) or cpu:N (N simulated CPU devices); default: the summary alone")
-    pl.add_argument("--steps", default="pretrain", help=f"comma-separated, among {STEP_HELP} (or 'all')")
+    names = step_names()  # the stage registry's compiled steps (lm.train.registry)
+    pl.add_argument("--steps", default=names[0], help=f"comma-separated, among {','.join(names)} (or 'all')")
     pl.add_argument("--compile", action="store_true",
                     help="compile each step ahead of time for the target (a TPU slice needs lm[tpu]); "
                          "nothing is allocated")
@@ -28,12 +28,13 @@ def add_parser(sub) -> None:
 
 def _steps(text: str) -> tuple:
     from lm.errors import UserError
-    from lm.plan.aot_steps import STEPS
 
-    steps = STEPS if text == "all" else tuple(s.strip() for s in text.split(",") if s.strip())
-    unknown = [s for s in steps if s not in STEPS]
+    names = step_names()
+    steps = names if text == "all" else tuple(s.strip() for s in text.split(",") if s.strip())
+    unknown = [s for s in steps if s not in names]
     if unknown or not steps:
-        raise UserError(f"--steps {text}: unknown {unknown or 'nothing'}; expected some of {STEP_HELP} or 'all'")
+        raise UserError(f"--steps {text}: unknown {unknown or 'nothing'}; expected some of {','.join(names)} "
+                        "or 'all'")
     return steps
 
 

@@ -18,6 +18,7 @@ from lm.errors import UserError
 from lm.plan.hardware import Target
 from lm.plan.memory import estimate, mesh_sizes, param_leaves, splits
 from lm.model.layers import ModelSpec
+from lm.train.registry import compiled_step
 
 REMAT_ORDER = ("none", "dots_with_no_batch_dims_saveable", "dots_saveable", "full")  # keeps less ->
 MARGIN = 0.92  # the planner's estimate must leave this share of HBM unused (its error is within 15%)
@@ -66,7 +67,7 @@ def candidates(config, step: str, chips: int) -> list[ConfigDict]:
         c = _setting(config, r, m, mesh)
         sizes = mesh
         rows = t.batch_size // m
-        if step != "rl" and (rows % splits(("batch",), dict(rules_table(c)), sizes)):
+        if compiled_step(step).splits_batch and (rows % splits(("batch",), dict(rules_table(c)), sizes)):
             continue  # every device must keep a whole number of rows
         changed = (r != remat) + (m != t.micro_batches) + (mesh != meshes[0])
         found.append(((changed, m, REMAT_ORDER.index(r) if r in REMAT_ORDER else 0, mesh["tensor"]), c))

@@ -53,7 +53,7 @@ from lm.model.layers import ModelSpec
 from lm.model.moe import capacity
 from lm.model.transformer import Transformer, init_params
 from lm.sharding import AXES, mesh_shape
-from lm.train.rl_losses import RlSettings
+from lm.train.registry import compiled_step
 
 ADAM_MOMENTS = 2  # float32 first and second moments per trained param
 # Fitted to the TPU compiler (bench/plan_vs_compiler.py): residual streams saved per layer by remat
@@ -149,16 +149,17 @@ def _is_adapter(path: str) -> bool:
 
 
 def estimate(config, step: str, devices: int, lora_rank: int = 16, chip=None) -> Estimate:
-    """Per-device bytes of `step` (lm.plan.aot_steps.STEPS) of `config` on `devices` devices."""
+    """Per-device bytes of `step` (lm.train.registry.compiled_steps) of `config` on `devices` devices."""
     mesh = mesh_sizes(config, devices)
     rules = dict(rules_table(config))
     m = config.model
-    lora = step == "sft_lora"
+    compiled = compiled_step(step)
+    lora = compiled.lora
     spec = ModelSpec.from_config(m)
     spec = dataclasses.replace(spec, lora_rank=(m.lora_rank or lora_rank) if lora else 0)
     leaves = param_leaves(dataclasses.replace(spec, attention="xla", kernels="plain"))  # same params; traceable here
     compute = np.dtype(m.compute_dtype).itemsize
-    if step == "decode":
+    if compiled.generation:
         return _decode(config, spec, leaves, rules, mesh, compute)
     trained = [x for x in leaves if _is_adapter(x.path)] if lora else leaves
     frozen = [x for x in leaves if not _is_adapter(x.path)] if lora else []
@@ -168,10 +169,10 @@ def estimate(config, step: str, devices: int, lora_rank: int = 16, chip=None) ->
     if frozen:
         parts["frozen base"] = sum(leaf_bytes(x, rules, mesh, compute) for x in frozen)
     resident = {}
-    if step in ("dpo", "rl") and _has_reference(config, step):
+    if compiled.holds_reference(config):
         reference = sum(leaf_bytes(x, rules, mesh, compute) for x in leaves if not _is_adapter(x.path))
-        # RL's update reads the reference's log-probs from its batch (the scoring pass made them)
-        (resident if step == "rl" else parts)["reference"] = reference
+        # a resident reference is held beside the step: its update reads the log-probs a scoring pass made
+        (resident if compiled.reference == "resident" else parts)["reference"] = reference
     parts |= activations(config, step, spec, leaves, rules, mesh, compute, state)
     if chip is not None and chip.vmem_bytes:  # temporaries this small stay in the chip's VMEM
         temps = sum(v for k, v in parts.items() if k not in ARGUMENTS)
@@ -180,25 +181,16 @@ def estimate(config, step: str, devices: int, lora_rank: int = 16, chip=None) ->
     return Estimate(parts, resident)
 
 
-def _has_reference(config, step) -> bool:
-    if step == "dpo":
-        return config.dpo.loss != "simpo"
-    return RlSettings.from_config(config.rl).needs_reference
-
-
 def batch_rows(config, step: str, mesh: dict, rules: dict) -> int:
     """Rows of one micro-batch on one device (a preference pair counts twice)."""
-    t = config.train
-    rows = t.batch_size
-    if step == "rl":
-        r = config.rl
-        rows = r.prompts_per_step * r.group_size // r.minibatches
+    t, compiled = config.train, compiled_step(step)
+    rows = compiled.update_rows(config)
     shards = splits(("batch",), rules, mesh)
     if rows % t.micro_batches or (rows // t.micro_batches) % shards:
         raise UserError(f"train.batch_size={rows} ({step}) with {t.micro_batches} micro-batch(es) does not split "
                         f"evenly over the {shards} batch shards of mesh {mesh}")
     rows = rows // t.micro_batches // shards
-    return rows * (2 if step == "dpo" else 1)
+    return rows * compiled.rows_per_example
 
 
 @dataclasses.dataclass(frozen=True)
@@ -221,7 +213,7 @@ class Pipeline:
 def pipeline_of(config, step: str, mesh: dict) -> Pipeline | None:
     """The pipeline of a step on this mesh (mesh.stage > 1; decoding runs the plain layer scan)."""
     stages = mesh["stage"]
-    if stages == 1 or step == "decode":
+    if stages == 1 or compiled_step(step).generation:
         return None
     return Pipeline(stages, pipeline.microbatches(config.model, stages), config.model.pipeline_repeats)
 
@@ -306,13 +298,18 @@ def experts(spec: ModelSpec, rules, mesh, rows: float, seq: int, c: int, saved_l
 
 
 def _decode(config, spec, leaves, rules, mesh, c) -> Estimate:
-    """One decode step: params in the compute dtype, the KV cache, the cache the scan writes anew
-    (the layers' updated caches, stacked), one layer's weights gathered over fsdp, the logits."""
+    """The generation engine's decode block (lm.infer.engine): params in the compute dtype; the
+    paged KV pool, eval.batch_size slots (rounded up to the batch shards) each holding a whole
+    generation context, replicated over the batch axes and split over kv heads; the pool the block
+    writes anew; one layer's weights gathered over fsdp; the logits of this device's rows."""
+    from lm.infer.engine.engine import EngineConfig
+
     batch = splits(("batch",), rules, mesh)
     rows = -(-config.eval.batch_size // batch)
-    length = generation_context(spec)
-    kv = spec.n_kv_heads / splits(("act_kv_heads",), rules, mesh)
-    cache = int(2 * spec.n_layers * rows * kv * length * spec.head_dim * c)
+    page = EngineConfig().page_size
+    tokens = rows * batch * -(-generation_context(spec) // page) * page
+    kv = spec.n_kv_heads / splits(("kv_heads",), rules, mesh)
+    cache = int(2 * spec.n_layers * kv * tokens * spec.head_dim * c)
     layer = sum(x.size for x in leaves if x.path.startswith("['blocks']")) / spec.n_layers
     parts = {"params": sum(leaf_bytes(x, rules, mesh, c) for x in leaves), "kv cache": cache,
              "updated kv cache": cache, "gathered layer": int(2 * layer * c / splits(("mlp",), rules, mesh)),

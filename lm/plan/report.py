@@ -12,6 +12,7 @@ from lm.plan.fit import overrides, search
 from lm.plan.hardware import Target
 from lm.plan.memory import Estimate, batch_rows, estimate, mesh_sizes, pipeline_of
 from lm.plan.units import human_bytes
+from lm.train.registry import compiled_step
 
 
 def _gib(n) -> str:
@@ -44,7 +45,7 @@ def step_table(name: str, config, target: Target, est: Estimate, compiled=None) 
     mesh = mesh_sizes(config, target.chips)
     t = config.train
     head = f"{name}: mesh {mesh_text(mesh)}"
-    if name == "decode":
+    if compiled_step(name).generation:
         head += f", {config.eval.batch_size} rows (eval.batch_size) against a KV cache"
     else:
         rows = batch_rows(config, name, mesh, dict(rules_table(config)))
@@ -83,21 +84,14 @@ def _fits(target: Target, estimated: int, compiled) -> str:
     return text
 
 
-# Model FLOPs of each step per token, in units of the forward pass's 2N (counts.flops_per_token is 6N):
-# a full update 3 (forward, backward for activations and for weights), LoRA about 2 (no weight
-# gradients of the base), DPO 3 + 1 (the live reference's forward), decoding 1.
-PASSES = {"pretrain": 3, "sft": 3, "sft_lora": 2, "dpo": 4, "rl": 3, "decode": 1}
-
-
 def step_flops(config, step: str, chips: int) -> float:
-    """Model FLOPs of one step per chip (PaLM's count, lm.model.counts.flops_per_token)."""
-    m, t = config.model, config.data.seq_len
-    if step == "decode":
-        return 2 * counts.flops_per_token(m, 1) / 6 * config.eval.batch_size / chips
-    rows = config.train.batch_size * (2 if step == "dpo" else 1)
-    if step == "rl":
-        rows = config.rl.prompts_per_step * config.rl.group_size // config.rl.minibatches
-    return counts.flops_per_token(m, t) * PASSES[step] / 3 * rows * t / chips
+    """Model FLOPs of one step per chip (PaLM's count, lm.model.counts.flops_per_token, is 6N per
+    token: three passes of 2N; the step's `passes` say how many it makes: lm.train.registry)."""
+    m, t, compiled = config.model, config.data.seq_len, compiled_step(step)
+    if compiled.generation:  # one token for each of eval.batch_size rows
+        return 2 * compiled.passes * counts.flops_per_token(m, 1) / 6 * config.eval.batch_size / chips
+    rows = compiled.update_rows(config) * compiled.rows_per_example
+    return counts.flops_per_token(m, t) * compiled.passes / 3 * rows * t / chips
 
 
 def _cost(name: str, config, target: Target, compiled) -> list[str]:

@@ -25,6 +25,8 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 
+from lm.sharding import to_host
+
 
 class Damaged(ValueError):
     """A checkpoint item that does not match what was saved; the message is the whole reason."""
@@ -103,12 +105,7 @@ def data_checksums(data_iter) -> dict[str, str]:
     state = json.loads(state.decode() if isinstance(state, bytes) else json.dumps(state))
     digest = np.frombuffer(bytes.fromhex(_json_digest(state)), np.uint8)
     count = jax.process_count()
-    if count > 1:
-        from jax.experimental import multihost_utils
-
-        digests = np.asarray(multihost_utils.process_allgather(digest))
-    else:
-        digests = digest[None]
+    digests = np.asarray(to_host(digest[None]))  # [processes, 32]
     return {data_file(i, count): bytes(d).hex() for i, d in enumerate(digests)}
 
 

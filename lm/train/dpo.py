@@ -25,6 +25,7 @@ import jax
 import numpy as np
 from jax.sharding import NamedSharding, PartitionSpec
 
+from lm.config import ConfigDict
 from lm.data.pipeline import ready_batches
 from lm.eval.answers import compare_answers
 from lm.model import counts
@@ -247,3 +248,17 @@ class Dpo(pairs.PairStage):
 
 def dpo(config, workdir, resume: bool = False, show_progress: bool = True) -> dict:
     return run_stage(Dpo(), config, workdir, resume, show_progress)
+
+
+def needs_reference(config) -> bool:
+    """Whether the loss reads a reference model (SimPO reads none)."""
+    return DpoSettings.from_config(config.dpo).needs_reference
+
+
+def compiled_step(config, devices, spec):
+    """The step `lm plan` compiles (lm.train.registry): DPO with a live reference, pairs per row
+    (the run's own spec: `spec` is not used)."""
+    config = ConfigDict(config.to_dict())
+    config.dpo.reference = "live"
+    run = build_dpo_run(config, devices)
+    return run, run.signature(pairs=True, extra=pairs.PAIR_EXTRA)

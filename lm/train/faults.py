@@ -129,9 +129,9 @@ def agree_any(flags: list[bool]) -> list[bool]:
 
     if jax.process_count() == 1:
         return [bool(f) for f in flags]
-    from jax.experimental import multihost_utils
+    from lm.sharding import to_host
 
-    gathered = multihost_utils.process_allgather(np.asarray(flags, np.int32))
+    gathered = to_host(np.asarray(flags, np.int32)[None])  # [processes, flags]
     return [bool(v) for v in np.asarray(gathered).reshape(-1, len(flags)).max(axis=0)]
 
 

@@ -99,3 +99,9 @@ def _sample(config, run, params, tok) -> str:
 
 def train(config, workdir, resume: bool = False, show_progress: bool = True) -> dict:
     return run_stage(Pretrain(), config, workdir, resume, show_progress)
+
+
+def compiled_step(config, devices, spec):
+    """The step `lm plan` compiles (lm.train.registry): the whole model trained on next tokens."""
+    run = build_run(config, devices=devices, spec=spec)
+    return run, run.signature()

@@ -36,10 +36,29 @@ SUMMARY_KEYS = ("reward", "kl", "loss", "response_length", "rollout_tokens_per_s
 
 def rl_config(config):
     """The config of an RL run: train.batch_size is the rows of one update minibatch (a new config)."""
-    r = config.rl
     out = ConfigDict(config.to_dict())
-    out.train.batch_size = r.prompts_per_step * r.group_size // r.minibatches
+    out.train.batch_size = update_rows(config)
     return out
+
+
+def update_rows(config) -> int:
+    """Rows of one update minibatch: the step's responses over rl.minibatches."""
+    r = config.rl
+    return r.prompts_per_step * r.group_size // r.minibatches
+
+
+def needs_reference(config) -> bool:
+    """Whether the KL term needs the reference's log-probs (rl.beta > 0)."""
+    return RlSettings.from_config(config.rl).needs_reference
+
+
+def compiled_step(config, devices, spec):
+    """The step `lm plan` compiles (lm.train.registry): one GRPO/PPO update minibatch, with the
+    reference when the KL needs one (the run's own spec: `spec` is not used)."""
+    run = build_rl_run(rl_config(config), devices)
+    fields = rl_step.extra_fields(RlSettings.from_config(run.config.rl))
+    t = run.config.data.seq_len
+    return run, run.signature(extra={k: ((t,), dt) for k, dt in fields.items()})
 
 
 def build_rl_run(config, devices=None):

@@ -129,3 +129,11 @@ def table(rows, n: int) -> str:
 
 def sft(config, workdir, resume: bool = False, show_progress: bool = True) -> dict:
     return run_stage(Sft(), config, workdir, resume, show_progress)
+
+
+def compiled_step(config, devices, spec):
+    """The step `lm plan` compiles (lm.train.registry): the SFT loss, over LoRA adapters alone when
+    model.lora_rank > 0 (the base frozen)."""
+    run = build_run(config, sft_loss, devices=devices, spec=spec,
+                    trainable=is_adapter if config.model.lora_rank > 0 else None)
+    return run, run.signature()

@@ -7,7 +7,7 @@ import pytest
 from lm.cli import main
 from lm.errors import UserError
 from lm.config import parse_sets
-from tests.test_cli_train import SMALL
+from tests.e2e.test_cli_train import SMALL
 
 
 def test_set_specs_need_a_name():

@@ -6,7 +6,7 @@ pytest.importorskip("transformers")
 
 from lm.cli import main  # noqa: E402
 from lm.data.synthetic import write_sort_task  # noqa: E402
-from tests.test_cli_sft import SFT  # noqa: E402
+from tests.e2e.test_cli_sft import SFT  # noqa: E402
 
 
 def test_exported_run_answers_as_lm_sample(small_base, tmp_path):

@@ -13,7 +13,7 @@ from lm.cli import main
 from lm.store.checkpoint import Checkpointer, saved_steps
 from lm.store.checkpoint_checks import seal
 from lm.train.workdir import lock_workdir
-from tests.test_cli_train import SMALL
+from tests.e2e.test_cli_train import SMALL
 
 
 def _copy(small_base, tmp_path) -> pathlib.Path:

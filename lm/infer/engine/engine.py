@@ -22,7 +22,7 @@ import numpy as np
 
 from lm.errors import UserError
 from lm.infer.engine.pages import PageAllocator
-from lm.infer.engine.pool import Placement, init_pool
+from lm.infer.engine.pool import Placement, abstract_pool, init_pool
 from lm.infer.engine.rows import RowSettings
 from lm.infer.engine.steps import NO_TOKEN, compiled
 from lm.infer.sampling import SamplingParams
@@ -240,9 +240,7 @@ class Engine:
         reach = int((self.state["pos"][live] + steps).max())
         table_w = bucket(-(-min(reach, self.max_len) // cfg.page_size), max(1, self.table_width // 8),
                          self.table_width)
-        decode = self._decode
-        if self.slot_major and table_w > self.table_width // 2:  # reading in place beats gathering most pages
-            table_w, decode = self.table_width, self._decode_in_place
+        table_w, decode = self.decode_program(table_w)
         put = self.place.put
         if self._device is None:  # rows changed on the host: send them; else the last call's output goes back in
             self._device = {k: put(v) for k, v in self.state.items()} | {
@@ -266,6 +264,22 @@ class Engine:
                 reason = "cancelled" if r.cancelled else "stop" if stop else (
                     "eos" if r.ids and r.ids[-1] in r.eos else "length")
                 self._release(r, reason)
+
+    def decode_program(self, table_w: int):
+        """(table width, compiled decode block) of a decode call whose rows reach `table_w` pages."""
+        if self.slot_major and table_w > self.table_width // 2:  # reading in place beats gathering most pages
+            return self.table_width, self._decode_in_place
+        return table_w, self._decode
+
+    def abstract_decode(self, params):
+        """(compiled decode block, its abstract arguments) of a call over every slot's whole page
+        table, for compiling ahead of time: params as given (ShapeDtypeStructs), nothing allocated."""
+        width, decode = self.decode_program(self.table_width)
+        put = self.place.abstract
+        state = {k: put(v) for k, v in self.state.items()} | {
+            "settings": {k: put(v) for k, v in self.settings.arrays().items()}}
+        limit = jax.ShapeDtypeStruct((), np.int32, sharding=self.place.sharding(()))
+        return decode, (params, abstract_pool(self.model, self.place), state, put(self.table[:, :width]), limit)
 
     def _release(self, r: Request, reason: str) -> None:
         self.state["live"][r.slot] = False

@@ -11,7 +11,7 @@ import jax.numpy as jnp
 import numpy as np
 from jax.sharding import NamedSharding, PartitionSpec
 
-from lm.sharding import batch_sharding, logical_sharding, split_count
+from lm.sharding import batch_sharding, logical_sharding, split_count, to_host
 
 
 class Placement:
@@ -29,23 +29,29 @@ class Placement:
         """n rounded up to a multiple of the batch shards."""
         return -(-n // self.shards) * self.shards
 
+    def sharding(self, shape) -> NamedSharding | None:
+        """Where `put` places an array of `shape`: rows over the batch axes when they divide evenly,
+        else replicated (None: the default device)."""
+        if self.mesh is None:
+            return None
+        split = len(shape) and shape[0] % self.shards == 0
+        return NamedSharding(self.mesh, PartitionSpec(self.batch_axes) if split else PartitionSpec())
+
     def put(self, x):
         x = np.asarray(x)
         if self.mesh is None:
             return jax.device_put(x)
-        split = x.ndim and x.shape[0] % self.shards == 0
-        spec = PartitionSpec(self.batch_axes) if split else PartitionSpec()
-        return jax.device_put(x, NamedSharding(self.mesh, spec))
+        return jax.device_put(x, self.sharding(x.shape))
+
+    def abstract(self, x) -> jax.ShapeDtypeStruct:
+        """What `put(x)` makes, without making it (for compiling ahead of time)."""
+        x = np.asarray(x)
+        return jax.ShapeDtypeStruct(x.shape, x.dtype, sharding=self.sharding(x.shape))
 
     @staticmethod
     def host(tree):
-        """Whole arrays on this host, in one transfer (with several processes, each holds only its
-        shards: gathered)."""
-        if all(x.is_fully_addressable for x in jax.tree.leaves(tree)):
-            return jax.device_get(tree)
-        from jax.experimental import multihost_utils
-
-        return jax.tree.map(np.asarray, multihost_utils.process_allgather(tree, tiled=True))
+        """Whole arrays on this host, in one transfer (with several processes: gathered)."""
+        return to_host(tree)
 
 
 @functools.lru_cache(maxsize=16)
@@ -60,17 +66,28 @@ def init_pool(model, place: Placement):
     return _zeros(model, place.mesh, place.rules)()
 
 
+def abstract_pool(model, place: Placement):
+    """What `init_pool` makes, as ShapeDtypeStructs with their shardings (for compiling ahead of time)."""
+    shapes, shardings = nn.unbox(_abstract_pool(model)), _pool_shardings(model, place.mesh, place.rules)
+    if shardings is None:
+        return shapes
+    return jax.tree.map(lambda a, sh: jax.ShapeDtypeStruct(a.shape, a.dtype, sharding=sh), shapes, shardings)
+
+
+def _pool_shardings(model, mesh, rules):
+    if mesh is None:
+        return None
+    specs = nn.get_partition_spec(_abstract_pool(model))
+    return jax.tree.map(lambda spec: logical_sharding(mesh, rules, tuple(spec)), specs,
+                        is_leaf=lambda x: isinstance(x, PartitionSpec))
+
+
 @functools.lru_cache(maxsize=16)
 def _zeros(model, mesh, rules):
     """The jitted zeros of one model's pool on one mesh (compiled once, however many engines)."""
-    boxed = _abstract_pool(model)
-    shapes = nn.unbox(boxed)
-    shardings = None
-    if mesh is not None:
-        specs = nn.get_partition_spec(boxed)
-        shardings = jax.tree.map(lambda spec: logical_sharding(mesh, rules, tuple(spec)), specs,
-                                 is_leaf=lambda x: isinstance(x, PartitionSpec))
-    return jax.jit(lambda: jax.tree.map(lambda a: jnp.zeros(a.shape, a.dtype), shapes), out_shardings=shardings)
+    shapes = nn.unbox(_abstract_pool(model))
+    return jax.jit(lambda: jax.tree.map(lambda a: jnp.zeros(a.shape, a.dtype), shapes),
+                   out_shardings=_pool_shardings(model, mesh, rules))
 
 
 def pool_bytes(pool) -> int:

@@ -20,13 +20,22 @@ from lm.infer.engine.rows import choose_rows, row_keys
 NO_TOKEN = -1
 
 
+def forward(model, params, cache, ids, seg, pos, table, logits_at=None):
+    """Writes a chunk of tokens [R, W] (segment 0 = padding, written nowhere) at positions `pos` of
+    the sequences whose pages are `table` [R, pages] into the pool -> (float32 logits [R, W, V], or
+    [R, 1, V] at index `logits_at` [R] of each row; the pool). Every step of the engine runs it, and
+    speculative decoding scores its drafts with it (lm.infer.speculative)."""
+    logits, updated = model.apply({"params": params, "cache": cache}, ids, seg, pos, decode=True,
+                                  logits_at=logits_at, page_table=table, mutable=["cache"])
+    return logits, updated["cache"]
+
+
 def prefill(model, params, cache, ids, seg, pos, table, last, keys, counts, settings):
     """Writes prompt chunks [R, W] (segment 0 = padding) into the pool and chooses, from the logits
     at index `last` [R] of each row, a pending token (used by rows whose prompt ends here)."""
-    logits, updated = model.apply({"params": params, "cache": cache}, ids, seg, pos, decode=True,
-                                  logits_at=last, page_table=table, mutable=["cache"])
+    logits, cache = forward(model, params, cache, ids, seg, pos, table, last)
     tokens, logp = choose_rows(row_keys(keys, counts), logits[:, 0], settings)
-    return updated["cache"], tokens, logp
+    return cache, tokens, logp
 
 
 def decode_block(model, n: int, params, cache, state, table, limit):
@@ -45,13 +54,12 @@ def decode_block(model, n: int, params, cache, state, table, limit):
         out_logp = c["out_logp"].at[:, i].set(jnp.where(live, s["logp"], 0.0))
         ended = jnp.any(s["tokens"][:, None] == s["eos"], axis=-1) | (s["left"] <= 1)
         feed = live & ~ended
-        logits, cache = model.apply({"params": params, "cache": c["cache"]}, s["tokens"][:, None],
-                                    feed.astype(jnp.int32)[:, None], s["pos"][:, None], decode=True,
-                                    page_table=table, mutable=["cache"])
+        logits, cache = forward(model, params, c["cache"], s["tokens"][:, None], feed.astype(jnp.int32)[:, None],
+                                s["pos"][:, None], table)
         tokens, logp = choose_rows(row_keys(s["keys"], s["count"]), logits[:, 0], s["settings"])
         s = s | dict(tokens=jnp.where(feed, tokens, s["tokens"]), logp=jnp.where(feed, logp, s["logp"]),
                      pos=s["pos"] + feed, live=feed, count=s["count"] + feed, left=s["left"] - live)
-        return dict(cache=cache["cache"], s=s, i=i + 1, out=out, out_logp=out_logp)
+        return dict(cache=cache, s=s, i=i + 1, out=out, out_logp=out_logp)
 
     start = dict(cache=cache, s=state, i=jnp.zeros((), jnp.int32),
                  out=jnp.full((rows, n), NO_TOKEN, jnp.int32), out_logp=jnp.zeros((rows, n), jnp.float32))

@@ -42,9 +42,3 @@ class Backend(Protocol):
 
 FINISH = {"eos": "stop", "stop": "stop", "length": "length", "cancelled": "cancelled"}  # -> OpenAI's reasons
 
-
-def held_back(text: str, stop: tuple[str, ...]) -> int:
-    """Characters at the end of `text` that may be the start of a stop string (not shown yet:
-    the next piece may complete the stop string, and its text is never part of a completion)."""
-    return max((k for s in stop for k in range(min(len(s) - 1, len(text)), 0, -1) if text.endswith(s[:k])),
-               default=0)

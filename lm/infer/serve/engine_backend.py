@@ -9,13 +9,15 @@ from typing import Iterator
 import jax
 import numpy as np
 
-from lm.data.chat import ChatTemplate, check_messages
+from lm.data import chat
+from lm.data.chat import ChatTemplate
 from lm.errors import UserError
 from lm.infer.engine.engine import Engine, EngineConfig, Request
 from lm.infer.engine.service import EngineService
 from lm.infer.generate import generation_context
 from lm.infer.sampling import SamplingParams
-from lm.infer.serve.backend import FINISH, Delta, held_back
+from lm.infer.serve.backend import FINISH, Delta
+from lm.infer.stops import StopWatch
 
 
 class EngineStream:
@@ -24,36 +26,19 @@ class EngineStream:
 
     def __init__(self, tokenizer, prompt_ids: list[int], sampling: SamplingParams, stop: tuple[str, ...],
                  eos: tuple[int, ...]):
-        self.tokenizer, self.stop, self.prompt_tokens = tokenizer, stop, len(prompt_ids)
-        self.ids: list[int] = []
-        self.shown = 0
+        self.watch, self.prompt_tokens = StopWatch(tokenizer, stop), len(prompt_ids)
         self.deltas: queue.Queue = queue.Queue()
         # the key `lm sample --seed` gives its first prompt: the same seed draws the same tokens
         key = np.asarray(jax.random.fold_in(jax.random.PRNGKey(sampling.seed), 0), np.uint32)
         self.request = Request(list(prompt_ids), sampling, eos, key=key, on_tokens=self._on_tokens,
                                on_done=self._on_done)
 
-    def _text(self) -> tuple[str, bool]:
-        """The text so far, cut before the first stop string, and whether one was found."""
-        text = self.tokenizer.decode(np.asarray(self.ids, np.int32))
-        hits = [i for i in (text.find(s) for s in self.stop) if i >= 0]
-        return (text[: min(hits)], True) if hits else (text, False)
-
     def _on_tokens(self, ids, logps) -> bool:
-        self.ids += [int(t) for t in ids]
-        text, hit = self._text()
-        final = text if hit else text.rstrip("\ufffd")
-        safe = len(final) - (0 if hit else held_back(final, self.stop))
-        if safe > self.shown:
-            self.deltas.put(Delta(final[self.shown:safe], [int(t) for t in ids], None))
-            self.shown = safe
-        else:
-            self.deltas.put(Delta("", [int(t) for t in ids], None))
-        return hit
+        self.deltas.put(Delta(self.watch.add(ids), [int(t) for t in ids], None))
+        return self.watch.hit
 
     def _on_done(self, request: Request) -> None:
-        text, _ = self._text()
-        self.deltas.put(Delta(text[self.shown:], [], FINISH[request.finish]))
+        self.deltas.put(Delta(self.watch.rest(), [], FINISH[request.finish]))
 
     def __iter__(self) -> Iterator[Delta]:
         while True:
@@ -84,8 +69,7 @@ class EngineBackend:
     def prompt_ids(self, prompt=None, messages=None):
         if messages is None:
             return [int(t) for t in self.tokenizer.encode(prompt)], ()
-        check_messages(messages, for_prompt=True)
-        return [int(t) for t in self.template.prompt(messages)], tuple(self.template.stop_strings)
+        return chat.prompt_ids(self.template, messages), tuple(self.template.stop_strings)
 
     def submit(self, prompt_ids, sampling, stop) -> EngineStream:
         stream = EngineStream(self.tokenizer, prompt_ids, sampling, tuple(stop), tuple(self.template.stop_ids))

@@ -1,0 +1,1 @@
+"""Independent references that optimised paths are checked and measured against."""

@@ -28,11 +28,11 @@ import jax.numpy as jnp
 import numpy as np
 
 from lm.config import base_config
-from lm.plan.hardware import chip_of_kind
 from lm.model.apply import target_logprobs
 from lm.model.attention import attend, reference_attention, segment_causal_mask
 from lm.model.layers import ModelSpec
 from lm.model.transformer import Transformer, init_params
+from lm.plan.hardware import chip_of_kind
 from lm.train.perf import measure_matmul_peak
 
 IMPLEMENTATIONS = ("cudnn", "xla", "blockwise")
@@ -84,8 +84,9 @@ def _leak(moved, changed, others) -> float:
 # ---- attention ----------------------------------------------------------------------------------
 
 
-def attention_errors(candidate, segment_ids, dtype: str = "bfloat16", heads=(4, 2), head_dim: int = 64,
-                     seed: int = 0) -> dict:
+def attention_errors(
+    candidate, segment_ids, dtype: str = "bfloat16", heads=(4, 2), head_dim: int = 64, seed: int = 0
+) -> dict:
     """Errors of `candidate(q, k, v, segment_ids)` against lm's reference attention computed in float32
     (highest precision) from the same inputs: the output and the gradients of q, k, v at real (non-padding)
     positions, each as `_max_error`; `leak`: how far other documents' outputs move when document 1's
@@ -108,6 +109,7 @@ def attention_errors(candidate, segment_ids, dtype: str = "bfloat16", heads=(4, 
         def outputs(q, k, v):
             (_, out), grads = jax.value_and_grad(loss, argnums=(0, 1, 2), has_aux=True)(q, k, v)
             return out, *grads, fn(q, k + noise, v + noise)
+
         return jax.jit(outputs)(q, k, v)
 
     with jax.default_matmul_precision("highest"):
@@ -125,9 +127,18 @@ def model_errors(attention: str, dtype: str, segment_ids, seed: int = 0) -> dict
     1's tokens change (`_leak`)."""
     b, t = segment_ids.shape
     # init_std 1/sqrt(d_model), not 0.02: attention must matter in the logits, or a leak would hide in them
-    spec = dataclasses.replace(ModelSpec.from_config(base_config().model), d_model=256, n_heads=4, n_kv_heads=2,
-                               head_dim=64, d_ff=512, n_layers=2, max_seq_len=t, compute_dtype=dtype,
-                               init_std=256 ** -0.5)
+    spec = dataclasses.replace(
+        ModelSpec.from_config(base_config().model),
+        d_model=256,
+        n_heads=4,
+        n_kv_heads=2,
+        head_dim=64,
+        d_ff=512,
+        n_layers=2,
+        max_seq_len=t,
+        compute_dtype=dtype,
+        init_std=256**-0.5,
+    )
     rng = np.random.default_rng(seed)
     inputs, targets = (jnp.asarray(rng.integers(1, spec.vocab_size, (b, t)), jnp.int32) for _ in range(2))
     seg, positions = jnp.asarray(segment_ids), jnp.asarray(document_positions(segment_ids))
@@ -146,6 +157,7 @@ def model_errors(attention: str, dtype: str, segment_ids, seed: int = 0) -> dict
         def outputs(p):
             (_, logits), grads = jax.value_and_grad(loss, has_aux=True)(p)
             return logits, grads
+
         # the same compiled forward on both inputs: two programs could round differently (TF32, fusions)
         # and show a "leak" of ~1e-3 that is not one
         forward = jax.jit(logits_of)
@@ -154,8 +166,10 @@ def model_errors(attention: str, dtype: str, segment_ids, seed: int = 0) -> dict
     (want, want_g, _, _), (got, got_g, plain, got_changed) = run("reference"), run(attention)
     norm = lambda tree: math.sqrt(sum(float(jnp.sum(jnp.square(_f32(x)))) for x in jax.tree.leaves(tree)))
     rows, doc1 = real[:, :, None], (seg == 1)[:, :, None]
-    errors = {"logits": norm(jnp.where(rows, _f32(got) - want, 0)) / norm(jnp.where(rows, want, 0)),
-              "grads": norm(jax.tree.map(lambda g, w: _f32(g) - _f32(w), got_g, want_g)) / norm(want_g)}
+    errors = {
+        "logits": norm(jnp.where(rows, _f32(got) - want, 0)) / norm(jnp.where(rows, want, 0)),
+        "grads": norm(jax.tree.map(lambda g, w: _f32(g) - _f32(w), got_g, want_g)) / norm(want_g),
+    }
     errors["leak"] = _leak(jnp.abs(got_changed - plain), doc1, rows & ~doc1)
     return errors
 
@@ -232,19 +246,28 @@ def throughput_rows(quick: bool = False) -> list[dict]:
     measured = measure_matmul_peak("bfloat16", n=n, min_seconds=0.2 if quick else 1.0)
     peak, label = mfu_peak(device.device_kind, measured)
     vendor = f" = {measured / chip.bf16_flops:.0%} of {chip.name}'s {chip.bf16_flops / 1e12:.0f}" if chip else ""
-    rows = [row(f"matmul peak bf16 {n}^3 ({device.device_kind})",
-                "pass" if chip is None or measured <= 1.05 * chip.bf16_flops else "FAIL",
-                f"{measured / 1e12:.2f} TFLOP/s{vendor}" + ("" if chip else " (no vendor figure)"),
-                "<= vendor peak (else a wrong chip)")]
+    rows = [
+        row(
+            f"matmul peak bf16 {n}^3 ({device.device_kind})",
+            "pass" if chip is None or measured <= 1.05 * chip.bf16_flops else "FAIL",
+            f"{measured / 1e12:.2f} TFLOP/s{vendor}" + ("" if chip else " (no vendor figure)"),
+            "<= vendor peak (else a wrong chip)",
+        )
+    ]
     check = f"train step bf16, {BATCH}x{SEQ} tokens (train_throughput.py)"
     try:
         ours = measure_ours("bfloat16", 3 if quick else 20, 1 if quick else 2, peak)
     except Exception as e:  # noqa: BLE001
         return rows + [row(check, "FAIL", failure(e))]
     ok = 0 < ours["mfu"] <= 1 and math.isfinite(ours["loss"])
-    rows.append(row(check, "pass" if ok else "FAIL", f"{ours['tokens_per_s']:.0f} tok/s, {ours['ms_per_step']:.1f} "
-                    f"ms/step, MFU {ours['mfu']:.1%} of {label}",
-                    "0 < MFU <= 100%, finite loss"))
+    rows.append(
+        row(
+            check,
+            "pass" if ok else "FAIL",
+            f"{ours['tokens_per_s']:.0f} tok/s, {ours['ms_per_step']:.1f} ms/step, MFU {ours['mfu']:.1%} of {label}",
+            "0 < MFU <= 100%, finite loss",
+        )
+    )
     return rows
 
 
@@ -292,8 +315,14 @@ def decode_rows(path) -> list[dict]:
             rows.append(row(check, "skip", figure + "; no transformers peer", f">= {DECODE_TARGET}x generate"))
             continue
         ratio = r["ours_vs_peer"]
-        rows.append(row(check, "pass" if ratio >= DECODE_TARGET else "below",
-                        figure + f", generate {r['peer_tokens_per_s']:.0f}: {ratio:.2f}x", f">= {DECODE_TARGET}x generate"))
+        rows.append(
+            row(
+                check,
+                "pass" if ratio >= DECODE_TARGET else "below",
+                figure + f", generate {r['peer_tokens_per_s']:.0f}: {ratio:.2f}x",
+                f">= {DECODE_TARGET}x generate",
+            )
+        )
     return rows
 
 
@@ -301,11 +330,13 @@ def probe() -> int:
     device = jax.devices()[0]
     print(f"jax {jax.__version__}: {len(jax.devices())} x {device.device_kind} ({device.platform})", file=sys.stderr)
     if device.platform == "cpu" and os.environ.get("ALLOW_CPU") != "1":
-        print("JAX sees no accelerator (JAX_PLATFORMS=%r). On an NVIDIA GPU host install jax's CUDA plugin into the "
-              "venv: .venv/bin/pip install 'jax[cuda12]==0.10.2' (or jax[cuda13]); on a Cloud TPU VM: "
-              ".venv/bin/pip install 'jax[tpu]==0.10.2'. Look for jax's 'falling back to cpu' warning above. "
-              "ALLOW_CPU=1 runs everything on CPU as a smoke test." % os.environ.get("JAX_PLATFORMS", ""),
-              file=sys.stderr)
+        print(
+            "JAX sees no accelerator (JAX_PLATFORMS=%r). On an NVIDIA GPU host install jax's CUDA plugin into the "
+            "venv: .venv/bin/pip install 'jax[cuda12]==0.10.2' (or jax[cuda13]); on a Cloud TPU VM: "
+            ".venv/bin/pip install 'jax[tpu]==0.10.2'. Look for jax's 'falling back to cpu' warning above. "
+            "ALLOW_CPU=1 runs everything on CPU as a smoke test." % os.environ.get("JAX_PLATFORMS", ""),
+            file=sys.stderr,
+        )
         return 3
     print(device.platform)
     return 0

@@ -1,8 +1,8 @@
 """How far a reader walks through the code: the `lm` files that run from the command line to the
 first generated token of `lm sample --params HF_DIR` (a tiny random Llama written by transformers),
-in the order their functions are first called (imports alone do not count), and the calls that climb back up the layers of pyproject.toml's
-import-linter contract (a call from a module into a module of a higher layer: a callback or a
-function handed down). Prints both counts and the walk.
+in the order their functions are first called (imports alone do not count), and the calls that climb
+back up the layers of pyproject.toml's import-linter contract (a call from a module into a module of
+a higher layer: a callback or a function handed down). Prints both counts and the walk.
 
     .venv/bin/python bench/code_walk.py                # this checkout
     PYTHONPATH=OTHER .venv/bin/python bench/code_walk.py --root OTHER   # another checkout, same way
@@ -87,11 +87,14 @@ def main() -> None:
         hf = pathlib.Path(tmp) / "hf"
         write_model("llama3", hf)
         write_tokenizer(hf)
-        order, climbs = walk(root, ["sample", "--params", str(hf), "--prompt", "a", "--max-new-tokens", "1",
-                                    "--temperature", "0"])
+        order, climbs = walk(
+            root, ["sample", "--params", str(hf), "--prompt", "a", "--max-new-tokens", "1", "--temperature", "0"]
+        )
     files = sorted({m for m in order})
-    print(f"lm sample --params HF_DIR to its first token: {len(files)} files of lm/ run, "
-          f"{len(set(climbs))} distinct upward calls ({len(climbs)} in all)")
+    print(
+        f"lm sample --params HF_DIR to its first token: {len(files)} files of lm/ run, "
+        f"{len(set(climbs))} distinct upward calls ({len(climbs)} in all)"
+    )
     for m in order:
         print(f"  {m}")
     for caller, callee in sorted(set(climbs)):

@@ -63,7 +63,7 @@ def eval_set(train: Path, path: Path, examples: int, short: float, seed: int = 0
         else:
             t = texts[i % len(texts)]
             at = int(rng.integers(0, max(len(t) - n, 1)))
-            rows.append({"prompt": " ".join(t[at:at + n - 1]), "answer": " ".join(t[at + n - 1:at + n])})
+            rows.append({"prompt": " ".join(t[at : at + n - 1]), "answer": " ".join(t[at + n - 1 : at + n])})
     path.write_text("".join(json.dumps(r) + "\n" for r in rows))
 
 
@@ -83,7 +83,7 @@ def peer(train: Path, eval_file: Path, split=regex_split, n: int = N, min_words:
     grams: dict[int, set] = {}
     for _, ws in examples:
         if len(ws) >= n:
-            grams.setdefault(n, set()).update(tuple(ws[i:i + n]) for i in range(len(ws) - n + 1))
+            grams.setdefault(n, set()).update(tuple(ws[i : i + n]) for i in range(len(ws) - n + 1))
         elif len(ws) >= min_words:
             grams.setdefault(len(ws), set()).add(tuple(ws))
     found = set()
@@ -91,11 +91,11 @@ def peer(train: Path, eval_file: Path, split=regex_split, n: int = N, min_words:
         for doc, _ in iter_documents(path):
             ws = split(doc.decode("utf-8", errors="replace"))
             for k, targets in grams.items():
-                found.update(g for g in (tuple(ws[i:i + k]) for i in range(len(ws) - k + 1)) if g in targets)
+                found.update(g for g in (tuple(ws[i : i + k]) for i in range(len(ws) - k + 1)) if g in targets)
     dirty = []
     for line, ws in examples:
         k = n if len(ws) >= n else len(ws)
-        if len(ws) >= min_words and any(tuple(ws[i:i + k]) in found for i in range(len(ws) - k + 1)):
+        if len(ws) >= min_words and any(tuple(ws[i : i + k]) in found for i in range(len(ws) - k + 1)):
             dirty.append(line)
     return dirty
 
@@ -113,10 +113,14 @@ def main(argv=None) -> None:
         train.mkdir()
         total = capped_stdlib(train, int(args.max_mb * 1e6))
         eval_set(train, eval_file, args.examples, args.short)
-        print(f"training text: {total / 1e6:.1f} MB of the standard library; eval: {args.examples} examples, "
-              f"{args.short:.0%} of 8-12 words")
-        print(f"{'round':>5} {'ours MB/s':>10} {'peer MB/s':>10} {'ours/peer':>10} {'peer*':>8} {'ours/peer*':>10}"
-              "  flagged (ours, peer, peer*)")
+        print(
+            f"training text: {total / 1e6:.1f} MB of the standard library; eval: {args.examples} examples, "
+            f"{args.short:.0%} of 8-12 words"
+        )
+        print(
+            f"{'round':>5} {'ours MB/s':>10} {'peer MB/s':>10} {'ours/peer':>10} {'peer*':>8} {'ours/peer*':>10}"
+            "  flagged (ours, peer, peer*)"
+        )
         rounds = []
         for r in range(args.rounds):
             t0 = time.perf_counter()
@@ -129,21 +133,43 @@ def main(argv=None) -> None:
             theirs_fast = peer(train, eval_file, fast_split)
             fast_s = time.perf_counter() - t0
             mb = total / 1e6
-            rounds.append({"ours_mb_per_s": mb / ours_s, "peer_mb_per_s": mb / peer_s, "ratio": peer_s / ours_s,
-                           "peer_fast_split_mb_per_s": mb / fast_s, "ratio_fast_split": fast_s / ours_s,
-                           "flagged": [len(ours), len(theirs), len(theirs_fast)],
-                           "agree": ours == theirs == theirs_fast})
+            rounds.append(
+                {
+                    "ours_mb_per_s": mb / ours_s,
+                    "peer_mb_per_s": mb / peer_s,
+                    "ratio": peer_s / ours_s,
+                    "peer_fast_split_mb_per_s": mb / fast_s,
+                    "ratio_fast_split": fast_s / ours_s,
+                    "flagged": [len(ours), len(theirs), len(theirs_fast)],
+                    "agree": ours == theirs == theirs_fast,
+                }
+            )
             x = rounds[-1]
-            print(f"{r + 1:>5} {x['ours_mb_per_s']:>10.1f} {x['peer_mb_per_s']:>10.1f} {x['ratio']:>10.2f} "
-                  f"{x['peer_fast_split_mb_per_s']:>8.1f} {x['ratio_fast_split']:>10.2f}  "
-                  f"{', '.join(map(str, x['flagged']))} ({'agree' if x['agree'] else 'DIFFER'})", flush=True)
+            print(
+                f"{r + 1:>5} {x['ours_mb_per_s']:>10.1f} {x['peer_mb_per_s']:>10.1f} {x['ratio']:>10.2f} "
+                f"{x['peer_fast_split_mb_per_s']:>8.1f} {x['ratio_fast_split']:>10.2f}  "
+                f"{', '.join(map(str, x['flagged']))} ({'agree' if x['agree'] else 'DIFFER'})",
+                flush=True,
+            )
     med = {k: statistics.median(x[k] for x in rounds) for k in rounds[0] if k not in ("flagged", "agree")}
-    print(f"median: ours {med['ours_mb_per_s']:.1f} MB/s, peer {med['peer_mb_per_s']:.1f} MB/s, "
-          f"ours/peer {med['ratio']:.2f}x; peer* (our word splitting) {med['peer_fast_split_mb_per_s']:.1f} MB/s, "
-          f"ours/peer* {med['ratio_fast_split']:.2f}x (medians of per-round figures)")
+    print(
+        f"median: ours {med['ours_mb_per_s']:.1f} MB/s, peer {med['peer_mb_per_s']:.1f} MB/s, "
+        f"ours/peer {med['ratio']:.2f}x; peer* (our word splitting) {med['peer_fast_split_mb_per_s']:.1f} MB/s, "
+        f"ours/peer* {med['ratio_fast_split']:.2f}x (medians of per-round figures)"
+    )
     if args.out:
-        Path(args.out).write_text(json.dumps({"train_mb": total / 1e6, "examples": args.examples,
-                                              "short": args.short, "median": med, "rounds": rounds}, indent=1))
+        Path(args.out).write_text(
+            json.dumps(
+                {
+                    "train_mb": total / 1e6,
+                    "examples": args.examples,
+                    "short": args.short,
+                    "median": med,
+                    "rounds": rounds,
+                },
+                indent=1,
+            )
+        )
 
 
 if __name__ == "__main__":

@@ -20,8 +20,9 @@ import statistics
 import sys
 import time
 
-os.environ["XLA_FLAGS"] = re.sub(r"--xla_force_host_platform_device_count=\S+", "",
-                                 os.environ.get("XLA_FLAGS", "")).strip()
+os.environ["XLA_FLAGS"] = re.sub(
+    r"--xla_force_host_platform_device_count=\S+", "", os.environ.get("XLA_FLAGS", "")
+).strip()
 sys.path.insert(0, str(pathlib.Path(__file__).resolve().parent.parent))
 import flax.linen as nn  # noqa: E402
 import jax  # noqa: E402
@@ -30,8 +31,8 @@ import numpy as np  # noqa: E402
 from bench.decode_throughput import SHAPE, spec  # noqa: E402
 from lm.infer.engine.engine import Engine, EngineConfig, Request  # noqa: E402
 from lm.infer.sampling import SamplingParams  # noqa: E402
-from tests.reference.static_decoder import StaticGenerator  # noqa: E402
 from lm.model.transformer import Transformer, init_params  # noqa: E402
+from tests.reference.static_decoder import StaticGenerator  # noqa: E402
 
 
 def workload(n: int, seed: int = 0):
@@ -43,7 +44,9 @@ def workload(n: int, seed: int = 0):
 
 def run_engine(model, params, prompts, budgets, slots: int) -> tuple[float, int]:
     engine = Engine(model, max_len=model.spec.max_seq_len, config=EngineConfig(slots=slots))
-    requests = [Request(p, SamplingParams(max_new_tokens=b, temperature=0), eos=(-1,)) for p, b in zip(prompts, budgets)]
+    requests = [
+        Request(p, SamplingParams(max_new_tokens=b, temperature=0), eos=(-1,)) for p, b in zip(prompts, budgets)
+    ]
     start = time.perf_counter()
     engine.run(params, requests)
     wall = time.perf_counter() - start
@@ -54,11 +57,12 @@ def run_engine(model, params, prompts, budgets, slots: int) -> tuple[float, int]
 def run_static(model, params, prompts, budgets, slots: int, cache: dict) -> tuple[float, int]:
     start = time.perf_counter()
     for i in range(0, len(prompts), slots):
-        longest = max(budgets[i:i + slots])
+        longest = max(budgets[i : i + slots])
         if longest not in cache:
-            cache[longest] = StaticGenerator(model, params, SamplingParams(max_new_tokens=longest, temperature=0),
-                                             eos_id=-1)
-        out = cache[longest](prompts[i:i + slots])
+            cache[longest] = StaticGenerator(
+                model, params, SamplingParams(max_new_tokens=longest, temperature=0), eos_id=-1
+            )
+        out = cache[longest](prompts[i : i + slots])
         assert all(len(ids) == longest for ids in out.ids)
     return time.perf_counter() - start, sum(budgets)
 
@@ -81,14 +85,22 @@ def main():
         engine.append(tokens / wall)
         wall, tokens = run_static(model, params, prompts, budgets, args.slots, cache)
         static.append(tokens / wall)
-        print(f"round {r}: continuous {engine[-1]:.0f} tok/s, static {static[-1]:.0f} tok/s, "
-              f"ratio {engine[-1] / static[-1]:.2f}", flush=True)
-    padded = sum(max(budgets[i:i + args.slots]) * len(budgets[i:i + args.slots])
-                 for i in range(0, len(budgets), args.slots))
-    print(f"\n{args.requests} requests, {args.slots} slots, {sum(budgets)} useful new tokens "
-          f"(a static batch decodes {padded} row-steps: {padded / sum(budgets):.2f}x)")
-    print(f"continuous {statistics.median(engine):.0f} tok/s, static {statistics.median(static):.0f} tok/s, "
-          f"continuous / static (median of rounds) {statistics.median(e / s for e, s in zip(engine, static)):.2f}")
+        print(
+            f"round {r}: continuous {engine[-1]:.0f} tok/s, static {static[-1]:.0f} tok/s, "
+            f"ratio {engine[-1] / static[-1]:.2f}",
+            flush=True,
+        )
+    padded = sum(
+        max(budgets[i : i + args.slots]) * len(budgets[i : i + args.slots]) for i in range(0, len(budgets), args.slots)
+    )
+    print(
+        f"\n{args.requests} requests, {args.slots} slots, {sum(budgets)} useful new tokens "
+        f"(a static batch decodes {padded} row-steps: {padded / sum(budgets):.2f}x)"
+    )
+    print(
+        f"continuous {statistics.median(engine):.0f} tok/s, static {statistics.median(static):.0f} tok/s, "
+        f"continuous / static (median of rounds) {statistics.median(e / s for e, s in zip(engine, static)):.2f}"
+    )
 
 
 if __name__ == "__main__":

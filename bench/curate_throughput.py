@@ -55,8 +55,11 @@ def measure(inputs: Path, work: Path, enabled: dict[str, bool], workers: int) ->
     start = time.perf_counter()
     report = curate([str(inputs)], work, cfg, workers=workers, progress=False, show_report=False)
     seconds = time.perf_counter() - start
-    return {"seconds": round(seconds, 2), "mb_per_s": round(report["in"]["bytes"] / 1e6 / seconds, 3),
-            "kept_bytes_frac": round(report["kept"]["bytes"] / max(1, report["in"]["bytes"]), 3)}
+    return {
+        "seconds": round(seconds, 2),
+        "mb_per_s": round(report["in"]["bytes"] / 1e6 / seconds, 3),
+        "kept_bytes_frac": round(report["kept"]["bytes"] / max(1, report["in"]["bytes"]), 3),
+    }
 
 
 def main(argv=None) -> None:
@@ -75,11 +78,13 @@ def main(argv=None) -> None:
         for i, (name, enabled) in enumerate(runs()):
             fig = measure(inputs, Path(tmp) / f"out{i}", enabled, args.workers)
             figures[name] = fig
-            print(f"{name:<26} {fig['seconds']:>8.2f} {fig['mb_per_s']:>7.3f} {fig['kept_bytes_frac']:>10.1%}",
-                  flush=True)
+            print(
+                f"{name:<26} {fig['seconds']:>8.2f} {fig['mb_per_s']:>7.3f} {fig['kept_bytes_frac']:>10.1%}", flush=True
+            )
     if args.out:
-        Path(args.out).write_text(json.dumps({"input_mb": total / 1e6, "workers": args.workers,
-                                              "figures": figures}, indent=2) + "\n")
+        Path(args.out).write_text(
+            json.dumps({"input_mb": total / 1e6, "workers": args.workers, "figures": figures}, indent=2) + "\n"
+        )
 
 
 if __name__ == "__main__":

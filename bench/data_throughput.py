@@ -27,8 +27,9 @@ import tempfile
 import time
 
 # The train step is measured on this machine's real device(s), not 8 simulated ones.
-os.environ["XLA_FLAGS"] = re.sub(r"--xla_force_host_platform_device_count=\S+", "",
-                                 os.environ.get("XLA_FLAGS", "")).strip()
+os.environ["XLA_FLAGS"] = re.sub(
+    r"--xla_force_host_platform_device_count=\S+", "", os.environ.get("XLA_FLAGS", "")
+).strip()
 
 # Only light imports at the top: `lm tokenize`'s worker processes are spawned, and a spawned
 # worker re-imports this script, as it would re-import `lm.cli` (which imports little).
@@ -47,8 +48,11 @@ def loader_tokens_per_s(shards, seq_len: int, batch: int, n_batches: int) -> dic
     for _ in range(n_batches):
         real += float(next(it)["loss_mask"].sum())
     dt = time.perf_counter() - t0
-    return {"tokens_per_s": n_batches * batch * seq_len / dt, "batches_per_s": n_batches / dt,
-            "fill": real / (n_batches * batch * seq_len)}
+    return {
+        "tokens_per_s": n_batches * batch * seq_len / dt,
+        "batches_per_s": n_batches / dt,
+        "fill": real / (n_batches * batch * seq_len),
+    }
 
 
 def train_step_tokens_per_s(config, batch: dict, steps: int) -> dict:
@@ -136,31 +140,51 @@ def main(argv=None) -> int:
         tokenize_corpus("stdlib", tmp / "stdlib", "byte", config.data.heldout_fraction, progress=False)
         shards = open_shards(tmp / "stdlib" / "train", load_tokenizer("byte"), config.model.vocab_size)
         loader = out["loader"] = loader_tokens_per_s(shards, seq, batch, args.batches)
-        print(f"loader: {loader['tokens_per_s']:,.0f} tokens/s ({loader['batches_per_s']:.0f} batches of "
-              f"{batch}x{seq}/s, {loader['fill']:.1%} of positions carry loss)", flush=True)
+        print(
+            f"loader: {loader['tokens_per_s']:,.0f} tokens/s ({loader['batches_per_s']:.0f} batches of "
+            f"{batch}x{seq}/s, {loader['fill']:.1%} of positions carry loss)",
+            flush=True,
+        )
         it = iter(train_dataset([Source("stdlib", shards, 1.0)], seq_len=seq, global_batch=batch, seed=0))
         step = out["train_step"] = train_step_tokens_per_s(config, next(it), args.steps)
         ratio = out["loader_over_step"] = loader["tokens_per_s"] / step["tokens_per_s"]
-        print(f"tiny train step: {step['tokens_per_s']:,.0f} tokens/s ({step['ms_per_step']:.0f} ms/step on "
-              f"{step['devices']} device(s)); loader / step = {ratio:.0f}x (target >= 20x)", flush=True)
+        print(
+            f"tiny train step: {step['tokens_per_s']:,.0f} tokens/s ({step['ms_per_step']:.0f} ms/step on "
+            f"{step['devices']} device(s)); loader / step = {ratio:.0f}x (target >= 20x)",
+            flush=True,
+        )
 
         corpus = subset_corpus(tmp / "text", args.tokenize_mb)
         from lm.data.spm import train_sentencepiece
 
         tok = train_sentencepiece(train_documents(corpus, 0.02), tmp / "spm", args.vocab)
-        docs = [d.decode("utf-8", errors="replace") if isinstance(d, bytes) else d
-                for path in resolve_corpus(corpus)[1] for d in [path.read_bytes()] if d]
+        docs = [
+            d.decode("utf-8", errors="replace") if isinstance(d, bytes) else d
+            for path in resolve_corpus(corpus)[1]
+            for d in [path.read_bytes()]
+            if d
+        ]
         raw, raw_cpu = raw_sentencepiece_mb_per_s(str(tok.path), docs)
         out["raw_sentencepiece_mb_per_s"], out["raw_sentencepiece_mb_per_cpu_s"] = raw, raw_cpu
-        print(f"sentencepiece encode, 1 thread: {raw:.2f} MB/s ({raw_cpu:.2f} MB per CPU second) over "
-              f"{sum(len(d.encode()) for d in docs) / 1e6:.1f} MB", flush=True)
+        print(
+            f"sentencepiece encode, 1 thread: {raw:.2f} MB/s ({raw_cpu:.2f} MB per CPU second) over "
+            f"{sum(len(d.encode()) for d in docs) / 1e6:.1f} MB",
+            flush=True,
+        )
         for workers in sorted({1, os.cpu_count() or 1}):
             mbps, per_cpu, m = tokenize_mb_per_s(corpus, tmp / f"tok{workers}", str(tok.path), workers)
-            out[f"tokenize_{workers}_workers"] = {"mb_per_s": mbps, "over_raw": mbps / raw, "mb_per_cpu_s": per_cpu,
-                                                  "over_raw_per_cpu_s": per_cpu / raw_cpu}
-            print(f"lm tokenize, {workers} worker(s): {mbps:.2f} MB/s = {mbps / raw:.0%} of raw sentencepiece "
-                  f"(target >= 80%); per CPU second {per_cpu / raw_cpu:.0%} of raw; "
-                  f"{len(m['train']['shards'])} train shards", flush=True)
+            out[f"tokenize_{workers}_workers"] = {
+                "mb_per_s": mbps,
+                "over_raw": mbps / raw,
+                "mb_per_cpu_s": per_cpu,
+                "over_raw_per_cpu_s": per_cpu / raw_cpu,
+            }
+            print(
+                f"lm tokenize, {workers} worker(s): {mbps:.2f} MB/s = {mbps / raw:.0%} of raw sentencepiece "
+                f"(target >= 80%); per CPU second {per_cpu / raw_cpu:.0%} of raw; "
+                f"{len(m['train']['shards'])} train shards",
+                flush=True,
+            )
     if not args.no_curation:
         sys.path.insert(0, str(REPO / "bench"))
         import curate_throughput

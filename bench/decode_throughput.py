@@ -28,23 +28,24 @@ import subprocess
 import sys
 import time
 
-os.environ["XLA_FLAGS"] = re.sub(r"--xla_force_host_platform_device_count=\S+", "",
-                                 os.environ.get("XLA_FLAGS", "")).strip()
+os.environ["XLA_FLAGS"] = re.sub(
+    r"--xla_force_host_platform_device_count=\S+", "", os.environ.get("XLA_FLAGS", "")
+).strip()
 sys.path.insert(0, str(pathlib.Path(__file__).resolve().parent.parent))
 # No lm.cpu_flags defaults, as in `lm sample`: they pick XLA:CPU's Eigen matmuls, faster for
 # training's large float32 products, while XLA's own default (YNNPACK) is faster for decoding's
 # few rows (1,850 vs 1,400 tokens/s at batch 16 in one run).
-import jax  # noqa: E402
 import flax.linen as nn  # noqa: E402
+import jax  # noqa: E402
 import jax.numpy as jnp  # noqa: E402
 import numpy as np  # noqa: E402
 
 from lm.config import base_config  # noqa: E402
 from lm.infer.generate import Generator  # noqa: E402
 from lm.infer.sampling import SamplingParams  # noqa: E402
-from tests.reference.static_decoder import StaticGenerator  # noqa: E402
 from lm.model.layers import ModelSpec  # noqa: E402
 from lm.model.transformer import Transformer, init_params  # noqa: E402
+from tests.reference.static_decoder import StaticGenerator  # noqa: E402
 
 SHAPE = dict(vocab=2048, d_model=384, layers=6, heads=6, kv_heads=2, d_ff=1024)
 PROMPT = 16
@@ -53,8 +54,16 @@ PEER = pathlib.Path(__file__).resolve().parent / "hf_generate_peer.py"
 
 def spec(max_len: int) -> ModelSpec:
     s, m = SHAPE, base_config().model  # the rest as the config's defaults; head_dim derived
-    m.update(vocab_size=s["vocab"], d_model=s["d_model"], n_layers=s["layers"], n_heads=s["heads"],
-             n_kv_heads=s["kv_heads"], d_ff=s["d_ff"], max_seq_len=max_len, attention="reference")
+    m.update(
+        vocab_size=s["vocab"],
+        d_model=s["d_model"],
+        n_layers=s["layers"],
+        n_heads=s["heads"],
+        n_kv_heads=s["kv_heads"],
+        d_ff=s["d_ff"],
+        max_seq_len=max_len,
+        attention="reference",
+    )
     return ModelSpec.from_config(m)
 
 
@@ -70,8 +79,10 @@ class Ours:
         self.model = Transformer(spec(PROMPT + new))
         self.params = jax.jit(lambda k: nn.unbox(init_params(self.model, k)))(jax.random.PRNGKey(0))
         sampling = SamplingParams(max_new_tokens=new, temperature=0)
-        self.gens = {"engine": Generator(self.model, self.params, sampling, eos_id=-1),
-                     "static": StaticGenerator(self.model, self.params, sampling, eos_id=-1)}
+        self.gens = {
+            "engine": Generator(self.model, self.params, sampling, eos_id=-1),
+            "static": StaticGenerator(self.model, self.params, sampling, eos_id=-1),
+        }
         self.prompts, self.tokens = prompts(batch), batch * new
         outs = [gen(self.prompts) for gen in self.gens.values()]  # compile
         assert all(len(r) == new for out in outs for r in out.ids)
@@ -104,10 +115,24 @@ class Ours:
 
 def peer(python: str, batch: int, new: int, device: str = "cpu") -> float | None:
     flags = [f"--{k.replace('_', '-')}={v}" for k, v in SHAPE.items()]
-    cmd = [python, str(PEER), "--batch", str(batch), "--new-tokens", str(new), "--prompt-len", str(PROMPT),
-           "--repeats", "1", "--device", device, *flags]
-    done = subprocess.run(cmd, capture_output=True, text=True, env={k: v for k, v in os.environ.items()
-                                                                     if k != "XLA_FLAGS"})
+    cmd = [
+        python,
+        str(PEER),
+        "--batch",
+        str(batch),
+        "--new-tokens",
+        str(new),
+        "--prompt-len",
+        str(PROMPT),
+        "--repeats",
+        "1",
+        "--device",
+        device,
+        *flags,
+    ]
+    done = subprocess.run(
+        cmd, capture_output=True, text=True, env={k: v for k, v in os.environ.items() if k != "XLA_FLAGS"}
+    )
     if done.returncode:
         print(f"peer failed: {done.stderr[-2000:]}", file=sys.stderr)
         return None
@@ -134,22 +159,35 @@ def main():
                 if args.peer_python:
                     theirs.append(peer(args.peer_python, batch, new, args.peer_device))
             recompute = ours.recompute_tokens_per_s()
-            row = {"batch": batch, "new_tokens": new, "ours_tokens_per_s": statistics.median(mine),
-                   "static_tokens_per_s": statistics.median(static), "recompute_tokens_per_s": recompute,
-                   "rounds": mine, "static_rounds": static}
+            row = {
+                "batch": batch,
+                "new_tokens": new,
+                "ours_tokens_per_s": statistics.median(mine),
+                "static_tokens_per_s": statistics.median(static),
+                "recompute_tokens_per_s": recompute,
+                "rounds": mine,
+                "static_rounds": static,
+            }
             row["cache_vs_recompute"] = row["ours_tokens_per_s"] / recompute
             if theirs and None not in theirs:
-                row |= {"peer_tokens_per_s": statistics.median(theirs), "peer_rounds": theirs,
-                        "ours_vs_peer": statistics.median(m / t for m, t in zip(mine, theirs))}
+                row |= {
+                    "peer_tokens_per_s": statistics.median(theirs),
+                    "peer_rounds": theirs,
+                    "ours_vs_peer": statistics.median(m / t for m, t in zip(mine, theirs)),
+                }
             rows.append(row)
             print(json.dumps(row), flush=True)
-    print(f"\n{'batch':>5} {'new':>5} {'engine tok/s':>12} {'static':>7} {'recompute':>10} {'cache x':>8} "
-          f"{'HF tok/s':>9} {'engine/HF':>9}")
+    print(
+        f"\n{'batch':>5} {'new':>5} {'engine tok/s':>12} {'static':>7} {'recompute':>10} {'cache x':>8} "
+        f"{'HF tok/s':>9} {'engine/HF':>9}"
+    )
     for r in rows:
-        print(f"{r['batch']:>5} {r['new_tokens']:>5} {r['ours_tokens_per_s']:>12.0f} {r['static_tokens_per_s']:>7.0f} "
-              f"{r['recompute_tokens_per_s']:>10.1f} "
-              f"{r['cache_vs_recompute']:>8.1f} {r.get('peer_tokens_per_s', float('nan')):>9.0f} "
-              f"{r.get('ours_vs_peer', float('nan')):>9.2f}")
+        print(
+            f"{r['batch']:>5} {r['new_tokens']:>5} {r['ours_tokens_per_s']:>12.0f} {r['static_tokens_per_s']:>7.0f} "
+            f"{r['recompute_tokens_per_s']:>10.1f} "
+            f"{r['cache_vs_recompute']:>8.1f} {r.get('peer_tokens_per_s', float('nan')):>9.0f} "
+            f"{r.get('ours_vs_peer', float('nan')):>9.2f}"
+        )
     if args.out:
         pathlib.Path(args.out).write_text(json.dumps(rows, indent=2))
 

@@ -59,8 +59,12 @@ def parse_args(argv=None):
     p.add_argument("--dtype", default="float32", choices=("float32", "bfloat16"), help="model.compute_dtype")
     p.add_argument("--rounds", type=int, default=3, help="rounds of (live, precomputed); medians are reported")
     p.add_argument("--steps", type=int, default=1, help="timed steps per variant per round")
-    p.add_argument("--precompute-batches", type=int, default=4,
-                   help="batches of the timed reference log-prob pass (>= 2; also timed over one batch)")
+    p.add_argument(
+        "--precompute-batches",
+        type=int,
+        default=4,
+        help="batches of the timed reference log-prob pass (>= 2; also timed over one batch)",
+    )
     p.add_argument("--out", help="write the figures as JSON here")
     return p.parse_args(argv)
 
@@ -69,8 +73,9 @@ ARGS = parse_args() if __name__ == "__main__" else None
 
 # One real CPU device (drop a simulated-device count inherited from the environment), the XLA
 # flags `lm train` applies for the compute dtype, and huge-page malloc as the `lm` command gets it.
-os.environ["XLA_FLAGS"] = re.sub(r"--xla_force_host_platform_device_count=\S+", "",
-                                 os.environ.get("XLA_FLAGS", "")).strip()
+os.environ["XLA_FLAGS"] = re.sub(
+    r"--xla_force_host_platform_device_count=\S+", "", os.environ.get("XLA_FLAGS", "")
+).strip()
 if ARGS is not None:
     from lm.process.cpu_flags import apply_cpu_defaults
     from lm.process.hugepages import reexec_with_hugepages
@@ -88,13 +93,20 @@ from lm.train.pair_losses import DpoSettings  # noqa: E402
 from lm.train.pairs import PAIR_EXTRA  # noqa: E402
 from lm.train.setup import host_batch  # noqa: E402
 
-MIB = 2 ** 20
+MIB = 2**20
 REF_FIELD = {"ref_logps": ((2,), np.float32)}
 
 
 def make_config(args, reference: str):
-    overrides = [f"data.seq_len={args.seq_len}", f"train.batch_size={args.batch_size}", "train.micro_batches=1",
-                 f"model.compute_dtype={args.dtype}", "dpo.loss=sigmoid", f"dpo.reference={reference}", "mesh.data=1"]
+    overrides = [
+        f"data.seq_len={args.seq_len}",
+        f"train.batch_size={args.batch_size}",
+        "train.micro_batches=1",
+        f"model.compute_dtype={args.dtype}",
+        "dpo.loss=sigmoid",
+        f"dpo.reference={reference}",
+        "mesh.data=1",
+    ]
     if args.n_layers:
         overrides.append(f"model.n_layers={args.n_layers}")
     return load_config(args.config, overrides)
@@ -131,19 +143,26 @@ class Variant:
         self.compiled = run.train_step(signature).lower(*args).compile()
         self.compile_s = time.perf_counter() - t0
         m = self.compiled.memory_analysis()
-        self.memory = {k: int(getattr(m, f"{k}_size_in_bytes", 0) or 0)
-                       for k in ("argument", "output", "temp", "generated_code", "alias")}
+        self.memory = {
+            k: int(getattr(m, f"{k}_size_in_bytes", 0) or 0)
+            for k in ("argument", "output", "temp", "generated_code", "alias")
+        }
         config = run.config
         self.tokens = config.train.batch_size * 2 * config.data.seq_len  # both rows of every pair
         # what the step holds at once: its arguments, its outputs less those written into donated
         # argument buffers, and its temporaries
-        self.memory["total"] = (self.memory["argument"] + self.memory["output"] - self.memory["alias"]
-                                + self.memory["temp"])
+        self.memory["total"] = (
+            self.memory["argument"] + self.memory["output"] - self.memory["alias"] + self.memory["temp"]
+        )
         self.figures = {
-            "trained_param_bytes": nbytes(self.state.params), "opt_state_bytes": nbytes(self.state.opt_state),
-            "frozen_param_bytes": nbytes(self.frozen or {}), "batch_bytes": nbytes(self.batch),
-            "tokens_per_step": self.tokens, "pairs_per_step": config.train.batch_size,
-            "compile_s": self.compile_s, **{f"xla_{k}_bytes": v for k, v in self.memory.items()},
+            "trained_param_bytes": nbytes(self.state.params),
+            "opt_state_bytes": nbytes(self.state.opt_state),
+            "frozen_param_bytes": nbytes(self.frozen or {}),
+            "batch_bytes": nbytes(self.batch),
+            "tokens_per_step": self.tokens,
+            "pairs_per_step": config.train.batch_size,
+            "compile_s": self.compile_s,
+            **{f"xla_{k}_bytes": v for k, v in self.memory.items()},
         }
         self.loss = float(self.step()["loss"])  # the first call: untimed
 
@@ -176,10 +195,16 @@ def time_precompute(run, base: dict, batch_size: int, n_batches: int, vocab_size
         logps = reference_logps(run, base, rows[: n * batch_size], batch_size)
         walls[n] = time.perf_counter() - t0
     per_pair = (walls[n_batches] - walls[1]) / ((n_batches - 1) * batch_size)
-    return {"pairs": n_batches * batch_size, "batch_size": batch_size, "wall_s_1_batch": walls[1],
-            f"wall_s_{n_batches}_batches": walls[n_batches], "s_per_1000_pairs": per_pair * 1000,
-            "s_per_1000_pairs_incl_compile": walls[n_batches] / (n_batches * batch_size) * 1000,
-            "fixed_s": walls[1] - per_pair * batch_size, "first_logps": [float(x) for x in logps[0]]}
+    return {
+        "pairs": n_batches * batch_size,
+        "batch_size": batch_size,
+        "wall_s_1_batch": walls[1],
+        f"wall_s_{n_batches}_batches": walls[n_batches],
+        "s_per_1000_pairs": per_pair * 1000,
+        "s_per_1000_pairs_incl_compile": walls[n_batches] / (n_batches * batch_size) * 1000,
+        "fixed_s": walls[1] - per_pair * batch_size,
+        "first_logps": [float(x) for x in logps[0]],
+    }
 
 
 def table(rows, headers) -> str:
@@ -197,14 +222,19 @@ def main(args) -> int:
     m = live_config.model
     devices = jax.devices()[:1]
     load_start = os.getloadavg()[0]
-    print(f"jax {jax.__version__}, {os.cpu_count()} cores, device {devices[0]}, "
-          f"load average {load_start:.1f}; XLA_FLAGS={os.environ.get('XLA_FLAGS', '')!r}", flush=True)
-    print(f"shape: {m.n_layers} layers, d_model {m.d_model}, {m.n_heads} heads, d_ff {m.d_ff}, vocab "
-          f"{m.vocab_size}, {m.mlp}, {m.norm}, remat {m.remat}, {m.compute_dtype}; {args.batch_size} pairs x 2 "
-          f"rows x seq {args.seq_len} = {args.batch_size * 2 * args.seq_len} tokens/step; "
-          f"{counts.param_count(m) / 1e6:.1f}M params; DPO {live_config.dpo.loss}, "
-          f"beta {DpoSettings.from_config(live_config.dpo).loss_beta:g}",
-          flush=True)
+    print(
+        f"jax {jax.__version__}, {os.cpu_count()} cores, device {devices[0]}, "
+        f"load average {load_start:.1f}; XLA_FLAGS={os.environ.get('XLA_FLAGS', '')!r}",
+        flush=True,
+    )
+    print(
+        f"shape: {m.n_layers} layers, d_model {m.d_model}, {m.n_heads} heads, d_ff {m.d_ff}, vocab "
+        f"{m.vocab_size}, {m.mlp}, {m.norm}, remat {m.remat}, {m.compute_dtype}; {args.batch_size} pairs x 2 "
+        f"rows x seq {args.seq_len} = {args.batch_size * 2 * args.seq_len} tokens/step; "
+        f"{counts.param_count(m) / 1e6:.1f}M params; DPO {live_config.dpo.loss}, "
+        f"beta {DpoSettings.from_config(live_config.dpo).loss_beta:g}",
+        flush=True,
+    )
     pre_run = build_dpo_run(pre_config, devices=devices)
     # the init model: the fresh params of a run of the same config, on the host (np.array copies,
     # so the donated state of a step cannot reuse the buffers they came from)
@@ -214,8 +244,11 @@ def main(args) -> int:
     for name, run in (("live", build_dpo_run(live_config, devices=devices)), ("precomputed", pre_run)):
         v = Variant(name, run, base, m.vocab_size)
         variants.append(v)
-        print(f"[{name}] compiled in {v.compile_s:.1f}s; first step loss {v.loss:.4f}; frozen "
-              f"{v.figures['frozen_param_bytes'] / MIB:,.1f} MiB", flush=True)
+        print(
+            f"[{name}] compiled in {v.compile_s:.1f}s; first step loss {v.loss:.4f}; frozen "
+            f"{v.figures['frozen_param_bytes'] / MIB:,.1f} MiB",
+            flush=True,
+        )
     for r in range(args.rounds):
         line = []
         for v in variants:
@@ -223,30 +256,44 @@ def main(args) -> int:
             line.append(f"{v.name} {dt * 1e3:.0f} ms/step ({v.tokens / dt:.0f} tok/s)")
         print(f"[round {r + 1}] " + ", ".join(line), flush=True)
     pre = time_precompute(pre_run, base, args.batch_size, args.precompute_batches, m.vocab_size)
-    print(f"[precompute] reference_logps over {args.batch_size} pairs: {pre['wall_s_1_batch']:.1f}s, over "
-          f"{pre['pairs']} pairs: {pre[f'wall_s_{args.precompute_batches}_batches']:.1f}s (each incl. its compile)",
-          flush=True)
+    print(
+        f"[precompute] reference_logps over {args.batch_size} pairs: {pre['wall_s_1_batch']:.1f}s, over "
+        f"{pre['pairs']} pairs: {pre[f'wall_s_{args.precompute_batches}_batches']:.1f}s (each incl. its compile)",
+        flush=True,
+    )
 
     per_token = counts.flops_per_token(m, args.seq_len)
-    out = {"shape": dict(m.to_dict(), seq_len=args.seq_len, batch_size=args.batch_size),
-           "dpo": dict(live_config.dpo.to_dict()), "xla_flags": os.environ.get("XLA_FLAGS", ""),
-           "load_average_start": load_start, "variants": {}, "precompute": pre}
+    out = {
+        "shape": dict(m.to_dict(), seq_len=args.seq_len, batch_size=args.batch_size),
+        "dpo": dict(live_config.dpo.to_dict()),
+        "xla_flags": os.environ.get("XLA_FLAGS", ""),
+        "load_average_start": load_start,
+        "variants": {},
+        "precompute": pre,
+    }
     for v in variants:
         per_round = [float(np.mean(t)) for t in v.times]
         med = statistics.median(per_round)
         flops = per_token * v.tokens * (4 / 3 if v.name == "live" else 1)  # as lm dpo counts it
-        v.figures |= {"ms_per_step_rounds": [t * 1e3 for t in per_round], "ms_per_step": med * 1e3,
-                      "ms_per_step_min": min(min(t) for t in v.times) * 1e3, "tokens_per_s": v.tokens / med,
-                      "model_flops_per_step": flops, "model_flops_per_s": flops / med}
+        v.figures |= {
+            "ms_per_step_rounds": [t * 1e3 for t in per_round],
+            "ms_per_step": med * 1e3,
+            "ms_per_step_min": min(min(t) for t in v.times) * 1e3,
+            "tokens_per_s": v.tokens / med,
+            "model_flops_per_step": flops,
+            "model_flops_per_s": flops / med,
+        }
         out["variants"][v.name] = v.figures
     live, prec = (v.figures for v in variants)
     ratios = [lv / p for lv, p in zip(live["ms_per_step_rounds"], prec["ms_per_step_rounds"])]
     out["ratio_tokens_per_s"] = statistics.median(ratios)
     # an epoch of 1000 pairs: steps at the median round, plus the one-off pass for precomputed
     steps_1000 = 1000 / args.batch_size
-    epoch = {"live_s_per_1000_pairs": steps_1000 * live["ms_per_step"] / 1e3,
-             "precomputed_s_per_1000_pairs": steps_1000 * prec["ms_per_step"] / 1e3,
-             "reference_in_step_s_per_1000_pairs": steps_1000 * (live["ms_per_step"] - prec["ms_per_step"]) / 1e3}
+    epoch = {
+        "live_s_per_1000_pairs": steps_1000 * live["ms_per_step"] / 1e3,
+        "precomputed_s_per_1000_pairs": steps_1000 * prec["ms_per_step"] / 1e3,
+        "reference_in_step_s_per_1000_pairs": steps_1000 * (live["ms_per_step"] - prec["ms_per_step"]) / 1e3,
+    }
     epoch["precomputed_with_pass_s_per_1000_pairs"] = epoch["precomputed_s_per_1000_pairs"] + pre["s_per_1000_pairs"]
     epoch["ratio_with_pass"] = epoch["live_s_per_1000_pairs"] / epoch["precomputed_with_pass_s_per_1000_pairs"]
     out["epoch"] = epoch
@@ -255,28 +302,66 @@ def main(args) -> int:
     rows = []
     for v in variants:
         f = v.figures
-        rows.append([v.name, mib(f["trained_param_bytes"] + f["opt_state_bytes"]), mib(f["frozen_param_bytes"]),
-                     mib(f["xla_argument_bytes"]), mib(f["xla_output_bytes"]),
-                     mib(f["xla_alias_bytes"]), mib(f["xla_temp_bytes"]), mib(f["xla_total_bytes"]),
-                     f"{f['xla_generated_code_bytes'] / MIB:.2f}", f"{f['model_flops_per_step'] / 1e9:,.0f}",
-                     f"{f['model_flops_per_s'] / 1e9:.0f}", f"{f['ms_per_step']:,.0f}", f"{f['tokens_per_s']:,.0f}"])
+        rows.append(
+            [
+                v.name,
+                mib(f["trained_param_bytes"] + f["opt_state_bytes"]),
+                mib(f["frozen_param_bytes"]),
+                mib(f["xla_argument_bytes"]),
+                mib(f["xla_output_bytes"]),
+                mib(f["xla_alias_bytes"]),
+                mib(f["xla_temp_bytes"]),
+                mib(f["xla_total_bytes"]),
+                f"{f['xla_generated_code_bytes'] / MIB:.2f}",
+                f"{f['model_flops_per_step'] / 1e9:,.0f}",
+                f"{f['model_flops_per_s'] / 1e9:.0f}",
+                f"{f['ms_per_step']:,.0f}",
+                f"{f['tokens_per_s']:,.0f}",
+            ]
+        )
     print()
-    print(table(rows, ["variant", "state MiB", "frozen MiB", "XLA arg MiB", "XLA out MiB",
-                       "XLA alias MiB", "XLA temp MiB", "XLA total MiB", "code MiB", "GFLOP/step", "GFLOP/s",
-                       "ms/step", "tok/s"]))
-    print("state = params + AdamW moments; frozen = the reference copy; XLA total = arg + out - alias + temp; "
-          "GFLOP/step: model FLOPs (6N per token, 8N with the live reference); ms/step: median round; tokens: "
-          "both rows of every pair")
-    print(f"precomputed/live: tokens/s {out['ratio_tokens_per_s']:.2f}x (median of the per-round ratios "
-          + ", ".join(f"{r:.2f}" for r in ratios) + f"), temp {prec['xla_temp_bytes'] / live['xla_temp_bytes']:.2f}x,"
-          f" XLA total {prec['xla_total_bytes'] / live['xla_total_bytes']:.2f}x, model FLOPs 0.75x")
-    print(f"precompute pass: {pre['s_per_1000_pairs']:,.0f} s per 1000 pairs (steady, from the {args.batch_size}- "
-          f"and {pre['pairs']}-pair calls; {pre['s_per_1000_pairs_incl_compile']:,.0f} with the {pre['pairs']}-pair "
-          f"call's compile), fixed cost ~{pre['fixed_s']:.1f} s per call; the live step's reference share "
-          f"(live - precomputed) is {epoch['reference_in_step_s_per_1000_pairs']:,.0f} s per 1000 pairs")
-    print(f"one epoch per 1000 pairs: live {epoch['live_s_per_1000_pairs']:,.0f} s; precomputed "
-          f"{epoch['precomputed_s_per_1000_pairs']:,.0f} s + pass {pre['s_per_1000_pairs']:,.0f} s = "
-          f"{epoch['precomputed_with_pass_s_per_1000_pairs']:,.0f} s (live/that {epoch['ratio_with_pass']:.2f}x)")
+    print(
+        table(
+            rows,
+            [
+                "variant",
+                "state MiB",
+                "frozen MiB",
+                "XLA arg MiB",
+                "XLA out MiB",
+                "XLA alias MiB",
+                "XLA temp MiB",
+                "XLA total MiB",
+                "code MiB",
+                "GFLOP/step",
+                "GFLOP/s",
+                "ms/step",
+                "tok/s",
+            ],
+        )
+    )
+    print(
+        "state = params + AdamW moments; frozen = the reference copy; XLA total = arg + out - alias + temp; "
+        "GFLOP/step: model FLOPs (6N per token, 8N with the live reference); ms/step: median round; tokens: "
+        "both rows of every pair"
+    )
+    print(
+        f"precomputed/live: tokens/s {out['ratio_tokens_per_s']:.2f}x (median of the per-round ratios "
+        + ", ".join(f"{r:.2f}" for r in ratios)
+        + f"), temp {prec['xla_temp_bytes'] / live['xla_temp_bytes']:.2f}x,"
+        f" XLA total {prec['xla_total_bytes'] / live['xla_total_bytes']:.2f}x, model FLOPs 0.75x"
+    )
+    print(
+        f"precompute pass: {pre['s_per_1000_pairs']:,.0f} s per 1000 pairs (steady, from the {args.batch_size}- "
+        f"and {pre['pairs']}-pair calls; {pre['s_per_1000_pairs_incl_compile']:,.0f} with the {pre['pairs']}-pair "
+        f"call's compile), fixed cost ~{pre['fixed_s']:.1f} s per call; the live step's reference share "
+        f"(live - precomputed) is {epoch['reference_in_step_s_per_1000_pairs']:,.0f} s per 1000 pairs"
+    )
+    print(
+        f"one epoch per 1000 pairs: live {epoch['live_s_per_1000_pairs']:,.0f} s; precomputed "
+        f"{epoch['precomputed_s_per_1000_pairs']:,.0f} s + pass {pre['s_per_1000_pairs']:,.0f} s = "
+        f"{epoch['precomputed_with_pass_s_per_1000_pairs']:,.0f} s (live/that {epoch['ratio_with_pass']:.2f}x)"
+    )
     out["load_average_end"] = os.getloadavg()[0]
     print(f"load average at the end {out['load_average_end']:.1f} (this run alone accounts for ~2 on 2 cores)")
     if args.out:

@@ -40,6 +40,10 @@ import time
 
 os.environ.setdefault("JAX_PLATFORMS", "cpu")  # the drill itself reads checkpoints at the end
 
+from fault_drill_identity import COLUMNS as IDENTITY_COLUMNS  # noqa: E402
+from fault_drill_identity import IdentityCases, cells
+from fault_drill_lost_host import COLUMNS as LOST_HOST_COLUMNS  # noqa: E402
+from fault_drill_lost_host import PEER_S, STARTUP_S, LostHostDrill
 from fault_drill_parts import (  # noqa: E402 - bench/ is on the path when run as a script
     CHECKPOINT_DAMAGE,
     Child,
@@ -60,9 +64,7 @@ from fault_drill_parts import (  # noqa: E402 - bench/ is on the path when run a
     traceback_line,
     values_by_step,
 )
-from fault_drill_lost_host import COLUMNS as LOST_HOST_COLUMNS, PEER_S, STARTUP_S, LostHostDrill  # noqa: E402
-from fault_drill_identity import COLUMNS as IDENTITY_COLUMNS, IdentityCases, cells  # noqa: E402
-from fault_drill_stages import STAGES, STEPS, EVERY, UNCACHED, Episode, Inputs, plan, setup, stage_command  # noqa: E402
+from fault_drill_stages import EVERY, STAGES, STEPS, UNCACHED, Episode, Inputs, plan, setup, stage_command  # noqa: E402
 
 STOPPED = re.compile(r"^lm: (.*?)(?:run again with the same command|Continue with|finish it with): lm (.*)$", re.M)
 PHASE = re.compile(r"^lm: stopped by SIGTERM (?:during (.*?)|at step (\d+));", re.M)
@@ -83,9 +85,25 @@ class StageDrill:
         self.next_argv: list[str] | None = None  # the command a stop message gave
         self.pending: list[str] = []  # damage kinds not applied yet (a checkpoint needs an older one to fall back to)
         self.applied: list[dict] = []  # damage applied, waiting for a verdict
-        self.r = dict(kills=0, kills_survived=0, resumes=0, resumes_exact=0, sigterms=0, sigterms_ok=0, damages=0,
-                      rejected=0, wrongly_rejected=0, silent_wrong=0, writer="-", summary="-", tensorboard="-",
-                      problems=[], notes=[], events=[], kill_pending=False)
+        self.r = dict(
+            kills=0,
+            kills_survived=0,
+            resumes=0,
+            resumes_exact=0,
+            sigterms=0,
+            sigterms_ok=0,
+            damages=0,
+            rejected=0,
+            wrongly_rejected=0,
+            silent_wrong=0,
+            writer="-",
+            summary="-",
+            tensorboard="-",
+            problems=[],
+            notes=[],
+            events=[],
+            kill_pending=False,
+        )
         self.identity = IdentityCases(self, inp)
 
     # ---- children ----
@@ -190,8 +208,9 @@ class StageDrill:
         self.pending += kinds
         for kind in list(self.pending):
             if kind in CHECKPOINT_DAMAGE:
-                if len(saved_steps(self.workdir)) < 2 or any(d.get("step") == saved_steps(self.workdir)[-1]
-                                                             for d in self.applied):
+                if len(saved_steps(self.workdir)) < 2 or any(
+                    d.get("step") == saved_steps(self.workdir)[-1] for d in self.applied
+                ):
                     continue  # wait for a checkpoint to fall back to (and damage each step once)
                 done = damage_checkpoint(self.workdir, kind)
             else:
@@ -255,12 +274,16 @@ class StageDrill:
             self.verdict(child, lambda d: d.get("step") == step, f"checkpoint step {step}")
         for entry in re.findall(r"data cache entry '([^']+)' is bad", text):
             self.verdict(child, lambda d: d.get("entry") == pathlib.Path(entry).name, f"cache entry {entry}")
-        restored = "resumed from step" in text or (self.workdir / "summary.json").exists() \
+        restored = (
+            "resumed from step" in text
+            or (self.workdir / "summary.json").exists()
             or "during the end-of-run evaluation" in text
+        )
         if restored:
             for d in self.applied:  # read and not rejected: used
-                self.problem(f"damage '{d['kind']}' of {d.get('step', d.get('entry'))} ({d['file']}) was not "
-                             "rejected", child)
+                self.problem(
+                    f"damage '{d['kind']}' of {d.get('step', d.get('entry'))} ({d['file']}) was not rejected", child
+                )
             self.applied = []
 
     def verdict(self, child: Child, match, what: str) -> None:
@@ -282,17 +305,24 @@ class StageDrill:
         steps = [s for s in now if s > start]
         if not steps:
             return
-        diffs = [f"step {s} {k}: {v!r} != {self.ref_values.get(s, {}).get(k)!r}" for s in sorted(steps)
-                 for k, v in now[s].items() if self.ref_values.get(s, {}).get(k, object()) != v]
+        diffs = [
+            f"step {s} {k}: {v!r} != {self.ref_values.get(s, {}).get(k)!r}"
+            for s in sorted(steps)
+            for k, v in now[s].items()
+            if self.ref_values.get(s, {}).get(k, object()) != v
+        ]
         if restored is not None:
             self.r["resumes"] += 1
             self.r["resumes_exact"] += int(not diffs)
         if diffs:
             loud = "lm: warning" in text
             self.r["silent_wrong"] += int(not loud)
-            self.problem(f"{'silent ' if not loud else ''}wrong values after "
-                         f"{f'resuming from step {start}' if restored is not None else 'a fresh start'}: {diffs[0]} "
-                         f"({len(diffs)} differ)", child)
+            self.problem(
+                f"{'silent ' if not loud else ''}wrong values after "
+                f"{f'resuming from step {start}' if restored is not None else 'a fresh start'}: {diffs[0]} "
+                f"({len(diffs)} differ)",
+                child,
+            )
 
     def finish_checks(self) -> None:
         for _ in range(2):  # a run the plan left unfinished (a missed fault point) is finished here
@@ -324,8 +354,9 @@ class StageDrill:
             episodes = plan(self.rng, kills, cached=self.name not in UNCACHED)
             for i, ep in enumerate(episodes):
                 if summary_step(self.workdir) == STEPS:  # a missed fault point let the run finish early
-                    self.r["notes"].append(f"the run finished before the plan's end; its last {len(episodes) - i} "
-                                           "episode(s) were skipped")
+                    self.r["notes"].append(
+                        f"the run finished before the plan's end; its last {len(episodes) - i} episode(s) were skipped"
+                    )
                     break
                 self.episode(ep)
                 if i < len(episodes) - 1:
@@ -335,16 +366,40 @@ class StageDrill:
         return self.r
 
 
-COLUMNS = [("stage", 16), ("kills survived", 9), ("resumes exact", 9), ("SIGTERM clean", 9), ("damages rejected", 9),
-           ("good wrongly rejected", 9), ("silent wrong", 7), ("2nd writer refused", 9), ("summary present", 8),
-           ("TB == metrics", 8), *IDENTITY_COLUMNS, ("wall s", 7)]
+COLUMNS = [
+    ("stage", 16),
+    ("kills survived", 9),
+    ("resumes exact", 9),
+    ("SIGTERM clean", 9),
+    ("damages rejected", 9),
+    ("good wrongly rejected", 9),
+    ("silent wrong", 7),
+    ("2nd writer refused", 9),
+    ("summary present", 8),
+    ("TB == metrics", 8),
+    *IDENTITY_COLUMNS,
+    ("wall s", 7),
+]
 
 
 def rows(results: dict) -> list[list[str]]:
-    return [[name, f"{r['kills_survived']}/{r['kills']}", f"{r['resumes_exact']}/{r['resumes']}",
-             f"{r['sigterms_ok']}/{r['sigterms']}", f"{r['rejected']}/{r['damages']}", str(r["wrongly_rejected"]),
-             str(r["silent_wrong"]), r["writer"], r["summary"], r["tensorboard"], *cells(r), f"{r['seconds']:.0f}"]
-            for name, r in results.items()]
+    return [
+        [
+            name,
+            f"{r['kills_survived']}/{r['kills']}",
+            f"{r['resumes_exact']}/{r['resumes']}",
+            f"{r['sigterms_ok']}/{r['sigterms']}",
+            f"{r['rejected']}/{r['damages']}",
+            str(r["wrongly_rejected"]),
+            str(r["silent_wrong"]),
+            r["writer"],
+            r["summary"],
+            r["tensorboard"],
+            *cells(r),
+            f"{r['seconds']:.0f}",
+        ]
+        for name, r in results.items()
+    ]
 
 
 def main() -> int:
@@ -354,8 +409,12 @@ def main() -> int:
     ap.add_argument("--seed", type=int, default=0)
     ap.add_argument("--timeout", type=float, default=300.0, help="seconds each child may take")
     ap.add_argument("--keep", action="store_true", help="keep the work directories (kept anyway on a problem)")
-    ap.add_argument("--lost-host", action=argparse.BooleanOptionalAction, default=True,
-                    help="with pretrain among the stages, drill it as a two-process run losing a process")
+    ap.add_argument(
+        "--lost-host",
+        action=argparse.BooleanOptionalAction,
+        default=True,
+        help="with pretrain among the stages, drill it as a two-process run losing a process",
+    )
     ap.add_argument("--only-lost-host", action="store_true", help="the lost-host case alone (no stage drills)")
     args = ap.parse_args()
     if args.only_lost_host:
@@ -364,12 +423,18 @@ def main() -> int:
     unknown = [s for s in stages if s not in STAGES]
     most = STEPS - 3 * EVERY - 2  # distinct kill steps between the second checkpoint and the last steps
     if unknown or not 1 <= args.kills <= most:
-        ap.error(f"unknown stage(s) {unknown}; choose from {','.join(STAGES)}" if unknown else
-                 f"--kills must be between 1 and {most}")
+        ap.error(
+            f"unknown stage(s) {unknown}; choose from {','.join(STAGES)}"
+            if unknown
+            else f"--kills must be between 1 and {most}"
+        )
     t0 = time.monotonic()
     tmp = pathlib.Path(tempfile.mkdtemp(prefix="lm_fault_drill_"))
-    what = "the lost-host case alone" if args.only_lost_host else \
-        f"{len(stages)} stage(s), {args.kills} SIGKILLs + 4 SIGTERMs + damage per stage"
+    what = (
+        "the lost-host case alone"
+        if args.only_lost_host
+        else f"{len(stages)} stage(s), {args.kills} SIGKILLs + 4 SIGTERMs + damage per stage"
+    )
     print(f"fault drill in {tmp}: {what}, {STEPS} steps each, seed {args.seed}", flush=True)
     inp = setup(tmp, stages, args.timeout)
     results = {}
@@ -384,8 +449,11 @@ def main() -> int:
         print("\nwhat was done (kill: where it landed; SIGTERM: the phase its message names):")
         print("\n".join(f"  {n}: " + ", ".join(r["events"]) for n, r in results.items()))
     if args.lost_host and "pretrain" in stages:
-        print(f"\nlost host: pretrain as 2 processes x 4 CPU devices, --peer-timeout {PEER_S}, --startup-timeout "
-              f"{STARTUP_S}", flush=True)
+        print(
+            f"\nlost host: pretrain as 2 processes x 4 CPU devices, --peer-timeout {PEER_S}, --startup-timeout "
+            f"{STARTUP_S}",
+            flush=True,
+        )
         lost = LostHostDrill(inp, tmp / "lost-host", args.timeout).run()
         print("\n".join(table(LOST_HOST_COLUMNS, lost["rows"])) + f"\n  ({lost['seconds']:.0f} s)")
         results["lost-host"] = lost

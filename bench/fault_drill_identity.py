@@ -24,13 +24,21 @@ import pathlib
 import shutil
 
 import numpy as np
-
 from fault_drill_parts import Child, saved_steps, summary_step, traceback_line
 from fault_drill_stages import STEPS, Inputs, stage_command
 
 # The stage whose command resumes another's workdir in the wrong-stage case.
-OTHER = {"pretrain": "sft", "sft": "dpo", "sft-lora": "dpo", "reward": "dpo", "dpo": "sft", "dpo-precomputed": "sft",
-         "grpo": "sft", "ppo": "sft", "distill": "sft"}
+OTHER = {
+    "pretrain": "sft",
+    "sft": "dpo",
+    "sft-lora": "dpo",
+    "reward": "dpo",
+    "dpo": "sft",
+    "dpo-precomputed": "sft",
+    "grpo": "sft",
+    "ppo": "sft",
+    "distill": "sft",
+}
 FOREIGN = ["--config.optim.lr=2e-4", "--config.train.seed=7"]  # other values, the same shapes
 REF_FILE, RECORD = "reference_logps.npz", "record"  # lm.train.dpo's file and the array holding its record
 STALE_WARNING = "lm: warning: the precomputed reference '"
@@ -64,8 +72,14 @@ class IdentityCases:
         self.done = False
         self.stale: dict | None = None  # the planted file: {"digest", "train"} until a child replaces it
         r = drill.r
-        r.update(wrong_stage=0, wrong_stage_n=0, foreign=0, foreign_n=0, stale_ok=0,
-                 stale_n=0 if drill.name == "dpo-precomputed" else None)
+        r.update(
+            wrong_stage=0,
+            wrong_stage_n=0,
+            foreign=0,
+            foreign_n=0,
+            stale_ok=0,
+            stale_n=0 if drill.name == "dpo-precomputed" else None,
+        )
 
     # ---- refusals ----
 
@@ -186,8 +200,11 @@ class IdentityCases:
 
 def cells(r: dict) -> list[str]:
     """The identity cases' table cells of one stage."""
-    return [f"{r['wrong_stage']}/{r['wrong_stage_n']}", f"{r['foreign']}/{r['foreign_n']}",
-            "-" if r["stale_n"] is None else f"{r['stale_ok']}/{r['stale_n']}"]
+    return [
+        f"{r['wrong_stage']}/{r['wrong_stage_n']}",
+        f"{r['foreign']}/{r['foreign_n']}",
+        "-" if r["stale_n"] is None else f"{r['stale_ok']}/{r['stale_n']}",
+    ]
 
 
 COLUMNS = [("wrong stage refused", 7), ("foreign ckpt refused", 8), ("stale ref recomputed", 10)]

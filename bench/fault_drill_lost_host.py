@@ -14,15 +14,23 @@ and the final run's logged values (timings aside) and params must equal the refe
 
 from __future__ import annotations
 
-import os
 import pathlib
 import re
 import signal
 import socket
 import time
 
-from fault_drill_parts import (Child, child_env, final_params, logged_step, metric_rows, same_bits, saved_steps,
-                               traceback_line, values_by_step)
+from fault_drill_parts import (
+    Child,
+    child_env,
+    final_params,
+    logged_step,
+    metric_rows,
+    same_bits,
+    saved_steps,
+    traceback_line,
+    values_by_step,
+)
 from fault_drill_stages import EVERY, STEPS, Inputs, stage_command
 
 PEER_S, STARTUP_S, SLACK_S = 10, 20, 30
@@ -30,18 +38,32 @@ DEVICES = 4  # per process: the mesh below spans both processes' 8
 MESH = ["--config.mesh.data=2", "--config.mesh.fsdp=4"]
 FAST_COMPILE = "--xla_backend_optimization_level=0 --xla_llvm_disable_expensive_passes=true"
 KILL_AT = (2 * EVERY + 2, STEPS - 2 * EVERY)  # steps the two mid-run kills wait for (with a checkpoint before)
-LOST = re.compile(r"^lm: lost process (\d) of 2(?: \(the coordinator\))?: (?:silent|no answer) for (\d+) s "
-                  rf"\(--peer-timeout {PEER_S}\); this process \((\d)\) (?:completed step (\d+)|had not \S+ training); "
-                  r"(?:resume from checkpoint step (\d+): run the same command on every process with --resume"
-                  r"|no checkpoint yet.*|resume from the newest checkpoint.*)$")
-STARTUP = re.compile(r"^lm: (?:process (\d) of 2 did not join|process (\d) \(the coordinator at [^)]*\) did not "
-                     r"answer|lost process (\d) \(the coordinator at [^)]*\) while joining)")
+LOST = re.compile(
+    r"^lm: lost process (\d) of 2(?: \(the coordinator\))?: (?:silent|no answer) for (\d+) s "
+    rf"\(--peer-timeout {PEER_S}\); this process \((\d)\) (?:completed step (\d+)|had not \S+ training); "
+    r"(?:resume from checkpoint step (\d+): run the same command on every process with --resume"
+    r"|no checkpoint yet.*|resume from the newest checkpoint.*)$"
+)
+STARTUP = re.compile(
+    r"^lm: (?:process (\d) of 2 did not join|process (\d) \(the coordinator at [^)]*\) did not "
+    r"answer|lost process (\d) \(the coordinator at [^)]*\) while joining)"
+)
 # What must not reach the output of a process that ends itself: a Python traceback, a C++ check
 # failure or abort, an absl fatal or error log line (`F1127 20:46:35.123 ...` / `E1127 ...`).
-CRASH = re.compile(r"Traceback \(most recent call last\)|Check fail|terminate called|\*\*\* |"
-                   r"^[FE]\d{4} \d\d:\d\d:\d\d", re.M)
-COLUMNS = [("case", 42), ("survivor line (resume from)", 14), ("exit code", 6), ("seconds to exit", 8), ("bound s", 7),
-           ("no crash output", 8), ("resume exact", 8)]
+CRASH = re.compile(
+    r"Traceback \(most recent call last\)|Check fail|terminate called|\*\*\* |"
+    r"^[FE]\d{4} \d\d:\d\d:\d\d",
+    re.M,
+)
+COLUMNS = [
+    ("case", 42),
+    ("survivor line (resume from)", 14),
+    ("exit code", 6),
+    ("seconds to exit", 8),
+    ("bound s", 7),
+    ("no crash output", 8),
+    ("resume exact", 8),
+]
 
 
 def free_port() -> int:
@@ -56,8 +78,9 @@ class LostHostDrill:
         self.command = [*stage_command("pretrain", inp), *MESH, "--peer-timeout", str(PEER_S)]
         self.reference, self.workdir = root / "reference", root / "drill"
         (root / "logs").mkdir(parents=True)
-        self.env = child_env(root / "cache") | {"XLA_FLAGS": f"--xla_force_host_platform_device_count={DEVICES} "
-                                                             f"{FAST_COMPILE}"}
+        self.env = child_env(root / "cache") | {
+            "XLA_FLAGS": f"--xla_force_host_platform_device_count={DEVICES} {FAST_COMPILE}"
+        }
         self.n_logs = 0
         self.rows: list[list[str]] = []
         self.problems: list[str] = []
@@ -66,10 +89,26 @@ class LostHostDrill:
     def launch(self, workdir: pathlib.Path, label: str, *extra: str) -> list[Child]:
         port = free_port()
         self.n_logs += 1
-        argv = [*self.command, "--workdir", str(workdir), *extra, "--distributed", "--coordinator",
-                f"127.0.0.1:{port}", "--num-processes", "2"]
-        return [Child([*argv, "--process-id", str(i)], self.root / "logs" / f"{self.n_logs:02d}-{label}-p{i}.log",
-                      self.env, self.timeout) for i in range(2)]
+        argv = [
+            *self.command,
+            "--workdir",
+            str(workdir),
+            *extra,
+            "--distributed",
+            "--coordinator",
+            f"127.0.0.1:{port}",
+            "--num-processes",
+            "2",
+        ]
+        return [
+            Child(
+                [*argv, "--process-id", str(i)],
+                self.root / "logs" / f"{self.n_logs:02d}-{label}-p{i}.log",
+                self.env,
+                self.timeout,
+            )
+            for i in range(2)
+        ]
 
     def problem(self, what: str, child: Child | None = None) -> None:
         tail = ""
@@ -95,7 +134,7 @@ class LostHostDrill:
         if "Traceback (most recent call last)" in text:
             return [f"a traceback ({traceback_line(text)})"]
         m = CRASH.search(text)
-        return [f"crash output: {text[m.start():].splitlines()[0][:120]!r}"] if m else []
+        return [f"crash output: {text[m.start() :].splitlines()[0][:120]!r}"] if m else []
 
     # ---- the cases ----
 
@@ -113,8 +152,11 @@ class LostHostDrill:
 
         def ready() -> bool:
             restored = survivor.restored() if resume else -1
-            return restored is not None and logged_step(self.workdir) >= max(target, restored + 1) and \
-                any(s <= logged_step(self.workdir) for s in saved_steps(self.workdir))
+            return (
+                restored is not None
+                and logged_step(self.workdir) >= max(target, restored + 1)
+                and any(s <= logged_step(self.workdir) for s in saved_steps(self.workdir))
+            )
 
         if not survivor.wait_until(ready) or victim.proc.poll() is not None:
             for child in procs:
@@ -124,8 +166,9 @@ class LostHostDrill:
             self.rows.append([case, "-", "-", "-", "-", "-", "-"])
             return None
         if resume and survivor.restored() != resume_from:
-            self.problem(f"{case}: resumed from step {survivor.restored()}, the last line named {resume_from}",
-                         survivor)
+            self.problem(
+                f"{case}: resumed from step {survivor.restored()}, the last line named {resume_from}", survivor
+            )
         victim.send(signal.SIGKILL)
         killed = time.monotonic()
         case = f"process {lost}{' (coordinator)' if lost == 0 else ''} killed at step {logged_step(self.workdir)}"
@@ -135,8 +178,13 @@ class LostHostDrill:
         text = survivor.text()
         lines = [line for line in text.splitlines() if line.strip()]
         found = LOST.match(lines[-1]) if lines else None
-        named = found is not None and text.count("lm: lost") == 1 and int(found.group(1)) == lost and \
-            int(found.group(3)) == 1 - lost and int(found.group(2)) >= PEER_S
+        named = (
+            found is not None
+            and text.count("lm: lost") == 1
+            and int(found.group(1)) == lost
+            and int(found.group(3)) == 1 - lost
+            and int(found.group(2)) >= PEER_S
+        )
         saved = int(found.group(5)) if found and found.group(5) else None
         if named and saved is not None and not (self.workdir / "checkpoints" / str(saved)).is_dir():
             named = False
@@ -145,20 +193,34 @@ class LostHostDrill:
         if not named:
             self.problem(f"{case}: no single `lm: lost process {lost} of 2` last line naming a checkpoint", survivor)
         if code != 75 or survivor.hung:
-            self.problem(f"{case}: the survivor {'hung' if survivor.hung else f'exited {code}'} (expected 75)",
-                         survivor)
+            self.problem(
+                f"{case}: the survivor {'hung' if survivor.hung else f'exited {code}'} (expected 75)", survivor
+            )
         if seconds > bound:
             self.problem(f"{case}: the survivor took {seconds:.1f} s to exit (bound {bound} s)", survivor)
         if crash:
             self.problem(f"{case}: {crash[0]}", survivor)
-        self.rows.append([case, f"yes ({saved})" if named else "NO", str(code), f"{seconds:.1f}", str(bound),
-                          "NO" if crash else "yes", "-"])
+        self.rows.append(
+            [
+                case,
+                f"yes ({saved})" if named else "NO",
+                str(code),
+                f"{seconds:.1f}",
+                str(bound),
+                "NO" if crash else "yes",
+                "-",
+            ]
+        )
         return saved
 
     def startup_kills(self) -> None:
         """Two runs at once: in one process 0 is SIGKILLed right after its launch, in the other process 1."""
-        runs = {lost: self.launch(self.root / f"startup-{lost}", f"startup-kill-p{lost}", "--startup-timeout",
-                                  str(STARTUP_S)) for lost in (0, 1)}
+        runs = {
+            lost: self.launch(
+                self.root / f"startup-{lost}", f"startup-kill-p{lost}", "--startup-timeout", str(STARTUP_S)
+            )
+            for lost in (0, 1)
+        }
         killed = time.monotonic()
         for lost, procs in runs.items():
             procs[lost].send(signal.SIGKILL)
@@ -171,8 +233,11 @@ class LostHostDrill:
             text = survivor.text()
             lines = [line for line in text.splitlines() if line.strip()]
             found = STARTUP.match(lines[-1]) if lines else None
-            named = found is not None and int(next(g for g in found.groups() if g is not None)) == lost and \
-                sum(line.startswith("lm: ") for line in lines) == 1
+            named = (
+                found is not None
+                and int(next(g for g in found.groups() if g is not None)) == lost
+                and sum(line.startswith("lm: ") for line in lines) == 1
+            )
             crash, bound = self.crash(text), STARTUP_S + SLACK_S
             if not named:
                 self.problem(f"{case}: no single start-up line naming process {lost} as the last line", survivor)
@@ -182,8 +247,9 @@ class LostHostDrill:
                 self.problem(f"{case}: the survivor took {seconds:.1f} s to exit (bound {bound} s)", survivor)
             if crash:
                 self.problem(f"{case}: {crash[0]}", survivor)
-            self.rows.append([case, "yes" if named else "NO", str(code), f"{seconds:.1f}", str(bound),
-                              "NO" if crash else "yes", "-"])
+            self.rows.append(
+                [case, "yes" if named else "NO", str(code), f"{seconds:.1f}", str(bound), "NO" if crash else "yes", "-"]
+            )
 
     def compare(self, procs: list[Child], resumed_from: int | None) -> str:
         """The final run resumed where the last line said, and everything equals the reference."""
@@ -191,12 +257,18 @@ class LostHostDrill:
         if resumed_from is not None and said != resumed_from:
             self.problem(f"the final run resumed from step {said}, the line named {resumed_from}", procs[0])
         ref, run = values_by_step(metric_rows(self.reference)), values_by_step(metric_rows(self.workdir))
-        diffs = [f"step {s} {k}: {run.get(s, {}).get(k)!r} != {v!r}" for s in sorted(ref) for k, v in ref[s].items()
-                 if run.get(s, {}).get(k, object()) != v]
+        diffs = [
+            f"step {s} {k}: {run.get(s, {}).get(k)!r} != {v!r}"
+            for s in sorted(ref)
+            for k, v in ref[s].items()
+            if run.get(s, {}).get(k, object()) != v
+        ]
         diffs += [f"step {s}: only in the drilled run" for s in sorted(set(run) - set(ref))]
         if diffs or len([s for s in ref if "loss" in ref[s]]) != STEPS:
-            self.problem(f"logged values differ from the uninterrupted run: {diffs[0] if diffs else 'steps missing'}"
-                         f" ({len(diffs)} differ)")
+            self.problem(
+                f"logged values differ from the uninterrupted run: {diffs[0] if diffs else 'steps missing'}"
+                f" ({len(diffs)} differ)"
+            )
         try:
             diff = same_bits(final_params(self.reference, STEPS), final_params(self.workdir, STEPS))
         except Exception as e:  # noqa: BLE001 - reported as the drill's finding
@@ -214,7 +286,16 @@ class LostHostDrill:
                 procs = self.launch(self.workdir, "finish", "--resume")
                 if self.finished(procs, "the final resumed run"):
                     exact = self.compare(procs, second)
-                    self.rows.append([f"both resumed from step {second} to the end", "-",
-                                      str(procs[0].proc.returncode), "-", "-", "yes", exact])
+                    self.rows.append(
+                        [
+                            f"both resumed from step {second} to the end",
+                            "-",
+                            str(procs[0].proc.returncode),
+                            "-",
+                            "-",
+                            "yes",
+                            exact,
+                        ]
+                    )
         self.startup_kills()
         return dict(rows=self.rows, problems=self.problems, notes=self.notes, seconds=time.monotonic() - t0)

@@ -21,7 +21,9 @@ from lm.store.checkpoint_checks import index_entries
 
 ROOT = pathlib.Path(__file__).resolve().parents[1]
 # Values that measure the machine, not the computation: left out of the bitwise comparison.
-TIMING = re.compile(r"(_per_s|_s|mfu|sampling_share|peak_flops|peak_flops_source|^digest)$")  # digest: over the timings too
+TIMING = re.compile(
+    r"(_per_s|_s|mfu|sampling_share|peak_flops|peak_flops_source|^digest)$"
+)  # digest: over the timings too
 
 
 class Child:
@@ -34,8 +36,9 @@ class Child:
         self.timeout, self.hung, self.signals = timeout, False, []
         self._restored: int | None = None
         with open(log, "w") as out:
-            self.proc = subprocess.Popen([sys.executable, "-m", "lm.cli", *argv], cwd=ROOT, env=env,
-                                         stdout=out, stderr=subprocess.STDOUT)
+            self.proc = subprocess.Popen(
+                [sys.executable, "-m", "lm.cli", *argv], cwd=ROOT, env=env, stdout=out, stderr=subprocess.STDOUT
+            )
         self.pid = self.proc.pid
 
     def wait_until(self, condition, poll: float = 0.002) -> bool:
@@ -80,12 +83,17 @@ class Child:
 def child_env(cache: pathlib.Path) -> dict:
     """CPU, unbuffered output (a kill loses no printed line), and the test suite's fast XLA
     compilation (the same program: both runs of a comparison use it)."""
-    env = os.environ | {"JAX_PLATFORMS": "cpu", "PYTHONUNBUFFERED": "1", "LM_CACHE_DIR": str(cache),
-                        "XLA_FLAGS": "--xla_backend_optimization_level=0 --xla_llvm_disable_expensive_passes=true"}
+    env = os.environ | {
+        "JAX_PLATFORMS": "cpu",
+        "PYTHONUNBUFFERED": "1",
+        "LM_CACHE_DIR": str(cache),
+        "XLA_FLAGS": "--xla_backend_optimization_level=0 --xla_llvm_disable_expensive_passes=true",
+    }
     return env
 
 
 # ---- what a run wrote -------------------------------------------------------------------------
+
 
 def metric_rows(workdir: pathlib.Path) -> list[dict]:
     """metrics.jsonl's rows; a line cut short by a kill is skipped."""
@@ -174,7 +182,7 @@ def same_bits(a: dict, b: dict, prefix: str = "") -> str | None:
 
 def traceback_line(text: str) -> str:
     """The line that ends the first traceback (the exception), for the report."""
-    lines = text[text.index("Traceback (most recent call last)"):].splitlines()
+    lines = text[text.index("Traceback (most recent call last)") :].splitlines()
     return next((line.strip() for line in lines[1:] if line and not line.startswith(" ")), "?")[:200]
 
 
@@ -196,6 +204,7 @@ def summary_step(workdir: pathlib.Path):
 
 
 # ---- TensorBoard ------------------------------------------------------------------------------
+
 
 def tensorboard_points(directory: pathlib.Path) -> tuple[dict, str]:
     """({tag: [(step, value), ...]} over every event file, the reader used): tensorboard's own
@@ -224,14 +233,15 @@ def _records(path: pathlib.Path):
 
     data, i = path.read_bytes(), 0
     while i + 12 <= len(data):
-        header = data[i:i + 8]
+        header = data[i : i + 8]
         (n,) = struct.unpack("<Q", header)
-        body = data[i + 12:i + 12 + n]
-        crcs = data[i + 8:i + 12], data[i + 12 + n:i + 16 + n]
+        body = data[i + 12 : i + 12 + n]
+        crcs = data[i + 8 : i + 12], data[i + 12 + n : i + 16 + n]
         if len(body) < n or len(crcs[1]) < 4:
             raise ValueError(f"{path}: a record cut short at byte {i}")
-        if struct.unpack("<I", crcs[0])[0] != masked_crc32c(header) or \
-                struct.unpack("<I", crcs[1])[0] != masked_crc32c(body):
+        if struct.unpack("<I", crcs[0])[0] != masked_crc32c(header) or struct.unpack("<I", crcs[1])[0] != masked_crc32c(
+            body
+        ):
             raise ValueError(f"{path}: bad CRC in the record at byte {i}")
         yield Event.FromString(body)
         i += 16 + n
@@ -250,8 +260,10 @@ def tensorboard_matches(workdir: pathlib.Path) -> str | None:
     except ValueError as e:
         return str(e)
     if set(got) != set(want):
-        return f"tags only in TensorBoard {sorted(set(got) - set(want))[:3]}, only in metrics.jsonl " \
-               f"{sorted(set(want) - set(got))[:3]}"
+        return (
+            f"tags only in TensorBoard {sorted(set(got) - set(want))[:3]}, only in metrics.jsonl "
+            f"{sorted(set(want) - set(got))[:3]}"
+        )
     for tag, points in want.items():
         steps = [s for s, _ in got[tag]], [s for s, _ in points]
         if steps[0] != steps[1]:
@@ -299,13 +311,18 @@ def referenced_ends(item_dir: pathlib.Path) -> dict[pathlib.Path, int]:
 def _bump_number(path: pathlib.Path, pattern: str, fallback: str) -> None:
     text = path.read_text()
     m = re.search(pattern, text) or re.search(fallback, text)
-    path.write_text(text[:m.start(1)] + str(int(m.group(1)) + 1) + text[m.end(1):])
+    path.write_text(text[: m.start(1)] + str(int(m.group(1)) + 1) + text[m.end(1) :])
 
 
 def cache_entry(cache: pathlib.Path) -> tuple[pathlib.Path, pathlib.Path] | None:
     """(entry, token file) of the largest token file among the cache's entries (the training data)."""
-    found = [p for p in cache.glob("*/**/*") if p.is_file() and not any(part.startswith(".") for part in
-             p.relative_to(cache).parts) and (p.name == "tokens.npy" or p.suffix == ".tokens")]
+    found = [
+        p
+        for p in cache.glob("*/**/*")
+        if p.is_file()
+        and not any(part.startswith(".") for part in p.relative_to(cache).parts)
+        and (p.name == "tokens.npy" or p.suffix == ".tokens")
+    ]
     if not found:
         return None
     path = max(found, key=lambda p: p.stat().st_size)
@@ -340,7 +357,10 @@ def table(columns: list[tuple[str, int]], rows: list[list[str]]) -> list[str]:
     """Text table: headers wrapped to each column's width (bottom-aligned), the first column left."""
     wrapped = [textwrap.wrap(head, width) for head, width in columns]
     depth = max(map(len, wrapped))
-    heads = [[(parts[i - depth + len(parts)] if i >= depth - len(parts) else "") for parts in wrapped]
-             for i in range(depth)]
-    return [" ".join(c.ljust(w) if j == 0 else c.rjust(w) for j, (c, (_, w)) in enumerate(zip(cells, columns)))
-            for cells in heads + rows]
+    heads = [
+        [(parts[i - depth + len(parts)] if i >= depth - len(parts) else "") for parts in wrapped] for i in range(depth)
+    ]
+    return [
+        " ".join(c.ljust(w) if j == 0 else c.rjust(w) for j, (c, (_, w)) in enumerate(zip(cells, columns)))
+        for cells in heads + rows
+    ]

@@ -43,10 +43,24 @@ GIB = 2**30
 TARGET = 1.25  # peak RSS <= TARGET x checkpoint size on disk
 MESH_DEVICES = 4
 SIZES = {  # LlamaConfig keys; shard: save_pretrained's max_shard_size
-    "full": dict(hidden_size=2048, intermediate_size=8192, num_hidden_layers=16, num_attention_heads=32,
-                 num_key_value_heads=8, vocab_size=32000, shard="1GB"),
-    "quick": dict(hidden_size=768, intermediate_size=2048, num_hidden_layers=12, num_attention_heads=12,
-                  num_key_value_heads=4, vocab_size=32000, shard="100MB"),
+    "full": dict(
+        hidden_size=2048,
+        intermediate_size=8192,
+        num_hidden_layers=16,
+        num_attention_heads=32,
+        num_key_value_heads=8,
+        vocab_size=32000,
+        shard="1GB",
+    ),
+    "quick": dict(
+        hidden_size=768,
+        intermediate_size=2048,
+        num_hidden_layers=12,
+        num_attention_heads=12,
+        num_key_value_heads=4,
+        vocab_size=32000,
+        shard="100MB",
+    ),
 }
 LOADERS = {"lm": ("base-lm", 1), "lm-mesh": ("base-lm-mesh", MESH_DEVICES), "hf": ("base-hf", 1)}  # baseline, devices
 BASELINES = {"base-lm": 1, "base-lm-mesh": MESH_DEVICES, "base-hf": 1}
@@ -55,11 +69,14 @@ BASELINES = {"base-lm": 1, "base-lm-mesh": MESH_DEVICES, "base-hf": 1}
 # ---------------------------------------------------------------------------------------------
 # Memory readings (Linux /proc)
 
+
 def status() -> dict:
     """VmRSS, VmHWM, RssAnon, RssFile of this process in bytes."""
     text = pathlib.Path("/proc/self/status").read_text()
-    return {k: int(re.search(rf"^{k}:\s+(\d+) kB", text, re.M).group(1)) * 1024
-            for k in ("VmRSS", "VmHWM", "RssAnon", "RssFile")}
+    return {
+        k: int(re.search(rf"^{k}:\s+(\d+) kB", text, re.M).group(1)) * 1024
+        for k in ("VmRSS", "VmHWM", "RssAnon", "RssFile")
+    }
 
 
 def reset_hwm() -> bool:
@@ -101,6 +118,7 @@ class Sampler(threading.Thread):
 
 # ---------------------------------------------------------------------------------------------
 # The safetensors files, read independently of lm.store.safetensors_files
+
 
 def file_tensors(ckpt: pathlib.Path) -> dict:
     """name -> (path, dtype name, shape, byte offset) for every tensor of every shard."""
@@ -147,6 +165,7 @@ def disk_bytes(ckpt: pathlib.Path) -> int:
 # ---------------------------------------------------------------------------------------------
 # The checkpoint
 
+
 def make_checkpoint(size: str, root: pathlib.Path) -> pathlib.Path:
     """The cached checkpoint for `size`, written by a child (torch stays out of this process)."""
     ckpt = root / f"llama-{size}"
@@ -156,8 +175,11 @@ def make_checkpoint(size: str, root: pathlib.Path) -> pathlib.Path:
     shutil.rmtree(ckpt, ignore_errors=True)
     print(f"writing the {size} checkpoint to {ckpt} (once) ...", flush=True)
     t = time.perf_counter()
-    subprocess.run([sys.executable, __file__, "--child", "create", "--size", size, "--ckpt", str(ckpt)],
-                   check=True, env=child_env(1))
+    subprocess.run(
+        [sys.executable, __file__, "--child", "create", "--size", size, "--ckpt", str(ckpt)],
+        check=True,
+        env=child_env(1),
+    )
     (ckpt / "bench-done").write_text(stamp)
     print(f"  written in {time.perf_counter() - t:.0f} s", flush=True)
     return ckpt
@@ -171,8 +193,9 @@ def create(size: str, ckpt: pathlib.Path) -> None:
     shape = dict(SIZES[size])
     shard = shape.pop("shard")
     torch.manual_seed(0)
-    config = LlamaConfig(**shape, max_position_embeddings=2048, tie_word_embeddings=False,
-                         initializer_range=0.02, dtype="bfloat16")
+    config = LlamaConfig(
+        **shape, max_position_embeddings=2048, tie_word_embeddings=False, initializer_range=0.02, dtype="bfloat16"
+    )
     # Built directly in bf16 (no float32 copy); transformers' init draws N(0, 0.02) weights.
     model = AutoModelForCausalLM.from_config(config, dtype=torch.bfloat16)
     with torch.no_grad():  # norms are ones after init: make them random too, so checks see them
@@ -185,13 +208,15 @@ def create(size: str, ckpt: pathlib.Path) -> None:
     words = ["<unk>", "<s>", "</s>"] + [chr(c) for c in range(ord("a"), ord("z") + 1)]
     tok = Tokenizer(models.WordLevel({w: i for i, w in enumerate(words)}, unk_token="<unk>"))
     tok.pre_tokenizer = pre_tokenizers.Whitespace()
-    PreTrainedTokenizerFast(tokenizer_object=tok, bos_token="<s>", eos_token="</s>",
-                            unk_token="<unk>").save_pretrained(tmp)
+    PreTrainedTokenizerFast(tokenizer_object=tok, bos_token="<s>", eos_token="</s>", unk_token="<unk>").save_pretrained(
+        tmp
+    )
     tmp.rename(ckpt)
 
 
 # ---------------------------------------------------------------------------------------------
 # Children: each prints one line 'RESULT {json}'
+
 
 def import_lm():
     import jax
@@ -367,9 +392,15 @@ def measure(rows: list, label: str, fn):
     reset_hwm()
     value = fn()
     s = status()
-    rows.append(dict(step=label, nbytes=sum(getattr(v, "nbytes", 0) for v in (value if isinstance(value, list)
-                                                                                else [value])),
-                     before=before, peak=s["VmHWM"], after=s["VmRSS"]))
+    rows.append(
+        dict(
+            step=label,
+            nbytes=sum(getattr(v, "nbytes", 0) for v in (value if isinstance(value, list) else [value])),
+            before=before,
+            peak=s["VmHWM"],
+            after=s["VmRSS"],
+        )
+    )
     return value
 
 
@@ -391,20 +422,33 @@ def split_steps(name, x, sharding, dtype) -> list[dict]:
     gc.collect()
     raw = measure(rows, f"{name}: TensorFiles.read of one HF tensor ({one})", lambda: x.files.read(one))
     part = index[1:] if x.stacked else index
-    measure(rows, f"{name}: device 0's part of its layout view, copied", lambda: layout_view(x.kind, raw, per_layer)[part].copy())
-    del raw
+    measure(
+        rows,
+        f"{name}: device 0's part of its layout view, copied",
+        lambda: layout_view(x.kind, raw, per_layer)[part].copy(),
+    )
+    raw = None  # free the host copy before the next measure
     gc.collect()
-    shards = measure(rows, f"{name}: x[index] for all {len(indices)} devices (the callbacks' arrays)",
-                     lambda: [np.asarray(x[i]).astype(dtype, copy=False) for i in indices])
-    arr = measure(rows, f"{name}: make_array_from_callback over those arrays",
-                  lambda: jax.block_until_ready(jax.make_array_from_callback(
-                      tuple(x.shape), sharding, lambda i: shards[indices.index(i)])))
+    shards = measure(
+        rows,
+        f"{name}: x[index] for all {len(indices)} devices (the callbacks' arrays)",
+        lambda: [np.asarray(x[i]).astype(dtype, copy=False) for i in indices],
+    )
+    arr = measure(
+        rows,
+        f"{name}: make_array_from_callback over those arrays",
+        lambda: jax.block_until_ready(
+            jax.make_array_from_callback(tuple(x.shape), sharding, lambda i: shards[indices.index(i)])
+        ),
+    )
     aligned = [int(s.ctypes.data % 64) for s in shards]
     alias = [np.asarray(s.data).ctypes.data == shards[k].ctypes.data for k, s in enumerate(arr.addressable_shards)]
     refs = [sys.getrefcount(s) - 2 for s in shards]  # minus the list's and getrefcount's own
-    rows[-1]["note"] = (f"numpy data address mod 64: {aligned}; device buffer aliases the numpy array: {alias}; "
-                        f"other references to each numpy array still held: {refs}")
-    del shards
+    rows[-1]["note"] = (
+        f"numpy data address mod 64: {aligned}; device buffer aliases the numpy array: {alias}; "
+        f"other references to each numpy array still held: {refs}"
+    )
+    shards = None
     measure(rows, f"{name}: del the numpy arrays", lambda: None)
     rows[-1]["note"] = "their memory stays until jax's deferred release runs (Python's gc callback)"
     measure(rows, f"{name}: gc.collect()", gc.collect)
@@ -437,6 +481,7 @@ def child(args) -> None:
 # ---------------------------------------------------------------------------------------------
 # The parent
 
+
 def child_env(devices: int) -> dict:
     env = dict(os.environ)
     flags = re.sub(r"--xla_force_host_platform_device_count=\S+", "", env.get("XLA_FLAGS", "")).strip()
@@ -452,7 +497,7 @@ def run_child(kind: str, ckpt: pathlib.Path, trace: bool = False) -> dict:
     cmd = [sys.executable, __file__, "--child", kind, "--ckpt", str(ckpt)] + (["--trace"] if trace else [])
     t = time.perf_counter()
     p = subprocess.run(cmd, capture_output=True, text=True, env=child_env(devices), cwd=REPO)
-    lines = [l for l in p.stdout.splitlines() if l.startswith("RESULT ")]
+    lines = [line for line in p.stdout.splitlines() if line.startswith("RESULT ")]
     if p.returncode or not lines:
         sys.stderr.write(p.stdout[-4000:] + p.stderr[-4000:])
         raise SystemExit(f"child '{kind}' failed (exit {p.returncode})")
@@ -478,10 +523,14 @@ def report(ckpt: pathlib.Path, runs: dict) -> None:
     shards = len(list(ckpt.glob("*.safetensors")))
     any_run = next(v[0] for k, v in runs.items() if k in LOADERS)
     rounds = max(len(v) for v in runs.values())
-    print(f"\ncheckpoint: {ckpt}: {any_run['param_bytes'] / 2e9:.3f}B params, bf16, {shards} safetensors shards "
-          f"+ index, {gib(disk)} GiB on disk (read from the page cache); {rounds} interleaved round(s)")
-    head = (f"{'loader':<13}{'wall s':>8}{'peak RSS':>10}{'baseline':>10}{'RSS-base':>10}"
-            f"{'RSS/ckpt':>10}{'(RSS-base)/ckpt':>17}  target")
+    print(
+        f"\ncheckpoint: {ckpt}: {any_run['param_bytes'] / 2e9:.3f}B params, bf16, {shards} safetensors shards "
+        f"+ index, {gib(disk)} GiB on disk (read from the page cache); {rounds} interleaved round(s)"
+    )
+    head = (
+        f"{'loader':<13}{'wall s':>8}{'peak RSS':>10}{'baseline':>10}{'RSS-base':>10}"
+        f"{'RSS/ckpt':>10}{'(RSS-base)/ckpt':>17}  target"
+    )
     print(head)
     print("-" * (len(head) + 24))
     for label, kind, base_kind, wall_key, status_key, judged in ROWS:
@@ -494,33 +543,45 @@ def report(ckpt: pathlib.Path, runs: dict) -> None:
         verdict = ""
         if judged:
             verdict = f"{'PASS' if own <= TARGET else 'FAIL'} (on total RSS: {'PASS' if total <= TARGET else 'FAIL'})"
-        print(f"{label:<13}{wall:>8.2f}{gib(peak):>10}{gib(base):>10}{gib(peak - base):>10}"
-              f"{total:>9.2f}x{own:>16.2f}x  {verdict}")
-    print(f"target: peak RSS <= {TARGET}x checkpoint size ({gib(TARGET * disk)} GiB), judged on RSS - baseline "
-          "(the loader's own memory; the import baseline does not grow with the model); the verdict on total "
-          "RSS in ()")
-    print("GiB. wall: load call to arrays ready, imports excluded, median over rounds. peak RSS: VmHWM (= ru_maxrss) "
-          "right after loading, max over rounds. baseline: median peak of a child that only imports the "
-          "loader's modules (jax + lm on as many devices; torch + transformers). hf lazy: from_pretrained returns "
-          "with the weights mapped copy-on-write from the files, unread; hf touched: after reading every weight "
-          "once (a byte checksum), the pages then count in RSS as file-backed")
+        print(
+            f"{label:<13}{wall:>8.2f}{gib(peak):>10}{gib(base):>10}{gib(peak - base):>10}"
+            f"{total:>9.2f}x{own:>16.2f}x  {verdict}"
+        )
+    print(
+        f"target: peak RSS <= {TARGET}x checkpoint size ({gib(TARGET * disk)} GiB), judged on RSS - baseline "
+        "(the loader's own memory; the import baseline does not grow with the model); the verdict on total "
+        "RSS in ()"
+    )
+    print(
+        "GiB. wall: load call to arrays ready, imports excluded, median over rounds. peak RSS: VmHWM (= ru_maxrss) "
+        "right after loading, max over rounds. baseline: median peak of a child that only imports the "
+        "loader's modules (jax + lm on as many devices; torch + transformers). hf lazy: from_pretrained returns "
+        "with the weights mapped copy-on-write from the files, unread; hf touched: after reading every weight "
+        "once (a byte checksum), the pages then count in RSS as file-backed"
+    )
     for kind in LOADERS:
         if kind not in runs:
             continue
         last = runs[kind][-1]
         phases = ", ".join(f"{p} {gib(v)}" for p, v in last["phases"].items() if p != "start")
         end = last["end"]
-        print(f"  {kind}: max sampled VmRSS per phase (last round): {phases}; after the checks, model alive: "
-              f"RssAnon {gib(end['RssAnon'])}, RssFile {gib(end['RssFile'])}, ru_maxrss {gib(last['ru_maxrss'])}")
+        print(
+            f"  {kind}: max sampled VmRSS per phase (last round): {phases}; after the checks, model alive: "
+            f"RssAnon {gib(end['RssAnon'])}, RssFile {gib(end['RssFile'])}, ru_maxrss {gib(last['ru_maxrss'])}"
+        )
 
 
 def report_trace(kind: str, out: dict) -> None:
-    print(f"\n{kind}: Built.place cut up (GiB; peak: VmHWM reset before each step; params alone "
-          f"{gib(out['param_bytes'])}, checkpoint on disk {gib(out['disk_bytes'])})")
+    print(
+        f"\n{kind}: Built.place cut up (GiB; peak: VmHWM reset before each step; params alone "
+        f"{gib(out['param_bytes'])}, checkpoint on disk {gib(out['disk_bytes'])})"
+    )
     print(f"  {'step':<100}{'size':>7}{'before':>8}{'peak':>7}{'after':>7}{'peak-before':>12}")
     for r in out["trace"]:
-        print(f"  {r['step']:<100}{gib(r['nbytes']):>7}{gib(r['before']):>8}{gib(r['peak']):>7}{gib(r['after']):>7}"
-              f"{gib(r['peak'] - r['before']):>12}")
+        print(
+            f"  {r['step']:<100}{gib(r['nbytes']):>7}{gib(r['before']):>8}{gib(r['peak']):>7}{gib(r['after']):>7}"
+            f"{gib(r['peak'] - r['before']):>12}"
+        )
         if r.get("note"):
             print(f"      {r['note']}")
 
@@ -529,12 +590,19 @@ def main() -> None:
     ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     ap.add_argument("--quick", action="store_true", help="a ~124M-parameter model (~240 MiB) instead of ~1.1B (~2 GiB)")
     ap.add_argument("--dir", default="/tmp/lm-hf-bench", help="where checkpoints are written once and reused")
-    ap.add_argument("--rounds", type=int, default=2,
-                    help="interleaved rounds of every loader (default 2; 0 with --trace: the trace alone)")
+    ap.add_argument(
+        "--rounds",
+        type=int,
+        default=2,
+        help="interleaved rounds of every loader (default 2; 0 with --trace: the trace alone)",
+    )
     ap.add_argument("--loaders", default="lm,lm-mesh,hf", help="comma-separated subset of: lm, lm-mesh, hf")
-    ap.add_argument("--trace", action="store_true",
-                    help="after the rounds, one more lm and lm-mesh child each placing leaf by leaf with each "
-                         "leaf's and each step's own peak RSS")
+    ap.add_argument(
+        "--trace",
+        action="store_true",
+        help="after the rounds, one more lm and lm-mesh child each placing leaf by leaf with each "
+        "leaf's and each step's own peak RSS",
+    )
     ap.add_argument("--json", help="write every child's raw result here")
     ap.add_argument("--child", help=argparse.SUPPRESS)
     ap.add_argument("--ckpt", help=argparse.SUPPRESS)
@@ -559,8 +627,11 @@ def main() -> None:
                 runs.setdefault(k, []).append(out)
                 wall = f"{out['wall_s']:.2f} s, " if "wall_s" in out else ""
                 touched = f", touched {gib(out['touched']['VmHWM'])} GiB" if "touched" in out else ""
-                print(f"round {r + 1} {k:<13} {wall}peak {gib(out['load']['VmHWM'])} GiB{touched} "
-                      f"(process {out['process_s']:.1f} s)", flush=True)
+                print(
+                    f"round {r + 1} {k:<13} {wall}peak {gib(out['load']['VmHWM'])} GiB{touched} "
+                    f"(process {out['process_s']:.1f} s)",
+                    flush=True,
+                )
     if runs:
         report(ckpt, runs)
     if args.trace:

@@ -21,8 +21,9 @@ import statistics
 import sys
 import time
 
-os.environ["XLA_FLAGS"] = re.sub(r"--xla_force_host_platform_device_count=\S+", "",
-                                 os.environ.get("XLA_FLAGS", "")).strip()
+os.environ["XLA_FLAGS"] = re.sub(
+    r"--xla_force_host_platform_device_count=\S+", "", os.environ.get("XLA_FLAGS", "")
+).strip()
 sys.path.insert(0, str(pathlib.Path(__file__).resolve().parent.parent))
 
 import jax  # noqa: E402
@@ -35,12 +36,24 @@ from lm.train.setup import build_run, host_batch  # noqa: E402
 def make_config(a, kind: str):
     c = base_config()
     f = 4 * a.d_model
-    c.model.update(vocab_size=a.vocab, d_model=a.d_model, n_layers=a.layers, n_heads=a.d_model // 64,
-                   n_kv_heads=a.d_model // 64, d_ff=f, max_seq_len=a.seq, compute_dtype=a.dtype,
-                   attention="xla" if jax.default_backend() != "cpu" else "blockwise")
+    c.model.update(
+        vocab_size=a.vocab,
+        d_model=a.d_model,
+        n_layers=a.layers,
+        n_heads=a.d_model // 64,
+        n_kv_heads=a.d_model // 64,
+        d_ff=f,
+        max_seq_len=a.seq,
+        compute_dtype=a.dtype,
+        attention="xla" if jax.default_backend() != "cpu" else "blockwise",
+    )
     if kind != "dense":
-        c.model.update(n_experts=a.experts, experts_per_token=a.k, expert_d_ff=f // a.k,
-                       capacity_factor=1.25 if kind == "capacity" else 0.0)
+        c.model.update(
+            n_experts=a.experts,
+            experts_per_token=a.k,
+            expert_d_ff=f // a.k,
+            capacity_factor=1.25 if kind == "capacity" else 0.0,
+        )
     c.data.seq_len, c.train.batch_size = a.seq, a.batch
     c.mesh.update(data=1)
     validate(c)
@@ -87,14 +100,21 @@ def main():
     for kind in kinds:
         c = runs[kind][3]
         sec = statistics.median(times[kind])
-        out[kind] = {"step_ms": 1e3 * sec, "tokens_per_s": tokens / sec, "compile_s": runs[kind][4],
-                     "params": counts.param_count(c.model), "active_params": counts.active_param_count(c.model),
-                     "per_round_ratio_to_dense": [d / t for d, t in zip(times["dense"], times[kind])]}
+        out[kind] = {
+            "step_ms": 1e3 * sec,
+            "tokens_per_s": tokens / sec,
+            "compile_s": runs[kind][4],
+            "params": counts.param_count(c.model),
+            "active_params": counts.active_param_count(c.model),
+            "per_round_ratio_to_dense": [d / t for d, t in zip(times["dense"], times[kind])],
+        }
     for kind in kinds:
         o = out[kind]
-        print(f"{kind:9s} {o['step_ms']:8.1f} ms/step {o['tokens_per_s']:10.0f} tok/s  "
-              f"x{o['tokens_per_s'] / out['dense']['tokens_per_s']:.2f} of dense  params {o['params']:,}"
-              f" active {o['active_params']}  compile {o['compile_s']:.1f}s")
+        print(
+            f"{kind:9s} {o['step_ms']:8.1f} ms/step {o['tokens_per_s']:10.0f} tok/s  "
+            f"x{o['tokens_per_s'] / out['dense']['tokens_per_s']:.2f} of dense  params {o['params']:,}"
+            f" active {o['active_params']}  compile {o['compile_s']:.1f}s"
+        )
     if a.out:
         pathlib.Path(a.out).write_text(json.dumps(out, indent=1))
 

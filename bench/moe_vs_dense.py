@@ -69,8 +69,9 @@ ARGS = parse_args() if __name__ == "__main__" else None
 
 # One real CPU device (drop a simulated-device count inherited from the environment), the XLA
 # flags `lm train` applies for float32, and huge-page malloc as the `lm` command gets it.
-os.environ["XLA_FLAGS"] = re.sub(r"--xla_force_host_platform_device_count=\S+", "",
-                                 os.environ.get("XLA_FLAGS", "")).strip()
+os.environ["XLA_FLAGS"] = re.sub(
+    r"--xla_force_host_platform_device_count=\S+", "", os.environ.get("XLA_FLAGS", "")
+).strip()
 if ARGS is not None:
     from lm.process.cpu_flags import apply_cpu_defaults
     from lm.process.hugepages import reexec_with_hugepages
@@ -91,21 +92,36 @@ from lm.train.setup import build_run, host_batch  # noqa: E402
 
 def make_configs(args):
     """(dense, MoE) configs: the same run but for the MoE keys."""
-    common = [f"train.steps={args.steps}", f"eval.every_steps={args.eval_every}",
-              f"checkpoint.every_steps={args.steps}", "train.sample_tokens=16", *args.override]
+    common = [
+        f"train.steps={args.steps}",
+        f"eval.every_steps={args.eval_every}",
+        f"checkpoint.every_steps={args.steps}",
+        "train.sample_tokens=16",
+        *args.override,
+    ]
     dense = load_config(args.config, common)
     d_ff = dense.model.d_ff
     if d_ff % args.k:
         sys.exit(f"--k {args.k} must divide model.d_ff={d_ff} for equal active FLOPs")
-    moe = load_config(args.config, [*common, f"model.n_experts={args.experts}", f"model.experts_per_token={args.k}",
-                                    f"model.expert_d_ff={d_ff // args.k}",
-                                    f"model.capacity_factor={args.capacity_factor}"])
+    moe = load_config(
+        args.config,
+        [
+            *common,
+            f"model.n_experts={args.experts}",
+            f"model.experts_per_token={args.k}",
+            f"model.expert_d_ff={d_ff // args.k}",
+            f"model.capacity_factor={args.capacity_factor}",
+        ],
+    )
     return dense, moe
 
 
 def sizes(m, seq_len: int) -> dict:
-    return {"params_total": counts.param_count(m), "params_active": counts.active_param_count(m),
-            "flops_per_token": counts.flops_per_token(m, seq_len)}
+    return {
+        "params_total": counts.param_count(m),
+        "params_active": counts.active_param_count(m),
+        "flops_per_token": counts.flops_per_token(m, seq_len),
+    }
 
 
 class Timed:
@@ -146,11 +162,16 @@ def prepare(config) -> dict:
     """The token shards both runs read (from the data cache when they are there), timed."""
     d = config.data
     t0 = time.perf_counter()
-    data = prepare_pretrain_data(d, data_cache_dir(d), vocab_size=config.model.vocab_size, progress=False,
-                                 curate_cfg=config.curate)
-    return {"shards": str(data.train[0].shards.path), "seconds": time.perf_counter() - t0,
-            "train_tokens": data.stats["train_tokens"], "heldout_tokens": data.stats["heldout_tokens"],
-            "unigram_baseline": data.stats["unigram_entropy_nats"]}
+    data = prepare_pretrain_data(
+        d, data_cache_dir(d), vocab_size=config.model.vocab_size, progress=False, curate_cfg=config.curate
+    )
+    return {
+        "shards": str(data.train[0].shards.path),
+        "seconds": time.perf_counter() - t0,
+        "train_tokens": data.stats["train_tokens"],
+        "heldout_tokens": data.stats["heldout_tokens"],
+        "unigram_baseline": data.stats["unigram_entropy_nats"],
+    }
 
 
 def main(args) -> int:
@@ -160,23 +181,34 @@ def main(args) -> int:
     png = workdir / "moe_vs_dense.png"
     m, mm, seq = dense_config.model, moe_config.model, dense_config.data.seq_len
     load_start = os.getloadavg()[0]
-    print(f"jax {jax.__version__}, {os.cpu_count()} cores, device {jax.devices()[0]}, load average {load_start:.1f}",
-          flush=True)
+    print(
+        f"jax {jax.__version__}, {os.cpu_count()} cores, device {jax.devices()[0]}, load average {load_start:.1f}",
+        flush=True,
+    )
     data = prepare(dense_config)
-    print(f"data: {data['shards']} ({data['train_tokens']:,} train tokens, {data['heldout_tokens']:,} held-out; "
-          f"ready in {data['seconds']:.1f} s: a few seconds when the data cache had it)", flush=True)
+    print(
+        f"data: {data['shards']} ({data['train_tokens']:,} train tokens, {data['heldout_tokens']:,} held-out; "
+        f"ready in {data['seconds']:.1f} s: a few seconds when the data cache had it)",
+        flush=True,
+    )
     tokens_per_step = dense_config.train.batch_size * seq
     figures = {"dense": sizes(m, seq), "moe": sizes(mm, seq)}
-    print(f"dense: {m.n_layers} layers, d_model {m.d_model}, SwiGLU d_ff {m.d_ff}; MoE: {mm.n_experts} experts of "
-          f"width {mm.expert_d_ff}, top-{mm.experts_per_token}, "
-          f"{'dropless' if not mm.capacity_factor else f'capacity factor {mm.capacity_factor}'}, balance coef "
-          f"{mm.moe_balance_coef}, z coef {mm.moe_z_coef}; {args.steps} steps x {tokens_per_step:,} tokens, lr "
-          f"{dense_config.optim.lr}, held-out loss every {args.eval_every} steps on "
-          f"{dense_config.eval.batches * dense_config.eval.batch_size * seq:,} tokens", flush=True)
+    print(
+        f"dense: {m.n_layers} layers, d_model {m.d_model}, SwiGLU d_ff {m.d_ff}; MoE: {mm.n_experts} experts of "
+        f"width {mm.expert_d_ff}, top-{mm.experts_per_token}, "
+        f"{'dropless' if not mm.capacity_factor else f'capacity factor {mm.capacity_factor}'}, balance coef "
+        f"{mm.moe_balance_coef}, z coef {mm.moe_z_coef}; {args.steps} steps x {tokens_per_step:,} tokens, lr "
+        f"{dense_config.optim.lr}, held-out loss every {args.eval_every} steps on "
+        f"{dense_config.eval.batches * dense_config.eval.batch_size * seq:,} tokens",
+        flush=True,
+    )
     for name in ("dense", "moe"):
         f = figures[name]
-        print(f"  {name:5} params {f['params_total']:,} total, {f['params_active']:,} active; "
-              f"{f['flops_per_token'] / 1e6:.2f} MFLOPs per token (training)", flush=True)
+        print(
+            f"  {name:5} params {f['params_total']:,} total, {f['params_active']:,} active; "
+            f"{f['flops_per_token'] / 1e6:.2f} MFLOPs per token (training)",
+            flush=True,
+        )
 
     runs = {}
     for name, config in (("dense", dense_config), ("moe", moe_config)):
@@ -185,9 +217,13 @@ def main(args) -> int:
         summary = train(config, workdir / name, show_progress=False)
         rows = read_metrics(workdir / name / "metrics.jsonl")
         runs[name] = {"summary": summary, "rows": rows, "wall_s": time.perf_counter() - t0}
-        figures[name] |= {"final_eval_loss": summary["eval_loss"], "run_tokens_per_s": summary["run_tokens_per_s"],
-                          "compile_s": summary["compile_s"], "wall_s": runs[name]["wall_s"],
-                          "eval_loss": {r["step"]: r["eval_loss"] for r in rows if "eval_loss" in r}}
+        figures[name] |= {
+            "final_eval_loss": summary["eval_loss"],
+            "run_tokens_per_s": summary["run_tokens_per_s"],
+            "compile_s": summary["compile_s"],
+            "wall_s": runs[name]["wall_s"],
+            "eval_loss": {r["step"]: r["eval_loss"] for r in rows if "eval_loss" in r},
+        }
 
     print("\n--- throughput: the two compiled steps in interleaved rounds ---", flush=True)
     timed = [Timed("dense", dense_config), Timed("moe", moe_config)]
@@ -196,48 +232,85 @@ def main(args) -> int:
         print(f"[round {r + 1}] " + ", ".join(line), flush=True)
     ratios = [d / e for d, e in zip(timed[0].times, timed[1].times)]  # MoE tokens/s over dense's
     for t in timed:
-        figures[t.name] |= {"ms_per_step_rounds": [x * 1e3 for x in t.times],
-                            "tokens_per_s": t.tokens / statistics.median(t.times), "params_counted": t.params}
+        figures[t.name] |= {
+            "ms_per_step_rounds": [x * 1e3 for x in t.times],
+            "tokens_per_s": t.tokens / statistics.median(t.times),
+            "params_counted": t.params,
+        }
 
     dense, moe = figures["dense"], figures["moe"]
     figures["moe_routing"] = moe_routing(runs["moe"]["rows"])
     figures["gap"] = moe["final_eval_loss"] - dense["final_eval_loss"]
     figures["ratio_tokens_per_s"] = statistics.median(ratios)
     figures["ratio_run_tokens_per_s"] = moe["run_tokens_per_s"] / dense["run_tokens_per_s"]
-    figures |= {"steps": args.steps, "tokens_per_step": tokens_per_step, "data": data,
-                "load_average_start": load_start, "load_average_end": os.getloadavg()[0],
-                "model": {"dense": m.to_dict(), "moe": mm.to_dict()}, "png": str(png)}
+    figures |= {
+        "steps": args.steps,
+        "tokens_per_step": tokens_per_step,
+        "data": data,
+        "load_average_start": load_start,
+        "load_average_end": os.getloadavg()[0],
+        "model": {"dense": m.to_dict(), "moe": mm.to_dict()},
+        "png": str(png),
+    }
 
     steps = sorted(dense["eval_loss"])
     print("\nheld-out loss (nats/token):")
-    print(table([[s, f"{dense['eval_loss'][s]:.4f}", f"{moe['eval_loss'].get(s, float('nan')):.4f}",
-                  f"{moe['eval_loss'].get(s, float('nan')) - dense['eval_loss'][s]:+.4f}"] for s in steps],
-                ["step", "dense", "MoE", "MoE - dense"]))
+    print(
+        table(
+            [
+                [
+                    s,
+                    f"{dense['eval_loss'][s]:.4f}",
+                    f"{moe['eval_loss'].get(s, float('nan')):.4f}",
+                    f"{moe['eval_loss'].get(s, float('nan')) - dense['eval_loss'][s]:+.4f}",
+                ]
+                for s in steps
+            ],
+            ["step", "dense", "MoE", "MoE - dense"],
+        )
+    )
     rel = figures["gap"] / dense["final_eval_loss"]
-    print(f"final held-out loss at step {args.steps}: dense {dense['final_eval_loss']:.4f}, MoE "
-          f"{moe['final_eval_loss']:.4f}: MoE - dense {figures['gap']:+.4f} nats/token ({rel:+.2%}); unigram "
-          f"baseline {data['unigram_baseline']:.3f}")
-    print(f"params: dense {dense['params_total']:,}; MoE {moe['params_total']:,} total "
-          f"({moe['params_total'] / dense['params_total']:.2f}x), {moe['params_active']:,} active; counted in the "
-          f"state: {dense['params_counted']:,} and {moe['params_counted']:,}")
-    print(f"training FLOPs per token: MoE / dense {moe['flops_per_token'] / dense['flops_per_token']:.4f} "
-          "(the router's d_model x experts)")
-    print(f"tokens/s, interleaved rounds (median round): dense {dense['tokens_per_s']:,.0f}, MoE "
-          f"{moe['tokens_per_s']:,.0f}; MoE / dense {figures['ratio_tokens_per_s']:.3f} (median of the per-round "
-          "ratios " + ", ".join(f"{x:.3f}" for x in ratios) + ")")
-    print(f"tokens/s, the training runs one after the other: dense {dense['run_tokens_per_s']:,.0f}, MoE "
-          f"{moe['run_tokens_per_s']:,.0f} ({figures['ratio_run_tokens_per_s']:.3f}x); wall time dense "
-          f"{dense['wall_s']:.0f} s, MoE {moe['wall_s']:.0f} s")
+    print(
+        f"final held-out loss at step {args.steps}: dense {dense['final_eval_loss']:.4f}, MoE "
+        f"{moe['final_eval_loss']:.4f}: MoE - dense {figures['gap']:+.4f} nats/token ({rel:+.2%}); unigram "
+        f"baseline {data['unigram_baseline']:.3f}"
+    )
+    print(
+        f"params: dense {dense['params_total']:,}; MoE {moe['params_total']:,} total "
+        f"({moe['params_total'] / dense['params_total']:.2f}x), {moe['params_active']:,} active; counted in the "
+        f"state: {dense['params_counted']:,} and {moe['params_counted']:,}"
+    )
+    print(
+        f"training FLOPs per token: MoE / dense {moe['flops_per_token'] / dense['flops_per_token']:.4f} "
+        "(the router's d_model x experts)"
+    )
+    print(
+        f"tokens/s, interleaved rounds (median round): dense {dense['tokens_per_s']:,.0f}, MoE "
+        f"{moe['tokens_per_s']:,.0f}; MoE / dense {figures['ratio_tokens_per_s']:.3f} (median of the per-round "
+        "ratios " + ", ".join(f"{x:.3f}" for x in ratios) + ")"
+    )
+    print(
+        f"tokens/s, the training runs one after the other: dense {dense['run_tokens_per_s']:,.0f}, MoE "
+        f"{moe['run_tokens_per_s']:,.0f} ({figures['ratio_run_tokens_per_s']:.3f}x); wall time dense "
+        f"{dense['wall_s']:.0f} s, MoE {moe['wall_s']:.0f} s"
+    )
     g = figures["moe_routing"]
-    print(f"MoE routing at step {g['step']}: balance loss {g['balance']:.4f} (1 = even), router z {g['router_z']:.3f}, "
-          f"dropped {g['dropped']:.4f}; expert load (x an even share) min {g['load_min']:.3f}, max {g['load_max']:.3f}")
+    print(
+        f"MoE routing at step {g['step']}: balance loss {g['balance']:.4f} (1 = even), router z {g['router_z']:.3f}, "
+        f"dropped {g['dropped']:.4f}; expert load (x an even share) min {g['load_min']:.3f}, max {g['load_max']:.3f}"
+    )
     for i, v in g["per_layer"].items():
         print(f"  layer {i}: load min {v['min']:.3f}, max {v['max']:.3f}, entropy {v['entropy']:.4f} (1 = even)")
 
-    plot_runs({"dense": workdir / "dense" / "metrics.jsonl",
-               f"MoE {mm.n_experts}x{mm.expert_d_ff} top-{mm.experts_per_token}": workdir / "moe" / "metrics.jsonl"},
-              png, baseline=data["unigram_baseline"],
-              title=f"dense vs MoE at equal active FLOPs per token (tiny model, {args.steps} steps)")
+    plot_runs(
+        {
+            "dense": workdir / "dense" / "metrics.jsonl",
+            f"MoE {mm.n_experts}x{mm.expert_d_ff} top-{mm.experts_per_token}": workdir / "moe" / "metrics.jsonl",
+        },
+        png,
+        baseline=data["unigram_baseline"],
+        title=f"dense vs MoE at equal active FLOPs per token (tiny model, {args.steps} steps)",
+    )
     print(f"load average at the end {figures['load_average_end']:.1f} (this run alone accounts for ~2 on 2 cores)")
     out_path.parent.mkdir(parents=True, exist_ok=True)
     out_path.write_text(json.dumps(figures, indent=2, default=float))

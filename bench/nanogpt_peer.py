@@ -59,16 +59,26 @@ def main(argv=None):
 
     torch.set_num_threads(os.cpu_count() or 1)
     torch.manual_seed(0)
-    shape = dict(n_layer=args.n_layer, n_head=args.n_head, n_embd=args.n_embd,
-                 block_size=args.block_size, batch_size=args.batch_size,
-                 vocab_size=args.vocab_size)
-    cfg = GPTConfig(block_size=args.block_size, vocab_size=args.vocab_size,
-                    n_layer=args.n_layer, n_head=args.n_head, n_embd=args.n_embd,
-                    dropout=0.0, bias=False)
+    shape = dict(
+        n_layer=args.n_layer,
+        n_head=args.n_head,
+        n_embd=args.n_embd,
+        block_size=args.block_size,
+        batch_size=args.batch_size,
+        vocab_size=args.vocab_size,
+    )
+    cfg = GPTConfig(
+        block_size=args.block_size,
+        vocab_size=args.vocab_size,
+        n_layer=args.n_layer,
+        n_head=args.n_head,
+        n_embd=args.n_embd,
+        dropout=0.0,
+        bias=False,
+    )
     with contextlib.redirect_stdout(sys.stderr):  # keep stdout for the JSON line
         model = GPT(cfg).to("cpu")
-        opt = model.configure_optimizers(weight_decay=0.1, learning_rate=6e-4,
-                                         betas=(0.9, 0.95), device_type="cpu")
+        opt = model.configure_optimizers(weight_decay=0.1, learning_rate=6e-4, betas=(0.9, 0.95), device_type="cpu")
     model.train()
     # All parameters (tied wte/lm_head counted once, position embedding included).
     n_params = sum(p.numel() for p in model.parameters())
@@ -100,14 +110,22 @@ def main(argv=None):
         times.append(time.perf_counter() - t0)
     dt = sum(times) / len(times)
 
-    print(json.dumps({
-        "peer": "nanoGPT", "dtype": args.dtype,
-        "tokens_per_s": round(B * T / dt, 1), "ms_per_step": round(dt * 1e3, 2),
-        # mean above; median and best help when the machine is noisy
-        "ms_per_step_median": round(statistics.median(times) * 1e3, 2),
-        "ms_per_step_min": round(min(times) * 1e3, 2),
-        "n_params": n_params, "shape": shape, "torch": torch.__version__,
-    }))
+    print(
+        json.dumps(
+            {
+                "peer": "nanoGPT",
+                "dtype": args.dtype,
+                "tokens_per_s": round(B * T / dt, 1),
+                "ms_per_step": round(dt * 1e3, 2),
+                # mean above; median and best help when the machine is noisy
+                "ms_per_step_median": round(statistics.median(times) * 1e3, 2),
+                "ms_per_step_min": round(min(times) * 1e3, 2),
+                "n_params": n_params,
+                "shape": shape,
+                "torch": torch.__version__,
+            }
+        )
+    )
 
 
 if __name__ == "__main__":

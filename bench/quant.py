@@ -53,6 +53,7 @@ def float_bytes_of_quantized_leaves(params: dict) -> int:
     def walk(tree):
         for k, v in tree.items():
             yield from walk(v) if isinstance(v, dict) else ([v.nbytes] if k in CONTRACTING else [])
+
     return sum(walk(params))
 
 
@@ -60,16 +61,20 @@ def quality(built, loaded, params: dict, heldout: str, task: str, batch_size: in
     from lm.eval.loglik import Scorer
     from lm.eval.tasks import parse_task, run_task
 
-    scorer = Scorer(built.module, params["float"], loaded.tokenizer, mesh=built.mesh, rules=built.rules,
-                    batch_size=batch_size)
+    scorer = Scorer(
+        built.module, params["float"], loaded.tokenizer, mesh=built.mesh, rules=built.rules, batch_size=batch_size
+    )
     out = {}
     for mode, p in params.items():
         scorer.params = p
         start = time.perf_counter()
         lm = run_task(parse_task(heldout), scorer)["metrics"]
         gen = run_task(parse_task(task), scorer)["metrics"]
-        out[mode] = {"bits_per_byte": lm["bits_per_byte"], "exact_match": gen["exact"],
-                     "eval_s": time.perf_counter() - start}
+        out[mode] = {
+            "bits_per_byte": lm["bits_per_byte"],
+            "exact_match": gen["exact"],
+            "eval_s": time.perf_counter() - start,
+        }
         print(json.dumps({"mode": mode} | out[mode]), flush=True)
     return out
 
@@ -77,8 +82,10 @@ def quality(built, loaded, params: dict, heldout: str, task: str, batch_size: in
 def decode_speed(built, params: dict, prompts: list, batch: int, new: int, rounds: int) -> dict:
     sampling = SamplingParams(max_new_tokens=new, temperature=0)
     rows = [prompts[i % len(prompts)] for i in range(batch)]
-    gens = {m: Generator(built.module, p, sampling, eos_id=-1, mesh=built.mesh, rules=built.rules)
-            for m, p in params.items()}
+    gens = {
+        m: Generator(built.module, p, sampling, eos_id=-1, mesh=built.mesh, rules=built.rules)
+        for m, p in params.items()
+    }
     for g in gens.values():
         g(rows)  # compile
     speed = {m: [] for m in gens}
@@ -87,9 +94,14 @@ def decode_speed(built, params: dict, prompts: list, batch: int, new: int, round
             start = time.perf_counter()
             g(rows)
             speed[m].append(batch * new / (time.perf_counter() - start))
-    return {m: {"tokens_per_s": statistics.median(s),
-                "vs_float": statistics.median(a / b for a, b in zip(s, next(iter(speed.values())))), "rounds": s}
-            for m, s in speed.items()}
+    return {
+        m: {
+            "tokens_per_s": statistics.median(s),
+            "vs_float": statistics.median(a / b for a, b in zip(s, next(iter(speed.values())))),
+            "rounds": s,
+        }
+        for m, s in speed.items()
+    }
 
 
 def demo(args) -> tuple[dict, dict, dict, list]:
@@ -104,8 +116,14 @@ def demo(args) -> tuple[dict, dict, dict, list]:
     print(f"model {loaded.source}")
     heldout = args.heldout or pretraining_shards(pathlib.Path(args.run).parent / "pretrain")[1][0]
     params = variants(built, loaded.params, {"float": built.place(loaded.params)})
-    scores = quality(built, loaded, params, f"heldout={heldout}?limit={HELDOUT_TOKENS}", f"task={args.task}",
-                     loaded.config.eval.batch_size)
+    scores = quality(
+        built,
+        loaded,
+        params,
+        f"heldout={heldout}?limit={HELDOUT_TOKENS}",
+        f"task={args.task}",
+        loaded.config.eval.batch_size,
+    )
     template = ChatTemplate.for_tokenizer(loaded.tokenizer)
     prompts = [[int(t) for t in template.prompt(c[:-1])] for c in read_conversations(args.task, 64)]
     return built, params, scores, prompts
@@ -129,8 +147,10 @@ def random_model(args) -> tuple[dict, dict, dict, list]:
     pos = jnp.broadcast_to(jnp.arange(128, dtype=jnp.int32), ids.shape)
     forward = jax.jit(lambda p: built.module.apply({"params": p}, ids, jnp.ones_like(ids), pos))
     ref = forward(params["f32"])
-    dist = {m: {"logits_rel_err": float(jnp.linalg.norm(forward(p) - ref) / jnp.linalg.norm(ref))}
-            for m, p in params.items()}
+    dist = {
+        m: {"logits_rel_err": float(jnp.linalg.norm(forward(p) - ref) / jnp.linalg.norm(ref))}
+        for m, p in params.items()
+    }
     for m, d in dist.items():
         print(json.dumps({"mode": m} | d), flush=True)
     prompts = rng.integers(3, config.model.vocab_size, (64, 16)).tolist()
@@ -156,13 +176,17 @@ def main():
     for m in params:
         if m not in MODES:
             memory[m]["quantized"] = float_bytes_of_quantized_leaves(params[m])
-    speeds = {b: decode_speed(built, params, prompts, b, args.new_tokens, args.rounds)
-              for b in [int(x) for x in args.batches.split(",")]}
+    speeds = {
+        b: decode_speed(built, params, prompts, b, args.new_tokens, args.rounds)
+        for b in [int(x) for x in args.batches.split(",")]
+    }
     for b, s in speeds.items():
         print(json.dumps({"batch": b, "new_tokens": args.new_tokens} | s), flush=True)
 
-    print(f"\n{jax.devices()[0].device_kind} x{len(jax.devices())}; decode: greedy, {args.new_tokens} new tokens, "
-          f"median of {args.rounds} interleaved rounds; ratios against {first}")
+    print(
+        f"\n{jax.devices()[0].device_kind} x{len(jax.devices())}; decode: greedy, {args.new_tokens} new tokens, "
+        f"median of {args.rounds} interleaved rounds; ratios against {first}"
+    )
     quality_head = f"{'logits err':>10}" if args.random else f"{'bits/byte':>9} {'exact':>6}"
     head = f"{'mode':<6} {quality_head} {'all MB':>8} {'ratio':>6} {'quant MB':>8} {'ratio':>6}"
     head += "".join(f" {f'tok/s b{b}':>10} {'ratio':>6}" for b in speeds)
@@ -170,8 +194,10 @@ def main():
     for m in params:
         mem, s = memory[m], scores[m]
         q = f"{s['logits_rel_err']:>10.4f}" if args.random else f"{s['bits_per_byte']:>9.4f} {s['exact_match']:>6.1%}"
-        line = (f"{m:<6} {q} {mem['all'] / 1e6:>8.2f} {mem['all'] / memory[first]['all']:>6.3f} "
-                f"{mem['quantized'] / 1e6:>8.2f} {mem['quantized'] / base:>6.3f}")
+        line = (
+            f"{m:<6} {q} {mem['all'] / 1e6:>8.2f} {mem['all'] / memory[first]['all']:>6.3f} "
+            f"{mem['quantized'] / 1e6:>8.2f} {mem['quantized'] / base:>6.3f}"
+        )
         line += "".join(f" {speeds[b][m]['tokens_per_s']:>10.0f} {speeds[b][m]['vs_float']:>6.2f}" for b in speeds)
         print(line)
 

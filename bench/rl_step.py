@@ -60,8 +60,9 @@ def parse_args(argv=None):
 
 
 ARGS = parse_args() if __name__ == "__main__" else None
-os.environ["XLA_FLAGS"] = re.sub(r"--xla_force_host_platform_device_count=\S+", "",
-                                 os.environ.get("XLA_FLAGS", "")).strip()
+os.environ["XLA_FLAGS"] = re.sub(
+    r"--xla_force_host_platform_device_count=\S+", "", os.environ.get("XLA_FLAGS", "")
+).strip()
 if ARGS is not None:
     from lm.process.cpu_flags import apply_cpu_defaults
     from lm.process.hugepages import reexec_with_hugepages
@@ -77,13 +78,13 @@ from lm.data.prompts import PromptSet  # noqa: E402
 from lm.data.tokenizer import ByteTokenizer  # noqa: E402
 from lm.infer.generate import Generator  # noqa: E402
 from lm.infer.sampling import SamplingParams  # noqa: E402
-from tests.reference.static_decoder import StaticGenerator  # noqa: E402
 from lm.train.rewards import RewardFn, Rewards  # noqa: E402
 from lm.train.rl import build_rl_run  # noqa: E402
 from lm.train.rl_losses import RlSettings  # noqa: E402
 from lm.train.rl_step import RlStep  # noqa: E402
 from lm.train.rollout import Sampler, Scorer  # noqa: E402
 from lm.train.setup import build_run, host_batch  # noqa: E402
+from tests.reference.static_decoder import StaticGenerator  # noqa: E402
 
 
 def digit_share(prompts, completions, **columns):
@@ -106,18 +107,33 @@ class StaticSampler(Sampler):
     """The rollout sampler with the static dense-cache decoder in place of the engine."""
 
     def __call__(self, params, prompts, rng, sampling=None):
-        gen = StaticGenerator(self.model, params, sampling or self.sampling, eos_id=self.eos_id, max_len=self.seq_len,
-                              mesh=self.run.mesh, rules=self.run.rules)
+        gen = StaticGenerator(
+            self.model,
+            params,
+            sampling or self.sampling,
+            eos_id=self.eos_id,
+            max_len=self.seq_len,
+            mesh=self.run.mesh,
+            rules=self.run.rules,
+        )
         return gen(prompts, rng=rng, pad_to=self.seq_len - gen.sampling.max_new_tokens)
 
 
 def make_config(args):
     seq = args.prompt_len + args.max_new_tokens
-    overrides = [f"data.seq_len={seq}", f"model.compute_dtype={args.dtype}", "mesh.data=1",
-                 f"rl.prompts_per_step={args.prompts}", f"rl.group_size={args.group}",
-                 f"rl.max_new_tokens={args.max_new_tokens}", f"rl.epochs={args.epochs}",
-                 f"rl.minibatches={args.minibatches}", f"rl.beta={args.beta}", "train.steps=1000",
-                 "optim.warmup_steps=0"]
+    overrides = [
+        f"data.seq_len={seq}",
+        f"model.compute_dtype={args.dtype}",
+        "mesh.data=1",
+        f"rl.prompts_per_step={args.prompts}",
+        f"rl.group_size={args.group}",
+        f"rl.max_new_tokens={args.max_new_tokens}",
+        f"rl.epochs={args.epochs}",
+        f"rl.minibatches={args.minibatches}",
+        f"rl.beta={args.beta}",
+        "train.steps=1000",
+        "optim.warmup_steps=0",
+    ]
     if args.n_layers:
         overrides.append(f"model.n_layers={args.n_layers}")
     return load_config(args.config, overrides)
@@ -132,24 +148,41 @@ def main(args) -> dict:
     rng = np.random.default_rng(0)
     vocab = min(c.model.vocab_size, 256)
     ids = rng.integers(1, vocab, (args.prompts, args.prompt_len)).astype(np.int32)
-    prompts = PromptSet("random", ids, np.full(args.prompts, args.prompt_len, np.int32), ["-"] * args.prompts,
-                        [[{"role": "user", "content": "-"}]] * args.prompts, [{}] * args.prompts, {})
+    prompts = PromptSet(
+        "random",
+        ids,
+        np.full(args.prompts, args.prompt_len, np.int32),
+        ["-"] * args.prompts,
+        [[{"role": "user", "content": "-"}]] * args.prompts,
+        [{}] * args.prompts,
+        {},
+    )
     settings = RlSettings.from_config(c.rl)
     sampling = SamplingParams(max_new_tokens=args.max_new_tokens, temperature=1.0)
     template = _Template()
     sampler = Sampler(run, sampling, template.stop_ids, c.data.seq_len)
     scorer = Scorer(run, False)
-    step = RlStep(run, frozen, prompts, Rewards([RewardFn("digits", digit_share, 1.0)]), sampler, scorer,
-                  template, settings, c.rl)
-    static_step = RlStep(run, frozen, prompts, Rewards([RewardFn("digits", digit_share, 1.0)]),
-                         StaticSampler(run, sampling, template.stop_ids, c.data.seq_len), scorer, template, settings,
-                         c.rl)
+    step = RlStep(
+        run, frozen, prompts, Rewards([RewardFn("digits", digit_share, 1.0)]), sampler, scorer, template, settings, c.rl
+    )
+    static_step = RlStep(
+        run,
+        frozen,
+        prompts,
+        Rewards([RewardFn("digits", digit_share, 1.0)]),
+        StaticSampler(run, sampling, template.stop_ids, c.data.seq_len),
+        scorer,
+        template,
+        settings,
+        c.rl,
+    )
     static_state = jax.tree.map(lambda x: x.copy(), state)  # each step donates its own state
     batch = {"index": np.arange(args.prompts, dtype=np.int32)}
     # peers: the bare sampler on the same prompts, a pretraining step on rows of the same shape
     prompt_rows = [ids[i].tolist() for i in range(args.prompts) for _ in range(args.group)]
-    generator = Generator(sampler.model, sampler.params(state.params, frozen), sampling, eos_id=-1,
-                          max_len=c.data.seq_len)
+    generator = Generator(
+        sampler.model, sampler.params(state.params, frozen), sampling, eos_id=-1, max_len=c.data.seq_len
+    )
     plain = build_run(c, devices=devices)
     plain_state = plain.init_state(seed=2)
     plain_sig = plain.signature(step.signature["inputs"].shape[0])
@@ -168,8 +201,11 @@ def main(args) -> dict:
         t0 = time.perf_counter()
         static_state, m = static_step(static_state, batch)
         jax.block_until_ready(static_state)
-        return {"static_step_s": time.perf_counter() - t0, "static_sampling_share": m["sampling_share"],
-                "static_rollout_tokens_per_s": m["rollout_tokens_per_s"]}
+        return {
+            "static_step_s": time.perf_counter() - t0,
+            "static_sampling_share": m["sampling_share"],
+            "static_rollout_tokens_per_s": m["rollout_tokens_per_s"],
+        }
 
     def sampler_round():
         t0 = time.perf_counter()
@@ -188,17 +224,29 @@ def main(args) -> dict:
     rows = []
     for r in range(args.rounds):
         m = rl_round()
-        rows.append({"step_s": m["step_s"], "rollout_tokens_per_s": m["rollout_tokens_per_s"],
-                     "update_tokens_per_s": m["update_tokens_per_s"], "sampling_share": m["sampling_share"],
-                     **static_round(), "sampler_tokens_per_s": sampler_round(),
-                     "pretrain_tokens_per_s": pretrain_round()})
+        rows.append(
+            {
+                "step_s": m["step_s"],
+                "rollout_tokens_per_s": m["rollout_tokens_per_s"],
+                "update_tokens_per_s": m["update_tokens_per_s"],
+                "sampling_share": m["sampling_share"],
+                **static_round(),
+                "sampler_tokens_per_s": sampler_round(),
+                "pretrain_tokens_per_s": pretrain_round(),
+            }
+        )
         print(f"round {r + 1}: " + ", ".join(f"{k} {v:,.3f}" for k, v in rows[-1].items()), flush=True)
     med = {k: statistics.median(x[k] for x in rows) for k in rows[0]}
     med["rollout_over_sampler"] = statistics.median(x["rollout_tokens_per_s"] / x["sampler_tokens_per_s"] for x in rows)
     med["static_step_over_step"] = statistics.median(x["static_step_s"] / x["step_s"] for x in rows)
     med["update_over_pretrain"] = statistics.median(x["update_tokens_per_s"] / x["pretrain_tokens_per_s"] for x in rows)
-    shape = {"params": sum(x.size for x in jax.tree.leaves(base)), "rows": args.prompts * args.group,
-             "seq_len": c.data.seq_len, "updates_per_step": args.epochs * args.minibatches, "beta": args.beta}
+    shape = {
+        "params": sum(x.size for x in jax.tree.leaves(base)),
+        "rows": args.prompts * args.group,
+        "seq_len": c.data.seq_len,
+        "updates_per_step": args.epochs * args.minibatches,
+        "beta": args.beta,
+    }
     print(json.dumps({"shape": shape, "median": med}, indent=2))
     return {"shape": shape, "rounds": rows, "median": med}
 

@@ -35,8 +35,10 @@ from lm.infer.serve.app import make_app  # noqa: E402
 from lm.infer.serve.engine_backend import make_backend  # noqa: E402
 from lm.infer.serve.server import InThread  # noqa: E402
 
-TEXT = ("def fibonacci(n):\n    a, b = 0, 1\n    for _ in range(n):\n        a, b = b, a + b\n    return a\n\n"
-        "class Stack:\n    def __init__(self):\n        self.items = []\n")
+TEXT = (
+    "def fibonacci(n):\n    a, b = 0, 1\n    for _ in range(n):\n        a, b = b, a + b\n    return a\n\n"
+    "class Stack:\n    def __init__(self):\n        self.items = []\n"
+)
 PROMPT_CHARS = (12, 40, 100)  # byte-level tokenizers: as many tokens (+ BOS where the tokenizer adds one)
 MAX_TOKENS = (16, 48, 96)
 
@@ -63,9 +65,16 @@ def one(client, model: str, i: int, timeout: float) -> dict:
     """Request i (its prompt and max_tokens from i): latency, time to first text, tokens, finish."""
     prompt, max_tokens = TEXT[: PROMPT_CHARS[i % 3]], MAX_TOKENS[(i // 3) % 3]
     start, first, finish, tokens = time.perf_counter(), None, None, 0
-    for chunk in client.completions.create(model=model, prompt=prompt, max_tokens=max_tokens, temperature=0.8,
-                                           seed=i, stream=True, stream_options={"include_usage": True},
-                                           timeout=timeout):
+    for chunk in client.completions.create(
+        model=model,
+        prompt=prompt,
+        max_tokens=max_tokens,
+        temperature=0.8,
+        seed=i,
+        stream=True,
+        stream_options={"include_usage": True},
+        timeout=timeout,
+    ):
         if chunk.choices and chunk.choices[0].text and first is None:
             first = time.perf_counter() - start
         if chunk.choices and chunk.choices[0].finish_reason:
@@ -98,8 +107,10 @@ def main() -> int:
     else:
         loaded = random_model()
     name = args.workdir or args.params or "random"
-    backend = make_backend(loaded, argparse.Namespace(quantize="none", slots=args.clients, page_size=16,
-                                                      max_model_len=None, model_name=name))
+    backend = make_backend(
+        loaded,
+        argparse.Namespace(quantize="none", slots=args.clients, page_size=16, max_model_len=None, model_name=name),
+    )
     print(f"model: {loaded.source}; loaded in {time.perf_counter() - t0:.1f} s", flush=True)
     with InThread(make_app(backend), grace=1.0) as server:
         client = openai.OpenAI(base_url=server.url + "/v1", api_key="unused", max_retries=0)
@@ -140,12 +151,18 @@ def main() -> int:
     lost = args.requests - len(done)
     tokens = sum(r["tokens"] for r in done)
     latency, ttft = [r["latency"] for r in done], [r["ttft"] for r in done if r["ttft"] is not None]
-    print(f"{len(done)}/{args.requests} requests answered by {args.clients} clients in {wall:.1f} s "
-          f"({lost} lost, {len(errors)} errors)")
-    print(f"requests/s: {len(done) / wall:.2f}   generated tokens/s: {tokens / wall:.1f}   "
-          f"tokens/request: {statistics.mean([r['tokens'] for r in done]) if done else 0:.1f}")
-    print(f"latency s: p50 {pct(latency, 50):.3f}  p99 {pct(latency, 99):.3f}   "
-          f"time to first token s: p50 {pct(ttft, 50):.3f}  p99 {pct(ttft, 99):.3f}")
+    print(
+        f"{len(done)}/{args.requests} requests answered by {args.clients} clients in {wall:.1f} s "
+        f"({lost} lost, {len(errors)} errors)"
+    )
+    print(
+        f"requests/s: {len(done) / wall:.2f}   generated tokens/s: {tokens / wall:.1f}   "
+        f"tokens/request: {statistics.mean([r['tokens'] for r in done]) if done else 0:.1f}"
+    )
+    print(
+        f"latency s: p50 {pct(latency, 50):.3f}  p99 {pct(latency, 99):.3f}   "
+        f"time to first token s: p50 {pct(ttft, 50):.3f}  p99 {pct(ttft, 99):.3f}"
+    )
     for e in errors[:5]:
         print("  " + e)
     return 1 if lost else 0

@@ -58,8 +58,9 @@ ARGS = parse_args() if __name__ == "__main__" else None
 
 # One real CPU device (drop a simulated-device count inherited from the environment), the XLA
 # flags `lm train` applies for the compute dtype, and huge-page malloc as the `lm` command gets it.
-os.environ["XLA_FLAGS"] = re.sub(r"--xla_force_host_platform_device_count=\S+", "",
-                                 os.environ.get("XLA_FLAGS", "")).strip()
+os.environ["XLA_FLAGS"] = re.sub(
+    r"--xla_force_host_platform_device_count=\S+", "", os.environ.get("XLA_FLAGS", "")
+).strip()
 if ARGS is not None:
     from lm.process.cpu_flags import apply_cpu_defaults
     from lm.process.hugepages import reexec_with_hugepages
@@ -76,12 +77,18 @@ from lm.model.lora import is_adapter  # noqa: E402
 from lm.train.losses import sft_loss  # noqa: E402
 from lm.train.setup import build_run, host_batch  # noqa: E402
 
-MIB = 2 ** 20
+MIB = 2**20
 
 
 def make_config(args, lora_rank: int):
-    overrides = [f"data.seq_len={args.seq_len}", f"train.batch_size={args.batch_size}", "train.micro_batches=1",
-                 f"model.compute_dtype={args.dtype}", f"model.lora_rank={lora_rank}", "mesh.data=1"]
+    overrides = [
+        f"data.seq_len={args.seq_len}",
+        f"train.batch_size={args.batch_size}",
+        "train.micro_batches=1",
+        f"model.compute_dtype={args.dtype}",
+        f"model.lora_rank={lora_rank}",
+        "mesh.data=1",
+    ]
     if args.n_layers:
         overrides.append(f"model.n_layers={args.n_layers}")
     return load_config(args.config, overrides)
@@ -119,18 +126,25 @@ class Variant:
         self.compiled = run.train_step(signature).lower(*args).compile()
         self.compile_s = time.perf_counter() - t0
         m = self.compiled.memory_analysis()
-        self.memory = {k: int(getattr(m, f"{k}_size_in_bytes", 0) or 0)
-                       for k in ("argument", "output", "temp", "generated_code", "alias")}
+        self.memory = {
+            k: int(getattr(m, f"{k}_size_in_bytes", 0) or 0)
+            for k in ("argument", "output", "temp", "generated_code", "alias")
+        }
         self.tokens = config.train.batch_size * config.data.seq_len
         # what the step holds at once: its arguments, its outputs less those written into donated
         # argument buffers, and its temporaries
-        self.memory["total"] = (self.memory["argument"] + self.memory["output"] - self.memory["alias"]
-                                + self.memory["temp"])
+        self.memory["total"] = (
+            self.memory["argument"] + self.memory["output"] - self.memory["alias"] + self.memory["temp"]
+        )
         self.figures = {
-            "trained_params": count(self.state.params), "frozen_params": count(self.frozen or {}),
-            "trained_param_bytes": nbytes(self.state.params), "opt_state_bytes": nbytes(self.state.opt_state),
-            "frozen_param_bytes": nbytes(self.frozen or {}), "batch_bytes": nbytes(self.batch),
-            "compile_s": self.compile_s, **{f"xla_{k}_bytes": v for k, v in self.memory.items()},
+            "trained_params": count(self.state.params),
+            "frozen_params": count(self.frozen or {}),
+            "trained_param_bytes": nbytes(self.state.params),
+            "opt_state_bytes": nbytes(self.state.opt_state),
+            "frozen_param_bytes": nbytes(self.frozen or {}),
+            "batch_bytes": nbytes(self.batch),
+            "compile_s": self.compile_s,
+            **{f"xla_{k}_bytes": v for k, v in self.memory.items()},
         }
         self.loss = float(self.step()["loss"])  # the first call: untimed
 
@@ -162,20 +176,34 @@ def main(args) -> int:
     full_config, lora_config = make_config(args, 0), make_config(args, args.rank)
     m = full_config.model
     load_start = os.getloadavg()[0]
-    print(f"jax {jax.__version__}, {os.cpu_count()} cores, device {jax.devices()[0]}, "
-          f"load average {load_start:.1f}; XLA_FLAGS={os.environ.get('XLA_FLAGS', '')!r}", flush=True)
-    print(f"shape: {m.n_layers} layers, d_model {m.d_model}, {m.n_heads} heads, d_ff {m.d_ff}, vocab "
-          f"{m.vocab_size}, {m.mlp}, {m.norm}, remat {m.remat}, {m.compute_dtype}; batch {args.batch_size} x seq "
-          f"{args.seq_len} = {args.batch_size * args.seq_len} tokens/step; {counts.param_count(m) / 1e6:.1f}M params; "
-          f"LoRA r={args.rank}, alpha {lora_config.model.lora_alpha:g}", flush=True)
+    print(
+        f"jax {jax.__version__}, {os.cpu_count()} cores, device {jax.devices()[0]}, "
+        f"load average {load_start:.1f}; XLA_FLAGS={os.environ.get('XLA_FLAGS', '')!r}",
+        flush=True,
+    )
+    print(
+        f"shape: {m.n_layers} layers, d_model {m.d_model}, {m.n_heads} heads, d_ff {m.d_ff}, vocab "
+        f"{m.vocab_size}, {m.mlp}, {m.norm}, remat {m.remat}, {m.compute_dtype}; batch {args.batch_size} x seq "
+        f"{args.seq_len} = {args.batch_size * args.seq_len} tokens/step; {counts.param_count(m) / 1e6:.1f}M params; "
+        f"LoRA r={args.rank}, alpha {lora_config.model.lora_alpha:g}",
+        flush=True,
+    )
     variants = []
     for name, config, lora in (("full", full_config, False), (f"LoRA r={args.rank}", lora_config, True)):
         v = Variant(name, config, lora, m.vocab_size)
         variants.append(v)
-        adapted = sorted({str(path[-1].key).rsplit("_lora_", 1)[0]
-                          for path, _ in jax.tree_util.tree_leaves_with_path(v.state.params) if is_adapter(path)})
-        print(f"[{name}] compiled in {v.compile_s:.1f}s; first step loss {v.loss:.3f}"
-              + (f"; adapters on {', '.join(adapted)}" if adapted else ""), flush=True)
+        adapted = sorted(
+            {
+                str(path[-1].key).rsplit("_lora_", 1)[0]
+                for path, _ in jax.tree_util.tree_leaves_with_path(v.state.params)
+                if is_adapter(path)
+            }
+        )
+        print(
+            f"[{name}] compiled in {v.compile_s:.1f}s; first step loss {v.loss:.3f}"
+            + (f"; adapters on {', '.join(adapted)}" if adapted else ""),
+            flush=True,
+        )
     for r in range(args.rounds):
         line = []
         for v in variants:
@@ -184,14 +212,23 @@ def main(args) -> int:
         print(f"[round {r + 1}] " + ", ".join(line), flush=True)
 
     flops = model_flops(m, args.seq_len, args.batch_size * args.seq_len)
-    out = {"shape": dict(m.to_dict(), seq_len=args.seq_len, batch_size=args.batch_size), "rank": args.rank,
-           "xla_flags": os.environ.get("XLA_FLAGS", ""), "load_average_start": load_start, "variants": {}}
+    out = {
+        "shape": dict(m.to_dict(), seq_len=args.seq_len, batch_size=args.batch_size),
+        "rank": args.rank,
+        "xla_flags": os.environ.get("XLA_FLAGS", ""),
+        "load_average_start": load_start,
+        "variants": {},
+    }
     for v in variants:
         per_round = [float(np.mean(t)) for t in v.times]
         med = statistics.median(per_round)
-        v.figures |= {"ms_per_step_rounds": [t * 1e3 for t in per_round], "ms_per_step": med * 1e3,
-                      "ms_per_step_min": min(min(t) for t in v.times) * 1e3, "tokens_per_s": v.tokens / med,
-                      "model_flops_per_step": flops[len(out["variants"])]}
+        v.figures |= {
+            "ms_per_step_rounds": [t * 1e3 for t in per_round],
+            "ms_per_step": med * 1e3,
+            "ms_per_step_min": min(min(t) for t in v.times) * 1e3,
+            "tokens_per_s": v.tokens / med,
+            "model_flops_per_step": flops[len(out["variants"])],
+        }
         v.figures["model_flops_per_s"] = v.figures["model_flops_per_step"] / med
         out["variants"][v.name] = v.figures
     full, lora = (v.figures for v in variants)
@@ -202,23 +239,60 @@ def main(args) -> int:
     rows = []
     for v in variants:
         f = v.figures
-        rows.append([v.name, f"{f['trained_params']:,}", mib(f["trained_param_bytes"] + f["opt_state_bytes"]),
-                     mib(f["opt_state_bytes"]), mib(f["frozen_param_bytes"]), mib(f["xla_argument_bytes"]),
-                     mib(f["xla_output_bytes"]), mib(f["xla_alias_bytes"]), mib(f["xla_temp_bytes"]),
-                     mib(f["xla_total_bytes"]), f"{f['xla_generated_code_bytes'] / MIB:.2f}",
-                     f"{f['model_flops_per_step'] / 1e9:,.0f}", f"{f['model_flops_per_s'] / 1e9:.0f}",
-                     f"{f['ms_per_step']:,.0f}", f"{f['tokens_per_s']:,.0f}"])
+        rows.append(
+            [
+                v.name,
+                f"{f['trained_params']:,}",
+                mib(f["trained_param_bytes"] + f["opt_state_bytes"]),
+                mib(f["opt_state_bytes"]),
+                mib(f["frozen_param_bytes"]),
+                mib(f["xla_argument_bytes"]),
+                mib(f["xla_output_bytes"]),
+                mib(f["xla_alias_bytes"]),
+                mib(f["xla_temp_bytes"]),
+                mib(f["xla_total_bytes"]),
+                f"{f['xla_generated_code_bytes'] / MIB:.2f}",
+                f"{f['model_flops_per_step'] / 1e9:,.0f}",
+                f"{f['model_flops_per_s'] / 1e9:.0f}",
+                f"{f['ms_per_step']:,.0f}",
+                f"{f['tokens_per_s']:,.0f}",
+            ]
+        )
     print()
-    print(table(rows, ["variant", "trained params", "state MiB", "opt state MiB", "frozen MiB", "XLA arg MiB",
-                       "XLA out MiB", "XLA alias MiB", "XLA temp MiB", "XLA total MiB", "code MiB", "GFLOP/step",
-                       "GFLOP/s", "ms/step", "tok/s"]))
+    print(
+        table(
+            rows,
+            [
+                "variant",
+                "trained params",
+                "state MiB",
+                "opt state MiB",
+                "frozen MiB",
+                "XLA arg MiB",
+                "XLA out MiB",
+                "XLA alias MiB",
+                "XLA temp MiB",
+                "XLA total MiB",
+                "code MiB",
+                "GFLOP/step",
+                "GFLOP/s",
+                "ms/step",
+                "tok/s",
+            ],
+        )
+    )
     state = lambda f: f["trained_param_bytes"] + f["opt_state_bytes"]
-    print("state = trained params + optimizer state; XLA total = arg + out - alias + temp; GFLOP/step: model "
-          "FLOPs (6 per matmul weight per token, 4 for frozen ones); ms/step: median round")
-    print(f"LoRA/full: tokens/s {out['ratio_tokens_per_s']:.2f}x (median of the per-round ratios "
-          + ", ".join(f"{r:.2f}" for r in ratios) + f"), state {state(lora) / state(full):.4f}x, temp "
-          f"{lora['xla_temp_bytes'] / max(full['xla_temp_bytes'], 1):.2f}x, XLA total "
-          f"{lora['xla_total_bytes'] / full['xla_total_bytes']:.2f}x, model FLOPs {flops[1] / flops[0]:.2f}x")
+    print(
+        "state = trained params + optimizer state; XLA total = arg + out - alias + temp; GFLOP/step: model "
+        "FLOPs (6 per matmul weight per token, 4 for frozen ones); ms/step: median round"
+    )
+    print(
+        f"LoRA/full: tokens/s {out['ratio_tokens_per_s']:.2f}x (median of the per-round ratios "
+        + ", ".join(f"{r:.2f}" for r in ratios)
+        + f"), state {state(lora) / state(full):.4f}x, temp "
+        f"{lora['xla_temp_bytes'] / max(full['xla_temp_bytes'], 1):.2f}x, XLA total "
+        f"{lora['xla_total_bytes'] / full['xla_total_bytes']:.2f}x, model FLOPs {flops[1] / flops[0]:.2f}x"
+    )
     out["load_average_end"] = os.getloadavg()[0]
     print(f"load average at the end {out['load_average_end']:.1f} (this run alone accounts for ~2 on 2 cores)")
     if args.out:

@@ -31,8 +31,9 @@ import statistics
 import sys
 import time
 
-os.environ["XLA_FLAGS"] = re.sub(r"--xla_force_host_platform_device_count=\S+", "",
-                                 os.environ.get("XLA_FLAGS", "")).strip()
+os.environ["XLA_FLAGS"] = re.sub(
+    r"--xla_force_host_platform_device_count=\S+", "", os.environ.get("XLA_FLAGS", "")
+).strip()
 os.environ.setdefault("JAX_PLATFORMS", "cpu")
 sys.path.insert(0, str(pathlib.Path(__file__).resolve().parent.parent))
 import flax.linen as nn  # noqa: E402
@@ -72,13 +73,15 @@ class DensePlain:
 
         def body(c):
             i, token, cache, out, _ = c
-            logits, cache = decode_step(self.model, params, cache, token[None, None], jnp.ones((1, 1), jnp.int32),
-                                        (length + i - 1)[None, None])
+            logits, cache = decode_step(
+                self.model, params, cache, token[None, None], jnp.ones((1, 1), jnp.int32), (length + i - 1)[None, None]
+            )
             token = choose(jax.random.fold_in(rng, i), logits[:, 0], self.sampling)[0][0]
             return i + 1, token, cache, out.at[i].set(token), jnp.isin(token, eos)
 
-        c = jax.lax.while_loop(lambda c: (c[0] < n) & ~c[4], body,
-                               (jnp.int32(1), token, cache, out, jnp.isin(token, eos)))
+        c = jax.lax.while_loop(
+            lambda c: (c[0] < n) & ~c[4], body, (jnp.int32(1), token, cache, out, jnp.isin(token, eos))
+        )
         return c[3], c[0]
 
     def __call__(self, prompts: list):
@@ -86,8 +89,14 @@ class DensePlain:
         width = min(max(16, 1 << (len(prompt) - 1).bit_length()), self.max_len)
         ids = np.zeros((1, width), np.int32)
         ids[0, : len(prompt)] = prompt
-        out, n = self.fn(self.params, init_cache(self.model, 1, self.max_len), jnp.asarray(ids),
-                         jnp.int32(len(prompt)), self.eos, jax.random.PRNGKey(self.sampling.seed))
+        out, n = self.fn(
+            self.params,
+            init_cache(self.model, 1, self.max_len),
+            jnp.asarray(ids),
+            jnp.int32(len(prompt)),
+            self.eos,
+            jax.random.PRNGKey(self.sampling.seed),
+        )
         return Generation([np.asarray(out)[: int(n)]], [], [])
 
 
@@ -147,14 +156,21 @@ def call_costs(models: dict, widths: list[int], max_len: int, reps: int = 50, ro
     print(f"{'one cache call, us':<24}" + "".join(f"{f't={t}':>9}" for t in widths))
     for name in models:
         row = [statistics.median(calls[name, t][4]) for t in widths]
-        print(f"{name:<24}" + "".join(f"{v:>9.0f}" for v in row) +
-              "   (" + ", ".join(f"t={t}: {v / row[0]:.2f}x t=1" for t, v in zip(widths[1:], row[1:])) + ")")
+        print(
+            f"{name:<24}"
+            + "".join(f"{v:>9.0f}" for v in row)
+            + "   ("
+            + ", ".join(f"t={t}: {v / row[0]:.2f}x t=1" for t, v in zip(widths[1:], row[1:]))
+            + ")"
+        )
 
 
 def compare(t_model, t_params, drafts: dict, prompts, sampling, eos, ks, rounds: int, generator: bool) -> None:
     """The table: plain decoding, each draft alone, speculation with each draft and k."""
-    max_len = min([generation_context(t_model.spec)] + [d.model.spec.max_seq_len for d in drafts.values()
-                                                         if isinstance(d, DraftModel)])
+    max_len = min(
+        [generation_context(t_model.spec)]
+        + [d.model.spec.max_seq_len for d in drafts.values() if isinstance(d, DraftModel)]
+    )
     methods = [Method("plain, dense cache", DensePlain(t_model, t_params, sampling, eos, max_len), prompts)]
     if generator:
         methods.append(Method("plain, Generator", Generator(t_model, t_params, sampling, eos_id=eos), prompts))
@@ -179,15 +195,24 @@ def compare(t_model, t_params, drafts: dict, prompts, sampling, eos, ks, rounds:
         per_call = f"{sum(len(i) for i in method.ids) / calls:.2f}" if proposed else "-"
         greedy_peer = sampling.greedy and "alone" not in method.name
         same = ("yes" if method.ids == base.ids else "NO") if greedy_peer else "-"
-        print(f"{method.name:<24} {statistics.median(method.rates):>9.1f} {ratio:>8.2f}x {kept:>14} {per_call:>9} "
-              f"{same:>9}")
+        print(
+            f"{method.name:<24} {statistics.median(method.rates):>9.1f} {ratio:>8.2f}x {kept:>14} {per_call:>9} "
+            f"{same:>9}"
+        )
 
 
 def random_target(vocab: int, d_model: int, layers: int, max_len: int):
     """A random-weight target of the given width and depth (the config's other defaults)."""
     m = base_config().model
-    m.update(vocab_size=vocab, d_model=d_model, n_layers=layers, n_heads=max(1, d_model // 64),
-             n_kv_heads=max(1, d_model // 128), d_ff=d_model * 3, max_seq_len=max_len)
+    m.update(
+        vocab_size=vocab,
+        d_model=d_model,
+        n_layers=layers,
+        n_heads=max(1, d_model // 64),
+        n_kv_heads=max(1, d_model // 128),
+        d_ff=d_model * 3,
+        max_seq_len=max_len,
+    )
     model = Transformer(ModelSpec.from_config(m))
     return model, jax.jit(lambda k: nn.unbox(init_params(model, k)))(jax.random.PRNGKey(0))
 
@@ -202,8 +227,11 @@ def main() -> None:
     ap.add_argument("--k", type=int, nargs="+", default=[2, 4], help="drafted tokens per step")
     ap.add_argument("--max-new-tokens", type=int, default=32)
     ap.add_argument("--temperature", type=float, default=0.0)
-    ap.add_argument("--big", default="512:8", help="D_MODEL:LAYERS of a random-weight target decoded with n-gram "
-                                                 "drafts after the demo tables (empty: skip)")
+    ap.add_argument(
+        "--big",
+        default="512:8",
+        help="D_MODEL:LAYERS of a random-weight target decoded with n-gram drafts after the demo tables (empty: skip)",
+    )
     args = ap.parse_args()
 
     target, draft = load_trained(args.target, None, None), load_trained(args.draft, None, None)
@@ -214,22 +242,44 @@ def main() -> None:
     t_model, t_params = on_one_device(target)
     d_model, d_params = on_one_device(draft)
     m, dm = target.config.model, draft.config.model
-    print(f"target {args.target}: d_model {m.d_model}, {m.n_layers} layers; draft {args.draft}: d_model "
-          f"{dm.d_model}, {dm.n_layers} layers; {len(prompts)} chat prompts of {min(map(len, prompts))}-"
-          f"{max(map(len, prompts))} tokens; temperature {args.temperature}; {jax.devices()[0].device_kind}")
+    print(
+        f"target {args.target}: d_model {m.d_model}, {m.n_layers} layers; draft {args.draft}: d_model "
+        f"{dm.d_model}, {dm.n_layers} layers; {len(prompts)} chat prompts of {min(map(len, prompts))}-"
+        f"{max(map(len, prompts))} tokens; temperature {args.temperature}; {jax.devices()[0].device_kind}"
+    )
     widths = [1, 2] + [k + 1 for k in args.k if k + 1 > 2]
     call_costs({"target": (t_model, t_params), "distilled draft": (d_model, d_params)}, widths, 256)
-    compare(t_model, t_params, {"distilled draft": DraftModel(d_model, d_params), "n-gram drafts": NGRAM}, prompts,
-            sampling, eos, args.k, args.rounds, generator=True)
+    compare(
+        t_model,
+        t_params,
+        {"distilled draft": DraftModel(d_model, d_params), "n-gram drafts": NGRAM},
+        prompts,
+        sampling,
+        eos,
+        args.k,
+        args.rounds,
+        generator=True,
+    )
     if args.big:
         width, layers = (int(x) for x in args.big.split(":"))
         model, params = random_target(m.vocab_size, width, layers, 256)
         n = sum(x.size for x in jax.tree.leaves(params))
-        print(f"\nrandom-weight target: d_model {width}, {layers} layers, {n / 1e6:.0f}M params, the same prompts "
-              f"(its greedy output repeats itself: a best case for n-gram drafts), eos never")
+        print(
+            f"\nrandom-weight target: d_model {width}, {layers} layers, {n / 1e6:.0f}M params, the same prompts "
+            f"(its greedy output repeats itself: a best case for n-gram drafts), eos never"
+        )
         call_costs({"random target": (model, params)}, widths, 256)
-        compare(model, params, {"n-gram drafts": NGRAM}, prompts[: max(4, args.n // 4)], sampling, (-1,), args.k,
-                args.rounds, generator=False)
+        compare(
+            model,
+            params,
+            {"n-gram drafts": NGRAM},
+            prompts[: max(4, args.n // 4)],
+            sampling,
+            (-1,),
+            args.k,
+            args.rounds,
+            generator=False,
+        )
 
 
 if __name__ == "__main__":

@@ -13,10 +13,26 @@ from lm.config import base_config
 
 def get_config():
     c = base_config()
-    c.model.update(vocab_size=128256, d_model=16384, n_layers=126, n_heads=128, n_kv_heads=8, d_ff=53248,
-                   rope_theta=500000.0, rope_scaling="llama3", rope_factor=8.0, rope_low_freq_factor=1.0,
-                   rope_high_freq_factor=4.0, rope_original_max_len=8192, max_seq_len=131072, norm_eps=1e-5,
-                   tie_embeddings=False, compute_dtype="bfloat16", attention="xla", remat="full")
+    c.model.update(
+        vocab_size=128256,
+        d_model=16384,
+        n_layers=126,
+        n_heads=128,
+        n_kv_heads=8,
+        d_ff=53248,
+        rope_theta=500000.0,
+        rope_scaling="llama3",
+        rope_factor=8.0,
+        rope_low_freq_factor=1.0,
+        rope_high_freq_factor=4.0,
+        rope_original_max_len=8192,
+        max_seq_len=131072,
+        norm_eps=1e-5,
+        tie_embeddings=False,
+        compute_dtype="bfloat16",
+        attention="xla",
+        remat="full",
+    )
     c.data.update(seq_len=8192)
     c.optim.update(lr=8e-5, warmup_steps=8000, min_lr_ratio=0.01, weight_decay=0.1, grad_clip=1.0)
     c.train.update(steps=100000, batch_size=1024, micro_batches=32, log_every=10)

@@ -12,9 +12,21 @@ from lm.config import base_config
 
 def get_config():
     c = base_config()
-    c.model.update(vocab_size=128256, d_model=8192, n_layers=80, n_heads=64, n_kv_heads=8, d_ff=28672,
-                   rope_theta=500000.0, max_seq_len=8192, norm_eps=1e-5, tie_embeddings=False,
-                   compute_dtype="bfloat16", attention="xla", remat="full")
+    c.model.update(
+        vocab_size=128256,
+        d_model=8192,
+        n_layers=80,
+        n_heads=64,
+        n_kv_heads=8,
+        d_ff=28672,
+        rope_theta=500000.0,
+        max_seq_len=8192,
+        norm_eps=1e-5,
+        tie_embeddings=False,
+        compute_dtype="bfloat16",
+        attention="xla",
+        remat="full",
+    )
     c.data.update(seq_len=8192)
     c.optim.update(lr=1.5e-4, warmup_steps=2000, min_lr_ratio=0.1, weight_decay=0.1, grad_clip=1.0)
     c.train.update(steps=100000, batch_size=1024, micro_batches=4, log_every=10)

@@ -8,7 +8,8 @@ axis, split 4 ways over `tensor` (its hidden units; heads, vocabulary and MLP to
 a larger slice adds. Rows split over data x fsdp x expert (the rule table): on a v5p-64 (32 chips)
 the 512-row batch of 4096 tokens goes through in 32 micro-batches of 2 rows a chip. Dropless
 routing gathers the rows of a chip's 8 peers on the expert axis (here the whole micro-batch, 8 x 2 rows
-of 4096) and runs their assignments to its own expert, which is what bounds the micro-batch: 68 GiB a chip there (the TPU compiler's figure).
+of 4096) and runs their assignments to its own expert, which is what bounds the micro-batch: 68 GiB a
+chip there (the TPU compiler's figure).
 """
 
 from lm.config import base_config
@@ -16,10 +17,27 @@ from lm.config import base_config
 
 def get_config():
     c = base_config()
-    c.model.update(vocab_size=32000, d_model=4096, n_layers=32, n_heads=32, n_kv_heads=8, d_ff=14336,
-                   n_experts=8, experts_per_token=2, expert_d_ff=14336, router_score="softmax", router_norm=True,
-                   capacity_factor=0.0, rope_theta=1e6, max_seq_len=32768, norm_eps=1e-5, tie_embeddings=False,
-                   compute_dtype="bfloat16", attention="xla", remat="full")
+    c.model.update(
+        vocab_size=32000,
+        d_model=4096,
+        n_layers=32,
+        n_heads=32,
+        n_kv_heads=8,
+        d_ff=14336,
+        n_experts=8,
+        experts_per_token=2,
+        expert_d_ff=14336,
+        router_score="softmax",
+        router_norm=True,
+        capacity_factor=0.0,
+        rope_theta=1e6,
+        max_seq_len=32768,
+        norm_eps=1e-5,
+        tie_embeddings=False,
+        compute_dtype="bfloat16",
+        attention="xla",
+        remat="full",
+    )
     c.data.update(seq_len=4096)
     c.optim.update(lr=3e-4, warmup_steps=2000, min_lr_ratio=0.1, weight_decay=0.1, grad_clip=1.0)
     c.train.update(steps=100000, batch_size=512, micro_batches=32, log_every=10)

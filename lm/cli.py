@@ -34,9 +34,21 @@ def training_verbs() -> tuple[Verb, ...]:
 
 def all_verbs() -> tuple[Verb, ...]:
     """In `lm --help` order; none imports jax before its `run` (the CPU flags come first)."""
-    return (*training_verbs(), demo_cli,
-            data_cli.Tokenizer, store_cli.Export, store_cli.Import, data_cli.Tokenize, data_cli.Curate, plan_cli,
-            infer_cli, serve_cli, eval_cli, contamination_cli, harness_cli)
+    return (
+        *training_verbs(),
+        demo_cli,
+        data_cli.Tokenizer,
+        store_cli.Export,
+        store_cli.Import,
+        data_cli.Tokenize,
+        data_cli.Curate,
+        plan_cli,
+        infer_cli,
+        serve_cli,
+        eval_cli,
+        contamination_cli,
+        harness_cli,
+    )
 
 
 TRAINING: tuple[Verb, ...] = training_verbs()  # the stages registered at import
@@ -54,7 +66,7 @@ def _split_overrides(argv: list[str]) -> tuple[list[str], list[str]]:
     while i < len(argv):
         arg = argv[i]
         if arg.startswith("--config."):
-            item = arg[len("--config."):]
+            item = arg[len("--config.") :]
             if "=" not in item:
                 if i + 1 >= len(argv):
                     raise UserError(f"override '{arg}' has no value; write {arg}=VALUE")

@@ -52,7 +52,8 @@ def is_workdir(path: pathlib.Path) -> bool:
     if not path.is_dir():
         return False
     return any((path / mark).exists() for mark in WORKDIR_MARKS) or (
-        (path / ".lock").is_file() and (path / "config.json").is_file())
+        (path / ".lock").is_file() and (path / "config.json").is_file()
+    )
 
 
 def check_out(path, overwrite: bool = False, flag: str = "--out", kind: str = "file") -> pathlib.Path:
@@ -82,13 +83,17 @@ def _check_not_in_run(path: pathlib.Path, flag: str) -> None:
     cleanup of it does): results go beside it, never in it."""
     full = pathlib.Path(os.path.realpath(path))
     if is_workdir(full):
-        raise UserError(f"{flag} {path}: is a run's workdir (it holds {_marks(full)}); writing there could replace "
-                        f"the run's own files: choose a path outside it, e.g. {full.name}-export")
+        raise UserError(
+            f"{flag} {path}: is a run's workdir (it holds {_marks(full)}); writing there could replace "
+            f"the run's own files: choose a path outside it, e.g. {full.name}-export"
+        )
     above = next((p for p in full.parents if is_workdir(p)), None)
     if above is not None:
-        raise UserError(f"{flag} {path}: is inside the run's workdir '{above}'; a run's workdir holds the run's "
-                        f"files only: choose a path outside it, e.g. beside it as '{above.name}-"
-                        f"{full.relative_to(above).parts[0]}'")
+        raise UserError(
+            f"{flag} {path}: is inside the run's workdir '{above}'; a run's workdir holds the run's "
+            f"files only: choose a path outside it, e.g. beside it as '{above.name}-"
+            f"{full.relative_to(above).parts[0]}'"
+        )
 
 
 def _marks(path: pathlib.Path) -> str:
@@ -100,8 +105,10 @@ def _check_existing(path: pathlib.Path, overwrite: bool, flag: str, kind: str) -
         if not path.is_dir():
             raise UserError(f"{flag} {path}: exists and is not a directory; expected a directory (or a new path)")
         if not overwrite and any(path.iterdir()):
-            raise UserError(f"{flag} {path}: the directory exists and is not empty; add --overwrite to replace the "
-                            "files lm writes there (nothing else in it is touched), or choose a new path")
+            raise UserError(
+                f"{flag} {path}: the directory exists and is not empty; add --overwrite to replace the "
+                "files lm writes there (nothing else in it is touched), or choose a new path"
+            )
         return
     if path.is_dir():
         raise UserError(f"{flag} {path}: is a directory; expected a file path")
@@ -118,8 +125,9 @@ def _check_writable(path: pathlib.Path, exists: bool, flag: str, kind: str) -> N
     if not here.is_dir():
         raise UserError(f"{flag} {path}: '{here}' is a file, not a directory; expected a path in a directory")
     if not os.access(here, os.W_OK | os.X_OK):
-        raise UserError(f"{flag} {path}: the directory '{here}' is not writable; fix its permissions or choose "
-                        "another path")
+        raise UserError(
+            f"{flag} {path}: the directory '{here}' is not writable; fix its permissions or choose another path"
+        )
 
 
 def temp_name(path) -> pathlib.Path:

@@ -28,13 +28,17 @@ def mesh_shape(mesh_cfg, n_devices: int) -> tuple[int, ...]:
     known = math.prod(s for s in sizes if s != -1)
     if -1 in sizes:
         if n_devices % known:
-            raise UserError(f"mesh {dict(zip(AXES, sizes))}: the fixed axes ({known}) do not divide "
-                            f"the {n_devices} devices; {SIMULATE_HINT}")
+            raise UserError(
+                f"mesh {dict(zip(AXES, sizes))}: the fixed axes ({known}) do not divide "
+                f"the {n_devices} devices; {SIMULATE_HINT}"
+            )
         sizes[sizes.index(-1)] = n_devices // known
     if math.prod(sizes) != n_devices:
-        raise UserError(f"mesh {dict(zip(AXES, sizes))} needs {math.prod(sizes)} devices but "
-                        f"{n_devices} are available; set mesh.{'/'.join(AXES)} to multiply to {n_devices} "
-                        f"(one may be -1). {SIMULATE_HINT}")
+        raise UserError(
+            f"mesh {dict(zip(AXES, sizes))} needs {math.prod(sizes)} devices but "
+            f"{n_devices} are available; set mesh.{'/'.join(AXES)} to multiply to {n_devices} "
+            f"(one may be -1). {SIMULATE_HINT}"
+        )
     return tuple(sizes)
 
 
@@ -77,9 +81,11 @@ def param_shardings(boxed_abstract_params, mesh: Mesh, rules):
         for dim, axes in zip(leaf.shape, sharding.spec):
             size = split_count(mesh, axes)
             if dim % size:
-                raise UserError(f"param {jax.tree_util.keystr(path)} {leaf.shape}: dimension {dim} is "
-                                f"split over mesh axes {axes} of size {size}, which does not divide it; "
-                                "change the model shape, the mesh, or mesh.rules")
+                raise UserError(
+                    f"param {jax.tree_util.keystr(path)} {leaf.shape}: dimension {dim} is "
+                    f"split over mesh axes {axes} of size {size}, which does not divide it; "
+                    "change the model shape, the mesh, or mesh.rules"
+                )
 
     jax.tree_util.tree_map_with_path(check, nn.unbox(boxed_abstract_params), shardings)
     return shardings
@@ -105,8 +111,9 @@ def place_leaf(x, sharding: NamedSharding, dtype=None) -> jax.Array:
     target = placed_dtype(x.dtype, dtype)
     if isinstance(x, jax.Array) and x.sharding == sharding and x.dtype == target:
         return x
-    out = jax.make_array_from_callback(tuple(x.shape), sharding,
-                                       lambda index: np.asarray(x[index]).astype(target, copy=False))
+    out = jax.make_array_from_callback(
+        tuple(x.shape), sharding, lambda index: np.asarray(x[index]).astype(target, copy=False)
+    )
     if out.nbytes >= BIG_LEAF:  # jax lets go of the host pieces it copied at the next collection
         out.block_until_ready()
         gc.collect()

@@ -39,20 +39,35 @@ def with_overrides(sub, name: str, **kw) -> argparse.ArgumentParser:
 
 def add_distributed(p: argparse.ArgumentParser) -> None:
     """The multi-host flags every verb that runs a model takes (`start_distributed` acts on them)."""
-    g = p.add_argument_group("multi-host", "every process runs the same command; process 0 alone writes files "
-                                           "and prints results (docs/multihost.md)")
-    g.add_argument("--distributed", action="store_true",
-                   help="call jax.distributed.initialize() (auto-detects TPU pods, Slurm, ...)")
+    g = p.add_argument_group(
+        "multi-host",
+        "every process runs the same command; process 0 alone writes files and prints results (docs/multihost.md)",
+    )
+    g.add_argument(
+        "--distributed",
+        action="store_true",
+        help="call jax.distributed.initialize() (auto-detects TPU pods, Slurm, ...)",
+    )
     g.add_argument("--coordinator", help="host:port of process 0 (else auto-detected; implies --distributed)")
     g.add_argument("--num-processes", type=int, help="number of processes (implies --distributed)")
     g.add_argument("--process-id", type=int, help="this process's index (implies --distributed)")
-    g.add_argument("--startup-timeout", type=_seconds, default=300.0, metavar="SECONDS",
-                   help="how long a process waits for every other one to join; then it ends with one line "
-                        "naming who is missing (default: 300)")
-    g.add_argument("--peer-timeout", type=_seconds, default=60.0, metavar="SECONDS",
-                   help="once joined, a process silent this long (killed, crashed, its host gone) ends every "
-                        "other one, at any point of the command, with one line naming it, the last step and "
-                        "the checkpoint to resume from (exit 75; default: 60)")
+    g.add_argument(
+        "--startup-timeout",
+        type=_seconds,
+        default=300.0,
+        metavar="SECONDS",
+        help="how long a process waits for every other one to join; then it ends with one line "
+        "naming who is missing (default: 300)",
+    )
+    g.add_argument(
+        "--peer-timeout",
+        type=_seconds,
+        default=60.0,
+        metavar="SECONDS",
+        help="once joined, a process silent this long (killed, crashed, its host gone) ends every "
+        "other one, at any point of the command, with one line naming it, the last step and "
+        "the checkpoint to resume from (exit 75; default: 60)",
+    )
 
 
 def _seconds(text: str) -> float:
@@ -76,8 +91,12 @@ def start_distributed(args: argparse.Namespace) -> None:
         return
     from lm.process import peers
 
-    launch = peers.Launch(args.startup_timeout, args.peer_timeout, resumable=hasattr(args, "resume"),
-                          resumed=bool(getattr(args, "resume", False)))
+    launch = peers.Launch(
+        args.startup_timeout,
+        args.peer_timeout,
+        resumable=hasattr(args, "resume"),
+        resumed=bool(getattr(args, "resume", False)),
+    )
     peers.start(*values, launch)
 
 

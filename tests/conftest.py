@@ -27,8 +27,20 @@ def corpus(tmp_path_factory):
     """A few real stdlib modules: enough text for a short run."""
     root = tmp_path_factory.mktemp("corpus")
     stdlib = pathlib.Path(sysconfig.get_paths()["stdlib"])
-    for name in ["abc.py", "bisect.py", "colorsys.py", "copy.py", "fnmatch.py", "heapq.py", "keyword.py",
-                 "numbers.py", "operator.py", "queue.py", "shlex.py", "textwrap.py"]:
+    for name in [
+        "abc.py",
+        "bisect.py",
+        "colorsys.py",
+        "copy.py",
+        "fnmatch.py",
+        "heapq.py",
+        "keyword.py",
+        "numbers.py",
+        "operator.py",
+        "queue.py",
+        "shlex.py",
+        "textwrap.py",
+    ]:
         shutil.copy(stdlib / name, root / name)
     return root
 
@@ -46,8 +58,21 @@ def small_base(tmp_path_factory, corpus):
     from tests.e2e.test_cli_train import SMALL
 
     workdir = tmp_path_factory.mktemp("base") / "base"
-    assert main(["train", "--workdir", str(workdir), f"--config.data.corpus={corpus}", "--config.train.steps=10",
-                 "--config.eval.every_steps=10", *SMALL, "--config.data.seq_len=64"]) == 0
+    assert (
+        main(
+            [
+                "train",
+                "--workdir",
+                str(workdir),
+                f"--config.data.corpus={corpus}",
+                "--config.train.steps=10",
+                "--config.eval.every_steps=10",
+                *SMALL,
+                "--config.data.seq_len=64",
+            ]
+        )
+        == 0
+    )
     return workdir
 
 

@@ -5,10 +5,23 @@ from __future__ import annotations
 
 import pathlib
 
-SHAPE = dict(vocab_size=300, hidden_size=64, intermediate_size=96, num_hidden_layers=3, num_attention_heads=4,
-             num_key_value_heads=2, max_position_embeddings=256, initializer_range=0.1)
-LLAMA3 = {"rope_type": "llama3", "factor": 8.0, "low_freq_factor": 1.0, "high_freq_factor": 4.0,
-          "original_max_position_embeddings": 64}
+SHAPE = dict(
+    vocab_size=300,
+    hidden_size=64,
+    intermediate_size=96,
+    num_hidden_layers=3,
+    num_attention_heads=4,
+    num_key_value_heads=2,
+    max_position_embeddings=256,
+    initializer_range=0.1,
+)
+LLAMA3 = {
+    "rope_type": "llama3",
+    "factor": 8.0,
+    "low_freq_factor": 1.0,
+    "high_freq_factor": 4.0,
+    "original_max_position_embeddings": 64,
+}
 YARN = {"rope_type": "yarn", "factor": 4.0, "original_max_position_embeddings": 64}
 
 # name -> (config class, model class, config keys): GQA everywhere; tied and untied heads; q/k/v
@@ -16,16 +29,27 @@ YARN = {"rope_type": "yarn", "factor": 4.0, "original_max_position_embeddings": 
 # the test sequences.
 VARIANTS = {
     "llama3": ("LlamaConfig", "LlamaForCausalLM", dict(tie_word_embeddings=False, rope_scaling=LLAMA3)),
-    "llama-linear-tied": ("LlamaConfig", "LlamaForCausalLM",
-                          dict(tie_word_embeddings=True, rope_scaling={"rope_type": "linear", "factor": 2.0})),
+    "llama-linear-tied": (
+        "LlamaConfig",
+        "LlamaForCausalLM",
+        dict(tie_word_embeddings=True, rope_scaling={"rope_type": "linear", "factor": 2.0}),
+    ),
     "llama-yarn": ("LlamaConfig", "LlamaForCausalLM", dict(rope_scaling=YARN)),
     "mistral": ("MistralConfig", "MistralForCausalLM", dict(sliding_window=8)),
     "qwen2": ("Qwen2Config", "Qwen2ForCausalLM", dict(tie_word_embeddings=True)),
     "qwen3": ("Qwen3Config", "Qwen3ForCausalLM", dict(head_dim=24, tie_word_embeddings=False)),
     "gemma2": ("Gemma2Config", "Gemma2ForCausalLM", dict(head_dim=16, query_pre_attn_scalar=20, sliding_window=8)),
-    "gemma3": ("Gemma3TextConfig", "Gemma3ForCausalLM",
-               dict(head_dim=16, query_pre_attn_scalar=20, sliding_window=8, sliding_window_pattern=2,
-                    rope_scaling={"rope_type": "linear", "factor": 4.0})),
+    "gemma3": (
+        "Gemma3TextConfig",
+        "Gemma3ForCausalLM",
+        dict(
+            head_dim=16,
+            query_pre_attn_scalar=20,
+            sliding_window=8,
+            sliding_window_pattern=2,
+            rope_scaling={"rope_type": "linear", "factor": 4.0},
+        ),
+    ),
 }
 
 # One variant per family: where a test trains or adapts, the RoPE variants add nothing.
@@ -37,11 +61,23 @@ FAMILIES = ("llama3", "mistral", "qwen2", "qwen3", "gemma2", "gemma3")
 MOE_SHAPE = SHAPE | dict(vocab_size=128, num_hidden_layers=2, num_experts_per_tok=2)
 MOE_VARIANTS = {
     "mixtral": ("MixtralConfig", "MixtralForCausalLM", dict(num_local_experts=4, sliding_window=8)),
-    "qwen3_moe": ("Qwen3MoeConfig", "Qwen3MoeForCausalLM",
-                  dict(num_experts=4, moe_intermediate_size=48, norm_topk_prob=True, head_dim=24)),
-    "qwen3_moe-unnormed": ("Qwen3MoeConfig", "Qwen3MoeForCausalLM",
-                           dict(num_experts=4, moe_intermediate_size=48, norm_topk_prob=False, tie_word_embeddings=True,
-                                use_sliding_window=True, sliding_window=8)),
+    "qwen3_moe": (
+        "Qwen3MoeConfig",
+        "Qwen3MoeForCausalLM",
+        dict(num_experts=4, moe_intermediate_size=48, norm_topk_prob=True, head_dim=24),
+    ),
+    "qwen3_moe-unnormed": (
+        "Qwen3MoeConfig",
+        "Qwen3MoeForCausalLM",
+        dict(
+            num_experts=4,
+            moe_intermediate_size=48,
+            norm_topk_prob=False,
+            tie_word_embeddings=True,
+            use_sliding_window=True,
+            sliding_window=8,
+        ),
+    ),
 }
 
 

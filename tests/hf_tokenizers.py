@@ -9,8 +9,10 @@ import json
 import sysconfig
 from pathlib import Path
 
-LLAMA3_SPLIT = (r"(?i:'s|'t|'re|'ve|'m|'ll|'d)|[^\r\n\p{L}\p{N}]?\p{L}+|\p{N}{1,3}| ?[^\s\p{L}\p{N}]+[\r\n]*"
-                r"|\s*[\r\n]+|\s+(?!\S)|\s+")
+LLAMA3_SPLIT = (
+    r"(?i:'s|'t|'re|'ve|'m|'ll|'d)|[^\r\n\p{L}\p{N}]?\p{L}+|\p{N}{1,3}| ?[^\s\p{L}\p{N}]+[\r\n]*"
+    r"|\s*[\r\n]+|\s+(?!\S)|\s+"
+)
 LLAMA3_SPECIALS = ["<|begin_of_text|>", "<|end_of_text|>", "<|start_header_id|>", "<|end_header_id|>", "<|eot_id|>"]
 LLAMA3_TEMPLATE = """{{- bos_token }}
 {%- for message in messages %}
@@ -19,7 +21,7 @@ LLAMA3_TEMPLATE = """{{- bos_token }}
 {%- endfor %}
 {%- if add_generation_prompt %}
     {{- '<|start_header_id|>assistant<|end_header_id|>\\n\\n' }}
-{%- endif %}"""
+{%- endif %}"""  # noqa: E501 (the template as published)
 LLAMA3_GENERATION_TEMPLATE = """{{- bos_token }}
 {%- for message in messages %}
     {{- '<|start_header_id|>' + message['role'] + '<|end_header_id|>\\n\\n' }}
@@ -84,11 +86,16 @@ def _byte_level(split: str, specials: list[str]):
     from tokenizers import Regex, Tokenizer, decoders, models, pre_tokenizers, trainers
 
     tok = Tokenizer(models.BPE())
-    tok.pre_tokenizer = pre_tokenizers.Sequence([pre_tokenizers.Split(Regex(split), behavior="isolated"),
-                                                 pre_tokenizers.ByteLevel(add_prefix_space=False, use_regex=False)])
+    tok.pre_tokenizer = pre_tokenizers.Sequence(
+        [
+            pre_tokenizers.Split(Regex(split), behavior="isolated"),
+            pre_tokenizers.ByteLevel(add_prefix_space=False, use_regex=False),
+        ]
+    )
     tok.decoder = decoders.ByteLevel()
-    trainer = trainers.BpeTrainer(vocab_size=1500, show_progress=False,
-                                  initial_alphabet=pre_tokenizers.ByteLevel.alphabet())
+    trainer = trainers.BpeTrainer(
+        vocab_size=1500, show_progress=False, initial_alphabet=pre_tokenizers.ByteLevel.alphabet()
+    )
     tok.train_from_iterator([stdlib_text(300_000)], trainer)
     tok.add_special_tokens(specials)
     return tok
@@ -105,8 +112,15 @@ def _sentencepiece_style(specials: list[str]):
     pieces = specials + [f"<0x{b:02X}>" for b in range(256)]
     pieces += [p for p, _ in sorted(model["vocab"].items(), key=lambda kv: kv[1]) if p not in pieces]
     merges = [tuple(m.split(" ")) if isinstance(m, str) else tuple(m) for m in model["merges"]]
-    tok = Tokenizer(models.BPE(vocab={p: i for i, p in enumerate(pieces)}, merges=merges, byte_fallback=True,
-                               unk_token="<unk>", fuse_unk=True))
+    tok = Tokenizer(
+        models.BPE(
+            vocab={p: i for i, p in enumerate(pieces)},
+            merges=merges,
+            byte_fallback=True,
+            unk_token="<unk>",
+            fuse_unk=True,
+        )
+    )
     tok.pre_tokenizer = pre_tokenizers.Metaspace(replacement="\u2581", prepend_scheme="never")
     tok.decoder = decoders.Sequence([decoders.Replace("\u2581", " "), decoders.ByteFallback(), decoders.Fuse()])
     tok.add_special_tokens(specials)
@@ -131,27 +145,51 @@ def llama3_like(path: Path) -> Path:
 
     tok = _byte_level(LLAMA3_SPLIT, LLAMA3_SPECIALS)
     bos = tok.token_to_id("<|begin_of_text|>")
-    tok.post_processor = processors.TemplateProcessing(single="<|begin_of_text|> $A", pair="<|begin_of_text|> $A $B",
-                                                       special_tokens=[("<|begin_of_text|>", bos)])
+    tok.post_processor = processors.TemplateProcessing(
+        single="<|begin_of_text|> $A", pair="<|begin_of_text|> $A $B", special_tokens=[("<|begin_of_text|>", bos)]
+    )
     stops = [tok.token_to_id("<|end_of_text|>"), tok.token_to_id("<|eot_id|>")]
-    return save(tok, path, LLAMA3_TEMPLATE, {"bos_token_id": bos, "eos_token_id": stops},
-                bos_token="<|begin_of_text|>", eos_token="<|eot_id|>")
+    return save(
+        tok,
+        path,
+        LLAMA3_TEMPLATE,
+        {"bos_token_id": bos, "eos_token_id": stops},
+        bos_token="<|begin_of_text|>",
+        eos_token="<|eot_id|>",
+    )
 
 
 def qwen_like(path: Path) -> Path:
-    split = (r"(?i:'s|'t|'re|'ve|'m|'ll|'d)|[^\r\n\p{L}\p{N}]?\p{L}+|\p{N}| ?[^\s\p{L}\p{N}]+[\r\n]*"
-             r"|\s*[\r\n]+|\s+(?!\S)|\s+")
+    split = (
+        r"(?i:'s|'t|'re|'ve|'m|'ll|'d)|[^\r\n\p{L}\p{N}]?\p{L}+|\p{N}| ?[^\s\p{L}\p{N}]+[\r\n]*"
+        r"|\s*[\r\n]+|\s+(?!\S)|\s+"
+    )
     tok = _byte_level(split, ["<|endoftext|>", "<|im_start|>", "<|im_end|>"])
     ends = [tok.token_to_id("<|im_end|>"), tok.token_to_id("<|endoftext|>")]
-    return save(tok, path, QWEN_TEMPLATE, {"bos_token_id": ends[1], "eos_token_id": ends},
-                eos_token="<|im_end|>", pad_token="<|endoftext|>")
+    return save(
+        tok,
+        path,
+        QWEN_TEMPLATE,
+        {"bos_token_id": ends[1], "eos_token_id": ends},
+        eos_token="<|im_end|>",
+        pad_token="<|endoftext|>",
+    )
 
 
 def gemma_like(path: Path) -> Path:
     from tokenizers import processors
 
     tok = _sentencepiece_style(["<pad>", "<eos>", "<bos>", "<unk>", "<start_of_turn>", "<end_of_turn>"])
-    tok.post_processor = processors.TemplateProcessing(single="<bos> $A", pair="<bos> $A $B",
-                                                       special_tokens=[("<bos>", 2)])
-    return save(tok, path, GEMMA_TEMPLATE, {"eos_token_id": 1},  # <end_of_turn> comes from the template
-                bos_token="<bos>", eos_token="<eos>", pad_token="<pad>", unk_token="<unk>")
+    tok.post_processor = processors.TemplateProcessing(
+        single="<bos> $A", pair="<bos> $A $B", special_tokens=[("<bos>", 2)]
+    )
+    return save(
+        tok,
+        path,
+        GEMMA_TEMPLATE,
+        {"eos_token_id": 1},  # <end_of_turn> comes from the template
+        bos_token="<bos>",
+        eos_token="<eos>",
+        pad_token="<pad>",
+        unk_token="<unk>",
+    )

@@ -11,8 +11,26 @@ from lm.errors import UserError
 from lm.train import cli as train_cli
 from lm.verb import Stopped
 
-VERBS = {"train", "sft", "dpo", "reward", "rl", "distill", "demo", "tokenizer", "export", "import", "tokenize",
-         "curate", "plan", "sample", "serve", "eval", "contamination", "harness"}
+VERBS = {
+    "train",
+    "sft",
+    "dpo",
+    "reward",
+    "rl",
+    "distill",
+    "demo",
+    "tokenizer",
+    "export",
+    "import",
+    "tokenize",
+    "curate",
+    "plan",
+    "sample",
+    "serve",
+    "eval",
+    "contamination",
+    "harness",
+}
 
 
 def test_every_verb_exposes_add_parser_and_run():
@@ -64,11 +82,17 @@ class Fake:
         raise self.error
 
 
-@pytest.mark.parametrize("error, code, message", [
-    (UserError("bad input"), 2, "lm: error: bad input\n"),
-    (Stopped("SIGTERM", 7), 0, "lm: stopped by SIGTERM at step 7; checkpoint saved. "
-                               "Continue with: lm fake --config.optim.lr=1 --resume\n"),
-])
+@pytest.mark.parametrize(
+    "error, code, message",
+    [
+        (UserError("bad input"), 2, "lm: error: bad input\n"),
+        (
+            Stopped("SIGTERM", 7),
+            0,
+            "lm: stopped by SIGTERM at step 7; checkpoint saved. Continue with: lm fake --config.optim.lr=1 --resume\n",
+        ),
+    ],
+)
 def test_the_edge_reports_user_errors_and_stops(monkeypatch, capsys, error, code, message):
     monkeypatch.setattr(cli, "VERBS", (Fake(error),))
     assert cli.main(["fake", "--resume", "--config.optim.lr=1"]) == code

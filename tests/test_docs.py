@@ -83,9 +83,9 @@ def _launched(command: list[str]) -> list[str] | None:
     if at is None:
         return None
     verbs = _verbs()
-    rest = command[at + 1:]
+    rest = command[at + 1 :]
     start = next((i for i, t in enumerate(rest) if t in verbs), None)
-    return None if start is None else [rest[start], "--distributed", *rest[start + 1:]]
+    return None if start is None else [rest[start], "--distributed", *rest[start + 1 :]]
 
 
 def _lm_argvs(tokens: list[str]):
@@ -206,9 +206,13 @@ def test_a_flag_that_does_not_exist_fails(tmp_path):
         command.doc = ROOT / "docs" / "bad.md"
         with pytest.raises(AssertionError, match=re.escape(expected)):
             check(command, parser)
-    doc.write_text("```sh\nlm sft --init A --data B --workdir C [--eval-data D] && .venv/bin/lm sample --workdir C\n```\n")
-    assert [c.argv for c in doc_commands(doc)] == [["sft", "--init", "A", "--data", "B", "--workdir", "C",
-                                                    "--eval-data", "D"], ["sample", "--workdir", "C"]]
+    doc.write_text(
+        "```sh\nlm sft --init A --data B --workdir C [--eval-data D] && .venv/bin/lm sample --workdir C\n```\n"
+    )
+    assert [c.argv for c in doc_commands(doc)] == [
+        ["sft", "--init", "A", "--data", "B", "--workdir", "C", "--eval-data", "D"],
+        ["sample", "--workdir", "C"],
+    ]
 
 
 @pytest.mark.parametrize("command", [c for c in all_commands() if c.run], ids=lambda c: " ".join(c.argv[:4]))
@@ -216,8 +220,7 @@ def test_marked_commands_run(command, tmp_path):
     (tmp_path / "configs").symlink_to(ROOT / "configs")
     lm = pathlib.Path(sys.executable).with_name("lm")
     env = {k: v for k, v in os.environ.items() if k != "XLA_FLAGS"}
-    done = subprocess.run([str(lm), *command.argv], cwd=tmp_path, env=env, capture_output=True, text=True,
-                          timeout=120)
+    done = subprocess.run([str(lm), *command.argv], cwd=tmp_path, env=env, capture_output=True, text=True, timeout=120)
     assert done.returncode == 0, f"{command.where}\n{done.stderr[-2000:]}"
 
 

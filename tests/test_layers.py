@@ -24,7 +24,12 @@ def test_a_cycle_breaks_the_contract(tmp_path):
     errors = tmp_path / "lm" / "model" / "params.py"
     errors.write_text(errors.read_text() + "\n\ndef _up():\n    from lm.train import steps  # noqa: F401\n")
     tool = pathlib.Path(sys.executable).parent / "lint-imports"
-    done = subprocess.run([str(tool), "--no-logo", "--no-cache"], cwd=tmp_path, capture_output=True, text=True,
-                          env={"PYTHONPATH": str(tmp_path), "PATH": "/usr/bin:/bin"})
+    done = subprocess.run(
+        [str(tool), "--no-logo", "--no-cache"],
+        cwd=tmp_path,
+        capture_output=True,
+        text=True,
+        env={"PYTHONPATH": str(tmp_path), "PATH": "/usr/bin:/bin"},
+    )
     assert done.returncode != 0
     assert "lm.model.params -> lm.train.steps" in done.stdout, done.stdout

@@ -41,6 +41,7 @@ def leftovers(directory) -> list[str]:
 
 # ---- the module itself
 
+
 def test_check_out_refuses_in_one_line(tmp_path):
     (tmp_path / "old.json").write_text("{}")
     (tmp_path / "afile").write_text("x")
@@ -64,8 +65,14 @@ def test_a_workdir_and_everything_in_it_are_never_outputs(tmp_path):
     run = tmp_path / "run"
     (run / "checkpoints" / "10").mkdir(parents=True)
     (run / "config.json").write_text("{}")
-    for out in (run, run / "checkpoints", run / "checkpoints" / "10" / "x", run / "config.json",
-                run / "params.safetensors", run / "hf"):
+    for out in (
+        run,
+        run / "checkpoints",
+        run / "checkpoints" / "10" / "x",
+        run / "config.json",
+        run / "params.safetensors",
+        run / "hf",
+    ):
         with pytest.raises(UserError, match="run's"):
             check_out(out, overwrite=True, kind="dir")
     check_out(tmp_path / "run-params.safetensors")  # beside the run is fine
@@ -102,7 +109,11 @@ def test_files_get_the_umask_mode(tmp_path, umask022):
     write_json(tmp_path / "report.json", {"a": 1})  # curate's report.json, shard manifests
     write_text(tmp_path / "eval.json", "{}")
     assert {p.name: mode(p) for p in tmp_path.iterdir()} == {
-        "lib.safetensors": 0o644, "streamed.safetensors": 0o644, "report.json": 0o644, "eval.json": 0o644}
+        "lib.safetensors": 0o644,
+        "streamed.safetensors": 0o644,
+        "report.json": 0o644,
+        "eval.json": 0o644,
+    }
     hf = tmp_path / "hf"  # shards: the new ones in place, the old ones gone, nothing else touched
     hf.mkdir()
     (hf / "keep.txt").write_text("mine")
@@ -114,6 +125,7 @@ def test_files_get_the_umask_mode(tmp_path, umask022):
 
 
 # ---- the verbs
+
 
 def export(*args) -> int:
     return main(["export", *args])
@@ -187,18 +199,23 @@ def test_hf_and_peft_files_get_the_umask_mode_and_keep_the_rest(tmp_path, umask0
     from lm.store.loaded import Loaded
 
     c = base_config()
-    c.model.update(vocab_size=259, d_model=32, n_layers=2, n_heads=2, n_kv_heads=1, d_ff=64, max_seq_len=32,
-                   lora_rank=2)
+    c.model.update(
+        vocab_size=259, d_model=32, n_layers=2, n_heads=2, n_kv_heads=1, d_ff=64, max_seq_len=32, lora_rank=2
+    )
     params = nn.unbox(init_params(Transformer(ModelSpec.from_config(c.model)), jax.random.PRNGKey(0)))
     model = Loaded(c, params, load_tokenizer("byte"), "tiny")
-    for out, write in ((tmp_path / "hf", lambda o: export_hf(model, o, merge=True)),
-                       (tmp_path / "adapter", lambda o: export_peft(model, o))):
+    for out, write in (
+        (tmp_path / "hf", lambda o: export_hf(model, o, merge=True)),
+        (tmp_path / "adapter", lambda o: export_peft(model, o)),
+    ):
         out.mkdir()
         (out / "keep.txt").write_text("x")
         write(out)
         weights = out / ("model.safetensors" if out.name == "hf" else "adapter_model.safetensors")
-        assert mode(weights) == 0o644 and mode(out / "config.json" if out.name == "hf" else
-                                                out / "adapter_config.json") == 0o644
+        assert (
+            mode(weights) == 0o644
+            and mode(out / "config.json" if out.name == "hf" else out / "adapter_config.json") == 0o644
+        )
         assert (out / "keep.txt").read_text() == "x" and leftovers(out) == []
 
 
@@ -222,8 +239,22 @@ def prompts(tmp_path):
 
 
 def sample(run, prompts, out, *extra) -> int:
-    return main(["sample", "--workdir", str(run), "--prompts", str(prompts), "--out", str(out), "--max-new-tokens",
-                 "2", "--temperature", "0", *extra])
+    return main(
+        [
+            "sample",
+            "--workdir",
+            str(run),
+            "--prompts",
+            str(prompts),
+            "--out",
+            str(out),
+            "--max-new-tokens",
+            "2",
+            "--temperature",
+            "0",
+            *extra,
+        ]
+    )
 
 
 def test_sample_refuses_replaces_and_survives_an_interrupt(small_base, prompts, tmp_path, capsys, monkeypatch):
@@ -242,6 +273,7 @@ def test_sample_refuses_replaces_and_survives_an_interrupt(small_base, prompts, 
         def generate(prompts, **kw):
             yield {"text": "x", "finish_reason": "length", "ids": [1], "logprobs": [0.0]}
             raise KeyboardInterrupt
+
         return generate
 
     monkeypatch.setattr(infer_cli, "_plain", interrupted)
@@ -271,8 +303,10 @@ def test_eval_checks_out_before_scoring(small_base, tmp_path, capsys, umask022):
 def test_reward_score_and_harness_refuse_an_existing_out(small_base, tmp_path, capsys):
     out = tmp_path / "scores.jsonl"
     out.write_text("old")
-    assert main(["reward", "score", "--workdir", str(small_base), "--texts", str(tmp_path / "t.jsonl"),
-                 "--out", str(out)]) == 2
+    assert (
+        main(["reward", "score", "--workdir", str(small_base), "--texts", str(tmp_path / "t.jsonl"), "--out", str(out)])
+        == 2
+    )
     one_line_error(capsys, "already exists; add --overwrite")
     assert main(["harness", "--workdir", str(small_base), "--tasks", "x", "--out", str(out)]) == 2
     one_line_error(capsys, "already exists; add --overwrite")
@@ -282,8 +316,18 @@ def test_reward_score_and_harness_refuse_an_existing_out(small_base, tmp_path, c
 def test_tokenizer_train_refuses_and_replaces(corpus, tmp_path, capsys, umask022):
     prefix = tmp_path / "tok"
     (tmp_path / "tok.vocab").write_text("old")
-    args = ["tokenizer", "train", "--corpus", str(corpus), "--out", str(prefix), "--vocab-size", "500",
-            "--max-bytes", "100000"]
+    args = [
+        "tokenizer",
+        "train",
+        "--corpus",
+        str(corpus),
+        "--out",
+        str(prefix),
+        "--vocab-size",
+        "500",
+        "--max-bytes",
+        "100000",
+    ]
     assert main(args) == 2
     one_line_error(capsys, "tok.vocab: already exists; add --overwrite")
     assert main([*args, "--overwrite"]) == 0
@@ -302,17 +346,56 @@ def test_contamination_report_says_na_for_examples_too_short(tmp_path, capsys):
     task = tmp_path / "sort.jsonl"
     task.write_text('{"prompt": "sort 3 1", "answer": "1 3"}\n{"prompt": "sort 2 5", "answer": "2 5"}\n')
     (tmp_path / "train.txt").write_text("sort 3 1 1 3 and many other words of training text here")
-    report = {"model": "m", "tasks": {"sort": {"kind": "gen", "path": str(task), "n": 2, "metrics": {},
-                                               "example_ids": [1, 2], "per_example": {"exact": [1.0, 0.0]}}}}
+    report = {
+        "model": "m",
+        "tasks": {
+            "sort": {
+                "kind": "gen",
+                "path": str(task),
+                "n": 2,
+                "metrics": {},
+                "example_ids": [1, 2],
+                "per_example": {"exact": [1.0, 0.0]},
+            }
+        },
+    }
     (tmp_path / "eval.json").write_text(json.dumps(report))
     out = tmp_path / "c.json"
-    assert main(["contamination", "--train", str(tmp_path / "train.txt"), "--eval", str(task), "--report",
-                 str(tmp_path / "eval.json"), "--out", str(out), "--no-progress"]) == 0
+    assert (
+        main(
+            [
+                "contamination",
+                "--train",
+                str(tmp_path / "train.txt"),
+                "--eval",
+                str(task),
+                "--report",
+                str(tmp_path / "eval.json"),
+                "--out",
+                str(out),
+                "--no-progress",
+            ]
+        )
+        == 0
+    )
     printed = capsys.readouterr().out
     assert "sort: clean 0, contaminated 0, n/a: too short 2" in printed and "clean 2" not in printed
     assert "clean n/a: too short" in printed
     clean = json.loads(out.read_text())["clean"]["sort"]
     assert (clean["n_clean"], clean["n_contaminated"], clean["n_too_short"]) == (0, 0, 2)
-    assert main(["contamination", "--train", str(tmp_path / "train.txt"), "--eval", str(task), "--out",
-                 str(out), "--no-progress"]) == 2
+    assert (
+        main(
+            [
+                "contamination",
+                "--train",
+                str(tmp_path / "train.txt"),
+                "--eval",
+                str(task),
+                "--out",
+                str(out),
+                "--no-progress",
+            ]
+        )
+        == 2
+    )
     one_line_error(capsys, "already exists; add --overwrite")

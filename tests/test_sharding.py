@@ -69,8 +69,9 @@ def build(shape, loss=None):
 
 
 def put(run_, batch):
-    return run_.placer(run_.signature(extra={k: (v.shape[1:], v.dtype) for k, v in batch.items()
-                                              if v.ndim != 2}))(batch)
+    return run_.placer(run_.signature(extra={k: (v.shape[1:], v.dtype) for k, v in batch.items() if v.ndim != 2}))(
+        batch
+    )
 
 
 @functools.cache
@@ -109,8 +110,13 @@ def test_step_matches_single_device(reference, shape):
     for (path, r), g in zip(flat_ref, jax.tree.leaves(got["state"].params)):
         np.testing.assert_allclose(g, r, rtol=1e-5, atol=1e-5, err_msg=jax.tree_util.keystr(path))
     # the step actually moved the params (otherwise the comparison above proves little)
-    assert max(float(np.abs(a - b).max()) for a, b in
-               zip(jax.tree.leaves(ref["state"].params), jax.tree.leaves(ref["init"].params))) > 5e-4
+    assert (
+        max(
+            float(np.abs(a - b).max())
+            for a, b in zip(jax.tree.leaves(ref["state"].params), jax.tree.leaves(ref["init"].params))
+        )
+        > 5e-4
+    )
 
     # Adam moments are linear / quadratic in the (clipped) gradient: compare them per leaf,
     # relative to the leaf's scale (some gradients are ~1e-5, some ~1e-2).
@@ -125,8 +131,9 @@ def test_step_matches_single_device(reference, shape):
 
 def test_created_sharded_state_matches_single_device_init(reference):
     got = run((1, 8, 1))
-    for (path, r), g in zip(jax.tree_util.tree_leaves_with_path(reference["init"].params),
-                            jax.tree.leaves(got["init"].params)):
+    for (path, r), g in zip(
+        jax.tree_util.tree_leaves_with_path(reference["init"].params), jax.tree.leaves(got["init"].params)
+    ):
         np.testing.assert_allclose(g, r, rtol=1e-6, atol=1e-7, err_msg=jax.tree_util.keystr(path))
     # embedding [vocab, embed] with embed -> fsdp: 8 distinct column blocks on 8 distinct devices
     shards = got["embedding_shards"]

@@ -15,7 +15,21 @@ from lm.config.model import LORA_TARGETS, head_dim
 from lm.config.schema import CHOICES, SECTIONS, base_config, init_of, load_config, validate
 
 __all__ = [
-    "CHOICES", "DEFAULT_RULES", "LORA_TARGETS", "SECTIONS",
-    "ConfigDict", "apply_overrides", "base_config", "data_sources", "head_dim", "init_of",
-    "load_config", "load_file", "merge", "parse_sets", "require", "rules_table", "validate",
+    "CHOICES",
+    "DEFAULT_RULES",
+    "LORA_TARGETS",
+    "SECTIONS",
+    "ConfigDict",
+    "apply_overrides",
+    "base_config",
+    "data_sources",
+    "head_dim",
+    "init_of",
+    "load_config",
+    "load_file",
+    "merge",
+    "parse_sets",
+    "require",
+    "rules_table",
+    "validate",
 ]

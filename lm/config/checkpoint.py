@@ -15,5 +15,6 @@ def check(c) -> None:
         require(k[key] >= 0, f"checkpoint.{key}", k[key], "expected >= 0 (0 = off)")
     require(k.every_minutes >= 0, "checkpoint.every_minutes", k.every_minutes, "expected >= 0 (0 = off)")
     require(k.keep >= 1, "checkpoint.keep", k.keep, "expected a positive integer")
-    require(k.agree_every_steps >= 1, "checkpoint.agree_every_steps", k.agree_every_steps,
-            "expected a positive integer")
+    require(
+        k.agree_every_steps >= 1, "checkpoint.agree_every_steps", k.agree_every_steps, "expected a positive integer"
+    )

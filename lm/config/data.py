@@ -13,8 +13,15 @@ from lm.errors import UserError
 # workers: processes for curating and tokenizing (0 = all cores). cache_dir: prepared data shared
 # by runs ('' = $LM_CACHE_DIR, else $XDG_CACHE_HOME/lm or ~/.cache/lm)
 DEFAULTS = dict(
-    corpus="stdlib", sources=(), tokenizer="byte", seq_len=256, heldout_fraction=0.02,
-    max_train_bytes=0, cache_dir="", curate=False, workers=0,
+    corpus="stdlib",
+    sources=(),
+    tokenizer="byte",
+    seq_len=256,
+    heldout_fraction=0.02,
+    max_train_bytes=0,
+    cache_dir="",
+    curate=False,
+    workers=0,
 )
 
 
@@ -35,8 +42,9 @@ def data_sources(d) -> list[tuple[str, float]]:
             out.append((spec, float(weight)))
         except ValueError:
             if not pathlib.Path(entry).exists():
-                raise UserError(f"data.sources[{i}] = {entry!r}: the weight after ':' must be a number "
-                                "(SPEC or SPEC:WEIGHT)") from None
+                raise UserError(
+                    f"data.sources[{i}] = {entry!r}: the weight after ':' must be a number (SPEC or SPEC:WEIGHT)"
+                ) from None
             out.append((entry, 1.0))  # the ':' belongs to the path
     return out
 
@@ -48,16 +56,25 @@ def _check_sources(d) -> None:
     parsed = data_sources(d)
     for i, (spec, weight) in enumerate(parsed):
         require(bool(spec), f"data.sources[{i}]", d.sources[i], "expected SPEC or SPEC:WEIGHT")
-        require(0 <= weight < float("inf"), f"data.sources[{i}]", d.sources[i],
-                "expected a finite weight >= 0 after the last ':'")
+        require(
+            0 <= weight < float("inf"),
+            f"data.sources[{i}]",
+            d.sources[i],
+            "expected a finite weight >= 0 after the last ':'",
+        )
     require(sum(w for _, w in parsed) > 0, "data.sources", d.sources, "the weights must sum to a positive number")
 
 
 def check(c) -> None:
     d = c.data
-    require(d.seq_len <= c.model.max_seq_len, "data.seq_len", d.seq_len,
-            f"must be <= model.max_seq_len={c.model.max_seq_len}")
+    require(
+        d.seq_len <= c.model.max_seq_len,
+        "data.seq_len",
+        d.seq_len,
+        f"must be <= model.max_seq_len={c.model.max_seq_len}",
+    )
     _check_sources(d)
     require(d.workers >= 0, "data.workers", d.workers, "expected >= 0 (0 = all cores)")
-    require(0.0 < d.heldout_fraction < 1.0, "data.heldout_fraction", d.heldout_fraction,
-            "expected a fraction in (0, 1)")
+    require(
+        0.0 < d.heldout_fraction < 1.0, "data.heldout_fraction", d.heldout_fraction, "expected a fraction in (0, 1)"
+    )

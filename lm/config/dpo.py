@@ -12,8 +12,15 @@ from lm.config.core import from_section, require
 # (rpo_nll=per_response, the RPO paper's) or over the chosen tokens of the batch (per_token,
 # TRL's); reference: live (the init model runs beside the policy, frozen, in the compute dtype;
 # with LoRA: the base with adapters off) | precomputed (its log-probs, computed once before training)
-DEFAULTS = dict(loss="sigmoid", beta=0.0, label_smoothing=0.0, simpo_gamma=1.0, rpo_alpha=0.0,
-                rpo_nll="per_response", reference="live")
+DEFAULTS = dict(
+    loss="sigmoid",
+    beta=0.0,
+    label_smoothing=0.0,
+    simpo_gamma=1.0,
+    rpo_alpha=0.0,
+    rpo_nll="per_response",
+    reference="live",
+)
 
 # each loss's beta when dpo.beta is 0: TRL's 0.1 for DPO and IPO; SimPO's authors' 2.0 (with
 # simpo_gamma 1.0: their gamma / beta ratio of 0.5)
@@ -49,11 +56,18 @@ class DpoSettings:
 
 def check(c) -> None:
     d = c.dpo
-    require(d.beta >= 0, "dpo.beta", d.beta,
-            f"expected > 0, or 0 for the loss's default ({', '.join(f'{k} {v:g}' for k, v in LOSS_BETA.items())})")
-    require(0.0 <= d.label_smoothing < 0.5, "dpo.label_smoothing", d.label_smoothing,
-            "expected a fraction in [0, 0.5)")
-    require(d.label_smoothing == 0.0 or d.loss == "sigmoid", "dpo.label_smoothing",
-            d.label_smoothing, f"applies to dpo.loss='sigmoid' only (dpo.loss is '{d.loss}')")
+    require(
+        d.beta >= 0,
+        "dpo.beta",
+        d.beta,
+        f"expected > 0, or 0 for the loss's default ({', '.join(f'{k} {v:g}' for k, v in LOSS_BETA.items())})",
+    )
+    require(0.0 <= d.label_smoothing < 0.5, "dpo.label_smoothing", d.label_smoothing, "expected a fraction in [0, 0.5)")
+    require(
+        d.label_smoothing == 0.0 or d.loss == "sigmoid",
+        "dpo.label_smoothing",
+        d.label_smoothing,
+        f"applies to dpo.loss='sigmoid' only (dpo.loss is '{d.loss}')",
+    )
     for key in ("rpo_alpha", "simpo_gamma"):
         require(d[key] >= 0, f"dpo.{key}", d[key], "expected >= 0")

@@ -16,8 +16,10 @@ def parse_sets(specs) -> list[tuple[str, str]]:
     for i, spec in enumerate(specs):
         name, eq, path = str(spec).partition("=")
         if not eq or not name or not path or "/" in name:
-            raise UserError(f"eval.sets[{i}] = {spec!r}: expected NAME=PATH (a text file, {{\"text\"}} JSONL, "
-                            "corpus or token shard set)")
+            raise UserError(
+                f'eval.sets[{i}] = {spec!r}: expected NAME=PATH (a text file, {{"text"}} JSONL, '
+                "corpus or token shard set)"
+            )
         out.append((name, path))
     return out
 

@@ -54,8 +54,12 @@ def rules_table(c) -> tuple[tuple[str, tuple[str, ...]], ...]:
 
 def check(c) -> None:
     for axis in AXES:
-        require(c.mesh[axis] == -1 or c.mesh[axis] > 0, f"mesh.{axis}", c.mesh[axis],
-                "expected a positive size or -1 (whatever devices are left)")
+        require(
+            c.mesh[axis] == -1 or c.mesh[axis] > 0,
+            f"mesh.{axis}",
+            c.mesh[axis],
+            "expected a positive size or -1 (whatever devices are left)",
+        )
     require(sum(c.mesh[a] == -1 for a in AXES) <= 1, "mesh", c.mesh.to_dict(), "at most one axis may be -1")
     for name, axes in c.mesh.rules.items():
         for axis in axes:

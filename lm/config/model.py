@@ -60,12 +60,33 @@ PIPELINE = dict(
 
 # head_dim 0: d_model // n_heads. LoRA (lm.model.lora): rank 0 = off; targets among LORA_TARGETS.
 DEFAULTS = dict(
-    vocab_size=320, d_model=128, n_layers=4, n_heads=4, n_kv_heads=2, head_dim=0,
-    d_ff=384, mlp="swiglu", norm="rmsnorm", use_bias=False, position="rope",
-    max_seq_len=256, rope_theta=10000.0, norm_eps=1e-5, tie_embeddings=True,
-    compute_dtype="float32", attention="blockwise", remat="none", init_std=0.02, kernels="auto",
-    lora_rank=0, lora_alpha=16.0, lora_dropout=0.0, lora_targets=LORA_TARGETS,
-    **ARCHITECTURE, **MOE, **PIPELINE,
+    vocab_size=320,
+    d_model=128,
+    n_layers=4,
+    n_heads=4,
+    n_kv_heads=2,
+    head_dim=0,
+    d_ff=384,
+    mlp="swiglu",
+    norm="rmsnorm",
+    use_bias=False,
+    position="rope",
+    max_seq_len=256,
+    rope_theta=10000.0,
+    norm_eps=1e-5,
+    tie_embeddings=True,
+    compute_dtype="float32",
+    attention="blockwise",
+    remat="none",
+    init_std=0.02,
+    kernels="auto",
+    lora_rank=0,
+    lora_alpha=16.0,
+    lora_dropout=0.0,
+    lora_targets=LORA_TARGETS,
+    **ARCHITECTURE,
+    **MOE,
+    **PIPELINE,
 )
 
 CHOICES = dict(
@@ -99,33 +120,65 @@ def check(c) -> None:
         require(m[key] > 0, f"model.{key}", m[key], "expected a positive integer")
     for key in ("head_dim", "sliding_window"):
         require(m[key] >= 0, f"model.{key}", m[key], "expected >= 0 (0 = derived / off)")
-    require(m.head_dim > 0 or m.d_model % m.n_heads == 0, "model.n_heads", m.n_heads,
-            f"must divide model.d_model={m.d_model} (or set model.head_dim)")
+    require(
+        m.head_dim > 0 or m.d_model % m.n_heads == 0,
+        "model.n_heads",
+        m.n_heads,
+        f"must divide model.d_model={m.d_model} (or set model.head_dim)",
+    )
     require(m.lora_rank >= 0, "model.lora_rank", m.lora_rank, "expected >= 0 (0 = no adapters)")
     require(m.lora_alpha > 0, "model.lora_alpha", m.lora_alpha, "expected > 0")
     require(0.0 <= m.lora_dropout < 1.0, "model.lora_dropout", m.lora_dropout, "expected a rate in [0, 1)")
-    require(set(m.lora_targets) <= set(LORA_TARGETS) and m.lora_targets, "model.lora_targets", m.lora_targets,
-            f"expected names among {LORA_TARGETS}")
-    require(m.n_heads % m.n_kv_heads == 0, "model.n_kv_heads", m.n_kv_heads,
-            f"must divide model.n_heads={m.n_heads}")
-    require(set(m.layer_types) <= set(LAYER_TYPES) and len(m.layer_types) in (0, m.n_layers), "model.layer_types",
-            m.layer_types, f"expected {m.n_layers} names among {LAYER_TYPES}, or none (all global)")
-    require("local" not in m.layer_types or m.sliding_window > 0, "model.sliding_window", m.sliding_window,
-            "expected > 0: model.layer_types has local layers")
-    require(m.rope_scaling == "none" or m.rope_factor >= 1.0, "model.rope_factor", m.rope_factor,
-            "expected >= 1 with model.rope_scaling")
-    require(m.position != "rope" or head_dim(m) % 2 == 0, "model.head_dim", head_dim(m),
-            "RoPE needs an even head dimension")
-    require(m.attention != "cudnn" or m.compute_dtype == "bfloat16", "model.attention", m.attention,
-            "cuDNN's fused attention takes bfloat16 only: set model.compute_dtype=bfloat16 (or another attention)")
+    require(
+        set(m.lora_targets) <= set(LORA_TARGETS) and m.lora_targets,
+        "model.lora_targets",
+        m.lora_targets,
+        f"expected names among {LORA_TARGETS}",
+    )
+    require(m.n_heads % m.n_kv_heads == 0, "model.n_kv_heads", m.n_kv_heads, f"must divide model.n_heads={m.n_heads}")
+    require(
+        set(m.layer_types) <= set(LAYER_TYPES) and len(m.layer_types) in (0, m.n_layers),
+        "model.layer_types",
+        m.layer_types,
+        f"expected {m.n_layers} names among {LAYER_TYPES}, or none (all global)",
+    )
+    require(
+        "local" not in m.layer_types or m.sliding_window > 0,
+        "model.sliding_window",
+        m.sliding_window,
+        "expected > 0: model.layer_types has local layers",
+    )
+    require(
+        m.rope_scaling == "none" or m.rope_factor >= 1.0,
+        "model.rope_factor",
+        m.rope_factor,
+        "expected >= 1 with model.rope_scaling",
+    )
+    require(
+        m.position != "rope" or head_dim(m) % 2 == 0, "model.head_dim", head_dim(m), "RoPE needs an even head dimension"
+    )
+    require(
+        m.attention != "cudnn" or m.compute_dtype == "bfloat16",
+        "model.attention",
+        m.attention,
+        "cuDNN's fused attention takes bfloat16 only: set model.compute_dtype=bfloat16 (or another attention)",
+    )
     if m.n_experts:
-        require(0 < m.experts_per_token <= m.n_experts, "model.experts_per_token", m.experts_per_token,
-                f"expected 1 to model.n_experts={m.n_experts}")
+        require(
+            0 < m.experts_per_token <= m.n_experts,
+            "model.experts_per_token",
+            m.experts_per_token,
+            f"expected 1 to model.n_experts={m.n_experts}",
+        )
         require(m.mlp == "swiglu", "model.mlp", m.mlp, "mixture-of-experts layers are SwiGLU experts")
         adapted = set(m.lora_targets) & {"w_gate", "w_up", "w_down", "w_in"}
-        require(not (m.lora_rank and adapted), "model.lora_targets", m.lora_targets,
-                "LoRA adapters on expert weights are not supported: with model.n_experts > 0 name only "
-                "attention projections (wq, wk, wv, wo)")
+        require(
+            not (m.lora_rank and adapted),
+            "model.lora_targets",
+            m.lora_targets,
+            "LoRA adapters on expert weights are not supported: with model.n_experts > 0 name only "
+            "attention projections (wq, wk, wv, wo)",
+        )
     for key in ("n_experts", "expert_d_ff", "shared_d_ff", "pipeline_microbatches"):
         require(m[key] >= 0, f"model.{key}", m[key], "expected >= 0 (0 = off / derived)")
     for key in ("capacity_factor", "moe_balance_coef", "moe_z_coef"):
@@ -140,10 +193,21 @@ def check_pipeline(c) -> None:
     m, stages = c.model, c.mesh.stage
     if stages <= 1:
         return
-    require(not m.n_experts, "model.n_experts", m.n_experts,
-            f"mixture-of-experts layers cannot be pipelined yet: set mesh.stage=1 (it is {stages})")
-    require(m.n_layers % (stages * m.pipeline_repeats) == 0, "model.n_layers", m.n_layers,
-            f"must split into mesh.stage={stages} x model.pipeline_repeats={m.pipeline_repeats} equal chunks")
-    require(m.pipeline_repeats == 1 or (m.pipeline_microbatches or stages) >= stages, "model.pipeline_microbatches",
-            m.pipeline_microbatches, f"a circular pipeline (model.pipeline_repeats > 1) needs at least "
-            f"mesh.stage={stages} micro-batches")
+    require(
+        not m.n_experts,
+        "model.n_experts",
+        m.n_experts,
+        f"mixture-of-experts layers cannot be pipelined yet: set mesh.stage=1 (it is {stages})",
+    )
+    require(
+        m.n_layers % (stages * m.pipeline_repeats) == 0,
+        "model.n_layers",
+        m.n_layers,
+        f"must split into mesh.stage={stages} x model.pipeline_repeats={m.pipeline_repeats} equal chunks",
+    )
+    require(
+        m.pipeline_repeats == 1 or (m.pipeline_microbatches or stages) >= stages,
+        "model.pipeline_microbatches",
+        m.pipeline_microbatches,
+        f"a circular pipeline (model.pipeline_repeats > 1) needs at least mesh.stage={stages} micro-batches",
+    )

@@ -9,9 +9,19 @@ from lm.config.sft import TRUNCATION
 # truncation, on_bad_record, max_skipped_fraction as for sft; eval_pairs held-out pairs are
 # scored at every eval; eval_answers: held-out conversations (chat JSONL) answered greedily by
 # the initial and the tuned model at the end ('' = none)
-DEFAULTS = dict(init="", data="", eval_data="", epochs=1.0, truncation="drop", on_bad_record="error",
-                max_skipped_fraction=0.05, eval_pairs=256, eval_answers="", eval_examples=256,
-                eval_max_new_tokens=64)
+DEFAULTS = dict(
+    init="",
+    data="",
+    eval_data="",
+    epochs=1.0,
+    truncation="drop",
+    on_bad_record="error",
+    max_skipped_fraction=0.05,
+    eval_pairs=256,
+    eval_answers="",
+    eval_examples=256,
+    eval_max_new_tokens=64,
+)
 
 CHOICES = dict(truncation=TRUNCATION, on_bad_record=ON_BAD_RECORD)
 
@@ -21,5 +31,9 @@ def check(c) -> None:
     for key in ("eval_examples", "eval_max_new_tokens", "eval_pairs"):
         require(p[key] >= 1, f"pairs.{key}", p[key], "expected a positive integer")
     require(p.epochs >= 0, "pairs.epochs", p.epochs, "expected >= 0 (0 = use train.steps)")
-    require(0.0 <= p.max_skipped_fraction <= 1.0, "pairs.max_skipped_fraction", p.max_skipped_fraction,
-            "expected a fraction in [0, 1]")
+    require(
+        0.0 <= p.max_skipped_fraction <= 1.0,
+        "pairs.max_skipped_fraction",
+        p.max_skipped_fraction,
+        "expected a fraction in [0, 1]",
+    )

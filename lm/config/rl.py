@@ -23,18 +23,48 @@ from lm.config.core import ON_BAD_RECORD, from_section, require
 # sequence (GSPO: one ratio per response, exp of the mean log-ratio). eval_prompts held-out
 # prompts are answered greedily at every eval; eval_answers as for pairs.
 DEFAULTS = dict(
-    init="", data="", eval_data="", algo="grpo", prompts_per_step=8, group_size=8, max_new_tokens=32,
-    temperature=1.0, top_p=1.0, rewards="", reward_model="", reward_model_weight=1.0,
-    truncation_penalty=0.0, epochs=1, minibatches=1, beta=0.04, eps_low=0.2, eps_high=0.2,
-    loss_type="dapo", importance_sampling_level="token",
-    scale_rewards=True, adv_eps=1e-4, gamma=1.0, lam=0.95, vf_coef=0.1, value_clip=0.2, whiten=True,
-    on_bad_record="error", max_skipped_fraction=0.01, eval_prompts=256, eval_answers="",
-    eval_examples=256, eval_max_new_tokens=64,
+    init="",
+    data="",
+    eval_data="",
+    algo="grpo",
+    prompts_per_step=8,
+    group_size=8,
+    max_new_tokens=32,
+    temperature=1.0,
+    top_p=1.0,
+    rewards="",
+    reward_model="",
+    reward_model_weight=1.0,
+    truncation_penalty=0.0,
+    epochs=1,
+    minibatches=1,
+    beta=0.04,
+    eps_low=0.2,
+    eps_high=0.2,
+    loss_type="dapo",
+    importance_sampling_level="token",
+    scale_rewards=True,
+    adv_eps=1e-4,
+    gamma=1.0,
+    lam=0.95,
+    vf_coef=0.1,
+    value_clip=0.2,
+    whiten=True,
+    on_bad_record="error",
+    max_skipped_fraction=0.01,
+    eval_prompts=256,
+    eval_answers="",
+    eval_examples=256,
+    eval_max_new_tokens=64,
 )
 
 LOSS_TYPES = ("dapo", "grpo", "dr_grpo", "bnpo")
-CHOICES = dict(algo=("grpo", "ppo"), loss_type=LOSS_TYPES, importance_sampling_level=("token", "sequence"),
-               on_bad_record=ON_BAD_RECORD)
+CHOICES = dict(
+    algo=("grpo", "ppo"),
+    loss_type=LOSS_TYPES,
+    importance_sampling_level=("token", "sequence"),
+    on_bad_record=ON_BAD_RECORD,
+)
 
 
 @dataclasses.dataclass(frozen=True)
@@ -68,19 +98,42 @@ class RlSettings:
 
 def check(c) -> None:
     r = c.rl
-    for key in ("prompts_per_step", "group_size", "max_new_tokens", "epochs", "minibatches", "eval_prompts",
-                "eval_examples", "eval_max_new_tokens"):
+    for key in (
+        "prompts_per_step",
+        "group_size",
+        "max_new_tokens",
+        "epochs",
+        "minibatches",
+        "eval_prompts",
+        "eval_examples",
+        "eval_max_new_tokens",
+    ):
         require(r[key] >= 1, f"rl.{key}", r[key], "expected a positive integer")
-    require((r.prompts_per_step * r.group_size) % r.minibatches == 0, "rl.minibatches", r.minibatches,
-            f"must divide the {r.prompts_per_step * r.group_size} rollouts of a step "
-            "(rl.prompts_per_step x rl.group_size)")
-    require(r.group_size >= 2 or r.algo == "ppo", "rl.group_size", r.group_size,
-            "GRPO compares the responses to one prompt: at least 2")
+    require(
+        (r.prompts_per_step * r.group_size) % r.minibatches == 0,
+        "rl.minibatches",
+        r.minibatches,
+        f"must divide the {r.prompts_per_step * r.group_size} rollouts of a step (rl.prompts_per_step x rl.group_size)",
+    )
+    require(
+        r.group_size >= 2 or r.algo == "ppo",
+        "rl.group_size",
+        r.group_size,
+        "GRPO compares the responses to one prompt: at least 2",
+    )
     for key in ("beta", "eps_low", "eps_high", "adv_eps", "vf_coef", "value_clip", "truncation_penalty"):
         require(r[key] >= 0, f"rl.{key}", r[key], "expected >= 0")
-    require(r.temperature > 0, "rl.temperature", r.temperature,
-            "expected > 0: rollouts are sampled, and the log-probs are taken at this temperature")
+    require(
+        r.temperature > 0,
+        "rl.temperature",
+        r.temperature,
+        "expected > 0: rollouts are sampled, and the log-probs are taken at this temperature",
+    )
     require(0 < r.top_p <= 1, "rl.top_p", r.top_p, "expected a fraction in (0, 1]")
     require(0 <= r.gamma <= 1 and 0 <= r.lam <= 1, "rl.gamma/rl.lam", (r.gamma, r.lam), "expected values in [0, 1]")
-    require(0.0 <= r.max_skipped_fraction <= 1.0, "rl.max_skipped_fraction", r.max_skipped_fraction,
-            "expected a fraction in [0, 1]")
+    require(
+        0.0 <= r.max_skipped_fraction <= 1.0,
+        "rl.max_skipped_fraction",
+        r.max_skipped_fraction,
+        "expected a fraction in [0, 1]",
+    )

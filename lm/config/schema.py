@@ -9,13 +9,29 @@ from lm.config import checkpoint, curate, data, distill, dpo, mesh, model, optim
 from lm.config import eval as eval_
 from lm.config.core import ConfigDict, apply_overrides, check_choices, load_file, merge
 
-SECTIONS = {"model": model, "data": data, "optim": optim, "train": train, "eval": eval_, "checkpoint": checkpoint,
-            "mesh": mesh, "sft": sft, "pairs": pairs, "dpo": dpo, "reward": reward, "rl": rl, "distill": distill,
-            "curate": curate}
+SECTIONS = {
+    "model": model,
+    "data": data,
+    "optim": optim,
+    "train": train,
+    "eval": eval_,
+    "checkpoint": checkpoint,
+    "mesh": mesh,
+    "sft": sft,
+    "pairs": pairs,
+    "dpo": dpo,
+    "reward": reward,
+    "rl": rl,
+    "distill": distill,
+    "curate": curate,
+}
 
 # "section.key" -> allowed values
-CHOICES = {f"{name}.{key}": options for name, section in SECTIONS.items()
-           for key, options in getattr(section, "CHOICES", {}).items()}
+CHOICES = {
+    f"{name}.{key}": options
+    for name, section in SECTIONS.items()
+    for key, options in getattr(section, "CHOICES", {}).items()
+}
 
 
 def base_config() -> ConfigDict:

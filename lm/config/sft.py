@@ -16,8 +16,18 @@ TRAIN_ON = ("all", "last")
 # over-long examples: drop | cut_prompt_left | cut_response; train_on: all | last assistant
 # turns; an example left with no assistant token is skipped, more than max_skipped_fraction of
 # them stops the run. eval_examples held-out conversations are answered greedily at the end.
-DEFAULTS = dict(init="", data="", eval_data="", epochs=3.0, truncation="drop", train_on="all",
-                on_bad_record="error", max_skipped_fraction=0.05, eval_examples=256, eval_max_new_tokens=64)
+DEFAULTS = dict(
+    init="",
+    data="",
+    eval_data="",
+    epochs=3.0,
+    truncation="drop",
+    train_on="all",
+    on_bad_record="error",
+    max_skipped_fraction=0.05,
+    eval_examples=256,
+    eval_max_new_tokens=64,
+)
 
 CHOICES = dict(truncation=TRUNCATION, train_on=TRAIN_ON, on_bad_record=ON_BAD_RECORD)
 
@@ -52,7 +62,11 @@ class SftSettings:
 def check(c) -> None:
     s = c.sft
     require(s.epochs >= 0, "sft.epochs", s.epochs, "expected >= 0 (0 = use train.steps)")
-    require(0.0 <= s.max_skipped_fraction <= 1.0, "sft.max_skipped_fraction", s.max_skipped_fraction,
-            "expected a fraction in [0, 1]")
+    require(
+        0.0 <= s.max_skipped_fraction <= 1.0,
+        "sft.max_skipped_fraction",
+        s.max_skipped_fraction,
+        "expected a fraction in [0, 1]",
+    )
     for key in ("eval_examples", "eval_max_new_tokens"):
         require(s[key] >= 1, f"sft.{key}", s[key], "expected a positive integer")

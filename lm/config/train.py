@@ -8,9 +8,19 @@ from lm.config.core import require
 # spike (loss > median + spike_threshold * robust std over spike_window steps; 0 = off),
 # on_bad restores the last good checkpoint and skips ahead in the data, or stops
 DEFAULTS = dict(
-    steps=500, batch_size=16, micro_batches=1, seed=0, log_every=10,
-    peak_flops=0.0, sample_tokens=200, sample_prompt="def",  # no trailing space: BPE attaches it to the next word
-    max_bad_steps=5, on_bad="restore", spike_window=0, spike_threshold=8.0, max_rollbacks=3,
+    steps=500,
+    batch_size=16,
+    micro_batches=1,
+    seed=0,
+    log_every=10,
+    peak_flops=0.0,
+    sample_tokens=200,
+    sample_prompt="def",  # no trailing space: BPE attaches it to the next word
+    max_bad_steps=5,
+    on_bad="restore",
+    spike_window=0,
+    spike_threshold=8.0,
+    max_rollbacks=3,
     init="",  # continued pretraining: a run, an export or a Hugging Face model to start from ("" = fresh)
 )
 
@@ -20,10 +30,18 @@ CHOICES = dict(on_bad=("restore", "stop"))
 def check(c) -> None:
     t = c.train
     require(t.steps > 0, "train.steps", t.steps, "expected a positive integer")
-    require(t.micro_batches > 0 and t.batch_size % t.micro_batches == 0, "train.micro_batches",
-            t.micro_batches, f"must be positive and divide train.batch_size={t.batch_size}")
+    require(
+        t.micro_batches > 0 and t.batch_size % t.micro_batches == 0,
+        "train.micro_batches",
+        t.micro_batches,
+        f"must be positive and divide train.batch_size={t.batch_size}",
+    )
     for key in ("max_bad_steps", "max_rollbacks"):
         require(t[key] >= 1, f"train.{key}", t[key], "expected a positive integer")
-    require(t.spike_window == 0 or t.spike_window >= 8, "train.spike_window", t.spike_window,
-            "expected 0 (off) or at least 8 steps")
+    require(
+        t.spike_window == 0 or t.spike_window >= 8,
+        "train.spike_window",
+        t.spike_window,
+        "expected 0 (off) or at least 8 steps",
+    )
     require(t.spike_threshold > 0, "train.spike_threshold", t.spike_threshold, "expected > 0")

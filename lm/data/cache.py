@@ -80,10 +80,15 @@ def _move_aside(entry: Path, problem: str) -> None:
     try:
         os.rename(entry, aside)
     except OSError as e:
-        raise UserError(f"data cache entry '{entry}' is bad ({problem}) and cannot be moved aside "
-                        f"({e.strerror}); delete it, or {_WHERE}") from None
-    print(f"lm: warning: data cache entry '{entry}' is bad ({problem}); moved to '{aside}', building it again",
-          file=sys.stderr, flush=True)
+        raise UserError(
+            f"data cache entry '{entry}' is bad ({problem}) and cannot be moved aside "
+            f"({e.strerror}); delete it, or {_WHERE}"
+        ) from None
+    print(
+        f"lm: warning: data cache entry '{entry}' is bad ({problem}); moved to '{aside}', building it again",
+        file=sys.stderr,
+        flush=True,
+    )
 
 
 def cached_dir(root: Path, name: str, build: Callable[[Path], None]) -> tuple[Path, bool]:

@@ -44,8 +44,10 @@ def entry_files(directory: Path) -> list[str]:
 def write_manifest(directory: Path) -> None:
     """Records every file's size and hash in `directory` (a finished build)."""
     directory = Path(directory)
-    files = {rel: {"size": (directory / rel).stat().st_size, ALGORITHM: file_digest(directory / rel)}
-             for rel in entry_files(directory)}
+    files = {
+        rel: {"size": (directory / rel).stat().st_size, ALGORITHM: file_digest(directory / rel)}
+        for rel in entry_files(directory)
+    }
     write_json(directory / MANIFEST, {"format": FORMAT, "algorithm": ALGORITHM, "files": files})
 
 
@@ -58,8 +60,7 @@ def _read(entry: Path) -> tuple[dict | None, str | None]:
         files = manifest["files"]
         if manifest.get("format") != FORMAT or manifest.get("algorithm") != ALGORITHM:
             return None, f"{MANIFEST} is of format {manifest.get('format')!r}, expected {FORMAT!r}"
-        if not all(isinstance(f, dict) and isinstance(f.get("size"), int) and f.get(ALGORITHM)
-                   for f in files.values()):
+        if not all(isinstance(f, dict) and isinstance(f.get("size"), int) and f.get(ALGORITHM) for f in files.values()):
             raise ValueError("a file without size or hash")
         return manifest, None
     except (OSError, ValueError, KeyError, TypeError, AttributeError) as e:

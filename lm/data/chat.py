@@ -60,8 +60,11 @@ class ChatTemplate:
         name = getattr(tok, "name", type(tok).__name__)
         if tok.fingerprint() not in _warned:
             _warned.add(tok.fingerprint())
-            print(f"chat template: tokenizer {name} has no chat tokens; role markers are plain text",
-                  file=sys.stderr, flush=True)
+            print(
+                f"chat template: tokenizer {name} has no chat tokens; role markers are plain text",
+                file=sys.stderr,
+                flush=True,
+            )
         return cls(tok, {k: _ids(tok.encode(s)) for k, s in _MARKERS.items()}, special=False)
 
     @property
@@ -77,8 +80,13 @@ class ChatTemplate:
         return () if self.special else (END,)
 
     def _turn(self, role: str, content: str, weight: float) -> list[tuple[np.ndarray, float]]:
-        return [(self.markers[role], 0.0), (self.newline, 0.0), (_ids(self.tok.encode(content)), weight),
-                (self.markers["end"], weight), (self.newline, 0.0)]
+        return [
+            (self.markers[role], 0.0),
+            (self.newline, 0.0),
+            (_ids(self.tok.encode(content)), weight),
+            (self.markers["end"], weight),
+            (self.newline, 0.0),
+        ]
 
     def render(self, messages: list[dict], train_on: str = "all") -> tuple[np.ndarray, np.ndarray]:
         """(ids int32[n], weights float32[n]): weight 1 on the trained assistant turns' content and

@@ -29,7 +29,7 @@ def source_label(d, i: int) -> str:
 def spm_vocab(name: str) -> int:
     """The vocabulary size of a 'spm:VOCAB' tokenizer name."""
     try:
-        return int(name[len("spm:"):])
+        return int(name[len("spm:") :])
     except ValueError:
         raise UserError(f"data.tokenizer = '{name}': expected spm:VOCAB_SIZE, e.g. spm:8192") from None
 
@@ -38,8 +38,9 @@ def check_data_config(config) -> None:
     """Raises UserError naming the key if the `data` section cannot work with this model."""
     d, vocab_size = config.data, config.model.vocab_size
     if d.max_train_bytes < 0:
-        raise UserError(f"config key 'data.max_train_bytes' = {d.max_train_bytes}: expected >= 0 "
-                        "(0 = the whole corpus)")
+        raise UserError(
+            f"config key 'data.max_train_bytes' = {d.max_train_bytes}: expected >= 0 (0 = the whole corpus)"
+        )
     specs = data_sources(d)
     tok = _check_tokenizer(d.tokenizer, vocab_size)
     corpora = []
@@ -52,8 +53,10 @@ def check_data_config(config) -> None:
             _check_corpus(spec, label)
             corpora.append(spec)
     if tok is None and not corpora:
-        raise UserError(f"data.tokenizer = '{d.tokenizer}' trains on a corpus, but data.sources holds only "
-                        "tokenized directories; give their tokenizer's .model instead")
+        raise UserError(
+            f"data.tokenizer = '{d.tokenizer}' trains on a corpus, but data.sources holds only "
+            "tokenized directories; give their tokenizer's .model instead"
+        )
     if d.curate and corpora:
         _check_curation(config.curate)
 
@@ -63,13 +66,17 @@ def _check_tokenizer(name: str, vocab_size: int):
     if name.startswith("spm:"):
         n = spm_vocab(name)
         if not 0 < n <= vocab_size:
-            raise UserError(f"data.tokenizer = '{name}': a {n}-piece tokenizer needs model.vocab_size >= {n} "
-                            f"(it is {vocab_size}); lower N or raise --config.model.vocab_size")
+            raise UserError(
+                f"data.tokenizer = '{name}': a {n}-piece tokenizer needs model.vocab_size >= {n} "
+                f"(it is {vocab_size}); lower N or raise --config.model.vocab_size"
+            )
         return None
     tok = load_tokenizer(name)  # 'byte' or a .model file; a missing file is reported here
     if tok.vocab_size > vocab_size:
-        raise UserError(f"data.tokenizer = '{name}' has {tok.vocab_size} ids but model.vocab_size is {vocab_size}; "
-                        f"set --config.model.vocab_size={tok.vocab_size} (or more)")
+        raise UserError(
+            f"data.tokenizer = '{name}' has {tok.vocab_size} ids but model.vocab_size is {vocab_size}; "
+            f"set --config.model.vocab_size={tok.vocab_size} (or more)"
+        )
     return tok
 
 
@@ -81,8 +88,10 @@ def _check_corpus(spec: str, label: str) -> None:
             raise UserError(f"{label} = '{spec}': the glob matches no files")
         return
     if not Path(spec).exists():
-        raise UserError(f"{label} = '{spec}' does not exist; give a directory, a file, a glob, 'stdlib', "
-                        "or a directory written by `lm tokenize`")
+        raise UserError(
+            f"{label} = '{spec}' does not exist; give a directory, a file, a glob, 'stdlib', "
+            "or a directory written by `lm tokenize`"
+        )
 
 
 def _check_shard_dir(spec: str, label: str, name: str, tok) -> None:
@@ -90,9 +99,11 @@ def _check_shard_dir(spec: str, label: str, name: str, tok) -> None:
     for split in SPLITS:
         got = read_manifest(Path(spec) / split)["tokenizer"]
         if got["fingerprint"] != want:
-            raise UserError(f"{label} = '{spec}' was tokenized with '{got['name']}' ({got['fingerprint']}), but "
-                            f"data.tokenizer = '{name}' is {want}; use the tokenizer it was made with, "
-                            "or tokenize it again")
+            raise UserError(
+                f"{label} = '{spec}' was tokenized with '{got['name']}' ({got['fingerprint']}), but "
+                f"data.tokenizer = '{name}' is {want}; use the tokenizer it was made with, "
+                "or tokenize it again"
+            )
 
 
 def _check_curation(curate_cfg) -> None:

@@ -26,8 +26,10 @@ class Tokenizer:
         from lm.data.prepare import train_corpus_tokenizer
 
         if not args.out.strip() or args.out.endswith(("/", "\\")):
-            raise UserError(f"--out {args.out!r}: expected a file prefix such as runs/tok/stdlib (writes "
-                            "PREFIX.model and PREFIX.vocab)")
+            raise UserError(
+                f"--out {args.out!r}: expected a file prefix such as runs/tok/stdlib (writes "
+                "PREFIX.model and PREFIX.vocab)"
+            )
         for suffix in (".model", ".vocab"):  # before reading any text
             check_out(args.out + suffix, args.overwrite)
 
@@ -43,7 +45,9 @@ class Tokenize:
     @staticmethod
     def add_parser(sub) -> None:
         tz = sub.add_parser("tokenize", help="tokenize a corpus into train / held-out token shards")
-        tz.add_argument("--corpus", default="stdlib", help="'stdlib', a directory or a glob of text or JSONL(.gz) files")
+        tz.add_argument(
+            "--corpus", default="stdlib", help="'stdlib', a directory or a glob of text or JSONL(.gz) files"
+        )
         tz.add_argument("--out", required=True, help="output directory: writes OUT/train and OUT/heldout")
         tz.add_argument("--tokenizer", default="byte", help="'byte' or a sentencepiece .model file")
         tz.add_argument("--heldout-fraction", type=float, default=0.02, help="as data.heldout_fraction")
@@ -58,12 +62,20 @@ class Tokenize:
         # shards of the same inputs are kept (nothing to do), of others refused: no --overwrite to check
         check_out(args.out, overwrite=True, kind="dir")
 
-        manifests = tokenize_corpus(args.corpus, args.out, args.tokenizer, args.heldout_fraction,
-                                    max_train_bytes=args.max_bytes, workers=args.workers,
-                                    progress=not args.no_progress)
+        manifests = tokenize_corpus(
+            args.corpus,
+            args.out,
+            args.tokenizer,
+            args.heldout_fraction,
+            max_train_bytes=args.max_bytes,
+            workers=args.workers,
+            progress=not args.no_progress,
+        )
         for split, m in manifests.items():
-            print(f"{split}: {m['n_docs']:,} docs, {m['n_tokens']:,} tokens ({m['dtype']}) from {m['n_bytes']:,} "
-                  f"bytes in {len(m['shards'])} shard(s); skipped {m['skipped']}")
+            print(
+                f"{split}: {m['n_docs']:,} docs, {m['n_tokens']:,} tokens ({m['dtype']}) from {m['n_bytes']:,} "
+                f"bytes in {len(m['shards'])} shard(s); skipped {m['skipped']}"
+            )
         print(f"use it with --config.data.sources={args.out} --config.data.tokenizer={args.tokenizer}")
         return 0
 
@@ -74,9 +86,12 @@ class Curate:
     @staticmethod
     def add_parser(sub) -> None:
         cu = with_overrides(sub, "curate", help="dedup, filter, language-id and redact raw text into JSONL.gz shards")
-        cu.add_argument("--input", action="append", required=True,
-                        help="a file, directory or glob (.txt/.py/any text, .jsonl[.gz|.zst], .parquet) or 'stdlib'; "
-                             "repeatable")
+        cu.add_argument(
+            "--input",
+            action="append",
+            required=True,
+            help="a file, directory or glob (.txt/.py/any text, .jsonl[.gz|.zst], .parquet) or 'stdlib'; repeatable",
+        )
         cu.add_argument("--out", required=True, help="output directory: part-*.jsonl.gz shards and report.json")
         cu.add_argument("--config", default="configs/tiny.py", help="a config file; its `curate` section is used")
         cu.add_argument("--workers", type=int, default=1, help="parallel processes")
@@ -95,10 +110,11 @@ class Curate:
         from lm.data.curate import curate
 
         report = curate(args.input, Path(args.out), config.curate, workers=args.workers, progress=not args.no_progress)
-        print(f"kept {report['kept']['docs']:,} of {report['in']['docs']:,} documents; "
-              f"wrote {len(report['shards'])} shard(s) and report.json to {args.out}")
+        print(
+            f"kept {report['kept']['docs']:,} of {report['in']['docs']:,} documents; "
+            f"wrote {len(report['shards'])} shard(s) and report.json to {args.out}"
+        )
         return 0
-
 
 
 def _check_curate_out(out, inputs: list[str]) -> None:
@@ -113,8 +129,12 @@ def _check_curate_out(out, inputs: list[str]) -> None:
         for found in glob.glob(spec) or [spec]:
             path = Path(found).resolve()
             if path.exists() and (path == full or full in path.parents):
-                raise UserError(f"--out {out}: holds the --input {spec}; curate replaces the part-*.jsonl.gz files "
-                                "of its --out: choose a directory of its own")
+                raise UserError(
+                    f"--out {out}: holds the --input {spec}; curate replaces the part-*.jsonl.gz files "
+                    "of its --out: choose a directory of its own"
+                )
     if out.is_dir() and list(out.glob("part-*.jsonl.gz")) and not (out / "report.json").is_file():
-        raise UserError(f"--out {out}: holds part-*.jsonl.gz files that no `lm curate` wrote (no report.json); "
-                        "curate would replace them: choose another directory")
+        raise UserError(
+            f"--out {out}: holds part-*.jsonl.gz files that no `lm curate` wrote (no report.json); "
+            "curate would replace them: choose another directory"
+        )

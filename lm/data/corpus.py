@@ -68,11 +68,7 @@ def _glob_root(spec: str) -> Path:
 
 def _text_files(root: Path, candidates) -> list[Path]:
     # Hidden files and dirs (.git, .DS_Store) and binary files are not text to learn from.
-    files = [
-        p
-        for p in candidates
-        if p.is_file() and not _is_hidden(p.relative_to(root)) and not _looks_binary(p)
-    ]
+    files = [p for p in candidates if p.is_file() and not _is_hidden(p.relative_to(root)) and not _looks_binary(p)]
     return sorted(files, key=lambda p: _relkey(root, p))
 
 
@@ -86,9 +82,7 @@ def resolve_corpus(spec: str, label: str = "data.corpus") -> tuple[Path, list[Pa
     else:
         path = Path(spec)
         if not path.exists():
-            raise UserError(
-                f"{label}: '{spec}' does not exist; give a directory, a glob, or 'stdlib'"
-            )
+            raise UserError(f"{label}: '{spec}' does not exist; give a directory, a glob, or 'stdlib'")
         if path.is_file():
             root, files = path.parent, [path]
         elif (path / "report.json").is_file() and list(path.glob("part-*.jsonl.gz")):
@@ -116,18 +110,14 @@ def _unit_hash(root: Path, path: Path) -> float:
     return unit_hash(_relkey(root, path).encode("utf-8"))
 
 
-def split_files(
-    root: Path, files: list[Path], heldout_fraction: float
-) -> tuple[list[Path], list[Path]]:
+def split_files(root: Path, files: list[Path], heldout_fraction: float) -> tuple[list[Path], list[Path]]:
     """Split files into (train, heldout) by a hash of each relative path.
 
     Membership depends only on the path, not on the list order or the other
     files, so adding a file never moves another across the split.
     """
     if not 0.0 < heldout_fraction < 1.0:
-        raise UserError(
-            f"data.heldout_fraction: {heldout_fraction} must be between 0 and 1 (exclusive), e.g. 0.05"
-        )
+        raise UserError(f"data.heldout_fraction: {heldout_fraction} must be between 0 and 1 (exclusive), e.g. 0.05")
     if len(files) < 2:
         raise UserError(
             f"data.corpus: {len(files)} non-empty file(s) under '{root}'; at least 2 are needed "
@@ -157,6 +147,7 @@ def iter_documents(path: Path) -> Iterator[tuple[bytes | str, str]]:
     if not is_jsonl(path):
         yield path.read_bytes(), str(path)
         return
-    for line_no, text in iter_jsonl(path, _jsonl_text, expected='one {"text": ...} object per line',
-                                    bad_json="not a JSON object"):
+    for line_no, text in iter_jsonl(
+        path, _jsonl_text, expected='one {"text": ...} object per line', bad_json="not a JSON object"
+    ):
         yield text, f"{path}:{line_no}"

@@ -73,11 +73,16 @@ def _compile(source: str):
                 raise jinja2.exceptions.SecurityError(f"chat templates cannot set '{name}' on a namespace")
             super().__setitem__(name, value)
 
-    env = ImmutableSandboxedEnvironment(trim_blocks=True, lstrip_blocks=True,
-                                        extensions=[Generation, jinja2.ext.loopcontrols])
+    env = ImmutableSandboxedEnvironment(
+        trim_blocks=True, lstrip_blocks=True, extensions=[Generation, jinja2.ext.loopcontrols]
+    )
     env.filters["tojson"] = tojson
-    env.globals.update(raise_exception=raise_exception, namespace=Namespace,
-                       strftime_now=lambda fmt: datetime.now().strftime(fmt), dict=lambda *a, **k: dict(*a, **k))
+    env.globals.update(
+        raise_exception=raise_exception,
+        namespace=Namespace,
+        strftime_now=lambda fmt: datetime.now().strftime(fmt),
+        dict=lambda *a, **k: dict(*a, **k),
+    )
     return env.from_string(source)
 
 
@@ -109,8 +114,13 @@ class HFChatTemplate:
 
     def _render(self, messages, add_generation_prompt: bool) -> tuple[str, list[tuple[int, int]]]:
         blocks, spans = [], []
-        context = dict(self._variables, messages=[dict(m) for m in messages], tools=None, documents=None,
-                       add_generation_prompt=add_generation_prompt)
+        context = dict(
+            self._variables,
+            messages=[dict(m) for m in messages],
+            tools=None,
+            documents=None,
+            add_generation_prompt=add_generation_prompt,
+        )
         token = _TRACKED.set((blocks, spans))
         try:
             for block in self._template.generate(**context):
@@ -134,8 +144,10 @@ class HFChatTemplate:
             spans = [self._turn_span(messages, i, full) for i in trained]
         except _NotPrefix as e:
             if not generated:
-                raise UserError(f"chat template '{self._origin}': cannot find the assistant's text: {e}, and the "
-                                "template has no {% generation %} blocks to mark it") from None
+                raise UserError(
+                    f"chat template '{self._origin}': cannot find the assistant's text: {e}, and the "
+                    "template has no {% generation %} blocks to mark it"
+                ) from None
             spans = generated if train_on == "all" else generated[-1:]
         ids, offsets = self.tok.encode_offsets(full)
         weights = np.zeros(len(ids), np.float32)
@@ -151,7 +163,7 @@ class HFChatTemplate:
         that shows reasoning only then) is found by its content, before the next end of turn."""
         try:
             prompt = self._text(messages[:i], add_generation_prompt=True)
-            turn = self._text(messages[:i + 1])
+            turn = self._text(messages[: i + 1])
         except UserError as e:
             raise _NotPrefix(f"rendering the conversation up to messages[{i}] failed ({e})") from None
         if not full.startswith(prompt):
@@ -162,12 +174,16 @@ class HFChatTemplate:
         at = full.find(content, len(prompt), limit)
         first_end = self._first_end(full, len(prompt), limit)
         if not consistent and (at < 0 or (first_end is not None and at >= first_end[0])):
-            raise _NotPrefix(f"messages[:{i + 1}] do not render as a prefix of the conversation, and messages[{i}]'s "
-                             "content is not where the template continues after its prompt")
+            raise _NotPrefix(
+                f"messages[:{i + 1}] do not render as a prefix of the conversation, and messages[{i}]'s "
+                "content is not where the template continues after its prompt"
+            )
         end = self._first_end(full, at + len(content) if at >= 0 else len(prompt), limit)
         if end is None and not consistent:
-            raise _NotPrefix(f"messages[:{i + 1}] do not render as a prefix of the conversation, and no end of turn "
-                             f"follows messages[{i}]'s content")
+            raise _NotPrefix(
+                f"messages[:{i + 1}] do not render as a prefix of the conversation, and no end of turn "
+                f"follows messages[{i}]'s content"
+            )
         return len(prompt), (end[1] if end is not None else limit)
 
     def _first_end(self, text: str, start: int, stop: int) -> tuple[int, int] | None:
@@ -194,7 +210,7 @@ class HFChatTemplate:
         except UserError:
             prompt = turn = ""
         if turn.startswith(prompt) and (at := turn.find("Hello", len(prompt))) >= 0:
-            tail = turn[at + len("Hello"):]
+            tail = turn[at + len("Hello") :]
             found = [(tail.find(t), -len(t), i) for t, i in self._specials.items() if t in tail]
             if found:
                 return (min(found)[2],)

@@ -82,8 +82,10 @@ class HFTokenizer:
         if eos < 0 and extra_stops:
             eos = extra_stops[0]
         if eos < 0:
-            raise UserError(f"data.tokenizer: '{self.path}' names no EOS token (tokenizer_config.json eos_token "
-                            "or generation_config.json eos_token_id)")
+            raise UserError(
+                f"data.tokenizer: '{self.path}' names no EOS token (tokenizer_config.json eos_token "
+                "or generation_config.json eos_token_id)"
+            )
         self.eos_id = eos
         pad = self._named_id("pad_token")
         self.pad_id = pad if pad >= 0 else eos
@@ -101,8 +103,10 @@ class HFTokenizer:
         # tokenizer.json's post-processor decides: transformers ignores tokenizer_config's add_bos_token
         # whenever a tokenizer.json is there.
         with_specials = self._tok.encode("a", add_special_tokens=True).ids
-        return len(with_specials) > len(self._tok.encode("a", add_special_tokens=False).ids) and \
-            with_specials[0] == self.bos_id
+        return (
+            len(with_specials) > len(self._tok.encode("a", add_special_tokens=False).ids)
+            and with_specials[0] == self.bos_id
+        )
 
     def encode(self, text: str | bytes) -> np.ndarray:
         return np.asarray(self.encode_offsets(text)[0], np.int32)
@@ -149,8 +153,7 @@ class HFTokenizer:
             return jinja
         value = self._config.get("chat_template")
         if isinstance(value, list):
-            value = next((t.get("template") for t in value if isinstance(t, dict) and t.get("name") == "default"),
-                         None)
+            value = next((t.get("template") for t in value if isinstance(t, dict) and t.get("name") == "default"), None)
         return self.path / "tokenizer_config.json" if isinstance(value, str) and value else None
 
     def template_variables(self) -> dict[str, str]:

@@ -46,9 +46,15 @@ class BadLine(UserError):
         return BadLine, (self.path, self.line, self.problem)
 
 
-def iter_jsonl(path, parse: Callable[[object], object] | None = None, *, expected: str = ONE_VALUE,
-               on_error: Callable[[BadLine], None] | None = None, with_size: bool = False,
-               bad_json: str = "malformed JSON") -> Iterator[tuple]:
+def iter_jsonl(
+    path,
+    parse: Callable[[object], object] | None = None,
+    *,
+    expected: str = ONE_VALUE,
+    on_error: Callable[[BadLine], None] | None = None,
+    with_size: bool = False,
+    bad_json: str = "malformed JSON",
+) -> Iterator[tuple]:
     """(line number, value) of each non-blank line, value = parse(the JSON value) if given.
 
     expected: what a line should hold, ending every error message ("one JSON object per line",
@@ -62,15 +68,19 @@ def iter_jsonl(path, parse: Callable[[object], object] | None = None, *, expecte
     for n, line in _lines(path, expected):
         size = len(line)
         if n == 1 and line.startswith(codecs.BOM_UTF8):
-            line = line[len(codecs.BOM_UTF8):]
+            line = line[len(codecs.BOM_UTF8) :]
         if not line.strip():
             continue
         error = None
         try:
             text = line.rstrip(b"\r\n").decode("utf-8")  # without its end: an error's column is on this line
         except UnicodeDecodeError as e:
-            error = BadLine(path, n, f"not UTF-8 ({e.reason} at byte {e.start + 1} of the line); expected UTF-8 "
-                                     f"encoded JSON, {expected}", e)
+            error = BadLine(
+                path,
+                n,
+                f"not UTF-8 ({e.reason} at byte {e.start + 1} of the line); expected UTF-8 encoded JSON, {expected}",
+                e,
+            )
         else:
             try:
                 value = json.loads(text)
@@ -92,8 +102,15 @@ def iter_jsonl(path, parse: Callable[[object], object] | None = None, *, expecte
         yield (n, value, size) if with_size else (n, value)
 
 
-def read_jsonl(path, parse: Callable[[object], object] | None = None, *, what: str = "records",
-               expected: str = ONE_VALUE, limit: int = 0, bad_json: str = "malformed JSON") -> list[tuple[int, object]]:
+def read_jsonl(
+    path,
+    parse: Callable[[object], object] | None = None,
+    *,
+    what: str = "records",
+    expected: str = ONE_VALUE,
+    limit: int = 0,
+    bad_json: str = "malformed JSON",
+) -> list[tuple[int, object]]:
     """[(line number, value)] of the first `limit` (0 = all) records, as `iter_jsonl`; a file
     with none is a UserError naming it, `what` it should hold (a plural noun) and `expected`."""
     out = list(itertools.islice(iter_jsonl(path, parse, expected=expected, bad_json=bad_json), limit or None))
@@ -115,5 +132,7 @@ def _lines(path, expected: str) -> Iterator[tuple[int, bytes]]:
         with gzip.open(p, "rb") as f:
             yield from enumerate(f, 1)
     except (gzip.BadGzipFile, EOFError, zlib.error) as e:
-        raise UserError(f"{path}: not a readable gzip file ({e}); the file is damaged or not gzip: write it "
-                        "again (a name ending in .gz is read through gzip)") from None
+        raise UserError(
+            f"{path}: not a readable gzip file ({e}); the file is damaged or not gzip: write it "
+            "again (a name ending in .gz is read through gzip)"
+        ) from None

@@ -12,14 +12,17 @@ def check_messages(messages, *, for_training: bool = False, for_prompt: bool = F
         raise ValueError(f"'messages' is {type(messages).__name__} {_short(messages)}; expected a non-empty list")
     for i, m in enumerate(messages):
         if not isinstance(m, dict):
-            raise ValueError(f"messages[{i}] is {type(m).__name__} {_short(m)}; "
-                             "expected an object with 'role' and 'content'")
+            raise ValueError(
+                f"messages[{i}] is {type(m).__name__} {_short(m)}; expected an object with 'role' and 'content'"
+            )
         if m.get("role") not in ROLES:
             raise ValueError(f"messages[{i}]: role {_short(m.get('role'))} is not one of {', '.join(ROLES)}")
         content = m.get("content")
         if not isinstance(content, str):
-            raise ValueError(f"messages[{i}] ({m['role']}): content is {type(content).__name__} "
-                             f"{_short(content)}; expected a non-empty string")
+            raise ValueError(
+                f"messages[{i}] ({m['role']}): content is {type(content).__name__} "
+                f"{_short(content)}; expected a non-empty string"
+            )
         if not content:
             raise ValueError(f"messages[{i}] ({m['role']}): content is empty; expected a non-empty string")
     roles = [m["role"] for m in messages]

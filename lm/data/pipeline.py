@@ -74,8 +74,12 @@ class Pieces:
 
     def stats(self) -> dict:
         """Documents longer than a row are split (never truncated): how many, into how many pieces."""
-        return {"docs": int(len(self.per_doc)), "pieces": len(self),
-                "split_docs": int((self.per_doc > 1).sum()), "truncated_docs": 0}
+        return {
+            "docs": int(len(self.per_doc)),
+            "pieces": len(self),
+            "split_docs": int((self.per_doc > 1).sum()),
+            "truncated_docs": 0,
+        }
 
 
 def check_weights(sources: list[Source], key: str = "data.sources") -> None:
@@ -94,8 +98,10 @@ def _items(sources: list[Source], seq_len: int) -> list:
         if not isinstance(s.shards, ShardSet):
             longest = getattr(s.shards, "seq_len", seq_len)
             if longest > seq_len:
-                raise UserError(f"data: source '{s.name}' holds examples of up to {longest} predictions, "
-                                f"more than a row of data.seq_len={seq_len}; prepare it with the same seq_len")
+                raise UserError(
+                    f"data: source '{s.name}' holds examples of up to {longest} predictions, "
+                    f"more than a row of data.seq_len={seq_len}; prepare it with the same seq_len"
+                )
             items.append(grain.MapDataset.source(s.shards))
         else:
             pieces = grain.MapDataset.source(Pieces(s.shards, seq_len))
@@ -120,8 +126,12 @@ def _pack(ds: grain.IterDataset, seq_len: int, bins: int, masked: bool = False) 
     # A loss mask is packed beside the tokens, as a meta feature: no segment ids or positions of its own.
     extra = ("loss_mask",) if masked else ()
     return grain.experimental.FirstFitPackIterDataset(
-        ds, length_struct={"inputs": seq_len, "targets": seq_len} | dict.fromkeys(extra, seq_len),
-        num_packing_bins=bins, shuffle_bins=False, meta_features=extra)
+        ds,
+        length_struct={"inputs": seq_len, "targets": seq_len} | dict.fromkeys(extra, seq_len),
+        num_packing_bins=bins,
+        shuffle_bins=False,
+        meta_features=extra,
+    )
 
 
 def to_contract(rows: dict) -> dict:
@@ -143,8 +153,9 @@ def _stream_seed(seed: int, source: int) -> int:
     return (seed * 1_000_003 + source) % 2**32
 
 
-def train_dataset(sources: list[Source], *, seq_len: int, global_batch: int, seed: int,
-                  rows=None, pack: bool = True) -> grain.IterDataset:
+def train_dataset(
+    sources: list[Source], *, seq_len: int, global_batch: int, seed: int, rows=None, pack: bool = True
+) -> grain.IterDataset:
     """An endless stream of batches holding rows `rows` (global row indices, default all) of
     every [global_batch, seq_len] global batch, in that order (see lm.sharding.process_rows).
     pack=False: the sources hold ready rows (e.g. preference pairs, lm.data.preference), which
@@ -182,8 +193,9 @@ def ready_batches(items, batch_size: int, limit: int = 0) -> list[dict]:
     rows = [items[i] for i in range(n)]
     pad = {k: np.zeros_like(v) for k, v in rows[0].items()}
     rows += [pad] * (-n % batch_size)
-    return [{k: np.stack([r[k] for r in rows[b : b + batch_size]]) for k in pad}
-            for b in range(0, len(rows), batch_size)]
+    return [
+        {k: np.stack([r[k] for r in rows[b : b + batch_size]]) for k in pad} for b in range(0, len(rows), batch_size)
+    ]
 
 
 def eval_batches(sources: list[Source], *, seq_len: int, batch_size: int, n_batches: int) -> list[dict]:
@@ -200,5 +212,6 @@ def eval_batches(sources: list[Source], *, seq_len: int, batch_size: int, n_batc
     rows = [to_contract(row) for _, row in zip(range(n_batches * batch_size), packed)]
     pad = {k: np.zeros_like(v) for k, v in rows[0].items()}
     rows += [pad] * (-len(rows) % batch_size)
-    return [{k: np.stack([r[k] for r in rows[b : b + batch_size]]) for k in pad}
-            for b in range(0, len(rows), batch_size)]
+    return [
+        {k: np.stack([r[k] for r in rows[b : b + batch_size]]) for k in pad} for b in range(0, len(rows), batch_size)
+    ]

@@ -36,9 +36,19 @@ from lm.data.tokens import write_json
 from lm.errors import UserError
 
 _VERSION = 1  # bump when the stored pairs change for the same inputs and settings
-STAT_KEYS = ("pairs_read", "pairs_kept", "dropped_too_long", "truncated_prompt", "truncated_response",
-             "skipped_identical", "skipped_empty_mask", "skipped_bad_records", "chosen_tokens", "rejected_tokens",
-             "total_tokens")
+STAT_KEYS = (
+    "pairs_read",
+    "pairs_kept",
+    "dropped_too_long",
+    "truncated_prompt",
+    "truncated_response",
+    "skipped_identical",
+    "skipped_empty_mask",
+    "skipped_bad_records",
+    "chosen_tokens",
+    "rejected_tokens",
+    "total_tokens",
+)
 
 
 class Identical(ValueError):
@@ -62,11 +72,14 @@ class PairExamples:
     def __getitem__(self, i: int) -> dict:
         tokens = np.array(self.tokens[i], np.int32)
         real = np.arange(self.seq_len)[None, :] < (self.lengths[i] - 1)[:, None]
-        return {"inputs": tokens[:, :-1], "targets": tokens[:, 1:],
-                "loss_mask": np.array(self.weights[i, :, 1:], np.float32),
-                "segment_ids": real.astype(np.int32),
-                "positions": np.where(real, np.arange(self.seq_len, dtype=np.int32)[None, :], 0).astype(np.int32),
-                "margin": np.float32(self.margins[i])}
+        return {
+            "inputs": tokens[:, :-1],
+            "targets": tokens[:, 1:],
+            "loss_mask": np.array(self.weights[i, :, 1:], np.float32),
+            "segment_ids": real.astype(np.int32),
+            "positions": np.where(real, np.arange(self.seq_len, dtype=np.int32)[None, :], 0).astype(np.int32),
+            "margin": np.float32(self.margins[i]),
+        }
 
     def __repr__(self) -> str:
         return f"PairExamples('{self.path}', {len(self)} pairs)"
@@ -86,12 +99,17 @@ def prompt_messages(prompt) -> list[dict]:
 
 def _response(record: dict, key: str) -> dict:
     value = record[key]
-    if isinstance(value, list) and len(value) == 1 and isinstance(value[0], dict) \
-            and value[0].get("role") == "assistant":
+    if (
+        isinstance(value, list)
+        and len(value) == 1
+        and isinstance(value[0], dict)
+        and value[0].get("role") == "assistant"
+    ):
         value = value[0].get("content")
     if not isinstance(value, str):
-        raise ValueError(f"'{key}' is {type(value).__name__}; expected a string or [{{\"role\": \"assistant\", "
-                         "\"content\": ...}]")
+        raise ValueError(
+            f'\'{key}\' is {type(value).__name__}; expected a string or [{{"role": "assistant", "content": ...}}]'
+        )
     if not value:
         raise ValueError(f"'{key}' is empty; expected a non-empty response")
     return {"role": "assistant", "content": value}
@@ -103,8 +121,9 @@ def parse_pair(record) -> tuple[list[dict], dict, dict, float]:
         raise ValueError(f"a JSON {type(record).__name__}; expected an object with 'prompt', 'chosen', 'rejected'")
     for key in ("prompt", "chosen", "rejected"):
         if key not in record:
-            raise ValueError(f"no '{key}' (keys: {', '.join(sorted(record))}); a pair needs 'prompt', 'chosen' "
-                             "and 'rejected'")
+            raise ValueError(
+                f"no '{key}' (keys: {', '.join(sorted(record))}); a pair needs 'prompt', 'chosen' and 'rejected'"
+            )
     prompt = prompt_messages(record["prompt"])
     chosen, rejected = _response(record, "chosen"), _response(record, "rejected")
     if chosen["content"] == rejected["content"]:
@@ -200,10 +219,13 @@ def check_stats(path: Path, stats: dict, settings: SftSettings) -> None:
         raise UserError(
             f"{path}: {empty} of {read} pairs ({empty / read:.1%}) have a side with no response token left after "
             f"truncation='{settings.truncation}' at seq_len={settings.seq_len} (limit pairs.max_skipped_fraction="
-            f"{settings.max_skipped_fraction}); raise data.seq_len or change pairs.truncation")
+            f"{settings.max_skipped_fraction}); raise data.seq_len or change pairs.truncation"
+        )
     if stats["pairs_kept"] == 0:
-        raise UserError(f"{path}: no usable pair ({describe(stats)}); expected JSONL lines with 'prompt', "
-                        "'chosen' and 'rejected' that fit data.seq_len")
+        raise UserError(
+            f"{path}: no usable pair ({describe(stats)}); expected JSONL lines with 'prompt', "
+            "'chosen' and 'rejected' that fit data.seq_len"
+        )
 
 
 def describe(stats: dict) -> str:

@@ -30,9 +30,9 @@ import numpy as np
 
 from lm.config import data_sources
 from lm.data.cache import cached_dir, data_cache_dir
+from lm.data.checks import source_label, spm_vocab
 from lm.data.corpus import resolve_corpus
 from lm.data.pipeline import Pieces, Source, check_weights
-from lm.data.checks import source_label, spm_vocab
 from lm.data.shards import input_key, is_shard_dir, open_shards, tokenize_corpus, train_documents
 from lm.data.tokenizer import Tokenizer, load_tokenizer
 from lm.errors import UserError
@@ -68,11 +68,20 @@ def resolve_tokenizer(name: str, corpus: str | None, heldout_fraction: float, ca
         return load_tokenizer(name)
     vocab = spm_vocab(name)
     if corpus is None:
-        raise UserError(f"data.tokenizer: '{name}' trains on a corpus, but data.sources holds only "
-                        "tokenized directories; give their tokenizer's .model instead")
-    key = _digest({"version": _SPM_KEY_VERSION, "sentencepiece": importlib.metadata.version("sentencepiece"),
-                   "corpus": _files_key(corpus), "heldout_fraction": heldout_fraction, "vocab": vocab,
-                   "max_bytes": SPM_MAX_BYTES})
+        raise UserError(
+            f"data.tokenizer: '{name}' trains on a corpus, but data.sources holds only "
+            "tokenized directories; give their tokenizer's .model instead"
+        )
+    key = _digest(
+        {
+            "version": _SPM_KEY_VERSION,
+            "sentencepiece": importlib.metadata.version("sentencepiece"),
+            "corpus": _files_key(corpus),
+            "heldout_fraction": heldout_fraction,
+            "vocab": vocab,
+            "max_bytes": SPM_MAX_BYTES,
+        }
+    )
     name = f"tokenizer-spm{vocab}-{key}"
 
     def train(staging: Path) -> None:
@@ -98,33 +107,48 @@ def curated_corpus(corpus: str, d, curate_cfg, cache: Path, progress: bool, labe
     if curate_cfg is None:
         raise UserError("data.curate=true needs the config's curate section")
     name = f"curated-{curate_key([corpus], curate_cfg, [label])}"
-    out, built = cached_dir(cache, name, lambda staging: curate(
-        corpus, staging, curate_cfg, workers=_workers(d), progress=progress, labels=[label]))
+    out, built = cached_dir(
+        cache,
+        name,
+        lambda staging: curate(corpus, staging, curate_cfg, workers=_workers(d), progress=progress, labels=[label]),
+    )
     report = json.loads((out / REPORT).read_text())
     if not built:
-        print(f"curated corpus: reusing {out} (kept {report['kept']['docs']:,} of {report['in']['docs']:,} "
-              "documents)")
+        print(f"curated corpus: reusing {out} (kept {report['kept']['docs']:,} of {report['in']['docs']:,} documents)")
     if not report["shards"]:
         raise UserError(f"data.curate: curation kept no documents of {label} = '{corpus}'; see {out / REPORT}")
     return str(out / "*.jsonl.gz")
 
 
-def corpus_shards(corpus: str, d, tok: Tokenizer, tokenizer_name: str, cache: Path, progress: bool,
-                  label: str = "data.corpus") -> Path:
+def corpus_shards(
+    corpus: str, d, tok: Tokenizer, tokenizer_name: str, cache: Path, progress: bool, label: str = "data.corpus"
+) -> Path:
     """Tokenizes a corpus into the cache, or reuses the entry of the same files, tokenizer and
     split settings; returns the shard directory."""
     resolved = resolve_corpus(corpus, label)
     key = input_key(*resolved, tok, d.heldout_fraction, d.max_train_bytes)
-    out, built = cached_dir(cache, f"shards-{tok.name}-{key[:16]}", lambda staging: tokenize_corpus(
-        corpus, staging, tokenizer_name, d.heldout_fraction, max_train_bytes=d.max_train_bytes,
-        workers=d.workers, progress=progress, resolved=resolved))
+    out, built = cached_dir(
+        cache,
+        f"shards-{tok.name}-{key[:16]}",
+        lambda staging: tokenize_corpus(
+            corpus,
+            staging,
+            tokenizer_name,
+            d.heldout_fraction,
+            max_train_bytes=d.max_train_bytes,
+            workers=d.workers,
+            progress=progress,
+            resolved=resolved,
+        ),
+    )
     if not built:
         print(f"token shards: reusing {out}")
     return out
 
 
-def prepare_pretrain_data(d, cache: Path | None = None, vocab_size: int | None = None, progress: bool = True,
-                          curate_cfg=None) -> PretrainData:
+def prepare_pretrain_data(
+    d, cache: Path | None = None, vocab_size: int | None = None, progress: bool = True, curate_cfg=None
+) -> PretrainData:
     """Sources of the `data` config section, curated if asked, tokenized (or reused) and opened.
 
     `cache` is the cache root (None: `data_cache_dir(d)`, shared by runs). `vocab_size` is the
@@ -133,18 +157,24 @@ def prepare_pretrain_data(d, cache: Path | None = None, vocab_size: int | None =
     """
     cache = Path(cache) if cache is not None else data_cache_dir(d)
     specs = data_sources(d)
-    corpora = {spec: (curated_corpus(spec, d, curate_cfg, cache, progress, source_label(d, i)) if d.curate
-                      else spec)
-               for i, (spec, _) in enumerate(specs) if not is_shard_dir(spec)}
+    corpora = {
+        spec: (curated_corpus(spec, d, curate_cfg, cache, progress, source_label(d, i)) if d.curate else spec)
+        for i, (spec, _) in enumerate(specs)
+        if not is_shard_dir(spec)
+    }
     tok = resolve_tokenizer(d.tokenizer, next(iter(corpora.values()), None), d.heldout_fraction, cache)
     if vocab_size is not None and tok.vocab_size > vocab_size:
-        raise UserError(f"model.vocab_size={vocab_size} is smaller than the '{d.tokenizer}' tokenizer's "
-                        f"{tok.vocab_size} ids")
+        raise UserError(
+            f"model.vocab_size={vocab_size} is smaller than the '{d.tokenizer}' tokenizer's {tok.vocab_size} ids"
+        )
     tokenizer_name = str(tok.path) if hasattr(tok, "path") else d.tokenizer
     train, heldout = [], []
     for i, (spec, weight) in enumerate(specs):
-        directory = (corpus_shards(corpora[spec], d, tok, tokenizer_name, cache, progress, source_label(d, i))
-                     if spec in corpora else Path(spec))
+        directory = (
+            corpus_shards(corpora[spec], d, tok, tokenizer_name, cache, progress, source_label(d, i))
+            if spec in corpora
+            else Path(spec)
+        )
         train.append(Source(spec, open_shards(directory / "train", tok, vocab_size), weight))
         heldout.append(Source(spec, open_shards(directory / "heldout", tok, vocab_size), weight))
     check_weights(train)
@@ -156,14 +186,23 @@ def data_stats(train: list[Source], heldout: list[Source], vocab_size: int, seq_
     per_source = []
     for tr, ho in zip(train, heldout):
         mt, mh = tr.shards.manifest, ho.shards.manifest
-        per_source.append({
-            "source": tr.name, "weight": tr.weight, "train_docs": mt["n_docs"], "train_tokens": mt["n_tokens"],
-            "train_bytes": mt["n_bytes"], "heldout_docs": mh["n_docs"], "heldout_tokens": mh["n_tokens"],
-            "split_docs": Pieces(tr.shards, seq_len).stats()["split_docs"],
-            **mt["skipped"],  # counted over the whole input, the same in both manifests
-        })
-    totals = {k: sum(s[k] for s in per_source) for k in ("train_docs", "train_tokens", "train_bytes",
-                                                         "heldout_docs", "heldout_tokens", "split_docs")}
+        per_source.append(
+            {
+                "source": tr.name,
+                "weight": tr.weight,
+                "train_docs": mt["n_docs"],
+                "train_tokens": mt["n_tokens"],
+                "train_bytes": mt["n_bytes"],
+                "heldout_docs": mh["n_docs"],
+                "heldout_tokens": mh["n_tokens"],
+                "split_docs": Pieces(tr.shards, seq_len).stats()["split_docs"],
+                **mt["skipped"],  # counted over the whole input, the same in both manifests
+            }
+        )
+    totals = {
+        k: sum(s[k] for s in per_source)
+        for k in ("train_docs", "train_tokens", "train_bytes", "heldout_docs", "heldout_tokens", "split_docs")
+    }
     return totals | {"unigram_entropy_nats": mixture_entropy_nats(train, vocab_size), "sources": per_source}
 
 
@@ -205,8 +244,9 @@ def describe(stats: dict) -> str:
     )
 
 
-def train_corpus_tokenizer(corpus: str, heldout_fraction: float, out_prefix: Path, vocab_size: int,
-                           max_bytes: int = SPM_MAX_BYTES):
+def train_corpus_tokenizer(
+    corpus: str, heldout_fraction: float, out_prefix: Path, vocab_size: int, max_bytes: int = SPM_MAX_BYTES
+):
     """Trains a sentencepiece BPE on the *train* split of a corpus (held-out documents never seen)."""
     from lm.data.spm import train_sentencepiece  # lazy: needs sentencepiece
 

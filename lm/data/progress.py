@@ -34,6 +34,9 @@ class StageLines:
         self.done += 1
         now = time.perf_counter()
         if self.enabled:
-            print(f"{self.what}: {stage} done in {now - self.start:.1f} s ({self.done}/{self.total})",
-                  file=sys.stderr, flush=True)
+            print(
+                f"{self.what}: {stage} done in {now - self.start:.1f} s ({self.done}/{self.total})",
+                file=sys.stderr,
+                flush=True,
+            )
         self.start = now

@@ -70,8 +70,16 @@ def parse_prompt(record) -> tuple[object, list[dict], dict]:
     raise ValueError(f"keys {sorted(record)}; expected 'prompt' (a string or chat messages) or 'messages'")
 
 
-def read_prompts(path, tokenizer, *, seq_len: int, max_new_tokens: int, on_bad_record: str = "error",
-                 max_skipped_fraction: float = 0.01, limit: int = 0) -> PromptSet:
+def read_prompts(
+    path,
+    tokenizer,
+    *,
+    seq_len: int,
+    max_new_tokens: int,
+    on_bad_record: str = "error",
+    max_skipped_fraction: float = 0.01,
+    limit: int = 0,
+) -> PromptSet:
     """The first `limit` (0 = all) usable prompts of a JSONL file."""
     path = pathlib.Path(path)
     if not path.is_file():
@@ -98,9 +106,13 @@ def read_prompts(path, tokenizer, *, seq_len: int, max_new_tokens: int, on_bad_r
     for n, (prompt, messages, cols, tokens) in iter_jsonl(path, parse, expected=ONE_OBJECT, on_error=bad):
         stats["prompts_read"] += 1
         if len(tokens) > room:
-            _bad(f"{path}:{n}: the prompt has {len(tokens)} tokens; at most {room} fit before "
-                 f"rl.max_new_tokens={max_new_tokens} new ones in data.seq_len={seq_len}",
-                 on_bad_record, stats, "skipped_too_long")
+            _bad(
+                f"{path}:{n}: the prompt has {len(tokens)} tokens; at most {room} fit before "
+                f"rl.max_new_tokens={max_new_tokens} new ones in data.seq_len={seq_len}",
+                on_bad_record,
+                stats,
+                "skipped_too_long",
+            )
             continue
         ids.append(tokens), raw.append(prompt), chats.append(messages), columns.append(cols)
         if limit and len(ids) >= limit:
@@ -108,11 +120,15 @@ def read_prompts(path, tokenizer, *, seq_len: int, max_new_tokens: int, on_bad_r
     stats["prompts_kept"] = len(ids)
     skipped = stats["skipped_bad_records"] + stats["skipped_too_long"]
     if not ids:
-        raise UserError(f"{path}: no usable prompt ({describe(stats)}); expected JSONL lines with 'prompt' "
-                        "or 'messages' whose prompt fits data.seq_len - rl.max_new_tokens")
+        raise UserError(
+            f"{path}: no usable prompt ({describe(stats)}); expected JSONL lines with 'prompt' "
+            "or 'messages' whose prompt fits data.seq_len - rl.max_new_tokens"
+        )
     if skipped > max_skipped_fraction * stats["prompts_read"]:
-        raise UserError(f"{path}: {skipped} of {stats['prompts_read']} prompts skipped ({describe(stats)}), more "
-                        f"than rl.max_skipped_fraction={max_skipped_fraction}; fix the file or raise data.seq_len")
+        raise UserError(
+            f"{path}: {skipped} of {stats['prompts_read']} prompts skipped ({describe(stats)}), more "
+            f"than rl.max_skipped_fraction={max_skipped_fraction}; fix the file or raise data.seq_len"
+        )
     width = max(len(t) for t in ids)
     padded = np.zeros((len(ids), width), np.int32)
     for i, t in enumerate(ids):

@@ -40,8 +40,17 @@ from lm.data.tokens import write_json
 from lm.errors import UserError
 
 _VERSION = 1  # bump when the stored examples change for the same inputs and settings
-STAT_KEYS = ("examples_read", "examples_kept", "dropped_too_long", "truncated_prompt", "truncated_response",
-             "skipped_empty_mask", "skipped_bad_records", "response_tokens", "total_tokens")
+STAT_KEYS = (
+    "examples_read",
+    "examples_kept",
+    "dropped_too_long",
+    "truncated_prompt",
+    "truncated_response",
+    "skipped_empty_mask",
+    "skipped_bad_records",
+    "response_tokens",
+    "total_tokens",
+)
 
 
 class SftExamples:
@@ -60,8 +69,11 @@ class SftExamples:
     def __getitem__(self, i: int) -> dict:
         start, stop = int(self.offsets[i]), int(self.offsets[i + 1])
         ids = np.array(self.tokens[start:stop], np.int32)
-        return {"inputs": ids[:-1], "targets": ids[1:],
-                "loss_mask": np.array(self.weights[start + 1 : stop], np.float32)}
+        return {
+            "inputs": ids[:-1],
+            "targets": ids[1:],
+            "loss_mask": np.array(self.weights[start + 1 : stop], np.float32),
+        }
 
     def __repr__(self) -> str:
         return f"SftExamples('{self.path}', {len(self)} examples)"
@@ -86,8 +98,13 @@ def cache_key(path: Path, tokenizer, settings: SftSettings, version: int = _VERS
         for block in iter(lambda: f.read(1 << 20), b""):
             digest.update(block)
     template = chat.ChatTemplate.for_tokenizer(tokenizer).key
-    key = {"version": version, "template": template, "file": digest.hexdigest(),
-           "tokenizer": tokenizer.fingerprint(), "settings": dataclasses.asdict(settings)}
+    key = {
+        "version": version,
+        "template": template,
+        "file": digest.hexdigest(),
+        "tokenizer": tokenizer.fingerprint(),
+        "settings": dataclasses.asdict(settings),
+    }
     return hashlib.sha256(json.dumps(key, sort_keys=True).encode()).hexdigest()[:16]
 
 
@@ -144,8 +161,10 @@ def parse_record(record) -> list[dict]:
     """One JSONL record (a line's JSON value) -> chat messages; ValueError saying what was wrong
     and what was expected."""
     if not isinstance(record, dict):
-        raise ValueError(f"a JSON {type(record).__name__}; expected an object with 'messages' (chat) "
-                         "or 'instruction' and 'output' (instruction)")
+        raise ValueError(
+            f"a JSON {type(record).__name__}; expected an object with 'messages' (chat) "
+            "or 'instruction' and 'output' (instruction)"
+        )
     if "messages" in record:
         return record["messages"]
     if "instruction" in record or "output" in record:
@@ -187,10 +206,13 @@ def check_stats(path: Path, stats: dict, settings: SftSettings) -> None:
         raise UserError(
             f"{path}: {empty} of {read} examples ({empty / read:.1%}) have no assistant token left after "
             f"truncation='{settings.truncation}' at seq_len={settings.seq_len} (limit max_skipped_fraction="
-            f"{settings.max_skipped_fraction}); raise data.seq_len or change the truncation policy")
+            f"{settings.max_skipped_fraction}); raise data.seq_len or change the truncation policy"
+        )
     if stats["examples_kept"] == 0:
-        raise UserError(f"{path}: no usable example ({describe(stats)}); expected JSONL lines with "
-                        "'messages' or 'instruction' and 'output' that fit data.seq_len")
+        raise UserError(
+            f"{path}: no usable example ({describe(stats)}); expected JSONL lines with "
+            "'messages' or 'instruction' and 'output' that fit data.seq_len"
+        )
 
 
 def describe(stats: dict) -> str:

@@ -78,8 +78,14 @@ class _SplitWriter:
             return None
         with atomic_open(self.directory / f"{self.name}.offsets", "wb") as f:
             f.write(np.asarray(self.offsets, np.int64).tobytes())
-        return {"name": self.name, "n_docs": len(self.offsets) - 1, "n_tokens": self.n_tokens,
-                "n_bytes": self.n_bytes, "max_id": self.max_id, "files": files}
+        return {
+            "name": self.name,
+            "n_docs": len(self.offsets) - 1,
+            "n_tokens": self.n_tokens,
+            "n_bytes": self.n_bytes,
+            "max_id": self.max_id,
+            "files": files,
+        }
 
 
 _TOKENIZERS: dict = {}  # per worker process: loaded once
@@ -106,8 +112,7 @@ def tokenize_unit(unit: Unit, tokenizer_name, out_dir: str) -> dict:
     skipped = {"empty_docs": 0, "invalid_utf8_docs": 0}
     files = {s: [] for s in SPLITS}
     with contextlib.ExitStack() as stack:
-        writers = {s: _SplitWriter(Path(out_dir) / s, f"{unit.index:05d}", dtype, tok.eos_id, stack)
-                   for s in SPLITS}
+        writers = {s: _SplitWriter(Path(out_dir) / s, f"{unit.index:05d}", dtype, tok.eos_id, stack) for s in SPLITS}
         for name in unit.files:
             path = Path(name)
             rel = path.relative_to(root).as_posix()
@@ -159,8 +164,10 @@ def plan_units(root: Path, files: list[Path], heldout: set[Path], heldout_fracti
     if current:
         groups.append(current)
     held = frozenset(str(p) for p in heldout)
-    return [Unit(i, str(root), tuple(str(p) for p in g), held & {str(p) for p in g}, heldout_fraction)
-            for i, g in enumerate(groups)]
+    return [
+        Unit(i, str(root), tuple(str(p) for p in g), held & {str(p) for p in g}, heldout_fraction)
+        for i, g in enumerate(groups)
+    ]
 
 
 def _run_units(units: list[Unit], tokenizer_name, out_dir: Path, workers: int, progress: bool):
@@ -190,20 +197,34 @@ def _manifest(split: str, key: str, tok, results: list[dict], inputs: dict) -> d
     shards = [r[split] for r in results if r[split] is not None]
     skipped = {k: sum(r["skipped"][k] for r in results) for k in results[0]["skipped"]}
     return {
-        "format": FORMAT, "split": split, "key": key, "dtype": token_dtype(tok.vocab_size).name,
-        "tokenizer": {"name": tok.name, "fingerprint": tok.fingerprint(), "vocab_size": tok.vocab_size,
-                      "eos_id": tok.eos_id},
-        "n_docs": sum(s["n_docs"] for s in shards), "n_tokens": sum(s["n_tokens"] for s in shards),
-        "n_bytes": sum(s["n_bytes"] for s in shards), "max_id": max((s["max_id"] for s in shards), default=-1),
-        "skipped": skipped, "inputs": inputs, "shards": shards,
+        "format": FORMAT,
+        "split": split,
+        "key": key,
+        "dtype": token_dtype(tok.vocab_size).name,
+        "tokenizer": {
+            "name": tok.name,
+            "fingerprint": tok.fingerprint(),
+            "vocab_size": tok.vocab_size,
+            "eos_id": tok.eos_id,
+        },
+        "n_docs": sum(s["n_docs"] for s in shards),
+        "n_tokens": sum(s["n_tokens"] for s in shards),
+        "n_bytes": sum(s["n_bytes"] for s in shards),
+        "max_id": max((s["max_id"] for s in shards), default=-1),
+        "skipped": skipped,
+        "inputs": inputs,
+        "shards": shards,
     }
 
 
 def input_key(root: Path, files: list[Path], tok, heldout_fraction: float, max_train_bytes: int) -> str:
     """A hash of everything that determines the shards of a resolved corpus (files, sizes, mtimes, ...)."""
     described = {
-        "format": FORMAT, "root": str(root.resolve()), "tokenizer": tok.fingerprint(),
-        "heldout_fraction": heldout_fraction, "max_train_bytes": max_train_bytes,
+        "format": FORMAT,
+        "root": str(root.resolve()),
+        "tokenizer": tok.fingerprint(),
+        "heldout_fraction": heldout_fraction,
+        "max_train_bytes": max_train_bytes,
         "files": [[p.relative_to(root).as_posix(), p.stat().st_size, p.stat().st_mtime_ns] for p in files],
     }
     return hashlib.sha256(json.dumps(described, sort_keys=True).encode()).hexdigest()
@@ -232,9 +253,17 @@ def _select(root: Path, files: list[Path], heldout_fraction: float, max_train_by
     return [p for p in files if p in chosen], set(heldout), n_empty
 
 
-def tokenize_corpus(corpus: str, out_dir: Path, tokenizer_name, heldout_fraction: float, *,
-                    max_train_bytes: int = 0, workers: int = 0, progress: bool = True,
-                    resolved: tuple[Path, list[Path]] | None = None) -> dict[str, dict]:
+def tokenize_corpus(
+    corpus: str,
+    out_dir: Path,
+    tokenizer_name,
+    heldout_fraction: float,
+    *,
+    max_train_bytes: int = 0,
+    workers: int = 0,
+    progress: bool = True,
+    resolved: tuple[Path, list[Path]] | None = None,
+) -> dict[str, dict]:
     """Tokenizes a corpus spec ('stdlib', directory or glob; plain or JSONL files) into
     `out_dir/train` and `out_dir/heldout`. Returns {split: manifest}. A no-op if
     `out_dir` already holds the shards of exactly these inputs.
@@ -253,8 +282,9 @@ def tokenize_corpus(corpus: str, out_dir: Path, tokenizer_name, heldout_fraction
     if all(m is not None and m.get("key") == key for m in existing.values()):
         return existing
     if any(m is not None and m.get("key") != key for m in existing.values()):
-        raise UserError(f"'{out_dir}' holds shards of other inputs or another tokenizer; "
-                        "choose a new output directory or delete it")
+        raise UserError(
+            f"'{out_dir}' holds shards of other inputs or another tokenizer; choose a new output directory or delete it"
+        )
     selected, heldout, n_empty = _select(root, files, heldout_fraction, max_train_bytes)
     units = plan_units(root, selected, heldout, heldout_fraction)
     results = _run_units(units, tokenizer_name, out_dir, workers, progress)
@@ -263,8 +293,10 @@ def tokenize_corpus(corpus: str, out_dir: Path, tokenizer_name, heldout_fraction
     manifests = {s: _manifest(s, key, tok, results, inputs) for s in SPLITS}
     for split, m in manifests.items():
         if m["n_docs"] == 0:
-            raise UserError(f"data: '{corpus}' gave no {split} documents ({m['skipped']}); "
-                            "use more input or another data.heldout_fraction")
+            raise UserError(
+                f"data: '{corpus}' gave no {split} documents ({m['skipped']}); "
+                "use more input or another data.heldout_fraction"
+            )
     for split, m in manifests.items():  # last: their presence marks complete shard sets
         write_json(out_dir / split / "manifest.json", m)
     return manifests
@@ -328,14 +360,18 @@ def _open_shard(directory: Path, meta: dict, dtype: np.dtype, vocab_size: int):
     for path, want in ((tokens_path, meta["n_tokens"] * dtype.itemsize), (offsets_path, (meta["n_docs"] + 1) * 8)):
         size = path.stat().st_size if path.exists() else None
         if size != want:
-            raise UserError(f"shard file '{path}' has {size} bytes but the manifest says {want}; it is "
-                            "missing, truncated or stale: delete the shard set and tokenize again")
+            raise UserError(
+                f"shard file '{path}' has {size} bytes but the manifest says {want}; it is "
+                "missing, truncated or stale: delete the shard set and tokenize again"
+            )
     tokens = np.memmap(tokens_path, dtype=dtype, mode="r")
     offsets = np.fromfile(offsets_path, dtype=np.int64)
     top = int(tokens.max())  # one pass: a corrupt file fails here, not as NaNs in the model
     if top >= vocab_size:
-        raise UserError(f"shard file '{tokens_path}' contains token id {top}, outside the run's vocabulary "
-                        f"of {vocab_size} ids; the file is corrupt or from a larger tokenizer")
+        raise UserError(
+            f"shard file '{tokens_path}' contains token id {top}, outside the run's vocabulary "
+            f"of {vocab_size} ids; the file is corrupt or from a larger tokenizer"
+        )
     return tokens, offsets
 
 
@@ -347,12 +383,15 @@ def open_shards(directory: Path, tokenizer, vocab_size: int | None = None) -> Sh
     directory = Path(directory)
     manifest = read_manifest(directory)
     if manifest is None:
-        raise UserError(f"'{directory}' holds no complete shard set (no manifest.json); "
-                        "run `lm tokenize` (again) to build it")
+        raise UserError(
+            f"'{directory}' holds no complete shard set (no manifest.json); run `lm tokenize` (again) to build it"
+        )
     got, want = manifest["tokenizer"]["fingerprint"], tokenizer.fingerprint()
     if got != want:
-        raise UserError(f"shard set '{directory}' was tokenized with '{got}' but this run's tokenizer is "
-                        f"'{want}'; tokenize again with this tokenizer or select the matching one")
+        raise UserError(
+            f"shard set '{directory}' was tokenized with '{got}' but this run's tokenizer is "
+            f"'{want}'; tokenize again with this tokenizer or select the matching one"
+        )
     limit = min(tokenizer.vocab_size, vocab_size or tokenizer.vocab_size)
     dtype = np.dtype(manifest["dtype"])
     opened = [_open_shard(directory, meta, dtype, limit) for meta in manifest["shards"]]

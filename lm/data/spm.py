@@ -82,8 +82,14 @@ class SentencePieceTokenizer:
     def _encode_space_marks(self, text: str) -> np.ndarray:
         """A literal "▁" as its byte pieces: encoded as a stand-in character that is no piece (so it
         falls back to bytes, and merges with nothing), whose byte ids are then swapped for those of "▁"."""
-        stand_in = next((c for c in map(chr, range(0xE000, 0xF900)) if c not in text and
-                         self._sp.piece_to_id(c) == self._sp.unk_id()), None)  # private-use characters
+        stand_in = next(
+            (
+                c
+                for c in map(chr, range(0xE000, 0xF900))
+                if c not in text and self._sp.piece_to_id(c) == self._sp.unk_id()
+            ),
+            None,
+        )  # private-use characters
         stand_in_ids = self._byte_ids(stand_in) if stand_in else None
         if stand_in_ids is None:
             return np.asarray(self._sp.encode(text), dtype=np.int32)
@@ -91,7 +97,7 @@ class SentencePieceTokenizer:
         n = len(stand_in_ids)
         windows = np.lib.stride_tricks.sliding_window_view(ids, n) if len(ids) >= n else np.zeros((0, n))
         for start in np.flatnonzero((windows == stand_in_ids).all(axis=1)):  # UTF-8: these bytes are the stand-in
-            ids[start:start + n] = self._space_mark
+            ids[start : start + n] = self._space_mark
         return ids
 
     def _byte_ids(self, char: str) -> np.ndarray | None:
@@ -110,8 +116,10 @@ class SentencePieceTokenizer:
         if self._sp.id_to_piece(i) != token:  # piece_to_id answers unk for unknown pieces
             raise UserError(f"data.tokenizer: special token '{token}' is not in '{self.path}'")
         if not self._sp.is_control(i):
-            raise UserError(f"data.tokenizer: '{token}' in '{self.path}' is an ordinary piece "
-                            "(plain text could produce it), not a control token")
+            raise UserError(
+                f"data.tokenizer: '{token}' in '{self.path}' is an ordinary piece "
+                "(plain text could produce it), not a control token"
+            )
         return i
 
     def token_bytes(self) -> np.ndarray:
@@ -126,8 +134,9 @@ class SentencePieceTokenizer:
         text = [i for i in range(self.vocab_size) if not (sp.is_control(i) or sp.is_unknown(i) or sp.is_unused(i))]
         out[[i for i in text if sp.is_byte(i)]] = 1
         pieces = [i for i in text if not sp.is_byte(i)]
-        ref = next((i for i in pieces if SPACE_MARK not in sp.id_to_piece(i) and sp.decode([i]) == sp.id_to_piece(i)),
-                   None)
+        ref = next(
+            (i for i in pieces if SPACE_MARK not in sp.id_to_piece(i) and sp.decode([i]) == sp.id_to_piece(i)), None
+        )
         if ref is None:  # no plain piece to lead with: each id alone
             out[pieces] = [len(t.encode("utf-8")) for t in sp.decode([[i] for i in pieces])]
             return out
@@ -148,8 +157,10 @@ def _select_docs(docs, max_bytes: int, max_doc_bytes: int) -> tuple[list[str], d
     sentencepiece itself would skip documents longer than max_sentence_length
     silently, so we do it here and say how many.
     """
-    kept, stats = [], {"docs_used": 0, "bytes_used": 0, "skipped_long_docs": 0,
-                       "skipped_empty_docs": 0, "hit_max_bytes": False}
+    kept, stats = (
+        [],
+        {"docs_used": 0, "bytes_used": 0, "skipped_long_docs": 0, "skipped_empty_docs": 0, "hit_max_bytes": False},
+    )
     for doc in docs:
         text = doc.decode("utf-8", errors="replace") if isinstance(doc, bytes) else doc
         n = len(text.encode("utf-8"))
@@ -180,9 +191,14 @@ def _without_thread_count(model: bytes) -> bytes:
     return proto.SerializeToString()
 
 
-def train_sentencepiece(docs: Iterable[str | bytes], out_prefix: str | Path, vocab_size: int,
-                        max_bytes: int = 50_000_000, num_threads: int | None = None,
-                        max_doc_bytes: int = 1 << 20) -> SentencePieceTokenizer:
+def train_sentencepiece(
+    docs: Iterable[str | bytes],
+    out_prefix: str | Path,
+    vocab_size: int,
+    max_bytes: int = 50_000_000,
+    num_threads: int | None = None,
+    max_doc_bytes: int = 1 << 20,
+) -> SentencePieceTokenizer:
     """Train a BPE model on whole documents; write `<out_prefix>.model` and `.vocab`.
 
     Deterministic for the same docs and arguments (no sampling, no shuffling).
@@ -210,8 +226,14 @@ def train_sentencepiece(docs: Iterable[str | bytes], out_prefix: str | Path, voc
             max_sentence_length=max(len(t.encode("utf-8")) for t in kept),  # every kept doc fits
             input_sentence_size=0,  # use everything: no sampling
             shuffle_input_sentence=False,
-            unk_id=UNK_ID, bos_id=BOS_ID, eos_id=EOS_ID, pad_id=PAD_ID,
-            unk_piece="<unk>", bos_piece="<s>", eos_piece="</s>", pad_piece="<pad>",
+            unk_id=UNK_ID,
+            bos_id=BOS_ID,
+            eos_id=EOS_ID,
+            pad_id=PAD_ID,
+            unk_piece="<unk>",
+            bos_piece="<s>",
+            eos_piece="</s>",
+            pad_piece="<pad>",
             control_symbols=list(CHAT_TOKENS),
             num_threads=num_threads or os.cpu_count() or 1,
             minloglevel=1,

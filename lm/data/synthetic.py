@@ -82,8 +82,9 @@ def sort_examples(n: int, heldout: bool, seed: int) -> list[dict]:
             continue
         seen.add(digits)
         prompt = sort_prompt(digits)
-        out.append({"messages": [{"role": "user", "content": prompt},
-                                 {"role": "assistant", "content": sort_answer(prompt)}]})
+        out.append(
+            {"messages": [{"role": "user", "content": prompt}, {"role": "assistant", "content": sort_answer(prompt)}]}
+        )
     return out
 
 

@@ -82,13 +82,17 @@ def load_tokenizer(name: str) -> Tokenizer:
         return _from_directory(path if path.is_dir() else path.parent)
     if name.endswith(".model") or os.sep in name or "/" in name:
         if not path.is_file():
-            raise UserError(f"data.tokenizer: sentencepiece model '{name}' does not exist; "
-                            f"give an existing .model file, a directory with a tokenizer.json, or one of: {known}")
+            raise UserError(
+                f"data.tokenizer: sentencepiece model '{name}' does not exist; "
+                f"give an existing .model file, a directory with a tokenizer.json, or one of: {known}"
+            )
         from lm.data.spm import SentencePieceTokenizer  # lazy: needs sentencepiece
 
         return SentencePieceTokenizer(name)
-    raise UserError(f"data.tokenizer: unknown tokenizer '{name}'; known: {known}, "
-                    "a path to a sentencepiece .model file, or a directory with a tokenizer.json")
+    raise UserError(
+        f"data.tokenizer: unknown tokenizer '{name}'; known: {known}, "
+        "a path to a sentencepiece .model file, or a directory with a tokenizer.json"
+    )
 
 
 def _from_directory(path: Path) -> Tokenizer:
@@ -100,5 +104,7 @@ def _from_directory(path: Path) -> Tokenizer:
         from lm.data.spm import SentencePieceTokenizer
 
         return SentencePieceTokenizer(path / "tokenizer.model")
-    raise UserError(f"data.tokenizer: directory '{path}' has no tokenizer.json (nor tokenizer.model); "
-                    "expected a Hugging Face tokenizer directory")
+    raise UserError(
+        f"data.tokenizer: directory '{path}' has no tokenizer.json (nor tokenizer.model); "
+        "expected a Hugging Face tokenizer directory"
+    )

@@ -6,16 +6,23 @@ from lm.verb import with_overrides
 
 
 def add_parser(sub) -> None:
-    dm = with_overrides(sub, "demo", help="the whole pipeline on the tiny model, printing what each stage gained",
-                        description="Pretrains the tiny model on the Python standard library, then fine-tunes it "
-                                    "(fully and with LoRA) on a generated sort task, then trains DPO and a reward "
-                                    "model on its preference pairs and GRPO on its prompts; prints one evidence "
-                                    "table. Overrides apply to the pretraining config. SIGTERM/SIGINT stop the stage "
-                                    "in progress cleanly and start no later one; --resume then goes on.")
+    dm = with_overrides(
+        sub,
+        "demo",
+        help="the whole pipeline on the tiny model, printing what each stage gained",
+        description="Pretrains the tiny model on the Python standard library, then fine-tunes it "
+        "(fully and with LoRA) on a generated sort task, then trains DPO and a reward "
+        "model on its preference pairs and GRPO on its prompts; prints one evidence "
+        "table. Overrides apply to the pretraining config. SIGTERM/SIGINT stop the stage "
+        "in progress cleanly and start no later one; --resume then goes on.",
+    )
     dm.add_argument("--workdir", required=True, help="directory for every stage's run")
-    dm.add_argument("--resume", action="store_true",
-                    help="go on with a stopped demo: a stage whose run finished (its summary.json) is not run "
-                         "again, the stopped one resumes from its newest checkpoint")
+    dm.add_argument(
+        "--resume",
+        action="store_true",
+        help="go on with a stopped demo: a stage whose run finished (its summary.json) is not run "
+        "again, the stopped one resumes from its newest checkpoint",
+    )
     dm.add_argument("--no-progress", action="store_true", help="no progress bars (logs only)")
 
 

@@ -27,18 +27,27 @@ STEPS = 50  # ~1.2-2 s a step on 2 CPU cores: XLA:CPU has no grouped matmul (rag
 def moe_config(dense: ConfigDict, steps: int, n_experts: int = N_EXPERTS, k: int = K) -> ConfigDict:
     """The dense run's config with experts at its active MLP width, for `steps` steps of its schedule."""
     c = ConfigDict(dense.to_dict())
-    apply_overrides(c, [f"model.n_experts={n_experts}", f"model.experts_per_token={k}",
-                        f"model.expert_d_ff={c.model.d_ff // k}", "model.capacity_factor=0.0",
-                        f"optim.decay_steps={c.optim.decay_steps or c.train.steps}", f"train.steps={steps}",
-                        f"checkpoint.every_steps={steps}",
-                        f"train.sample_tokens={min(c.train.sample_tokens, 16)}"])
+    apply_overrides(
+        c,
+        [
+            f"model.n_experts={n_experts}",
+            f"model.experts_per_token={k}",
+            f"model.expert_d_ff={c.model.d_ff // k}",
+            "model.capacity_factor=0.0",
+            f"optim.decay_steps={c.optim.decay_steps or c.train.steps}",
+            f"train.steps={steps}",
+            f"checkpoint.every_steps={steps}",
+            f"train.sample_tokens={min(c.train.sample_tokens, 16)}",
+        ],
+    )
     c.train.init = ""  # a fresh model
     validate(c)
     return c
 
 
-def moe_pretraining(root: pathlib.Path, dense_dir: pathlib.Path, steps: int = STEPS,
-                    show_progress: bool = True, resume: bool = False) -> dict:
+def moe_pretraining(
+    root: pathlib.Path, dense_dir: pathlib.Path, steps: int = STEPS, show_progress: bool = True, resume: bool = False
+) -> dict:
     """Trains the MoE into root/pretrain-moe (resume: from its checkpoints, if any); returns its
     figures beside the dense run's at `steps`."""
     dense_dir, workdir = pathlib.Path(dense_dir), pathlib.Path(root) / "pretrain-moe"
@@ -48,19 +57,35 @@ def moe_pretraining(root: pathlib.Path, dense_dir: pathlib.Path, steps: int = ST
     dense_rows, rows = read_metrics(dense_dir / "metrics.jsonl"), read_metrics(workdir / "metrics.jsonl")
     done, dense_summary = (json.loads((d / "summary.json").read_text()) for d in (workdir, dense_dir))
     m, dm = config.model, dense_config.model
-    out = {"steps": steps, "n_experts": m.n_experts, "k": m.experts_per_token, "expert_d_ff": m.expert_d_ff,
-           "eval_loss": _at(rows, "eval_loss", steps), "dense_eval_loss": _at(dense_rows, "eval_loss", steps),
-           "eval_loss_init": _at(rows, "eval_loss", 0),
-           "train_loss": _mean_train(rows, steps), "dense_train_loss": _mean_train(dense_rows, steps),
-           "params": counts.param_count(m), "active_params": counts.active_param_count(m),
-           "dense_params": counts.param_count(dm), "flops_ratio": counts.flops_per_token(m, config.data.seq_len)
-           / counts.flops_per_token(dm, config.data.seq_len),
-           "tokens_per_s": done.get("run_tokens_per_s"), "dense_tokens_per_s": dense_summary.get("run_tokens_per_s"),
-           "routing": moe_routing(rows), "plot": str(workdir / "moe_vs_dense.png")}
-    plot_runs({"dense": dense_dir / "metrics.jsonl",
-               f"MoE {m.n_experts} experts x {m.expert_d_ff}, top-{m.experts_per_token}": workdir / "metrics.jsonl"},
-              workdir / "moe_vs_dense.png", baseline=done.get("unigram_baseline"), until=steps,
-              title="dense vs MoE at equal active FLOPs per token (same batches, same learning rates)")
+    out = {
+        "steps": steps,
+        "n_experts": m.n_experts,
+        "k": m.experts_per_token,
+        "expert_d_ff": m.expert_d_ff,
+        "eval_loss": _at(rows, "eval_loss", steps),
+        "dense_eval_loss": _at(dense_rows, "eval_loss", steps),
+        "eval_loss_init": _at(rows, "eval_loss", 0),
+        "train_loss": _mean_train(rows, steps),
+        "dense_train_loss": _mean_train(dense_rows, steps),
+        "params": counts.param_count(m),
+        "active_params": counts.active_param_count(m),
+        "dense_params": counts.param_count(dm),
+        "flops_ratio": counts.flops_per_token(m, config.data.seq_len) / counts.flops_per_token(dm, config.data.seq_len),
+        "tokens_per_s": done.get("run_tokens_per_s"),
+        "dense_tokens_per_s": dense_summary.get("run_tokens_per_s"),
+        "routing": moe_routing(rows),
+        "plot": str(workdir / "moe_vs_dense.png"),
+    }
+    plot_runs(
+        {
+            "dense": dense_dir / "metrics.jsonl",
+            f"MoE {m.n_experts} experts x {m.expert_d_ff}, top-{m.experts_per_token}": workdir / "metrics.jsonl",
+        },
+        workdir / "moe_vs_dense.png",
+        baseline=done.get("unigram_baseline"),
+        until=steps,
+        title="dense vs MoE at equal active FLOPs per token (same batches, same learning rates)",
+    )
     print("\n".join(moe_lines(out)))
     return out
 
@@ -79,21 +104,29 @@ def _mean_train(rows: list[dict], steps: int):
 def moe_lines(s: dict) -> list[str]:
     """The evidence table's lines for the mixture-of-experts stage."""
     g, nan = s["routing"] or {}, float("nan")
-    line = (f"mixture of experts ({s['n_experts']} experts of width {s['expert_d_ff']}, top-{s['k']}, dropless; "
-            f"{s['params']:,} params, {s['active_params']:,} active vs the dense {s['dense_params']:,}; training "
-            f"FLOPs per token {s['flops_ratio']:.3f}x the dense), {s['steps']} steps: held-out loss ")
+    line = (
+        f"mixture of experts ({s['n_experts']} experts of width {s['expert_d_ff']}, top-{s['k']}, dropless; "
+        f"{s['params']:,} params, {s['active_params']:,} active vs the dense {s['dense_params']:,}; training "
+        f"FLOPs per token {s['flops_ratio']:.3f}x the dense), {s['steps']} steps: held-out loss "
+    )
     if s["dense_eval_loss"] is not None:
-        line += (f"{s['eval_loss']:.3f} vs {s['dense_eval_loss']:.3f} for the dense pretraining at step {s['steps']} "
-                 f"(MoE - dense {s['eval_loss'] - s['dense_eval_loss']:+.3f})")
+        line += (
+            f"{s['eval_loss']:.3f} vs {s['dense_eval_loss']:.3f} for the dense pretraining at step {s['steps']} "
+            f"(MoE - dense {s['eval_loss'] - s['dense_eval_loss']:+.3f})"
+        )
     else:
         line += f"{s['eval_loss']:.3f} (from {s['eval_loss_init'] or nan:.3f}; the dense run has none at this step)"
     if s["train_loss"] is not None and s["dense_train_loss"] is not None:
-        line += (f"; train loss on the same batches, steps {s['steps'] // 2 + 1}-{s['steps']}: "
-                 f"{s['train_loss']:.3f} vs {s['dense_train_loss']:.3f}")
+        line += (
+            f"; train loss on the same batches, steps {s['steps'] // 2 + 1}-{s['steps']}: "
+            f"{s['train_loss']:.3f} vs {s['dense_train_loss']:.3f}"
+        )
     lines = [line]
     if g:
-        lines.append(f"  routing at step {g['step']}: balance loss {g['balance']:.3f} (1 = even), expert load "
-                     f"{g['load_min']:.2f}-{g['load_max']:.2f}x an even share, router z {g['router_z']:.2f}, "
-                     f"{g['dropped']:.1%} of assignments dropped; tokens/s {s['tokens_per_s'] or nan:,.0f} vs the "
-                     f"dense run's {s['dense_tokens_per_s'] or nan:,.0f}; curves: {s['plot']}")
+        lines.append(
+            f"  routing at step {g['step']}: balance loss {g['balance']:.3f} (1 = even), expert load "
+            f"{g['load_min']:.2f}-{g['load_max']:.2f}x an even share, router z {g['router_z']:.2f}, "
+            f"{g['dropped']:.1%} of assignments dropped; tokens/s {s['tokens_per_s'] or nan:,.0f} vs the "
+            f"dense run's {s['dense_tokens_per_s'] or nan:,.0f}; curves: {s['plot']}"
+        )
     return lines

@@ -29,11 +29,11 @@ import json
 import pathlib
 
 from lm.config import load_config
-from lm.train.finetune import finetune_config
 from lm.data.synthetic import write_sort_pairs, write_sort_task
 from lm.demo.moe import moe_lines, moe_pretraining
 from lm.demo.serve import serving, serving_lines
 from lm.store.meta import init_config
+from lm.train.finetune import finetune_config
 
 PRETRAIN_CONFIG, SFT_CONFIG, PAIRS_CONFIG = "configs/tiny.py", "configs/sft_tiny.py", "configs/pairs_tiny.py"
 RL_CONFIG = "configs/rl_tiny.py"
@@ -86,9 +86,18 @@ def finished_run(workdir: pathlib.Path) -> dict | None:
         return None
 
 
-def run_demo(workdir, show_progress: bool = True, pretrain_overrides=(), sft_overrides=(), pair_overrides=(),
-             rl_overrides=(), n_train: int = 20000, n_heldout: int = 256, n_pairs: int = 4000,
-             resume: bool = False) -> dict:
+def run_demo(
+    workdir,
+    show_progress: bool = True,
+    pretrain_overrides=(),
+    sft_overrides=(),
+    pair_overrides=(),
+    rl_overrides=(),
+    n_train: int = 20000,
+    n_heldout: int = 256,
+    n_pairs: int = 4000,
+    resume: bool = False,
+) -> dict:
     """Runs every stage into `workdir`; returns the summary. SIGTERM/SIGINT stop the stage in progress
     cleanly (a training stage with its checkpoint) and start no later stage: `lm.verb.Stopped`
     says where; `resume=True` then skips the finished training stages and resumes the stopped one."""
@@ -98,8 +107,17 @@ def run_demo(workdir, show_progress: bool = True, pretrain_overrides=(), sft_ove
     with StopSignal("the demo", defer=False, saved=False) as stop:  # the command's own under lm.cli
         stages = _Stages(stop, resume, show_progress)
         try:
-            return _run_stages(stages, pathlib.Path(workdir), pretrain_overrides, sft_overrides, pair_overrides,
-                               rl_overrides, n_train, n_heldout, n_pairs)
+            return _run_stages(
+                stages,
+                pathlib.Path(workdir),
+                pretrain_overrides,
+                sft_overrides,
+                pair_overrides,
+                rl_overrides,
+                n_train,
+                n_heldout,
+                n_pairs,
+            )
         except Stopped:
             raise
         except StopRequested as e:
@@ -110,8 +128,17 @@ def run_demo(workdir, show_progress: bool = True, pretrain_overrides=(), sft_ove
             raise Stopped(stop.received, None, stages.current, "the finished stages are kept") from e
 
 
-def _run_stages(stages: _Stages, root: pathlib.Path, pretrain_overrides, sft_overrides, pair_overrides,
-                rl_overrides, n_train: int, n_heldout: int, n_pairs: int) -> dict:
+def _run_stages(
+    stages: _Stages,
+    root: pathlib.Path,
+    pretrain_overrides,
+    sft_overrides,
+    pair_overrides,
+    rl_overrides,
+    n_train: int,
+    n_heldout: int,
+    n_pairs: int,
+) -> dict:
     from lm.train.distill import distill
     from lm.train.dpo import dpo  # lazy: jax after the CPU flags are set
     from lm.train.pretrain import train
@@ -128,48 +155,75 @@ def _run_stages(stages: _Stages, root: pathlib.Path, pretrain_overrides, sft_ove
     runs = {}
     for name, extra in (("sft", []), ("sft-lora", LORA)):
         stages.start(3, name, f"supervised fine-tuning ({name})")
-        config = finetune_config(init_config(str(base_dir.absolute())), SFT_CONFIG, [*extra, *sft_overrides],
-                            init=str(base_dir.absolute()), data=str(paths["train"]), eval_data=str(paths["heldout"]))
+        config = finetune_config(
+            init_config(str(base_dir.absolute())),
+            SFT_CONFIG,
+            [*extra, *sft_overrides],
+            init=str(base_dir.absolute()),
+            data=str(paths["train"]),
+            eval_data=str(paths["heldout"]),
+        )
         runs[name] = stages.train(sft, config, root / name)
     stages.start(4, "preference pairs", "preference pairs: the answer vs a plausible wrong one")
     pair_paths = write_sort_pairs(task_dir, n_train=n_pairs, n_heldout=n_heldout)
     sft_dir = str((root / "sft").absolute())
     keys = dict(init=sft_dir, data=str(pair_paths["train"]), eval_data=str(pair_paths["heldout"]))
     stages.start(5, "dpo", "DPO from the SFT model")
-    config = finetune_config(init_config(sft_dir), PAIRS_CONFIG, list(pair_overrides), "pairs",
-                             eval_answers=str(paths["heldout"]), **keys)
+    config = finetune_config(
+        init_config(sft_dir), PAIRS_CONFIG, list(pair_overrides), "pairs", eval_answers=str(paths["heldout"]), **keys
+    )
     preference = {"dpo": stages.train(dpo, config, root / "dpo")}
     stages.start(6, "reward", "a reward model from the SFT model")
     config = finetune_config(init_config(sft_dir), PAIRS_CONFIG, [*REWARD, *pair_overrides], "pairs", **keys)
     preference["reward"] = stages.train(reward, config, root / "reward")
     stages.start(7, "grpo", "GRPO from the SFT model: reward 1 for the exact answer")
-    config = finetune_config(init_config(sft_dir), RL_CONFIG, list(rl_overrides), "rl", init=sft_dir,
-                             data=str(paths["train"]), eval_data=str(paths["heldout"]), eval_answers=str(paths["heldout"]))
+    config = finetune_config(
+        init_config(sft_dir),
+        RL_CONFIG,
+        list(rl_overrides),
+        "rl",
+        init=sft_dir,
+        data=str(paths["train"]),
+        eval_data=str(paths["heldout"]),
+        eval_answers=str(paths["heldout"]),
+    )
     grpo = stages.train(rl, config, root / "grpo")
     stages.start(8, "distillation", "distillation: the GRPO model into a student of half the width, beside SFT alone")
     half = stages.train(train, load_config(PRETRAIN_CONFIG, [*HALF, *pretrain_overrides]), root / "pretrain-half")
     half_dir, grpo_dir = str((root / "pretrain-half").absolute()), str((root / "grpo").absolute())
     student = dict(init=half_dir, data=str(paths["train"]), eval_data=str(paths["heldout"]))
-    sft_half = stages.train(sft, finetune_config(init_config(half_dir), SFT_CONFIG, list(sft_overrides), **student),
-                            root / "sft-half")
-    config = finetune_config(init_config(half_dir), SFT_CONFIG, [*DISTILL, f"distill.teacher={grpo_dir}",
-                                                                  *sft_overrides], **student)
+    sft_half = stages.train(
+        sft, finetune_config(init_config(half_dir), SFT_CONFIG, list(sft_overrides), **student), root / "sft-half"
+    )
+    config = finetune_config(
+        init_config(half_dir), SFT_CONFIG, [*DISTILL, f"distill.teacher={grpo_dir}", *sft_overrides], **student
+    )
     distilled = stages.train(distill, config, root / "distilled")
     summary = _summary(base, runs, preference, grpo, root)
-    summary["sft"] |= {"sft-half": _row(sft_half), "distilled": _row(distilled) | {"response_loss": distilled.get("eval_nll")}}
-    summary["distill"] = {"student_pretrain_eval_loss": half.get("eval_loss"), "steps": distilled.get("step"),
-                          "top1_agreement": distilled.get("eval_top1_agreement"),
-                          "response_loss": distilled.get("eval_nll"), "exact_match": distilled.get("exact_match")}
+    summary["sft"] |= {
+        "sft-half": _row(sft_half),
+        "distilled": _row(distilled) | {"response_loss": distilled.get("eval_nll")},
+    }
+    summary["distill"] = {
+        "student_pretrain_eval_loss": half.get("eval_loss"),
+        "steps": distilled.get("step"),
+        "top1_agreement": distilled.get("eval_top1_agreement"),
+        "response_loss": distilled.get("eval_nll"),
+        "exact_match": distilled.get("exact_match"),
+    }
     stages.start(9, "evaluation", "evaluation of every model: held-out bits per byte, exact match, contamination")
     summary["eval"] = evaluate_all(root, paths)
     stages.start(10, "export", "the GRPO model as a Hugging Face checkpoint, reloaded by transformers")
     summary["hf"] = export_and_reload(root / "grpo", root / "grpo-hf", paths["heldout"])
     stages.start(11, "TPU plan", "the pretraining step compiled for a TPU v5e-4 slice ahead of time (no TPU needed)")
     summary["tpu"] = plan_for_tpu(load_config(PRETRAIN_CONFIG, list(pretrain_overrides)), "v5e-4")
-    stages.start(12, "serving", "serving: the GRPO model behind the OpenAI API, quantized, and with speculative decoding")
+    stages.start(
+        12, "serving", "serving: the GRPO model behind the OpenAI API, quantized, and with speculative decoding"
+    )
     summary["serve"] = serving(root, paths["heldout"])
-    stages.start(13, "mixture of experts",
-                 "a mixture of experts at the dense model's active FLOPs, beside the dense pretraining")
+    stages.start(
+        13, "mixture of experts", "a mixture of experts at the dense model's active FLOPs, beside the dense pretraining"
+    )
     summary["moe"] = moe_pretraining(root, base_dir, show_progress=stages.show_progress, resume=stages.resume)
     stages.stop.enter("writing the demo's summary")  # a safe point: a stop in the last stage writes none
     text = evidence(summary, n_heldout)
@@ -193,10 +247,18 @@ def plan_for_tpu(config, slice_name: str) -> dict:
     target = parse_target(slice_name)
     compiled = compile_step("pretrain", config, target_devices(target))
     planned = estimate(config, "pretrain", target.chips, chip=target.chip).total
-    out = {"slice": slice_name, "compiled_bytes": compiled.total, "planned_bytes": planned, "error": compiled.error,
-           "compile_s": compiled.compile_s, "flops": compiled.flops}
-    print(f"{slice_name}: the compiler plans {compiled.total / 2**20:.1f} MiB a chip, the planner "
-          f"{planned / 2**20:.1f} MiB; {compiled.flops:.3g} FLOPs a chip a step; compiled in {compiled.compile_s:.0f} s")
+    out = {
+        "slice": slice_name,
+        "compiled_bytes": compiled.total,
+        "planned_bytes": planned,
+        "error": compiled.error,
+        "compile_s": compiled.compile_s,
+        "flops": compiled.flops,
+    }
+    print(
+        f"{slice_name}: the compiler plans {compiled.total / 2**20:.1f} MiB a chip, the planner "
+        f"{planned / 2**20:.1f} MiB; {compiled.flops:.3g} FLOPs a chip a step; compiled in {compiled.compile_s:.0f} s"
+    )
     return out
 
 
@@ -208,9 +270,11 @@ def export_and_reload(workdir: pathlib.Path, out: pathlib.Path, heldout, n: int 
 
     done = export_hf(load_trained(workdir=str(workdir), merge_adapters=False), out)
     check = compare_with_transformers(workdir, out, heldout, n=n)
-    print(f"exported {done['architecture']} to {out}; transformers' greedy answers equal lm's on "
-          f"{check['same_answers']} of {check['n']} held-out prompts (chat-template ids equal on "
-          f"{check['same_prompt_ids']})")
+    print(
+        f"exported {done['architecture']} to {out}; transformers' greedy answers equal lm's on "
+        f"{check['same_answers']} of {check['n']} held-out prompts (chat-template ids equal on "
+        f"{check['same_prompt_ids']})"
+    )
     return {"architecture": done["architecture"], "out": str(out)} | {k: v for k, v in check.items() if k != "examples"}
 
 
@@ -226,14 +290,24 @@ def evaluate_all(root: pathlib.Path, paths: dict) -> dict:
     models |= {"sft-half": root / "sft-half", "distilled": root / "distilled"}
     reports = suite.evaluate_models(models, specs, root / "eval")
     # the task's examples are 3 words ("sort 70931" + "01379"): each is checked whole
-    found = check([*train_shards, str(paths["train"])], [str(paths["heldout"])], min_words=3,
-                  tokenizer=str(root / "pretrain" / "tokenizer.model"), progress=False)
+    found = check(
+        [*train_shards, str(paths["train"])],
+        [str(paths["heldout"])],
+        min_words=3,
+        tokenizer=str(root / "pretrain" / "tokenizer.model"),
+        progress=False,
+    )
     planted = check([str(paths["train"]), str(paths["heldout"])], [str(paths["heldout"])], min_words=3, progress=False)
     task = next(iter(found["tasks"].values()))
-    contamination = {"n": found["n"], "examples": task["examples"], "contaminated": task["contaminated"],
-                     "too_short": task["too_short"], "train_mb": found["train"]["bytes"] / 1e6,
-                     "mb_per_s": found["train"]["mb_per_s"],
-                     "found_when_planted": next(iter(planted["tasks"].values()))["contaminated"]}
+    contamination = {
+        "n": found["n"],
+        "examples": task["examples"],
+        "contaminated": task["contaminated"],
+        "too_short": task["too_short"],
+        "train_mb": found["train"]["bytes"] / 1e6,
+        "mb_per_s": found["train"]["mb_per_s"],
+        "found_when_planted": next(iter(planted["tasks"].values()))["contaminated"],
+    }
     out = suite.summary(reports, "heldout", "task", "sft", contamination)
     out["distilled_vs_sft_half"] = suite.compare(reports["sft-half"], reports["distilled"])["task"].get("exact")
     return out
@@ -241,33 +315,60 @@ def evaluate_all(root: pathlib.Path, paths: dict) -> dict:
 
 def _summary(base: dict, runs: dict, preference: dict, grpo: dict, root: pathlib.Path) -> dict:
     """Each stage's figures the evidence table reads (and demo_summary.json keeps)."""
-    sft = {"base": {"response_loss": runs["sft"].get("eval_loss_init"), "exact_match": runs["sft"].get("exact_match_init")}}
+    sft = {
+        "base": {"response_loss": runs["sft"].get("eval_loss_init"), "exact_match": runs["sft"].get("exact_match_init")}
+    }
     sft |= {name: _row(r) for name, r in runs.items()}
     d = preference["dpo"]
-    sft["dpo"] = {"response_loss": None, "exact_match": d.get("exact_match"), "steps": d.get("step"),
-                  "tokens_per_s": d.get("run_tokens_per_s")}
+    sft["dpo"] = {
+        "response_loss": None,
+        "exact_match": d.get("exact_match"),
+        "steps": d.get("step"),
+        "tokens_per_s": d.get("run_tokens_per_s"),
+    }
     sft["grpo"] = {"response_loss": None, "exact_match": grpo.get("exact_match"), "steps": grpo.get("step")}
-    rl = {k: grpo.get(k) for k in ("eval_init", "eval", "reward", "kl", "response_length", "rollout_tokens_per_s",
-                                   "update_tokens_per_s", "sampling_share")} | {"plot": str(root / "grpo" / "rl.png")}
-    return {"pretrain": {k: base.get(k) for k in ("eval_loss", "unigram_baseline", "run_tokens_per_s")}, "sft": sft,
-            "preference": {"dpo": {"init": d.get("eval_init"), "tuned": d.get("eval")},
-                           "reward": {"init": preference["reward"].get("eval_init"),
-                                      "tuned": preference["reward"].get("eval")}},
-            "rl": rl}
+    rl = {
+        k: grpo.get(k)
+        for k in (
+            "eval_init",
+            "eval",
+            "reward",
+            "kl",
+            "response_length",
+            "rollout_tokens_per_s",
+            "update_tokens_per_s",
+            "sampling_share",
+        )
+    } | {"plot": str(root / "grpo" / "rl.png")}
+    return {
+        "pretrain": {k: base.get(k) for k in ("eval_loss", "unigram_baseline", "run_tokens_per_s")},
+        "sft": sft,
+        "preference": {
+            "dpo": {"init": d.get("eval_init"), "tuned": d.get("eval")},
+            "reward": {"init": preference["reward"].get("eval_init"), "tuned": preference["reward"].get("eval")},
+        },
+        "rl": rl,
+    }
 
 
 def _row(r: dict) -> dict:
-    return {"response_loss": r.get("eval_loss"), "exact_match": r.get("exact_match"), "steps": r.get("step"),
-            "tokens_per_s": r.get("run_tokens_per_s")}
+    return {
+        "response_loss": r.get("eval_loss"),
+        "exact_match": r.get("exact_match"),
+        "steps": r.get("step"),
+        "tokens_per_s": r.get("run_tokens_per_s"),
+    }
 
 
 def evidence(summary: dict, n_heldout: int) -> str:
     p = summary["pretrain"]
-    lines = ["=== evidence ===",
-             f"pretraining: held-out loss {p['eval_loss']:.3f} nats/token vs {p['unigram_baseline']:.3f} for the "
-             "unigram baseline",
-             f"sort task, {n_heldout} held-out prompts, greedy answers with the chat template:",
-             f"  {'model':<10} {'response loss':>14} {'exact match':>12}"]
+    lines = [
+        "=== evidence ===",
+        f"pretraining: held-out loss {p['eval_loss']:.3f} nats/token vs {p['unigram_baseline']:.3f} for the "
+        "unigram baseline",
+        f"sort task, {n_heldout} held-out prompts, greedy answers with the chat template:",
+        f"  {'model':<10} {'response loss':>14} {'exact match':>12}",
+    ]
     for name, row in summary["sft"].items():
         loss = f"{row['response_loss']:.4f}" if row["response_loss"] is not None else "-"
         acc = f"{row['exact_match']:.1%}" if row["exact_match"] is not None else "-"
@@ -284,13 +385,17 @@ def evidence(summary: dict, n_heldout: int) -> str:
         lines += _distill_lines(summary["distill"], (summary.get("eval") or {}).get("distilled_vs_sft_half"))
     if summary.get("tpu"):
         t = summary["tpu"]
-        lines.append(f"TPU {t['slice']} (compiled here by the TPU compiler, no TPU): the pretraining step needs "
-                     f"{t['compiled_bytes'] / 2**20:.1f} MiB a chip; the planner said {t['planned_bytes'] / 2**20:.1f} MiB")
+        lines.append(
+            f"TPU {t['slice']} (compiled here by the TPU compiler, no TPU): the pretraining step needs "
+            f"{t['compiled_bytes'] / 2**20:.1f} MiB a chip; the planner said {t['planned_bytes'] / 2**20:.1f} MiB"
+        )
     if "hf" in summary:
         h = summary["hf"]
-        lines.append(f"Hugging Face export (GRPO model as {h['architecture']}): transformers' greedy answers equal "
-                     f"lm sample's on {h['same_answers']} of {h['n']} held-out prompts (prompt ids from "
-                     f"apply_chat_template equal ours on {h['same_prompt_ids']})")
+        lines.append(
+            f"Hugging Face export (GRPO model as {h['architecture']}): transformers' greedy answers equal "
+            f"lm sample's on {h['same_answers']} of {h['n']} held-out prompts (prompt ids from "
+            f"apply_chat_template equal ours on {h['same_prompt_ids']})"
+        )
     if "serve" in summary:
         lines += serving_lines(summary["serve"])
     if summary.get("moe"):
@@ -301,36 +406,44 @@ def evidence(summary: dict, n_heldout: int) -> str:
 def _rl_lines(r: dict, n: int) -> list[str]:
     before, after = (r.get("eval_init") or {}), (r.get("eval") or {})
     nan = float("nan")
-    return [f"GRPO, {n} held-out prompts, greedy: reward (exact answer) {before.get('eval_reward', nan):.1%} -> "
-            f"{after.get('eval_reward', nan):.1%}; last step: rollout reward {r.get('reward') or nan:.3f}, "
-            f"KL to the SFT model {r.get('kl') or nan:.4f}, sampling {r.get('sampling_share') or nan:.0%} of the "
-            f"step; curves: {r.get('plot')}"]
+    return [
+        f"GRPO, {n} held-out prompts, greedy: reward (exact answer) {before.get('eval_reward', nan):.1%} -> "
+        f"{after.get('eval_reward', nan):.1%}; last step: rollout reward {r.get('reward') or nan:.3f}, "
+        f"KL to the SFT model {r.get('kl') or nan:.4f}, sampling {r.get('sampling_share') or nan:.0%} of the "
+        f"step; curves: {r.get('plot')}"
+    ]
 
 
 def _preference_lines(pref: dict, n: int) -> list[str]:
     d, r = pref["dpo"], pref["reward"]
     get = lambda row, key: (row or {}).get(f"eval_{key}", float("nan"))
-    return [f"preference, {n} held-out pairs (answer vs a plausible wrong one):",
-            f"  {'':<32} {'SFT model':>10} {'after DPO':>10}",
-            f"  {'log p(chosen) > log p(rejected)':<32} {get(d['init'], 'logps/accuracies'):>10.1%} "
-            f"{get(d['tuned'], 'logps/accuracies'):>10.1%}",
-            f"  {'mean log p(chosen)':<32} {get(d['init'], 'logps/chosen'):>10.3f} {get(d['tuned'], 'logps/chosen'):>10.3f}",
-            f"  {'mean log p(rejected)':<32} {get(d['init'], 'logps/rejected'):>10.3f} "
-            f"{get(d['tuned'], 'logps/rejected'):>10.3f}",
-            f"  {'implicit reward accuracy':<32} {'-':>10} {get(d['tuned'], 'rewards/accuracies'):>10.1%}",
-            f"  {'implicit reward margin':<32} {get(d['init'], 'rewards/margins'):>10.3f} "
-            f"{get(d['tuned'], 'rewards/margins'):>10.3f}",
-            f"reward model (Bradley-Terry, from the SFT model): held-out accuracy {get(r['tuned'], 'accuracy'):.1%}, "
-            f"mean margin {get(r['tuned'], 'margin'):.3f} (untrained head: {get(r['init'], 'accuracy'):.1%})"]
+    return [
+        f"preference, {n} held-out pairs (answer vs a plausible wrong one):",
+        f"  {'':<32} {'SFT model':>10} {'after DPO':>10}",
+        f"  {'log p(chosen) > log p(rejected)':<32} {get(d['init'], 'logps/accuracies'):>10.1%} "
+        f"{get(d['tuned'], 'logps/accuracies'):>10.1%}",
+        f"  {'mean log p(chosen)':<32} {get(d['init'], 'logps/chosen'):>10.3f} "
+        f"{get(d['tuned'], 'logps/chosen'):>10.3f}",
+        f"  {'mean log p(rejected)':<32} {get(d['init'], 'logps/rejected'):>10.3f} "
+        f"{get(d['tuned'], 'logps/rejected'):>10.3f}",
+        f"  {'implicit reward accuracy':<32} {'-':>10} {get(d['tuned'], 'rewards/accuracies'):>10.1%}",
+        f"  {'implicit reward margin':<32} {get(d['init'], 'rewards/margins'):>10.3f} "
+        f"{get(d['tuned'], 'rewards/margins'):>10.3f}",
+        f"reward model (Bradley-Terry, from the SFT model): held-out accuracy {get(r['tuned'], 'accuracy'):.1%}, "
+        f"mean margin {get(r['tuned'], 'margin'):.3f} (untrained head: {get(r['init'], 'accuracy'):.1%})",
+    ]
 
 
 def _distill_lines(d: dict, vs: dict | None) -> list[str]:
     nan = float("nan")
-    line = (f"distillation (student d_model 64, teacher: the GRPO model, d_model 128; {d.get('steps')} steps, as "
-            f"SFT alone): held-out top-1 agreement with the teacher {d.get('top1_agreement') or nan:.1%}, "
-            f"response loss {d.get('response_loss') or nan:.4f}")
+    line = (
+        f"distillation (student d_model 64, teacher: the GRPO model, d_model 128; {d.get('steps')} steps, as "
+        f"SFT alone): held-out top-1 agreement with the teacher {d.get('top1_agreement') or nan:.1%}, "
+        f"response loss {d.get('response_loss') or nan:.4f}"
+    )
     if vs:
-        line += (f"; exact match distilled - SFT alone: {100 * vs['diff']:+.1f} pts "
-                 f"[{100 * vs['ci95'][0]:+.1f}, {100 * vs['ci95'][1]:+.1f}]")
+        line += (
+            f"; exact match distilled - SFT alone: {100 * vs['diff']:+.1f} pts "
+            f"[{100 * vs['ci95'][0]:+.1f}, {100 * vs['ci95'][1]:+.1f}]"
+        )
     return [line]
-

@@ -42,16 +42,25 @@ def _served(loaded, conversations: list, clients: int) -> dict:
     from lm.infer.serve.server import InThread
 
     session = Session(loaded)
-    offline = exact_match(session.built.module, session.params, loaded.tokenizer, conversations,
-                          max_new_tokens=MAX_NEW, mesh=session.built.mesh, rules=session.built.rules, keep=len(conversations))
+    offline = exact_match(
+        session.built.module,
+        session.params,
+        loaded.tokenizer,
+        conversations,
+        max_new_tokens=MAX_NEW,
+        mesh=session.built.mesh,
+        rules=session.built.rules,
+        keep=len(conversations),
+    )
     backend = EngineBackend(session, "grpo", config=EngineConfig(slots=clients, idle_block=16))
     with InThread(make_app(backend)) as server:
         client = OpenAI(base_url=server.url + "/v1", api_key="unused", max_retries=0)
 
         def ask(messages):
             t0 = time.perf_counter()
-            reply = client.chat.completions.create(model="grpo", messages=messages[:-1], temperature=0,
-                                                   max_tokens=MAX_NEW)
+            reply = client.chat.completions.create(
+                model="grpo", messages=messages[:-1], temperature=0, max_tokens=MAX_NEW
+            )
             return reply.choices[0].message.content, time.perf_counter() - t0
 
         ask(conversations[0])  # compiles the first shapes: the figures below are of a warm server
@@ -63,9 +72,15 @@ def _served(loaded, conversations: list, clients: int) -> dict:
     right = [a.strip() == c[-1]["content"].strip() for (a, _), c in zip(answers, conversations)]
     same = [a == e[2] for (a, _), e in zip(answers, offline["examples"])]
     latency = np.asarray([t for _, t in answers])
-    return {"n": len(conversations), "clients": clients, "exact_match": sum(right) / len(right),
-            "same_as_offline": int(sum(same)), "requests_per_s": len(conversations) / wall,
-            "p50_s": float(np.percentile(latency, 50)), "p99_s": float(np.percentile(latency, 99))}
+    return {
+        "n": len(conversations),
+        "clients": clients,
+        "exact_match": sum(right) / len(right),
+        "same_as_offline": int(sum(same)),
+        "requests_per_s": len(conversations) / wall,
+        "p50_s": float(np.percentile(latency, 50)),
+        "p99_s": float(np.percentile(latency, 99)),
+    }
 
 
 def _quantized(loaded, conversations: list) -> dict:
@@ -73,8 +88,15 @@ def _quantized(loaded, conversations: list) -> dict:
     rows = {}
     for mode in ("none", "int8", "int4"):
         session = Session(loaded, quantize=mode)
-        done = exact_match(session.built.module, session.params, loaded.tokenizer, conversations,
-                           max_new_tokens=MAX_NEW, mesh=session.built.mesh, rules=session.built.rules)
+        done = exact_match(
+            session.built.module,
+            session.params,
+            loaded.tokenizer,
+            conversations,
+            max_new_tokens=MAX_NEW,
+            mesh=session.built.mesh,
+            rules=session.built.rules,
+        )
         rows[mode] = {"exact_match": done["exact_match"], "weight_bytes": weight_bytes(session.params)["all"]}
     return rows
 
@@ -90,25 +112,35 @@ def _speculative(loaded, student, conversations: list) -> dict:
     for name, draft in (("student", DraftModel(*on_one_device(student))), ("ngram", "ngram")):
         spec = SpeculativeDecoder(model, params, greedy, draft=draft, k=4, eos_id=template.stop_ids)(prompts)
         same = sum(np.array_equal(a, b) for a, b in zip(spec.ids, plain.ids))
-        out[name] = {"n": len(prompts), "same_as_plain": int(same), "acceptance": spec.acceptance_rate,
-                     "tokens_per_call": spec.tokens_per_call}
+        out[name] = {
+            "n": len(prompts),
+            "same_as_plain": int(same),
+            "acceptance": spec.acceptance_rate,
+            "tokens_per_call": spec.tokens_per_call,
+        }
     return out
 
 
 def serving_lines(s: dict) -> list[str]:
     """The evidence table's lines for the serving stage."""
     sv, q = s["served"], s["quantized"]
-    lines = [f"lm serve (OpenAI API, {sv['clients']} concurrent clients, continuous batching): {sv['n']} held-out chat "
-             f"requests, exact match {sv['exact_match']:.1%}, {sv['same_as_offline']}/{sv['n']} answers equal the "
-             f"offline engine's; {sv['requests_per_s']:.1f} requests/s, latency p50 {sv['p50_s']:.2f} s, "
-             f"p99 {sv['p99_s']:.2f} s",
-             "weight-only quantization of the GRPO model (held-out exact match, weight bytes):"]
+    lines = [
+        f"lm serve (OpenAI API, {sv['clients']} concurrent clients, continuous batching): {sv['n']} held-out chat "
+        f"requests, exact match {sv['exact_match']:.1%}, {sv['same_as_offline']}/{sv['n']} answers equal the "
+        f"offline engine's; {sv['requests_per_s']:.1f} requests/s, latency p50 {sv['p50_s']:.2f} s, "
+        f"p99 {sv['p99_s']:.2f} s",
+        "weight-only quantization of the GRPO model (held-out exact match, weight bytes):",
+    ]
     float_bytes = q["none"]["weight_bytes"]
     for mode, r in q.items():
-        lines.append(f"  {mode if mode != 'none' else 'float32':8} {r['exact_match']:6.1%}  "
-                     f"{r['weight_bytes'] / 2**20:6.2f} MiB ({r['weight_bytes'] / float_bytes:.2f}x)")
+        lines.append(
+            f"  {mode if mode != 'none' else 'float32':8} {r['exact_match']:6.1%}  "
+            f"{r['weight_bytes'] / 2**20:6.2f} MiB ({r['weight_bytes'] / float_bytes:.2f}x)"
+        )
     for name, r in s["speculative"].items():
-        lines.append(f"speculative decoding, {name} drafts (k=4): {r['same_as_plain']}/{r['n']} greedy answers equal "
-                     f"plain decoding, {r['acceptance']:.0%} of drafts kept, {r['tokens_per_call']:.2f} tokens per "
-                     "target pass")
+        lines.append(
+            f"speculative decoding, {name} drafts (k=4): {r['same_as_plain']}/{r['n']} greedy answers equal "
+            f"plain decoding, {r['acceptance']:.0%} of drafts kept, {r['tokens_per_call']:.2f} tokens per "
+            "target pass"
+        )
     return lines

@@ -36,17 +36,36 @@ def read_conversations(path, limit: int = 0) -> list[list[dict]]:
     return out
 
 
-def exact_match(model, params, tokenizer, conversations: list, *, max_new_tokens: int, mesh=None, rules=(),
-                batch_size: int = 64, keep: int = 5) -> dict:
+def exact_match(
+    model,
+    params,
+    tokenizer,
+    conversations: list,
+    *,
+    max_new_tokens: int,
+    mesh=None,
+    rules=(),
+    batch_size: int = 64,
+    keep: int = 5,
+) -> dict:
     """{'exact_match', 'n', 'examples': the first `keep` (prompt, reference, answer)}."""
     template = ChatTemplate.for_tokenizer(tokenizer)
     prompts = [template.prompt(c[:-1]) for c in conversations]
     room = generation_context(model.spec) - max(len(p) for p in prompts)
     if room < 1:
         raise UserError("exact match: a held-out prompt fills the model's whole context")
-    done = completions(model, params, tokenizer, prompts, max_new_tokens=min(max_new_tokens, room),
-                       stop=template.stop_strings, eos_ids=template.stop_ids, mesh=mesh, rules=rules,
-                       batch_size=batch_size)
+    done = completions(
+        model,
+        params,
+        tokenizer,
+        prompts,
+        max_new_tokens=min(max_new_tokens, room),
+        stop=template.stop_strings,
+        eos_ids=template.stop_ids,
+        mesh=mesh,
+        rules=rules,
+        batch_size=batch_size,
+    )
     answers = [r["text"] for r in done]
     right = [a.strip() == c[-1]["content"].strip() for a, c in zip(answers, conversations)]
     examples = [(c[-2]["content"], c[-1]["content"], a) for c, a in zip(conversations[:keep], answers)]
@@ -67,8 +86,15 @@ def plain_model(config, params):
 def answer_accuracy(config, params, tokenizer, conversations, max_new_tokens: int) -> dict:
     """Exact match of greedy answers of a model (adapters folded in) on its config's mesh."""
     built, params = plain_model(config, params)
-    return exact_match(built.module, params, tokenizer, conversations, max_new_tokens=max_new_tokens,
-                       mesh=built.mesh, rules=built.rules)
+    return exact_match(
+        built.module,
+        params,
+        tokenizer,
+        conversations,
+        max_new_tokens=max_new_tokens,
+        mesh=built.mesh,
+        rules=built.rules,
+    )
 
 
 def compare_answers(loaded, config, params, path, examples: int, max_new_tokens: int) -> dict:
@@ -77,7 +103,13 @@ def compare_answers(loaded, config, params, path, examples: int, max_new_tokens:
     conversations = read_conversations(path, examples)
     before = answer_accuracy(loaded.config, loaded.params, loaded.tokenizer, conversations, max_new_tokens)
     after = answer_accuracy(config, params, loaded.tokenizer, conversations, max_new_tokens)
-    print(f"exact match of greedy answers on {after['n']} held-out prompts: init {before['exact_match']:.1%}"
-          f" -> tuned {after['exact_match']:.1%}")
-    return {"exact_match_init": before["exact_match"], "exact_match": after["exact_match"],
-            "exact_match_n": after["n"], "answers": after["examples"]}
+    print(
+        f"exact match of greedy answers on {after['n']} held-out prompts: init {before['exact_match']:.1%}"
+        f" -> tuned {after['exact_match']:.1%}"
+    )
+    return {
+        "exact_match_init": before["exact_match"],
+        "exact_match": after["exact_match"],
+        "exact_match_n": after["n"],
+        "answers": after["examples"],
+    }

@@ -3,8 +3,9 @@
 An example is {"context", "choices": [...], "answer": index or the right choice's text}. Each
 choice is scored as a continuation of the context (joined by one space); the model's pick is
 the choice with the highest summed log-prob (acc) or the highest log-prob per character of the
-choice (acc_norm, which does not favour short choices; lm-evaluation-harness's definition). With k shots, k other examples of the
-file (drawn with a fixed seed, per example) precede the context, each with its right answer.
+choice (acc_norm, which does not favour short choices; lm-evaluation-harness's definition). With k
+shots, k other examples of the file (drawn with a fixed seed, per example) precede the context,
+each with its right answer.
 Calibration: the choice probabilities are the softmax of the summed log-probs; the expected
 calibration error bins the top choice's probability into 10 equal bins and averages
 |accuracy - confidence| weighted by the bin's share of examples.
@@ -24,14 +25,21 @@ ECE_BINS = 10
 def parse_choice(obj: dict, where: str) -> dict:
     """A checked example: {'context', 'choices', 'answer' (index)}."""
     ctx, choices, answer = obj.get("context"), obj.get("choices"), obj.get("answer")
-    if not isinstance(ctx, str) or not isinstance(choices, list) or len(choices) < 2 or \
-            not all(isinstance(c, str) and c for c in choices):
-        raise UserError(f"{where}: expected {{\"context\": str, \"choices\": [two or more non-empty str], "
-                        "\"answer\": index or choice}")
+    if (
+        not isinstance(ctx, str)
+        or not isinstance(choices, list)
+        or len(choices) < 2
+        or not all(isinstance(c, str) and c for c in choices)
+    ):
+        raise UserError(
+            f'{where}: expected {{"context": str, "choices": [two or more non-empty str], "answer": index or choice}}'
+        )
     if isinstance(answer, str) and answer in choices:
         answer = choices.index(answer)
     if isinstance(answer, bool) or not isinstance(answer, int) or not 0 <= answer < len(choices):
-        raise UserError(f"{where}: 'answer' is {answer!r}; expected an index below {len(choices)} or one of the choices")
+        raise UserError(
+            f"{where}: 'answer' is {answer!r}; expected an index below {len(choices)} or one of the choices"
+        )
     return {"context": ctx, "choices": choices, "answer": answer}
 
 
@@ -79,10 +87,12 @@ def score_choices(scorer, examples: list[dict], shots: int = 0, seed: int = 0, p
         conf.append(float(probs.max()))
         p_answer.append(float(probs[ex["answer"]]))
     per = {"acc": acc, "acc_norm": acc_norm, "p_answer": p_answer}
-    metrics = {"acc": float(np.mean(acc)), "acc_norm": float(np.mean(acc_norm)),
-               "ece": expected_calibration_error(conf, acc)}
-    return {"metrics": metrics, "per_example": per, "n": len(examples),
-            "truncated": sum(s.truncated for s in scores)}
+    metrics = {
+        "acc": float(np.mean(acc)),
+        "acc_norm": float(np.mean(acc_norm)),
+        "ece": expected_calibration_error(conf, acc),
+    }
+    return {"metrics": metrics, "per_example": per, "n": len(examples), "truncated": sum(s.truncated for s in scores)}
 
 
 def expected_calibration_error(confidence, correct, bins: int = ECE_BINS) -> float:

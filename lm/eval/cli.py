@@ -10,10 +10,14 @@ from lm.verb import add_distributed, is_main, start_distributed
 
 
 def add_parser(sub) -> None:
-    p = sub.add_parser("eval", epilog="--config.mesh.KEY=VALUE / --config.eval.KEY=VALUE: the mesh and batch "
-                       "size to evaluate with (default: the run's own)", help="evaluate a model: bits per byte, multiple choice, generation tasks",
-                       description="Scores a run or an export on tasks given as [NAME=]PATH[?key=value&...] "
-                                   "(lm/eval/tasks.py lists the kinds and options), or compares two reports.")
+    p = sub.add_parser(
+        "eval",
+        epilog="--config.mesh.KEY=VALUE / --config.eval.KEY=VALUE: the mesh and batch "
+        "size to evaluate with (default: the run's own)",
+        help="evaluate a model: bits per byte, multiple choice, generation tasks",
+        description="Scores a run or an export on tasks given as [NAME=]PATH[?key=value&...] "
+        "(lm/eval/tasks.py lists the kinds and options), or compares two reports.",
+    )
     src = p.add_mutually_exclusive_group()
     src.add_argument("--workdir", help="an `lm train`/`sft`/`dpo`/`rl` workdir (its newest checkpoint)")
     src.add_argument("--params", help="an `lm export` (directory or .safetensors)")
@@ -24,13 +28,18 @@ def add_parser(sub) -> None:
     p.add_argument("--batch-size", type=int, default=0, help="rows per scoring batch (default: eval.batch_size)")
     p.add_argument("--tokenizer", help="a sentencepiece .model (default: the one the model was trained with)")
     p.add_argument("--no-progress", action="store_true", help="no progress bars")
-    p.add_argument("--quantize", choices=("none", "int8", "int4"), default="none",
-                   help="weight-only quantization of the model for this evaluation (int8 per channel, int4 per group)")
+    p.add_argument(
+        "--quantize",
+        choices=("none", "int8", "int4"),
+        default="none",
+        help="weight-only quantization of the model for this evaluation (int8 per channel, int4 per group)",
+    )
     add_distributed(p)
 
 
-def evaluate(loaded, specs: list[str], batch_size: int = 0, progress: bool = True, overrides=(),
-             quantize: str = "none") -> dict:
+def evaluate(
+    loaded, specs: list[str], batch_size: int = 0, progress: bool = True, overrides=(), quantize: str = "none"
+) -> dict:
     """The report of `specs` (task specs) for a loaded model (lm.store.load.Loaded). overrides:
     `mesh.*` / `eval.*` config keys for this evaluation (e.g. a smaller mesh than training's)."""
     from tqdm import tqdm
@@ -81,8 +90,14 @@ def run(args, overrides=()) -> int:
 
     # every process scores every request (the model spans them all) and so holds the whole report
     main = is_main()
-    report = evaluate(load_trained(args.workdir, args.params, args.tokenizer), args.tasks, args.batch_size,
-                      not args.no_progress and main, overrides, args.quantize)
+    report = evaluate(
+        load_trained(args.workdir, args.params, args.tokenizer),
+        args.tasks,
+        args.batch_size,
+        not args.no_progress and main,
+        overrides,
+        args.quantize,
+    )
     if main:
         print(table(report))
         if args.out:

@@ -10,9 +10,21 @@ from lm.infer.sampling import SamplingParams
 from lm.infer.text import complete_ids
 
 
-def completions(model, params, tokenizer, prompts: list, *, max_new_tokens: int, stop: tuple[str, ...] = (),
-                eos_ids: tuple[int, ...] | None = None, mesh=None, rules=(), batch_size: int = 64,
-                temperature: float = 0.0, seed: int = 0) -> list[dict]:
+def completions(
+    model,
+    params,
+    tokenizer,
+    prompts: list,
+    *,
+    max_new_tokens: int,
+    stop: tuple[str, ...] = (),
+    eos_ids: tuple[int, ...] | None = None,
+    mesh=None,
+    rules=(),
+    batch_size: int = 64,
+    temperature: float = 0.0,
+    seed: int = 0,
+) -> list[dict]:
     """{'text', 'ids', 'finish_reason', 'prompt_cut'} per prompt (token ids). A prompt that leaves
     fewer than max_new_tokens positions in the model's context loses its oldest tokens
     (prompt_cut counts them); greedy unless temperature > 0."""
@@ -20,8 +32,9 @@ def completions(model, params, tokenizer, prompts: list, *, max_new_tokens: int,
     new = max(1, min(max_new_tokens, max_len - 1))
     sampling = SamplingParams(max_new_tokens=new, temperature=temperature, seed=seed)
     config = EngineConfig(slots=max(1, min(batch_size, len(prompts))))
-    generator = Generator(model, params, sampling, eos_id=eos_ids or (tokenizer.eos_id,), mesh=mesh, rules=rules,
-                          config=config)
+    generator = Generator(
+        model, params, sampling, eos_id=eos_ids or (tokenizer.eos_id,), mesh=mesh, rules=rules, config=config
+    )
     batch = [[int(t) for t in p] for p in prompts]
     cuts = [max(0, len(p) - (max_len - new)) for p in batch]
     done = complete_ids(generator, tokenizer, [p[c:] for p, c in zip(batch, cuts)], stop=tuple(stop))

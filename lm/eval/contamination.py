@@ -50,8 +50,7 @@ MIN_WORDS = 8
 CHUNK_BYTES = 4 << 20  # training text hashed per numpy pass
 SAMPLES = 5  # matched n-grams shown per eval file
 TRAIN_KEYS = ("text", "prompt", "answer", "chosen", "rejected", "messages")
-SHAPES = ('{"context", "choices", "answer"}, {"prompt", "answer"}, {"messages": [{"role", "content"}, ...]} '
-          'or {"text"}')
+SHAPES = '{"context", "choices", "answer"}, {"prompt", "answer"}, {"messages": [{"role", "content"}, ...]} or {"text"}'
 
 
 def example_text(obj: dict, where: str) -> str:
@@ -60,8 +59,12 @@ def example_text(obj: dict, where: str) -> str:
         choices, answer = obj["choices"], obj.get("answer")
         if isinstance(answer, str) and answer in choices:
             answer = choices.index(answer)
-        if isinstance(answer, int) and not isinstance(answer, bool) and 0 <= answer < len(choices) \
-                and isinstance(choices[answer], str):
+        if (
+            isinstance(answer, int)
+            and not isinstance(answer, bool)
+            and 0 <= answer < len(choices)
+            and isinstance(choices[answer], str)
+        ):
             return f"{obj['context']} {choices[answer]}"
         raise UserError(f"{where}: 'answer' is {answer!r}; expected an index into 'choices' or one of them")
     if isinstance(obj.get("messages"), list):
@@ -122,8 +125,9 @@ def _train_text(obj) -> str:
     """All the text of one training JSONL record."""
     texts = [s for k in TRAIN_KEYS if isinstance(obj, dict) for s in _strings(obj.get(k))]
     if not texts:
-        raise ValueError('no text; expected {"text"}, chat {"messages"}, {"prompt", "answer"} or '
-                         '{"prompt", "chosen", "rejected"}')
+        raise ValueError(
+            'no text; expected {"text"}, chat {"messages"}, {"prompt", "answer"} or {"prompt", "chosen", "rejected"}'
+        )
     return " ".join(texts)
 
 
@@ -156,6 +160,7 @@ def training_source(spec: str, tokenizer=None):
                 ids = shards.doc(i)
                 text = tok.decode(ids[:-1] if len(ids) and ids[-1] == tok.eos_id else ids)
                 yield text, len(text.encode("utf-8"))
+
         return shards.manifest["n_bytes"], docs()
     _, files = resolve_corpus(spec, "--train")
     if pathlib.Path(spec).is_file() and not is_jsonl(pathlib.Path(spec)):  # directories skip binary files
@@ -168,6 +173,7 @@ def training_source(spec: str, tokenizer=None):
             else:
                 for doc, _ in iter_documents(path):
                     yield doc.decode("utf-8", errors="replace"), len(doc)
+
     return sum(p.stat().st_size for p in files), docs()
 
 
@@ -184,8 +190,10 @@ def _check_text(path: pathlib.Path, block: int = 1 << 20) -> None:
             except UnicodeDecodeError as e:
                 problem = problem or f"not UTF-8 at byte {offset - pending + e.start + 1}"
             if problem:
-                raise UserError(f"--train {path}: not a text file ({problem}); expected UTF-8 text, JSONL "
-                                "or a token shard directory (`lm tokenize`)")
+                raise UserError(
+                    f"--train {path}: not a text file ({problem}); expected UTF-8 text, JSONL "
+                    "or a token shard directory (`lm tokenize`)"
+                )
             if not data:
                 return
             offset += len(data)
@@ -212,8 +220,13 @@ def scan(sources, index: EvalNgrams, word_hashes, progress: bool = True) -> tupl
 
     found = {k: np.zeros(0, np.uint64) for k in index.grams}
     stats, t0 = {"documents": 0, "bytes": 0}, time.perf_counter()
-    with tqdm(total=sum(total for total, _ in sources), unit="B", unit_scale=True, desc="contamination",
-              disable=not bars(progress)) as bar:
+    with tqdm(
+        total=sum(total for total, _ in sources),
+        unit="B",
+        unit_scale=True,
+        desc="contamination",
+        disable=not bars(progress),
+    ) as bar:
         for texts, size in _chunks(sources, bar):
             ws = [ngrams.fast_words(t) for t in texts]
             docs = np.repeat(np.arange(len(ws)), [len(w) for w in ws])
@@ -233,8 +246,15 @@ def _task_key(path: str, taken: dict) -> str:
     return stem if stem not in taken else path
 
 
-def check(train_specs: list[str], eval_files: list[str], *, n: int = N, min_words: int | None = None,
-          tokenizer=None, progress: bool = True) -> dict:
+def check(
+    train_specs: list[str],
+    eval_files: list[str],
+    *,
+    n: int = N,
+    min_words: int | None = None,
+    tokenizer=None,
+    progress: bool = True,
+) -> dict:
     """The contamination report of `eval_files` (task JSONL) against the training inputs.
 
     `min_words` defaults to min(MIN_WORDS, n); `tokenizer` ('byte', a .model path or a tokenizer)
@@ -261,12 +281,22 @@ def check(train_specs: list[str], eval_files: list[str], *, n: int = N, min_word
         too_short = [examples[i][1] for i in mine if int(index.lengths[i]) < min_words]
         short = len(too_short)
         dirty = [i for i in mine if i in first_hit]
-        samples = [{"id": examples[i][1], "ngram": " ".join(index.words[i][s: s + k])}
-                   for i in dirty[:SAMPLES] for s, k in [first_hit[i]]]
+        samples = [
+            {"id": examples[i][1], "ngram": " ".join(index.words[i][s : s + k])}
+            for i in dirty[:SAMPLES]
+            for s, k in [first_hit[i]]
+        ]
         tasks[_task_key(f, tasks)] = {
-            "path": f, "examples": len(mine), "checked": len(mine) - short, "too_short": short,
-            "contaminated": len(dirty), "fraction": len(dirty) / (len(mine) - short) if len(mine) > short else None,
-            "ids": [examples[i][1] for i in dirty], "too_short_ids": too_short, "samples": samples}
+            "path": f,
+            "examples": len(mine),
+            "checked": len(mine) - short,
+            "too_short": short,
+            "contaminated": len(dirty),
+            "fraction": len(dirty) / (len(mine) - short) if len(mine) > short else None,
+            "ids": [examples[i][1] for i in dirty],
+            "too_short_ids": too_short,
+            "samples": samples,
+        }
     seconds = stats["seconds"]
     train = {"specs": list(train_specs), **stats, "mb_per_s": stats["bytes"] / 1e6 / max(seconds, 1e-9)}
     return {"n": n, "min_words": min_words, "train": train, "tasks": tasks}
@@ -297,33 +327,44 @@ def clean_subset(eval_report: dict, contamination: dict) -> dict:
         short = set(match[0].get("too_short_ids", ()))
         for metric, values in entry["per_example"].items():
             if len(values) != len(ids):
-                raise UserError(f"eval report task '{name}': {len(values)} '{metric}' scores for {len(ids)} "
-                                "example_ids; expected one per example (an `lm eval --out` report)")
+                raise UserError(
+                    f"eval report task '{name}': {len(values)} '{metric}' scores for {len(ids)} "
+                    "example_ids; expected one per example (an `lm eval --out` report)"
+                )
         keep = np.array([i not in dirty and i not in short for i in ids], bool)
-        out[name] = {"n_clean": int(keep.sum()), "n_contaminated": sum(i in dirty for i in ids),
-                     "n_too_short": sum(i in short for i in ids),
-                     "metrics_all": _metrics(entry, np.ones(len(ids), bool)),
-                     "metrics_clean": _metrics(entry, keep) if keep.any() else {}}
+        out[name] = {
+            "n_clean": int(keep.sum()),
+            "n_contaminated": sum(i in dirty for i in ids),
+            "n_too_short": sum(i in short for i in ids),
+            "metrics_all": _metrics(entry, np.ones(len(ids), bool)),
+            "metrics_clean": _metrics(entry, keep) if keep.any() else {},
+        }
     return out
 
 
 def table(report: dict, clean: dict | None = None) -> str:
     """Per eval file: examples, checked, contaminated, fraction (and the clean-subset scores)."""
     t = report["train"]
-    lines = [f"{report['n']}-gram overlap with {t['documents']:,} training documents "
-             f"({t['bytes'] / 1e6:,.1f} MB, {t['mb_per_s']:.1f} MB/s)",
-             f"{'eval file':<24} {'examples':>8} {'checked':>8} {'contam.':>8} {'fraction':>9}"]
+    lines = [
+        f"{report['n']}-gram overlap with {t['documents']:,} training documents "
+        f"({t['bytes'] / 1e6:,.1f} MB, {t['mb_per_s']:.1f} MB/s)",
+        f"{'eval file':<24} {'examples':>8} {'checked':>8} {'contam.':>8} {'fraction':>9}",
+    ]
     for name, r in report["tasks"].items():
         fraction = "n/a" if r["fraction"] is None else f"{r['fraction']:.2%}"
         lines.append(f"{name:<24} {r['examples']:>8} {r['checked']:>8} {r['contaminated']:>8} {fraction:>9}")
         if r["fraction"] is None:
-            lines.append(f"    n/a: all {r['examples']} examples are shorter than --min-words ({report['min_words']} "
-                         "words), too short to check")
-        lines += [f"    line {s['id']}: \"{s['ngram']}\"" for s in r["samples"]]
+            lines.append(
+                f"    n/a: all {r['examples']} examples are shorter than --min-words ({report['min_words']} "
+                "words), too short to check"
+            )
+        lines += [f'    line {s["id"]}: "{s["ngram"]}"' for s in r["samples"]]
     for name, c in (clean or {}).items():
         short = c.get("n_too_short", 0)
-        lines.append(f"{name}: clean {c['n_clean']}, contaminated {c['n_contaminated']}"
-                     + (f", n/a: too short {short}" if short else ""))
+        lines.append(
+            f"{name}: clean {c['n_clean']}, contaminated {c['n_contaminated']}"
+            + (f", n/a: too short {short}" if short else "")
+        )
         for m, v in c["metrics_all"].items():
             after = c["metrics_clean"].get(m)
             shown = f"{after:>10.4f}" if after is not None else ("n/a: too short" if short else "n/a")

@@ -28,17 +28,30 @@ def parse_generation(obj: dict, where: str) -> dict:
     """A checked example: {'messages' (the prompt turns) or 'prompt', 'answers': [str], 'record'}."""
     if isinstance(obj.get("messages"), list):
         msgs = obj["messages"]
-        if len(msgs) < 2 or not isinstance(msgs[-1], dict) or msgs[-1].get("role") != "assistant" or \
-                not isinstance(msgs[-1].get("content"), str):
-            raise UserError(f"{where}: a chat example needs a prompt turn and must end with an assistant turn "
-                            "(the reference answer)")
+        if (
+            len(msgs) < 2
+            or not isinstance(msgs[-1], dict)
+            or msgs[-1].get("role") != "assistant"
+            or not isinstance(msgs[-1].get("content"), str)
+        ):
+            raise UserError(
+                f"{where}: a chat example needs a prompt turn and must end with an assistant turn "
+                "(the reference answer)"
+            )
         return {"messages": msgs[:-1], "answers": [msgs[-1]["content"]], "record": obj}
     prompt, answer = obj.get("prompt"), obj.get("answer")
     answers = [answer] if isinstance(answer, str) else answer
-    if not isinstance(prompt, str) or not prompt or not isinstance(answers, list) or not answers or \
-            not all(isinstance(a, str) for a in answers):
-        raise UserError(f"{where}: expected {{\"prompt\": str, \"answer\": str or [str]}} or "
-                        "{\"messages\": [..., {\"role\": \"assistant\", ...}]}")
+    if (
+        not isinstance(prompt, str)
+        or not prompt
+        or not isinstance(answers, list)
+        or not answers
+        or not all(isinstance(a, str) for a in answers)
+    ):
+        raise UserError(
+            f'{where}: expected {{"prompt": str, "answer": str or [str]}} or '
+            '{"messages": [..., {"role": "assistant", ...}]}'
+        )
     return {"prompt": prompt, "answers": answers, "record": obj}
 
 
@@ -80,13 +93,22 @@ def _import(module: str, package: str):
 def prompt_ids(examples: list[dict], tokenizer, chat: bool) -> list:
     if not chat:
         if any("prompt" not in ex for ex in examples):
-            raise UserError("chat=false needs {\"prompt\"} examples; chat lines go through the chat template")
+            raise UserError('chat=false needs {"prompt"} examples; chat lines go through the chat template')
         return [tokenizer.encode(ex["prompt"]) for ex in examples]
     return chat_prompts(tokenizer, [ex.get("messages") or ex["prompt"] for ex in examples])[0]
 
 
-def score_generation(scorer_model, examples: list[dict], *, scorer: str = "exact", checker: str = "",
-                     chat: bool = True, max_new_tokens: int = 64, stop: tuple[str, ...] = ("\n",), keep: int = 5) -> dict:
+def score_generation(
+    scorer_model,
+    examples: list[dict],
+    *,
+    scorer: str = "exact",
+    checker: str = "",
+    chat: bool = True,
+    max_new_tokens: int = 64,
+    stop: tuple[str, ...] = ("\n",),
+    keep: int = 5,
+) -> dict:
     """{'metrics': {scorer: mean}, 'per_example': {scorer: [...]}, 'samples': first `keep`}.
     scorer_model: a lm.eval.loglik.Scorer (its model, params, mesh and batch size)."""
     m, tok = scorer_model, scorer_model.tokenizer
@@ -95,8 +117,18 @@ def score_generation(scorer_model, examples: list[dict], *, scorer: str = "exact
     if chat:
         template = ChatTemplate.for_tokenizer(tok)
         stop_strings, eos = template.stop_strings, template.stop_ids
-    done = completions(m.model, m.params, tok, prompt_ids(examples, tok, chat), max_new_tokens=max_new_tokens,
-                       stop=stop_strings, eos_ids=eos, mesh=m.mesh, rules=m.rules, batch_size=m.batch_size)
+    done = completions(
+        m.model,
+        m.params,
+        tok,
+        prompt_ids(examples, tok, chat),
+        max_new_tokens=max_new_tokens,
+        stop=stop_strings,
+        eos_ids=eos,
+        mesh=m.mesh,
+        rules=m.rules,
+        batch_size=m.batch_size,
+    )
     preds = [r["text"] for r in done]
     values = [score(p, ex) for p, ex in zip(preds, examples)]
     metrics = {scorer: sum(values) / len(values)}
@@ -104,7 +136,18 @@ def score_generation(scorer_model, examples: list[dict], *, scorer: str = "exact
         bleu = _import("sacrebleu", "sacrebleu")
         refs = [[ex["answers"][0] for ex in examples]]
         metrics["corpus_bleu"] = bleu.corpus_bleu(preds, refs).score / 100.0
-    samples = [{"prompt": ex.get("prompt") or ex["messages"][-1].get("content"), "reference": ex["answers"][0],
-                "prediction": p} for ex, p in zip(examples[:keep], preds)]
-    return {"metrics": metrics, "per_example": {scorer: values}, "n": len(values), "samples": samples,
-            "prompt_cut": sum(1 for r in done if r["prompt_cut"])}
+    samples = [
+        {
+            "prompt": ex.get("prompt") or ex["messages"][-1].get("content"),
+            "reference": ex["answers"][0],
+            "prediction": p,
+        }
+        for ex, p in zip(examples[:keep], preds)
+    ]
+    return {
+        "metrics": metrics,
+        "per_example": {scorer: values},
+        "n": len(values),
+        "samples": samples,
+        "prompt_cut": sum(1 for r in done if r["prompt_cut"]),
+    }

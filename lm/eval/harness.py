@@ -37,13 +37,24 @@ class HarnessModel(LM):
     """An `lm` run (workdir=, step=) or export (params=) as a harness model; batch_size= rows per
     batch (default: the run's eval.batch_size). scorer=: an lm.eval.loglik.Scorer already built."""
 
-    def __init__(self, workdir: str | None = None, params: str | None = None, tokenizer: str | None = None,
-                 step: int | None = None, batch_size: int | str | None = None, scorer=None,
-                 max_batch_size=None, device=None, **unknown):
+    def __init__(
+        self,
+        workdir: str | None = None,
+        params: str | None = None,
+        tokenizer: str | None = None,
+        step: int | None = None,
+        batch_size: int | str | None = None,
+        scorer=None,
+        max_batch_size=None,
+        device=None,
+        **unknown,
+    ):
         super().__init__()  # max_batch_size, device: the harness passes them; the mesh decides placement
         if unknown:
-            raise UserError(f"lm harness: unknown model argument(s) {', '.join(sorted(unknown))}; "
-                            "expected workdir, params, tokenizer, step, batch_size")
+            raise UserError(
+                f"lm harness: unknown model argument(s) {', '.join(sorted(unknown))}; "
+                "expected workdir, params, tokenizer, step, batch_size"
+            )
         self.source = "a given Scorer"
         if scorer is None:
             from lm.eval.loglik import Scorer
@@ -95,11 +106,21 @@ class HarnessModel(LM):
                 if chat:  # an answer in the chat template also ends at its end marker
                     stop, eos = until + self._template().stop_strings, self._template().stop_ids
                 for start in range(0, len(idx), s.batch_size):
-                    part = idx[start:start + s.batch_size]
+                    part = idx[start : start + s.batch_size]
                     prompts = [self._context(requests[i].args[0]) for i in part]
-                    done = completions(s.model, s.params, self.tok, prompts, max_new_tokens=max_gen, stop=stop,
-                                       eos_ids=eos, mesh=s.mesh, rules=s.rules, batch_size=s.batch_size,
-                                       temperature=temperature)
+                    done = completions(
+                        s.model,
+                        s.params,
+                        self.tok,
+                        prompts,
+                        max_new_tokens=max_gen,
+                        stop=stop,
+                        eos_ids=eos,
+                        mesh=s.mesh,
+                        rules=s.rules,
+                        batch_size=s.batch_size,
+                        temperature=temperature,
+                    )
                     for i, d in zip(part, done):
                         out[i] = d["text"]
                     bar.update(len(part))
@@ -163,7 +184,7 @@ def _windows(ids: list[int], max_len: int) -> list[tuple[list[int], list[int]]]:
     out = []
     for start in range(1, len(ids), max_len):
         end = min(start + max_len, len(ids))
-        out.append((ids[max(0, end - max_len - 1):start], ids[start:end]))
+        out.append((ids[max(0, end - max_len - 1) : start], ids[start:end]))
     return out
 
 
@@ -211,16 +232,29 @@ def _task_manager(tasks: list[str], include_path: str | None):
     manager = TaskManager(include_path=include_path)
     unknown = [t for t in tasks if not manager.match_tasks([t])]
     if unknown:
-        raise UserError(f"lm harness: unknown task(s) {', '.join(unknown)}; a local task is a YAML file in "
-                        "--include-path (see lm-evaluation-harness's task guide)")
+        raise UserError(
+            f"lm harness: unknown task(s) {', '.join(unknown)}; a local task is a YAML file in "
+            "--include-path (see lm-evaluation-harness's task guide)"
+        )
     return manager
 
 
-def run_harness(*, workdir: str | None = None, params: str | None = None, tasks: list[str],
-                include_path: str | None = None, limit: int | None = None, batch_size: int | None = None,
-                num_fewshot: int | None = None, tokenizer: str | None = None, apply_chat_template: bool = False,
-                bootstrap_iters: int = 1000, log_samples: bool = False, verbose: bool = False,
-                model: HarnessModel | None = None) -> dict:
+def run_harness(
+    *,
+    workdir: str | None = None,
+    params: str | None = None,
+    tasks: list[str],
+    include_path: str | None = None,
+    limit: int | None = None,
+    batch_size: int | None = None,
+    num_fewshot: int | None = None,
+    tokenizer: str | None = None,
+    apply_chat_template: bool = False,
+    bootstrap_iters: int = 1000,
+    log_samples: bool = False,
+    verbose: bool = False,
+    model: HarnessModel | None = None,
+) -> dict:
     """lm-evaluation-harness's results dict for `tasks` (its own, or YAML files in include_path)
     on a run (workdir) or an export (params), or on `model`. log_samples: every request and
     response under 'samples'. bootstrap_iters: for standard errors (0: none; the harness bootstraps
@@ -233,9 +267,16 @@ def run_harness(*, workdir: str | None = None, params: str | None = None, tasks:
         manager = _task_manager(tasks, include_path)
         model = model or HarnessModel(workdir, params, tokenizer, batch_size=batch_size)
         try:
-            return simple_evaluate(model=model, tasks=tasks, task_manager=manager, limit=limit,
-                                   num_fewshot=num_fewshot, apply_chat_template=apply_chat_template,
-                                   bootstrap_iters=bootstrap_iters, log_samples=log_samples)
+            return simple_evaluate(
+                model=model,
+                tasks=tasks,
+                task_manager=manager,
+                limit=limit,
+                num_fewshot=num_fewshot,
+                apply_chat_template=apply_chat_template,
+                bootstrap_iters=bootstrap_iters,
+                log_samples=log_samples,
+            )
         except Exception as e:
             task = _downloading_task(e)
             if task is None:
@@ -261,10 +302,12 @@ def _dataset_error(task, error: BaseException) -> str:
     path, subset = getattr(task, "DATASET_PATH", None), getattr(task, "DATASET_NAME", None)
     dataset = f"'{path}'" + (f" (subset '{subset}')" if subset else "")
     reason = " ".join(str(error).split()) or type(error).__name__
-    return (f"lm harness: task '{name}': its dataset {dataset} could not be loaded ({reason}); download it once "
-            "with network access (the datasets library caches it under HF_DATASETS_CACHE, and --offline or "
-            "HF_DATASETS_OFFLINE=1 then reads that cache), or give a local task in --include-path whose YAML reads "
-            "local files (dataset_path: json, dataset_kwargs: {data_files: FILE})")
+    return (
+        f"lm harness: task '{name}': its dataset {dataset} could not be loaded ({reason}); download it once "
+        "with network access (the datasets library caches it under HF_DATASETS_CACHE, and --offline or "
+        "HF_DATASETS_OFFLINE=1 then reads that cache), or give a local task in --include-path whose YAML reads "
+        "local files (dataset_path: json, dataset_kwargs: {data_files: FILE})"
+    )
 
 
 def harness_table(results: dict) -> str:

@@ -10,10 +10,13 @@ from lm.verb import add_distributed, is_main, start_distributed
 
 
 def add_parser(sub) -> None:
-    p = sub.add_parser("harness", help="run lm-evaluation-harness tasks against a run or an export",
-                       description="Any lm-evaluation-harness task, through its model interface (loglikelihood, "
-                                   "loglikelihood_rolling, generate_until) over `lm eval`'s scoring. Local tasks: "
-                                   "YAML files in --include-path. Needs pip install 'lm[harness]'.")
+    p = sub.add_parser(
+        "harness",
+        help="run lm-evaluation-harness tasks against a run or an export",
+        description="Any lm-evaluation-harness task, through its model interface (loglikelihood, "
+        "loglikelihood_rolling, generate_until) over `lm eval`'s scoring. Local tasks: "
+        "YAML files in --include-path. Needs pip install 'lm[harness]'.",
+    )
     src = p.add_mutually_exclusive_group(required=True)
     src.add_argument("--workdir", help="a run (its newest checkpoint)")
     src.add_argument("--params", help="an `lm export`")
@@ -23,8 +26,11 @@ def add_parser(sub) -> None:
     p.add_argument("--num-fewshot", type=int, help="few-shot examples per prompt (default: the task's)")
     p.add_argument("--batch-size", type=int, help="rows per scoring batch (default: eval.batch_size)")
     p.add_argument("--tokenizer", help="a sentencepiece .model (default: the model's own)")
-    p.add_argument("--apply-chat-template", action="store_true",
-                   help="prompts in the chat template (lm.data.chat), few-shot examples as turns")
+    p.add_argument(
+        "--apply-chat-template",
+        action="store_true",
+        help="prompts in the chat template (lm.data.chat), few-shot examples as turns",
+    )
     p.add_argument("--offline", action="store_true", help="never reach the Hugging Face Hub (local datasets only)")
     p.add_argument("--verbose", action="store_true", help="the harness's own info logs and progress bars")
     p.add_argument("--out", help="write the harness's results (JSON) here")
@@ -49,10 +55,18 @@ def run(args, overrides=()) -> int:
 
         setup_logging()
 
-    results = run_harness(workdir=args.workdir, params=args.params, tasks=[t for t in args.tasks.split(",") if t],
-                          include_path=args.include_path, limit=args.limit, batch_size=args.batch_size,
-                          num_fewshot=args.num_fewshot, tokenizer=args.tokenizer,
-                          apply_chat_template=args.apply_chat_template, verbose=args.verbose)
+    results = run_harness(
+        workdir=args.workdir,
+        params=args.params,
+        tasks=[t for t in args.tasks.split(",") if t],
+        include_path=args.include_path,
+        limit=args.limit,
+        batch_size=args.batch_size,
+        num_fewshot=args.num_fewshot,
+        tokenizer=args.tokenizer,
+        apply_chat_template=args.apply_chat_template,
+        verbose=args.verbose,
+    )
     # each process is the harness's only rank (it shards no requests), so all hold the same results
     if is_main():
         print(harness_table(results))

@@ -38,10 +38,20 @@ def compare_with_transformers(workdir, export_dir, conversations_path, n: int = 
         ids = list(ids["input_ids"] if isinstance(ids, dict) else ids)
         same_ids += ids == [int(t) for t in template.prompt(messages)]
         with torch.no_grad():
-            out = model.generate(torch.tensor([ids]), max_new_tokens=max_new_tokens, do_sample=False,
-                                 eos_token_id=stops, pad_token_id=tok.pad_token_id)[0, len(ids):]
+            out = model.generate(
+                torch.tensor([ids]),
+                max_new_tokens=max_new_tokens,
+                do_sample=False,
+                eos_token_id=stops,
+                pad_token_id=tok.pad_token_id,
+            )[0, len(ids) :]
         theirs = tok.decode(out, skip_special_tokens=True)
         same += theirs == mine["text"]
         rows.append({"prompt": messages[-1]["content"], "lm": mine["text"], "transformers": theirs})
-    return {"n": len(rows), "same_answers": same, "same_prompt_ids": same_ids, "examples": rows,
-            "agreement": float(np.mean([r["lm"] == r["transformers"] for r in rows])) if rows else 0.0}
+    return {
+        "n": len(rows),
+        "same_answers": same,
+        "same_prompt_ids": same_ids,
+        "examples": rows,
+        "agreement": float(np.mean([r["lm"] == r["transformers"] for r in rows])) if rows else 0.0,
+    }

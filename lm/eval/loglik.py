@@ -54,7 +54,7 @@ def _row(context, continuation, max_len: int) -> tuple[np.ndarray, int, bool]:
     ids = np.concatenate([np.asarray(context, np.int32), np.asarray(continuation, np.int32)])
     cut = len(ids) > max_len + 1
     if cut:
-        ids = ids[-(max_len + 1):]
+        ids = ids[-(max_len + 1) :]
     return ids, min(len(continuation), len(ids) - 1), cut
 
 
@@ -67,8 +67,9 @@ class Scorer:
         self.max_len = max_len or model.spec.max_seq_len
         self.bytes_table = jnp.asarray(_padded(token_bytes(tokenizer), model.spec.vocab_size))
         # replicated results: every process of a multi-host mesh reads all rows
-        self._score_rows = jax.jit(functools.partial(_score_rows, model),
-                                   out_shardings=NamedSharding(mesh, PartitionSpec()))
+        self._score_rows = jax.jit(
+            functools.partial(_score_rows, model), out_shardings=NamedSharding(mesh, PartitionSpec())
+        )
 
     @classmethod
     def from_loaded(cls, loaded, batch_size: int | None = None, config=None, quantize: str | None = None) -> "Scorer":
@@ -78,12 +79,19 @@ class Scorer:
         built = build_model(config)
         batch_size = batch_size or config.eval.batch_size
         if batch_size % built.batch_shards():
-            raise UserError(f"eval.batch_size={batch_size} must divide evenly over the {built.batch_shards()} "
-                            f"batch shards of mesh {dict(built.mesh.shape)}")
+            raise UserError(
+                f"eval.batch_size={batch_size} must divide evenly over the {built.batch_shards()} "
+                f"batch shards of mesh {dict(built.mesh.shape)}"
+            )
         built.check(loaded.params, loaded.source)
-        return cls(built.module, place_params(built, loaded.params, quantize), loaded.tokenizer, mesh=built.mesh,
-                   rules=built.rules,
-                   batch_size=batch_size)
+        return cls(
+            built.module,
+            place_params(built, loaded.params, quantize),
+            loaded.tokenizer,
+            mesh=built.mesh,
+            rules=built.rules,
+            batch_size=batch_size,
+        )
 
     def score(self, requests: list, progress=None) -> list[Score]:
         """Scores of (context ids, continuation ids) requests, in their order. progress: called
@@ -97,12 +105,18 @@ class Scorer:
         order = sorted(range(len(rows)), key=lambda i: -len(rows[i][0]))
         out: list[Score | None] = [None] * len(rows)
         for start in range(0, len(order), self.batch_size):
-            chunk = order[start:start + self.batch_size]
+            chunk = order[start : start + self.batch_size]
             batch = self._batch([rows[i] for i in chunk])
             got = jax.device_get(self._scores(batch))
             for j, i in enumerate(chunk):
-                out[i] = Score(float(got["logp"][j]), bool(got["greedy"][j]), int(got["tokens"][j]),
-                               int(got["bytes"][j]), float(got["text_nats"][j]), rows[i][2])
+                out[i] = Score(
+                    float(got["logp"][j]),
+                    bool(got["greedy"][j]),
+                    int(got["tokens"][j]),
+                    int(got["bytes"][j]),
+                    float(got["text_nats"][j]),
+                    rows[i][2],
+                )
             if progress is not None:
                 progress(len(chunk))
         return out
@@ -115,7 +129,7 @@ class Scorer:
         for d, doc in enumerate(docs):
             ids = ([prefix] if prefix is not None else []) + [int(t) for t in doc]
             for start in range(0, max(len(ids) - 1, 0), self.max_len):
-                requests.append((ids[start:start + 1], ids[start + 1:start + 1 + self.max_len]))
+                requests.append((ids[start : start + 1], ids[start + 1 : start + 1 + self.max_len]))
                 owner.append(d)
         totals = [[0.0, True, 0, 0, 0.0] for _ in docs]
         for d, s in zip(owner, self.score(requests, progress)):
@@ -135,7 +149,7 @@ class Scorer:
         for r, (ids, counted, _) in enumerate(rows):
             n = len(ids) - 1
             out["inputs"][r, :n], out["targets"][r, :n] = ids[:-1], ids[1:]
-            out["loss_mask"][r, n - counted:n] = 1.0
+            out["loss_mask"][r, n - counted : n] = 1.0
             out["segment_ids"][r, :n] = 1
             out["positions"][r, :n] = np.arange(n)
         signature = {k: jax.ShapeDtypeStruct(v.shape, v.dtype) for k, v in out.items()}
@@ -152,15 +166,19 @@ def _score_rows(model, params, batch, bytes_table):
     mask = batch["loss_mask"] > 0
     hit = jnp.argmax(logits, axis=-1) == batch["targets"]
     n_bytes = bytes_table[batch["targets"]] * mask
-    return {"logp": jnp.sum(jnp.where(mask, logp, 0.0), -1), "greedy": jnp.all(hit | ~mask, -1),
-            "tokens": jnp.sum(mask, -1), "bytes": jnp.sum(n_bytes, -1),
-            "text_nats": jnp.sum(jnp.where(n_bytes > 0, -logp, 0.0), -1)}
+    return {
+        "logp": jnp.sum(jnp.where(mask, logp, 0.0), -1),
+        "greedy": jnp.all(hit | ~mask, -1),
+        "tokens": jnp.sum(mask, -1),
+        "bytes": jnp.sum(n_bytes, -1),
+        "text_nats": jnp.sum(jnp.where(n_bytes > 0, -logp, 0.0), -1),
+    }
 
 
 def _padded(table: np.ndarray, size: int) -> np.ndarray:
     """The table over the model's vocabulary (which may be larger than the tokenizer's)."""
     out = np.zeros(max(size, len(table)), np.int32)
-    out[:len(table)] = table
+    out[: len(table)] = table
     return out
 
 
@@ -169,6 +187,6 @@ def encode_pair(tokenizer, context: str, continuation: str) -> tuple[list[int], 
     whitespace of the context moves to the continuation (" Paris" is scored as one word, as
     lm-evaluation-harness does); an empty context becomes the end-of-text token."""
     stripped = context.rstrip()
-    continuation = context[len(stripped):] + continuation
+    continuation = context[len(stripped) :] + continuation
     ctx = [int(t) for t in tokenizer.encode(stripped)] if stripped else [int(tokenizer.eos_id)]
     return ctx, [int(t) for t in tokenizer.encode(continuation)]

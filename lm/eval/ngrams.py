@@ -69,9 +69,9 @@ def ngram_hashes(hashes: np.ndarray, docs: np.ndarray, lengths) -> dict[int, tup
     acc = hashes.copy()
     for k in range(1, max(want, default=0) + 1):
         if k > 1:
-            acc = acc[:-1] * _MULT + hashes[k - 1:]
+            acc = acc[:-1] * _MULT + hashes[k - 1 :]
         if k in want:
-            starts = np.flatnonzero(docs[: len(acc)] == docs[k - 1:])  # first and last word in one doc
+            starts = np.flatnonzero(docs[: len(acc)] == docs[k - 1 :])  # first and last word in one doc
             out[k] = (_mix(acc[starts]), starts)
     return out
 

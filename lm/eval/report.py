@@ -68,19 +68,29 @@ def compare(a: dict, b: dict, rounds: int = BOOTSTRAP) -> dict:
         out[name] = {}
         for m in headline(ea):
             va, vb = metric(ea, m), metric(eb, m)
-            out[name][m] = {"a": va, "b": vb, "diff": vb - va, "ci95": bootstrap_diff(ea, eb, m, rounds),
-                            "paired": ea.get("example_ids") == eb.get("example_ids")}
+            out[name][m] = {
+                "a": va,
+                "b": vb,
+                "diff": vb - va,
+                "ci95": bootstrap_diff(ea, eb, m, rounds),
+                "paired": ea.get("example_ids") == eb.get("example_ids"),
+            }
     return out
 
 
 def compare_table(a: dict, b: dict, result: dict) -> str:
-    lines = [f"A: {a.get('model', '?')}", f"B: {b.get('model', '?')}",
-             f"{'task':<20} {'metric':<14} {'A':>9} {'B':>9} {'B - A':>9}  95% CI (bootstrap)"]
+    lines = [
+        f"A: {a.get('model', '?')}",
+        f"B: {b.get('model', '?')}",
+        f"{'task':<20} {'metric':<14} {'A':>9} {'B':>9} {'B - A':>9}  95% CI (bootstrap)",
+    ]
     for task, metrics in result.items():
         for m, r in metrics.items():
             lo, hi = r["ci95"]
-            lines.append(f"{task:<20} {m:<14} {r['a']:>9.4f} {r['b']:>9.4f} {r['diff']:>+9.4f}  [{lo:+.4f}, {hi:+.4f}]"
-                         + ("" if r["paired"] else "  unpaired"))
+            lines.append(
+                f"{task:<20} {m:<14} {r['a']:>9.4f} {r['b']:>9.4f} {r['diff']:>+9.4f}  [{lo:+.4f}, {hi:+.4f}]"
+                + ("" if r["paired"] else "  unpaired")
+            )
     missing = sorted(set(a["tasks"]) ^ set(b["tasks"]))
     if missing:
         lines.append(f"(in one report only: {', '.join(missing)})")

@@ -49,8 +49,10 @@ def read_set(spec: str, tokenizer, max_tokens: int = 0) -> Documents:
         texts = [(1, path.read_text(encoding="utf-8", errors="replace"))]
     else:
         _, files = resolve_corpus(spec, "eval set")
-        texts = [(i, d if isinstance(d, str) else d.decode("utf-8", errors="replace"))
-                 for i, d in enumerate((doc for f in files for doc, _ in iter_documents(f)), 1)]
+        texts = [
+            (i, d if isinstance(d, str) else d.decode("utf-8", errors="replace"))
+            for i, d in enumerate((doc for f in files for doc, _ in iter_documents(f)), 1)
+        ]
     texts = [(n, t) for n, t in texts if t]
     if not texts:
         raise UserError(f"eval set '{spec}': no text to score (empty file or corpus)")
@@ -74,7 +76,7 @@ def _limited(docs, total: int, max_tokens: int, spec: str, numbered: bool = Fals
         n, d = doc if numbered else (i, doc)
         if max_tokens and used + len(d) > max_tokens:
             if max_tokens - used >= 2:
-                out.append(d[:max_tokens - used])
+                out.append(d[: max_tokens - used])
                 ids.append(n)
             break
         out.append(d)
@@ -89,18 +91,32 @@ def score_set(scorer, docs: Documents, progress=None) -> dict:
     """{'metrics': loss, perplexity, bits_per_byte, tokens, bytes; 'per_example': nats, tokens,
     text_nats, bytes per document}."""
     scores = scorer.rolling(docs.ids, prefix=None, progress=progress)
-    per = {"nats": [-s.logp for s in scores], "tokens": [s.tokens for s in scores],
-           "text_nats": [s.text_nats for s in scores], "bytes": [s.bytes for s in scores]}
-    return {"metrics": lm_metrics(per), "per_example": per, "example_ids": docs.example_ids,
-            "n": len(scores), "left_out": docs.truncated}
+    per = {
+        "nats": [-s.logp for s in scores],
+        "tokens": [s.tokens for s in scores],
+        "text_nats": [s.text_nats for s in scores],
+        "bytes": [s.bytes for s in scores],
+    }
+    return {
+        "metrics": lm_metrics(per),
+        "per_example": per,
+        "example_ids": docs.example_ids,
+        "n": len(scores),
+        "left_out": docs.truncated,
+    }
 
 
 def lm_metrics(per: dict, keep=None) -> dict:
     """Totals of per-document nats/tokens/bytes (over the indices in `keep`, default all)."""
-    pick = (lambda k: np.asarray(per[k], np.float64)) if keep is None else (
-        lambda k: np.asarray(per[k], np.float64)[keep])
+    pick = (
+        (lambda k: np.asarray(per[k], np.float64)) if keep is None else (lambda k: np.asarray(per[k], np.float64)[keep])
+    )
     tokens, n_bytes = pick("tokens").sum(), pick("bytes").sum()
     loss = pick("nats").sum() / max(tokens, 1)
-    return {"loss": float(loss), "perplexity": float(math.exp(min(loss, 700))),
-            "bits_per_byte": float(pick("text_nats").sum() / math.log(2) / max(n_bytes, 1)),
-            "tokens": int(tokens), "bytes": int(n_bytes)}
+    return {
+        "loss": float(loss),
+        "perplexity": float(math.exp(min(loss, 700))),
+        "bits_per_byte": float(pick("text_nats").sum() / math.log(2) / max(n_bytes, 1)),
+        "tokens": int(tokens),
+        "bytes": int(n_bytes),
+    }

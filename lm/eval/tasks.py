@@ -21,8 +21,17 @@ from lm.errors import UserError
 from lm.eval import choice, generation, sets
 from lm.eval.taskfile import read_task_file
 
-OPTIONS = {"limit": int, "shots": int, "seed": int, "scorer": str, "checker": str, "chat": str,
-           "max_new_tokens": int, "stop": str, "kind": str}
+OPTIONS = {
+    "limit": int,
+    "shots": int,
+    "seed": int,
+    "scorer": str,
+    "checker": str,
+    "chat": str,
+    "max_new_tokens": int,
+    "stop": str,
+    "kind": str,
+}
 KINDS = ("lm", "choice", "generation")
 DEFAULT_LM_TOKENS = 1 << 20  # a language-modelling set is cut to this many tokens unless limit= says otherwise
 
@@ -82,8 +91,13 @@ def run_task(task: Task, scorer, progress=None) -> dict:
         examples = [generation.parse_generation(obj, f"{task.path}:{n}") for n, obj in lines]
         chat = o.get("chat", "auto")
         use_chat = ("messages" in examples[0]) if chat == "auto" else chat.lower() in ("1", "true", "yes")
-        out = generation.score_generation(scorer, examples, scorer=o.get("scorer", "exact"),
-                                          checker=o.get("checker", ""), chat=use_chat,
-                                          max_new_tokens=o.get("max_new_tokens", 64),
-                                          stop=(o["stop"],) if "stop" in o else ("\n",))
+        out = generation.score_generation(
+            scorer,
+            examples,
+            scorer=o.get("scorer", "exact"),
+            checker=o.get("checker", ""),
+            chat=use_chat,
+            max_new_tokens=o.get("max_new_tokens", 64),
+            stop=(o["stop"],) if "stop" in o else ("\n",),
+        )
     return head | out | {"example_ids": ids}

@@ -19,18 +19,24 @@ DRAFT_K = 4  # tokens drafted per speculative step
 
 
 def add_parser(sub) -> None:
-    p = sub.add_parser("sample", help="generate text with the KV cache from a run or an export",
-                       description="Generate from `lm train`'s newest checkpoint (--workdir) or an `lm export` "
-                                   "(--params). One --prompt streams its completion to stdout; --prompts reads "
-                                   'JSONL lines {"prompt": TEXT, ...} and writes each line back with its completion.')
+    p = sub.add_parser(
+        "sample",
+        help="generate text with the KV cache from a run or an export",
+        description="Generate from `lm train`'s newest checkpoint (--workdir) or an `lm export` "
+        "(--params). One --prompt streams its completion to stdout; --prompts reads "
+        'JSONL lines {"prompt": TEXT, ...} and writes each line back with its completion.',
+    )
     src = p.add_mutually_exclusive_group(required=True)
     src.add_argument("--workdir", help="an `lm train` workdir (its newest checkpoint)")
     src.add_argument("--params", help="an `lm export` output: a directory or a .safetensors file")
     what = p.add_mutually_exclusive_group(required=True)
     what.add_argument("--prompt", help="one prompt; the completion streams as it is generated")
-    what.add_argument("--prompts", help="a JSONL file of {\"prompt\": ...} objects")
-    p.add_argument("--out", help="with --prompts: where to write the JSONL results (default: stdout); written "
-                                 "beside and renamed at the end, so an interrupted run leaves it as it was")
+    what.add_argument("--prompts", help='a JSONL file of {"prompt": ...} objects')
+    p.add_argument(
+        "--out",
+        help="with --prompts: where to write the JSONL results (default: stdout); written "
+        "beside and renamed at the end, so an interrupted run leaves it as it was",
+    )
     p.add_argument("--overwrite", action="store_true", help="replace an existing --out")
     p.add_argument("--max-new-tokens", type=int, default=128)
     p.add_argument("--temperature", type=float, default=0.8, help="0 = greedy")
@@ -40,22 +46,40 @@ def add_parser(sub) -> None:
     p.add_argument("--seed", type=int, default=0)
     p.add_argument("--stop", action="append", default=[], help="stop at this string (repeatable)")
     p.add_argument("--tokenizer", help="a sentencepiece .model (default: the one the run was trained with)")
-    p.add_argument("--batch-size", type=int, default=BATCH,
-                   help="prompts decoded together (the engine's slots: a prompt takes the next free one)")
-    p.add_argument("--quantize", choices=("none", "int8", "int4"), default="none",
-                   help="weight-only quantization: int8 per output channel, int4 per group of 128 inputs")
-    p.add_argument("--kv-int8", action="store_true", help="keep the KV cache's pages as int8 (a scale per token "
-                                                           "and kv head): about half the cache memory of bfloat16")
-    p.add_argument("--draft", metavar="WORKDIR|EXPORT|ngram",
-                   help="speculative decoding at batch 1 on one device (a --prompts file is decoded one prompt at "
-                        "a time; --batch-size is ignored): drafts from a smaller model with the same tokenizer (an "
-                        "`lm train` workdir, an `lm export` or a Hugging Face directory), or 'ngram' for prompt "
-                        "lookup (the tokens that followed the context's last 3, 2 or 1 tokens earlier on). Greedy "
-                        "output is unchanged; sampled output has the same distribution")
+    p.add_argument(
+        "--batch-size",
+        type=int,
+        default=BATCH,
+        help="prompts decoded together (the engine's slots: a prompt takes the next free one)",
+    )
+    p.add_argument(
+        "--quantize",
+        choices=("none", "int8", "int4"),
+        default="none",
+        help="weight-only quantization: int8 per output channel, int4 per group of 128 inputs",
+    )
+    p.add_argument(
+        "--kv-int8",
+        action="store_true",
+        help="keep the KV cache's pages as int8 (a scale per token "
+        "and kv head): about half the cache memory of bfloat16",
+    )
+    p.add_argument(
+        "--draft",
+        metavar="WORKDIR|EXPORT|ngram",
+        help="speculative decoding at batch 1 on one device (a --prompts file is decoded one prompt at "
+        "a time; --batch-size is ignored): drafts from a smaller model with the same tokenizer (an "
+        "`lm train` workdir, an `lm export` or a Hugging Face directory), or 'ngram' for prompt "
+        "lookup (the tokens that followed the context's last 3, 2 or 1 tokens earlier on). Greedy "
+        "output is unchanged; sampled output has the same distribution",
+    )
     p.add_argument("--draft-k", type=int, help=f"with --draft: tokens drafted per step (>= 1; default {DRAFT_K})")
-    p.add_argument("--chat", action="store_true",
-                   help="answer as the assistant with the chat template: --prompt is a user turn; --prompts lines "
-                        "may hold {\"messages\": [...]} (ending with a user turn) instead of a prompt")
+    p.add_argument(
+        "--chat",
+        action="store_true",
+        help="answer as the assistant with the chat template: --prompt is a user turn; --prompts lines "
+        'may hold {"messages": [...]} (ending with a user turn) instead of a prompt',
+    )
     add_distributed(p)
 
 
@@ -75,8 +99,9 @@ def read_prompts(path: str, chat: bool = False) -> list[dict]:
         return row
 
     line = '{"prompt": TEXT} or {"messages": [...]}' if chat else '{"prompt": TEXT}'
-    rows = read_jsonl(path, prompt_row, what="prompts", expected=f"one {line} object per line",
-                      bad_json="not valid JSON")
+    rows = read_jsonl(
+        path, prompt_row, what="prompts", expected=f"one {line} object per line", bad_json="not valid JSON"
+    )
     return [row for _, row in rows]
 
 
@@ -89,15 +114,22 @@ def run(args, overrides=()) -> int:
     from lm.infer.sampling import SamplingParams
     from lm.store.load import load_trained
 
-    sampling = SamplingParams(max_new_tokens=args.max_new_tokens, temperature=args.temperature, top_k=args.top_k,
-                              top_p=args.top_p, min_p=args.min_p, seed=args.seed)
+    sampling = SamplingParams(
+        max_new_tokens=args.max_new_tokens,
+        temperature=args.temperature,
+        top_k=args.top_k,
+        top_p=args.top_p,
+        min_p=args.min_p,
+        seed=args.seed,
+    )
     if args.prompt is not None and not args.prompt:
         raise UserError("--prompt is empty; give at least one character of text")
     if args.draft is None and args.draft_k is not None:
         raise UserError("--draft-k needs --draft (a draft model's workdir or export, or 'ngram')")
     if args.draft is not None and (args.quantize != "none" or args.kv_int8):
-        raise UserError("--quantize and --kv-int8 work with the engine, not with --draft (speculative decoding): "
-                        "drop one")
+        raise UserError(
+            "--quantize and --kv-int8 work with the engine, not with --draft (speculative decoding): drop one"
+        )
     rows = read_prompts(args.prompts, args.chat) if args.prompts else None
     loaded = load_trained(args.workdir, args.params, args.tokenizer)
     generate = _Speculative(args, loaded, sampling) if args.draft else _plain(args, loaded, sampling)
@@ -111,8 +143,10 @@ def run(args, overrides=()) -> int:
         shown = (lambda piece: (sys.stdout.write(piece), sys.stdout.flush())) if main else (lambda piece: None)
         result = generate([args.prompt], stream=shown)[0]
         if main:
-            print(f"\n[{result['finish_reason']}: {len(result['ids'])} tokens{getattr(generate, 'note', '')}]",
-                  file=sys.stderr)
+            print(
+                f"\n[{result['finish_reason']}: {len(result['ids'])} tokens{getattr(generate, 'note', '')}]",
+                file=sys.stderr,
+            )
         return 0
     if not main:
         writing = open(os.devnull, "w", encoding="utf-8")
@@ -120,8 +154,18 @@ def run(args, overrides=()) -> int:
         writing = atomic_open(args.out) if args.out else contextlib.nullcontext(sys.stdout)
     with writing as out:
         for row, result in zip(rows, generate([r.get("messages") or r["prompt"] for r in rows])):
-            out.write(json.dumps(row | {"completion": result["text"], "finish_reason": result["finish_reason"],
-                                        "tokens": result["ids"], "logprobs": result["logprobs"]}) + "\n")
+            out.write(
+                json.dumps(
+                    row
+                    | {
+                        "completion": result["text"],
+                        "finish_reason": result["finish_reason"],
+                        "tokens": result["ids"],
+                        "logprobs": result["logprobs"],
+                    }
+                )
+                + "\n"
+            )
     if args.out and main:
         print(f"wrote {len(rows)} completions to {args.out}{getattr(generate, 'note', '')}", file=sys.stderr)
     return 0
@@ -172,16 +216,18 @@ class _Speculative:
         if not self.args.chat:
             return complete(self._counted(self.make(self.tokenizer.eos_id)), self.tokenizer, prompts, stop, stream)
         encoded, template = chat_prompts(self.tokenizer, prompts)
-        return complete_ids(self._counted(self.make(template.stop_ids)), self.tokenizer, encoded,
-                            stop + template.stop_strings, stream)
+        return complete_ids(
+            self._counted(self.make(template.stop_ids)), self.tokenizer, encoded, stop + template.stop_strings, stream
+        )
 
     def make(self, eos_id):
         """The decoder stopping at `eos_id` (one per end-of-answer set: plain or chat)."""
         from lm.infer.speculative import SpeculativeDecoder
 
         if eos_id not in self._decoders:
-            self._decoders[eos_id] = SpeculativeDecoder(self.model, self.params, self.sampling, draft=self.draft,
-                                                        k=self.k, eos_id=eos_id)
+            self._decoders[eos_id] = SpeculativeDecoder(
+                self.model, self.params, self.sampling, draft=self.draft, k=self.k, eos_id=eos_id
+            )
         return self._decoders[eos_id]
 
     def _counted(self, decoder):
@@ -198,5 +244,7 @@ class _Speculative:
     @property
     def note(self) -> str:
         rate = self.accepted / max(self.proposed, 1)
-        return (f"; speculative: {self.accepted}/{self.proposed} drafts kept ({rate:.0%}), "
-                f"{self.tokens / max(self.calls, 1):.2f} tokens per target call")
+        return (
+            f"; speculative: {self.accepted}/{self.proposed} drafts kept ({rate:.0%}), "
+            f"{self.tokens / max(self.calls, 1):.2f} tokens per target call"
+        )

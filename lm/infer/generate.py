@@ -47,38 +47,64 @@ class Generator:
     (default: one slot per prompt, pages for every slot's whole context).
     """
 
-    def __init__(self, model, params, sampling: SamplingParams, *, eos_id: int | tuple[int, ...],
-                 max_len: int | None = None, mesh=None, rules=(), unstack: bool | None = None,
-                 config: EngineConfig | None = None):
+    def __init__(
+        self,
+        model,
+        params,
+        sampling: SamplingParams,
+        *,
+        eos_id: int | tuple[int, ...],
+        max_len: int | None = None,
+        mesh=None,
+        rules=(),
+        unstack: bool | None = None,
+        config: EngineConfig | None = None,
+    ):
         self.eos_id = tuple(int(i) for i in eos_id) if isinstance(eos_id, (tuple, list)) else (int(eos_id),)
         self.model, self.params, self.sampling = model, params, sampling
         self.max_len = max_len or generation_context(model.spec)
         if self.max_len > model.spec.max_seq_len:
-            raise UserError(f"generation: max_len {self.max_len} exceeds the model's context "
-                            f"({model.spec.max_seq_len} positions)")
+            raise UserError(
+                f"generation: max_len {self.max_len} exceeds the model's context ({model.spec.max_seq_len} positions)"
+            )
         self.mesh, self.rules, self.unstack, self.config = mesh, rules, unstack, config
 
     def engine(self, n_prompts: int) -> Engine:
         config = self.config or EngineConfig(slots=max(1, n_prompts))
-        return Engine(self.model, max_len=self.max_len, config=config, mesh=self.mesh, rules=self.rules,
-                      unstack=self.unstack)
+        return Engine(
+            self.model, max_len=self.max_len, config=config, mesh=self.mesh, rules=self.rules, unstack=self.unstack
+        )
 
     def check(self, prompts: list) -> None:
         for i, p in enumerate(prompts):
             check_prompt(self.max_len, p, self.sampling, f"prompt {i}")
 
-    def __call__(self, prompts: list, rng=None, on_tokens: list[Callable] | None = None,
-                 samplings: list[SamplingParams] | None = None) -> Generation:
+    def __call__(
+        self,
+        prompts: list,
+        rng=None,
+        on_tokens: list[Callable] | None = None,
+        samplings: list[SamplingParams] | None = None,
+    ) -> Generation:
         """prompts: token id lists. rng: the run's key (default: from sampling.seed; RL passes a
         fresh one per step). on_tokens: per prompt, called with each piece of new ids and log-probs;
         returning True stops that prompt ('stop'). samplings: per-prompt settings (default: one)."""
         self.check(prompts)
         base = jax.random.PRNGKey(self.sampling.seed) if rng is None else rng
         keys = np.asarray(jax.vmap(lambda i: jax.random.fold_in(base, i))(np.arange(len(prompts))), np.uint32)
-        requests = [Request([int(t) for t in p], (samplings or [self.sampling] * len(prompts))[i], self.eos_id,
-                            key=keys[i], on_tokens=on_tokens[i] if on_tokens else None)
-                    for i, p in enumerate(prompts)]
+        requests = [
+            Request(
+                [int(t) for t in p],
+                (samplings or [self.sampling] * len(prompts))[i],
+                self.eos_id,
+                key=keys[i],
+                on_tokens=on_tokens[i] if on_tokens else None,
+            )
+            for i, p in enumerate(prompts)
+        ]
         self.engine(len(prompts)).run(self.params, requests)
-        return Generation([np.asarray(r.ids, np.int32) for r in requests],
-                          [np.asarray(r.logps, np.float32) for r in requests], [r.finish for r in requests])
-
+        return Generation(
+            [np.asarray(r.ids, np.int32) for r in requests],
+            [np.asarray(r.logps, np.float32) for r in requests],
+            [r.finish for r in requests],
+        )

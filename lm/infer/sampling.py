@@ -34,11 +34,13 @@ class SamplingParams:
     seed: int = 0
 
     def __post_init__(self):
-        checks = [("max_new_tokens", self.max_new_tokens >= 1, "at least 1"),
-                  ("temperature", self.temperature >= 0, ">= 0 (0 = greedy)"),
-                  ("top_k", self.top_k >= 0, ">= 0 (0 = off)"),
-                  ("top_p", 0 < self.top_p <= 1, "in (0, 1] (1 = off)"),
-                  ("min_p", 0 <= self.min_p < 1, "in [0, 1) (0 = off)")]
+        checks = [
+            ("max_new_tokens", self.max_new_tokens >= 1, "at least 1"),
+            ("temperature", self.temperature >= 0, ">= 0 (0 = greedy)"),
+            ("top_k", self.top_k >= 0, ">= 0 (0 = off)"),
+            ("top_p", 0 < self.top_p <= 1, "in (0, 1] (1 = off)"),
+            ("min_p", 0 <= self.min_p < 1, "in [0, 1) (0 = off)"),
+        ]
         for name, ok, expected in checks:
             if not ok:
                 raise UserError(f"sampling: {name}={getattr(self, name)!r}: expected {expected}")
@@ -51,9 +53,12 @@ class SamplingParams:
 def row_settings(p: SamplingParams, shape=()) -> dict:
     """One setting as the per-row arrays `filter_logits` takes, broadcast to `shape` (the logits'
     leading axes)."""
-    return {"temperature": jnp.full(shape, p.temperature, jnp.float32),
-            "top_k": jnp.full(shape, p.top_k, jnp.int32), "top_p": jnp.full(shape, p.top_p, jnp.float32),
-            "min_p": jnp.full(shape, p.min_p, jnp.float32)}
+    return {
+        "temperature": jnp.full(shape, p.temperature, jnp.float32),
+        "top_k": jnp.full(shape, p.top_k, jnp.int32),
+        "top_p": jnp.full(shape, p.top_p, jnp.float32),
+        "min_p": jnp.full(shape, p.min_p, jnp.float32),
+    }
 
 
 def filter_logits(logits: jax.Array, s) -> jax.Array:

@@ -30,7 +30,9 @@ class RewardScorer:
 
     def __init__(self, loaded, devices=None, batch_size: int = 32, mesh=None):
         if "scalar_head" not in loaded.params:
-            raise UserError(f"{loaded.source} has no scalar head: it is not a reward model (train one with `lm reward`)")
+            raise UserError(
+                f"{loaded.source} has no scalar head: it is not a reward model (train one with `lm reward`)"
+            )
         self.loaded, self.template = loaded, ChatTemplate.for_tokenizer(loaded.tokenizer)
         self.built = build_model(loaded.config, devices, model_fn=reward_model, mesh=mesh)
         self.built.check(loaded.params, loaded.source)
@@ -38,9 +40,11 @@ class RewardScorer:
         shardings = self.built.batch_shardings({k: (1, 1) for k in ("inputs", "segment_ids", "positions")})
         self.batch_size = -(-batch_size // self.built.batch_shards()) * self.built.batch_shards()
         model = self.built.module
-        self._score = jax.jit(lambda p, rows: sequence_scores(model, p, rows),
-                              in_shardings=(self.built.param_shardings, shardings),
-                              out_shardings=NamedSharding(self.built.mesh, PartitionSpec()))
+        self._score = jax.jit(
+            lambda p, rows: sequence_scores(model, p, rows),
+            in_shardings=(self.built.param_shardings, shardings),
+            out_shardings=NamedSharding(self.built.mesh, PartitionSpec()),
+        )
         self.truncated = 0
 
     def ids(self, messages: list[dict]) -> np.ndarray:
@@ -69,10 +73,13 @@ class RewardScorer:
         segments = np.zeros_like(inputs)
         for i, r in enumerate(rows):
             inputs[i, : len(r)], segments[i, : len(r)] = r, 1
-        segments[len(rows):, 0] = 1  # filler rows: one real token, score ignored
+        segments[len(rows) :, 0] = 1  # filler rows: one real token, score ignored
         positions = np.broadcast_to(np.arange(t, dtype=np.int32), inputs.shape) * (segments > 0)
-        batch = {"inputs": jnp.asarray(inputs), "segment_ids": jnp.asarray(segments),
-                 "positions": jnp.asarray(positions, jnp.int32)}
+        batch = {
+            "inputs": jnp.asarray(inputs),
+            "segment_ids": jnp.asarray(segments),
+            "positions": jnp.asarray(positions, jnp.int32),
+        }
         return np.asarray(jax.device_get(self._score(self.params, batch)))[: len(rows)]
 
 

@@ -13,16 +13,19 @@ from lm.outputs import atomic_open, check_out
 
 def add_parser(sub) -> None:
     """Adds `score` to `lm reward`'s sub-actions (lm.train.cli)."""
-    p = sub.add_parser("score", help="print a reward model's scores",
-                       description="Scores with a reward model trained by `lm reward`. --texts: JSONL lines "
-                                   '{"prompt", "response"} or chat {"messages": [..., assistant turn]}; --pairs: '
-                                   "preference pairs, scored on both sides, with the share ranked correctly.")
+    p = sub.add_parser(
+        "score",
+        help="print a reward model's scores",
+        description="Scores with a reward model trained by `lm reward`. --texts: JSONL lines "
+        '{"prompt", "response"} or chat {"messages": [..., assistant turn]}; --pairs: '
+        "preference pairs, scored on both sides, with the share ranked correctly.",
+    )
     src = p.add_mutually_exclusive_group(required=True)
     src.add_argument("--workdir", help="an `lm reward` workdir (its newest checkpoint)")
     src.add_argument("--params", help="an `lm export` of a reward model")
     what = p.add_mutually_exclusive_group(required=True)
     what.add_argument("--texts", help="JSONL of responses to score")
-    what.add_argument("--pairs", help="JSONL preference pairs {\"prompt\", \"chosen\", \"rejected\"}")
+    what.add_argument("--pairs", help='JSONL preference pairs {"prompt", "chosen", "rejected"}')
     p.add_argument("--out", help="write one JSON line per input with its score(s) (default: stdout)")
     p.add_argument("--overwrite", action="store_true", help="replace an existing --out")
     p.add_argument("--limit", type=int, default=0, help="score only the first N lines (0 = all)")
@@ -55,10 +58,14 @@ def run(args, overrides=()) -> int:
             pairs = [(p + [c], p + [r]) for p, c, r, _ in read_pairs(path, args.limit)]
             scores = scorer.score([c for pair in pairs for c in pair]).reshape(-1, 2)
             for (chosen, _), (sc, sr) in zip(pairs, scores):
-                out.write(json.dumps({"prompt": chosen[:-1], "chosen_score": float(sc), "rejected_score": float(sr)})
-                          + "\n")
-            summary = {"pairs": len(pairs), "accuracy": float((scores[:, 0] > scores[:, 1]).mean()),
-                       "mean_margin": float((scores[:, 0] - scores[:, 1]).mean())}
+                out.write(
+                    json.dumps({"prompt": chosen[:-1], "chosen_score": float(sc), "rejected_score": float(sr)}) + "\n"
+                )
+            summary = {
+                "pairs": len(pairs),
+                "accuracy": float((scores[:, 0] > scores[:, 1]).mean()),
+                "mean_margin": float((scores[:, 0] - scores[:, 1]).mean()),
+            }
     if scorer.truncated:
         summary["truncated_to_context"] = scorer.truncated
     print(json.dumps(summary), file=sys.stderr)

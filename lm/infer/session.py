@@ -18,8 +18,9 @@ class Session:
     engine's requests decoded together (default: every prompt of a call at once); kv_int8: the KV
     cache's pages as int8."""
 
-    def __init__(self, loaded, devices=None, quantize: str | None = None, slots: int | None = None,
-                 kv_int8: bool = False):
+    def __init__(
+        self, loaded, devices=None, quantize: str | None = None, slots: int | None = None, kv_int8: bool = False
+    ):
         self.loaded, self.tokenizer = loaded, loaded.tokenizer
         self.config = EngineConfig(slots=slots or 16, kv_int8=kv_int8) if slots or kv_int8 else None
         self.built = build_model(loaded.config, devices)
@@ -31,9 +32,15 @@ class Session:
         eos_id = eos_id or self.tokenizer.eos_id
         if (sampling, eos_id) not in self._generators:
             self._generators[(sampling, eos_id)] = Generator(
-                self.built.module, self.params, sampling, eos_id=eos_id,
-                max_len=generation_context(self.built.spec), mesh=self.built.mesh, rules=self.built.rules,
-                config=self.config)
+                self.built.module,
+                self.params,
+                sampling,
+                eos_id=eos_id,
+                max_len=generation_context(self.built.spec),
+                mesh=self.built.mesh,
+                rules=self.built.rules,
+                config=self.config,
+            )
         return self._generators[(sampling, eos_id)]
 
     def complete(self, prompts: list[str], sampling: SamplingParams, stop=(), stream=None) -> list[dict]:
@@ -43,8 +50,13 @@ class Session:
         """Assistant replies to conversations (each ending with a user turn, or a string: one user
         turn), with the chat template."""
         prompts, template = chat_prompts(self.tokenizer, conversations)
-        return complete_ids(self.generator(sampling, template.stop_ids), self.tokenizer, prompts,
-                            stop=tuple(stop) + template.stop_strings, stream=stream)
+        return complete_ids(
+            self.generator(sampling, template.stop_ids),
+            self.tokenizer,
+            prompts,
+            stop=tuple(stop) + template.stop_strings,
+            stream=stream,
+        )
 
 
 def place_params(built, params, quantize: str | None = None):

@@ -40,8 +40,9 @@ def draw(key: jax.Array, probs: jax.Array, greedy: bool = False) -> jax.Array:
 
 
 @functools.partial(jax.jit, static_argnames="greedy")
-def accept_drafts(key: jax.Array, p: jax.Array, q: jax.Array, drafts: jax.Array,
-                  n_valid: jax.Array, greedy: bool = False) -> tuple[jax.Array, jax.Array]:
+def accept_drafts(
+    key: jax.Array, p: jax.Array, q: jax.Array, drafts: jax.Array, n_valid: jax.Array, greedy: bool = False
+) -> tuple[jax.Array, jax.Array]:
     """How many drafts to keep and the token that follows them.
 
     p [k+1, V]: the target's distributions for the token after the pending one and after each

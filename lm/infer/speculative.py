@@ -87,8 +87,10 @@ def on_one_device(loaded) -> tuple[Transformer, dict]:
 
 # ---- the jitted pieces ------------------------------------------------------------------------
 
-def _prefill(target, draft, sampling, k, max_len, t_params, d_params, t_cache, d_cache, ids, length, rng, index,
-             eos_id, max_new):
+
+def _prefill(
+    target, draft, sampling, k, max_len, t_params, d_params, t_cache, d_cache, ids, length, rng, index, eos_id, max_new
+):
     """Both caches filled with the prompt ids [1, P] (its first `length` real), and the first token,
     drawn with fold_in(rng, index). The end ids [n] and max_new_tokens ride in the state as
     values: one compile serves them all."""
@@ -104,16 +106,35 @@ def _prefill(target, draft, sampling, k, max_len, t_params, d_params, t_cache, d
     context = jnp.zeros((size,), jnp.int32).at[:p].set(ids[0] * seg[0]).at[length].set(token[0])
     done = jnp.isin(token[0], eos_id) | (max_new <= 1)
     zero = jnp.zeros((), jnp.int32)
-    return dict(t_cache=t_cache, d_cache=d_cache, context=context,
-                logp=jnp.zeros((size,), jnp.float32).at[length].set(logp[0]), pos=length, start=length,
-                done=done, proposed=zero, accepted=zero, calls=zero + 1, rng=rng, eos_id=eos_id, max_new=max_new)
+    return dict(
+        t_cache=t_cache,
+        d_cache=d_cache,
+        context=context,
+        logp=jnp.zeros((size,), jnp.float32).at[length].set(logp[0]),
+        pos=length,
+        start=length,
+        done=done,
+        proposed=zero,
+        accepted=zero,
+        calls=zero + 1,
+        rng=rng,
+        eos_id=eos_id,
+        max_new=max_new,
+    )
 
 
 def _draft_tokens(draft, sampling, k, max_len, d_params, d_cache, context, pos, key):
     """k drafts from the draft model and the distributions they were drawn from ([k], [k, V])."""
     fed = jax.lax.dynamic_slice(context, (pos - 1,), (2,))[None]  # the last kept token and the pending one
-    logits, d_cache = decode_step(draft, d_params, d_cache, fed, jnp.ones_like(fed), (pos - 1 + jnp.arange(2))[None],
-                                  logits_at=jnp.ones((1,), jnp.int32))
+    logits, d_cache = decode_step(
+        draft,
+        d_params,
+        d_cache,
+        fed,
+        jnp.ones_like(fed),
+        (pos - 1 + jnp.arange(2))[None],
+        logits_at=jnp.ones((1,), jnp.int32),
+    )
     keys = jax.random.split(key, k)
 
     def one(carry, i):
@@ -145,8 +166,15 @@ def _target_logits(target, k, max_len, t_params, t_cache, context, pos, drafts, 
     def verify(cache):
         tokens = jnp.concatenate([context[pos][None], drafts])[None]
         at = pos + jnp.arange(k + 1)
-        logits, cache = forward(target, t_params, cache, tokens, (at < max_len).astype(jnp.int32)[None],
-                                jnp.minimum(at, max_len - 1)[None], _one_page())
+        logits, cache = forward(
+            target,
+            t_params,
+            cache,
+            tokens,
+            (at < max_len).astype(jnp.int32)[None],
+            jnp.minimum(at, max_len - 1)[None],
+            _one_page(),
+        )
         return logits[0], cache
 
     def plain(cache):
@@ -169,8 +197,9 @@ def _step(target, draft, sampling, k, max_len, t_params, d_params, s):
     else:
         drafts, q, d_cache = _draft_tokens(draft, sampling, k, max_len, d_params, s["d_cache"], context, pos, key_draft)
         n_valid = budget
-    logits, t_cache = _target_logits(target, k, max_len, t_params, s["t_cache"], context, pos, drafts, n_valid,
-                                     may_skip=draft is None)
+    logits, t_cache = _target_logits(
+        target, k, max_len, t_params, s["t_cache"], context, pos, drafts, n_valid, may_skip=draft is None
+    )
     n_acc, following = accept_drafts(key_accept, probs_of(logits, sampling), q, drafts, n_valid, sampling.greedy)
     emitted = jnp.concatenate([drafts, jnp.zeros((1,), jnp.int32)]).at[n_acc].set(following)
     logp = jnp.take_along_axis(jax.nn.log_softmax(logits, axis=-1), emitted[:, None], axis=-1)[:, 0]
@@ -178,18 +207,26 @@ def _step(target, draft, sampling, k, max_len, t_params, d_params, s):
     eos = jnp.isin(emitted, s["eos_id"]) & (i <= n_acc)
     count = jnp.where(jnp.any(eos), jnp.argmax(eos) + 1, n_acc + 1)
     new_pos = pos + count  # the slots past it hold rejected drafts: written again before they are seen
-    return s | dict(t_cache=t_cache, d_cache=d_cache, rng=rng, pos=new_pos,
-                    context=jax.lax.dynamic_update_slice(context, emitted, (pos + 1,)),
-                    logp=jax.lax.dynamic_update_slice(s["logp"], logp, (pos + 1,)),
-                    done=jnp.any(eos) | (new_pos + 1 - s["start"] >= s["max_new"]),
-                    proposed=s["proposed"] + n_valid, accepted=s["accepted"] + n_acc, calls=s["calls"] + 1)
+    return s | dict(
+        t_cache=t_cache,
+        d_cache=d_cache,
+        rng=rng,
+        pos=new_pos,
+        context=jax.lax.dynamic_update_slice(context, emitted, (pos + 1,)),
+        logp=jax.lax.dynamic_update_slice(s["logp"], logp, (pos + 1,)),
+        done=jnp.any(eos) | (new_pos + 1 - s["start"] >= s["max_new"]),
+        proposed=s["proposed"] + n_valid,
+        accepted=s["accepted"] + n_acc,
+        calls=s["calls"] + 1,
+    )
 
 
 def _run(target, draft, sampling, k, max_len, t_params, d_params, state, steps):
     """Speculative steps until the generation is done or `steps` steps have run."""
     step = functools.partial(_step, target, draft, sampling, k, max_len, t_params, d_params)
-    state, _ = jax.lax.while_loop(lambda c: ~c[0]["done"] & (c[1] < steps),
-                                  lambda c: (step(c[0]), c[1] + 1), (state, jnp.zeros((), jnp.int32)))
+    state, _ = jax.lax.while_loop(
+        lambda c: ~c[0]["done"] & (c[1] < steps), lambda c: (step(c[0]), c[1] + 1), (state, jnp.zeros((), jnp.int32))
+    )
     return state
 
 
@@ -204,19 +241,28 @@ def _compiled(target, draft, sampling: SamplingParams, k: int, max_len: int):
         state = _prefill(*static, t_params, d_params, t_cache, d_cache, ids, length, rng, index, eos_id, max_new)
         return _run(*static, t_params, d_params, state, steps)
 
-    return (jax.jit(start, donate_argnums=(2, 3)),
-            jax.jit(functools.partial(_run, *static), donate_argnums=2))
+    return (jax.jit(start, donate_argnums=(2, 3)), jax.jit(functools.partial(_run, *static), donate_argnums=2))
 
 
 # ---- the host loop ----------------------------------------------------------------------------
+
 
 class SpeculativeDecoder:
     """Compiled speculative decoding of one target, draft (a `DraftModel` or NGRAM), k and
     sampling setting. Called like a `Generator` (prompts as token id lists, on_tokens for
     streaming and stop strings), it decodes the prompts one after another at batch 1."""
 
-    def __init__(self, model, params, sampling: SamplingParams, *, draft, k: int = 4,
-                 eos_id: int | tuple[int, ...], max_len: int | None = None):
+    def __init__(
+        self,
+        model,
+        params,
+        sampling: SamplingParams,
+        *,
+        draft,
+        k: int = 4,
+        eos_id: int | tuple[int, ...],
+        max_len: int | None = None,
+    ):
         if isinstance(k, bool) or not isinstance(k, (int, np.integer)) or k < 1:
             raise UserError(f"speculative decoding: k={k!r}: expected an integer >= 1 (drafted tokens per step)")
         self.k, self.sampling = int(k), sampling
@@ -228,15 +274,18 @@ class SpeculativeDecoder:
         elif isinstance(draft, DraftModel):
             t_vocab, d_vocab = model.spec.vocab_size, draft.model.spec.vocab_size
             if t_vocab != d_vocab:
-                raise UserError(f"draft model: vocabulary of {d_vocab} tokens, the target's has {t_vocab}; "
-                                "a draft must use the target's tokenizer")
+                raise UserError(
+                    f"draft model: vocabulary of {d_vocab} tokens, the target's has {t_vocab}; "
+                    "a draft must use the target's tokenizer"
+                )
             self.draft, self.d_params = _decoding(draft.model, draft.params)
             self.max_len = min(self.max_len, draft.model.spec.max_seq_len)
         else:
             raise UserError(f"speculative decoding: draft={draft!r}: expected a draft model or {NGRAM!r}")
         if self.max_len > model.spec.max_seq_len:
-            raise UserError(f"generation: max_len {self.max_len} exceeds the model's context "
-                            f"({model.spec.max_seq_len} positions)")
+            raise UserError(
+                f"generation: max_len {self.max_len} exceeds the model's context ({model.spec.max_seq_len} positions)"
+            )
         # the target's KV cache: the engine's paged pool, one page holding the whole context
         self.target = self.target.clone(paging=Paging(self.max_len, 1, in_place=True))
         filters = dataclasses.replace(sampling, max_new_tokens=1, seed=0)  # what the compiled steps depend on
@@ -250,9 +299,11 @@ class SpeculativeDecoder:
                 raise UserError(f"prompt {i}: empty; give at least one token of text")
             if len(p) + self.sampling.max_new_tokens > self.max_len:
                 room = max(self.max_len - len(p), 0)
-                raise UserError(f"prompt {i}: {len(p)} tokens + max_new_tokens={self.sampling.max_new_tokens} "
-                                f"exceed the context of {self.max_len} positions; at most {room} new tokens fit "
-                                "after it (--max-new-tokens)")
+                raise UserError(
+                    f"prompt {i}: {len(p)} tokens + max_new_tokens={self.sampling.max_new_tokens} "
+                    f"exceed the context of {self.max_len} positions; at most {room} new tokens fit "
+                    "after it (--max-new-tokens)"
+                )
 
     def __call__(self, prompts: list, rng=None, on_tokens: list | None = None) -> SpeculativeGeneration:
         """prompts: token id lists. rng: the sampling key (default: from sampling.seed); prompt r
@@ -264,8 +315,9 @@ class SpeculativeDecoder:
         result = SpeculativeGeneration([], [], [], 0, 0, 0)
         for r, prompt in enumerate(prompts):
             steps = self.sampling.max_new_tokens if on_tokens is None else STREAM_STEPS
-            state = self._start(self.t_params, self.d_params, *self._caches(), *self._ids(prompt), rng, r, self._eos,
-                                self._n, steps)
+            state = self._start(
+                self.t_params, self.d_params, *self._caches(), *self._ids(prompt), rng, r, self._eos, self._n, steps
+            )
             stopped = False
             if on_tokens is None:
                 host = _on_host(state)

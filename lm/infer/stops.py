@@ -15,8 +15,7 @@ import numpy as np
 def held_back(text: str, stop: tuple[str, ...]) -> int:
     """Characters at the end of `text` that may be the start of a stop string (not shown yet:
     the next piece may complete the stop string, and its text is never part of a completion)."""
-    return max((k for s in stop for k in range(min(len(s) - 1, len(text)), 0, -1) if text.endswith(s[:k])),
-               default=0)
+    return max((k for s in stop for k in range(min(len(s) - 1, len(text)), 0, -1) if text.endswith(s[:k])), default=0)
 
 
 def cut_at_stop(text: str, stop: tuple[str, ...]) -> tuple[str, bool]:
@@ -60,11 +59,11 @@ class StopWatch:
         safe = len(final) - (0 if self.hit else held_back(final, self.stop))
         if safe <= self.shown:
             return ""
-        piece, self.shown = final[self.shown: safe], safe
+        piece, self.shown = final[self.shown : safe], safe
         return piece
 
     def rest(self) -> str:
         """The text not shown yet, once the completion has ended (what was held back is final now)."""
         text = self.text()
-        piece, self.shown = text[self.shown:], max(self.shown, len(text))
+        piece, self.shown = text[self.shown :], max(self.shown, len(text))
         return piece

@@ -79,14 +79,25 @@ def cached_attention(q, k_cache, v_cache, mask, scale: float = 0.0, cap: float =
     b, t, n, h = q.shape
     kv, s = k_cache.shape[1], k_cache.shape[2]
     g = n // kv
-    qg = (q * jnp.asarray(scale or h ** -0.5, q.dtype)).reshape(b, t, kv, g, h).transpose(0, 2, 1, 3, 4).reshape(b * kv, t * g, h)
+    qg = (
+        (q * jnp.asarray(scale or h**-0.5, q.dtype))
+        .reshape(b, t, kv, g, h)
+        .transpose(0, 2, 1, 3, 4)
+        .reshape(b * kv, t * g, h)
+    )
     batched = ((0,), (0,))
-    logits = jax.lax.dot_general(qg, k_cache.reshape(b * kv, s, h), (((2,), (2,)), batched),
-                                 preferred_element_type=jnp.float32).reshape(b, kv, t, g, s)
-    logits = jnp.where(mask[:, None, :, None, :], softcap(logits, cap), MASKED) if cap else jnp.where(mask[:, None, :, None, :], logits, MASKED)
+    logits = jax.lax.dot_general(
+        qg, k_cache.reshape(b * kv, s, h), (((2,), (2,)), batched), preferred_element_type=jnp.float32
+    ).reshape(b, kv, t, g, s)
+    logits = (
+        jnp.where(mask[:, None, :, None, :], softcap(logits, cap), MASKED)
+        if cap
+        else jnp.where(mask[:, None, :, None, :], logits, MASKED)
+    )
     probs = jax.nn.softmax(logits, axis=-1).astype(v_cache.dtype).reshape(b * kv, t * g, s)
-    out = jax.lax.dot_general(probs, v_cache.reshape(b * kv, s, h), (((2,), (1,)), batched),
-                              preferred_element_type=jnp.float32)
+    out = jax.lax.dot_general(
+        probs, v_cache.reshape(b * kv, s, h), (((2,), (1,)), batched), preferred_element_type=jnp.float32
+    )
     return out.astype(q.dtype).reshape(b, kv, t, g, h).transpose(0, 2, 1, 3, 4).reshape(b, t, n, h)
 
 
@@ -96,14 +107,19 @@ def paged_attention(q, keys, values, mask, scale: float = 0.0, cap: float = 0.0)
     b, t, n, h = q.shape
     kv, s = keys.shape[0], keys.shape[2]
     g = n // kv
-    qg = (q * jnp.asarray(scale or h ** -0.5, q.dtype)).reshape(b, t, kv, g, h).transpose(2, 0, 1, 3, 4)
+    qg = (q * jnp.asarray(scale or h**-0.5, q.dtype)).reshape(b, t, kv, g, h).transpose(2, 0, 1, 3, 4)
     batched = ((0,), (0,))
-    logits = jax.lax.dot_general(qg.reshape(kv * b, t * g, h), keys.reshape(kv * b, s, h), (((2,), (2,)), batched),
-                                 preferred_element_type=jnp.float32).reshape(kv, b, t, g, s)
+    logits = jax.lax.dot_general(
+        qg.reshape(kv * b, t * g, h),
+        keys.reshape(kv * b, s, h),
+        (((2,), (2,)), batched),
+        preferred_element_type=jnp.float32,
+    ).reshape(kv, b, t, g, s)
     logits = jnp.where(mask[None, :, :, None, :], softcap(logits, cap), MASKED)
     probs = jax.nn.softmax(logits, axis=-1).astype(values.dtype).reshape(kv * b, t * g, s)
-    out = jax.lax.dot_general(probs, values.reshape(kv * b, s, h), (((2,), (1,)), batched),
-                              preferred_element_type=jnp.float32)
+    out = jax.lax.dot_general(
+        probs, values.reshape(kv * b, s, h), (((2,), (1,)), batched), preferred_element_type=jnp.float32
+    )
     return out.astype(q.dtype).reshape(kv, b, t, g, h).transpose(1, 2, 0, 3, 4).reshape(b, t, n, h)
 
 
@@ -131,21 +147,28 @@ class Attention(nn.Module):
         init, out_init = normal(s.init_std), normal(s.init_std / (2 * s.n_layers) ** 0.5)
 
         heads = {"wq": (s.n_heads, "q_heads"), "wk": (s.n_kv_heads, "kv_heads"), "wv": (s.n_kv_heads, "kv_heads")}
-        ws = [param(self, name, init, (s.d_model, n, s.head_dim), ("embed", axis, "head_dim"))
-              for name, (n, axis) in heads.items()]
+        ws = [
+            param(self, name, init, (s.d_model, n, s.head_dim), ("embed", axis, "head_dim"))
+            for name, (n, axis) in heads.items()
+        ]
         qkv = matmuls(s, x, ["btd,dnh->btnh"] * 3, ws)  # x is kept once for the three backward products
-        qkv = [y + lora_delta(self, s, name, x, "btd,dnh->btnh", (s.d_model, n, s.head_dim),
-                              ("embed", axis, "head_dim")) if targeted(s, name) else y
-               for y, (name, (n, axis)) in zip(qkv, heads.items())]
+        qkv = [
+            y + lora_delta(self, s, name, x, "btd,dnh->btnh", (s.d_model, n, s.head_dim), ("embed", axis, "head_dim"))
+            if targeted(s, name)
+            else y
+            for y, (name, (n, axis)) in zip(qkv, heads.items())
+        ]
         if s.use_bias or s.qkv_bias:
-            qkv = [y + param(self, name + "_bias", nn.initializers.zeros, (n, s.head_dim), (axis, "head_dim")).astype(dt)
-                   for y, (name, (n, axis)) in zip(qkv, heads.items())]
+            qkv = [
+                y + param(self, name + "_bias", nn.initializers.zeros, (n, s.head_dim), (axis, "head_dim")).astype(dt)
+                for y, (name, (n, axis)) in zip(qkv, heads.items())
+            ]
         q = c(qkv[0], ("batch", "length", "act_heads", None))
         k, v = (c(y, ("batch", "length", "act_kv_heads", None)) for y in qkv[1:])
         if s.qk_norm:
             q, k = Norm(s, s.head_dim, name="q_norm")(q), Norm(s, s.head_dim, name="k_norm")(k)
         if local is not None:  # this layer's half of each (global, local) pair
-            pick = lambda pair: jax.tree.map(lambda g, l: jnp.where(local, l, g), *pair)
+            pick = lambda pair: jax.tree.map(lambda g, loc: jnp.where(local, loc, g), *pair)
             rope_cs = pick(rope_cs) if rope_cs is not None else None
             cache_mask = pick(cache_mask) if cache_mask is not None else None
         if rope_cs is not None:
@@ -165,8 +188,9 @@ class Attention(nn.Module):
         else:
             out = matmul(s, "btnh,nhd->btd", y, wo)
         if targeted(s, "wo"):
-            out = out + lora_delta(self, s, "wo", y, "btnh,nhd->btd", (s.n_heads, s.head_dim, s.d_model),
-                                   ("q_heads", "head_dim", "embed"))
+            out = out + lora_delta(
+                self, s, "wo", y, "btnh,nhd->btd", (s.n_heads, s.head_dim, s.d_model), ("q_heads", "head_dim", "embed")
+            )
         if s.use_bias:
             out = out + param(self, "wo_bias", nn.initializers.zeros, (s.d_model,), ("embed",)).astype(dt)
         return c(out, ("batch", "length", "act_embed"))

@@ -136,7 +136,7 @@ def blockwise_attention(q, k, v, segment_ids, block: int | None = None, keep_pro
     block = block or QUERY_BLOCK
     b, t, n, h = q.shape
     kv = k.shape[2]
-    scale = jnp.asarray(h ** -0.5, q.dtype)
+    scale = jnp.asarray(h**-0.5, q.dtype)
     qh = (q * scale).reshape(b, t, kv, n // kv, h).transpose(0, 2, 3, 1, 4)
     kh, vh = k.transpose(0, 2, 1, 3), v.transpose(0, 2, 1, 3)
     if keep_probs is None:

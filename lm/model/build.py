@@ -62,10 +62,13 @@ class Built:
         """Host params (all or part of this model's; numpy or lazy leaves) on the mesh with their
         shardings, shard by shard; `dtype` narrows floating leaves (a frozen copy in the compute
         dtype), never widens them (lm.sharding.placed_dtype)."""
+
         def one(x, sh):
             return place_quantized_leaf(x, sh) if isinstance(x, QTensor) else place_leaf(x, sh, dtype)
 
-        return jax.tree.map(one, params, subtree(self.param_shardings, params), is_leaf=lambda x: isinstance(x, QTensor))
+        return jax.tree.map(
+            one, params, subtree(self.param_shardings, params), is_leaf=lambda x: isinstance(x, QTensor)
+        )
 
     def batch_shardings(self, signature: dict) -> dict:
         return batch_shardings(self.mesh, self.rules, signature)
@@ -75,8 +78,9 @@ class Built:
         return split_count(self.mesh, batch_sharding(self.mesh, self.rules).spec[0])
 
 
-def build_model(config, devices=None, *, model_fn: ModelFn = Transformer, spec: ModelSpec | None = None,
-                mesh: Mesh | None = None) -> Built:
+def build_model(
+    config, devices=None, *, model_fn: ModelFn = Transformer, spec: ModelSpec | None = None, mesh: Mesh | None = None
+) -> Built:
     """The model of `config.model` on the mesh of `config.mesh` (over `devices`, default all),
     or on `mesh` when given (a frozen model beside a trained one shares its mesh). model_fn: the
     module for a spec and its partitioning (default: the decoder); spec overrides config.model's."""

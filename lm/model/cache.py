@@ -53,8 +53,11 @@ def _zeros_fn(model, batch_size: int, max_len: int, tree, leaves):
 def cache_shardings(model, batch_size: int, max_len: int, mesh, rules):
     """NamedShardings of the cache from its logical axes (batch, kv_heads, ... ) and the rule table."""
     specs = nn.get_partition_spec(_abstract_cache(model, batch_size, max_len))
-    return jax.tree.map(lambda spec: logical_sharding(mesh, rules, tuple(spec)), specs,
-                        is_leaf=lambda x: isinstance(x, jax.sharding.PartitionSpec))
+    return jax.tree.map(
+        lambda spec: logical_sharding(mesh, rules, tuple(spec)),
+        specs,
+        is_leaf=lambda x: isinstance(x, jax.sharding.PartitionSpec),
+    )
 
 
 def decode_step(model, params, cache, inputs, segment_ids, positions, logits_at=None):
@@ -65,6 +68,13 @@ def decode_step(model, params, cache, inputs, segment_ids, positions, logits_at=
     Each token's key and value go to its slot (= position, per row; padding, segment 0, goes
     nowhere); each query sees the slots at or before its position that hold its segment.
     """
-    logits, updated = model.apply({"params": params, "cache": cache}, inputs, segment_ids, positions,
-                                  decode=True, logits_at=logits_at, mutable=["cache"])
+    logits, updated = model.apply(
+        {"params": params, "cache": cache},
+        inputs,
+        segment_ids,
+        positions,
+        decode=True,
+        logits_at=logits_at,
+        mutable=["cache"],
+    )
     return logits, updated["cache"]

@@ -43,8 +43,11 @@ def _moe_params(m) -> dict[str, int]:
     """One block's mixture-of-experts params by group (lm.model.moe): the router [d, E], every
     expert's gate/up/down [E, d, F] and the shared dense SwiGLU of width shared_d_ff if any."""
     d, e = m.d_model, n_experts(m)
-    return {"router": d * e, "experts": e * SWIGLU * d * expert_d_ff(m),
-            "shared mlp": SWIGLU * d * getattr(m, "shared_d_ff", 0)}
+    return {
+        "router": d * e,
+        "experts": e * SWIGLU * d * expert_d_ff(m),
+        "shared mlp": SWIGLU * d * getattr(m, "shared_d_ff", 0),
+    }
 
 
 def _active_ffn_matrix_params(m) -> int:

@@ -31,6 +31,7 @@ def _weight_grad(a_spec: str, a, g_spec: str, g, out_spec: str, dtype):
     The CPU backend copies the lhs of such a product into a transposed layout, so the operand
     with fewer free elements goes first and the small result is transposed instead.
     """
+
     def free_size(x_spec, x):
         return math.prod(n for c, n in zip(x_spec, x.shape) if c in out_spec)
 
@@ -60,15 +61,19 @@ def _matmuls_fn(x_spec: str, outs: tuple[str, ...], w_specs: tuple[str, ...], x_
 
     @jax.custom_vjp
     def matmuls(x, ws):
-        return tuple(_product(f"{x_spec},{ws_}->{o}", x, w.astype(dt), out_dtype) for o, ws_, w in zip(outs, w_specs, ws))
+        return tuple(
+            _product(f"{x_spec},{ws_}->{o}", x, w.astype(dt), out_dtype) for o, ws_, w in zip(outs, w_specs, ws)
+        )
 
     def forward(x, ws):
         return matmuls(x, ws), (stash(x), ws)
 
     def backward(saved, gs):
         x, ws = unstash(saved[0], dt), saved[1]
-        dxs = [_product(f"{o},{ws_}->{x_spec}", g, w.astype(dt), jnp.float32 if len(ws) > 1 else dt)
-               for o, ws_, w, g in zip(outs, w_specs, ws, gs)]
+        dxs = [
+            _product(f"{o},{ws_}->{x_spec}", g, w.astype(dt), jnp.float32 if len(ws) > 1 else dt)
+            for o, ws_, w, g in zip(outs, w_specs, ws, gs)
+        ]
         dws = tuple(_weight_grad(x_spec, x, o, g, ws_, w.dtype) for o, ws_, w, g in zip(outs, w_specs, ws, gs))
         return sum(dxs[1:], dxs[0]).astype(dt), dws
 

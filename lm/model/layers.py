@@ -125,8 +125,10 @@ def matmuls(spec: ModelSpec, x: jax.Array, specs, weights, out_dtype: str | None
     if spec.cpu_kernels:
         return cpu_kernels.matmuls(x, specs, weights, out_dtype)
     out = jnp.dtype(out_dtype or x.dtype)
-    return tuple(jnp.einsum(s, x, w.astype(x.dtype), preferred_element_type=jnp.float32).astype(out)
-                 for s, w in zip(specs, weights))
+    return tuple(
+        jnp.einsum(s, x, w.astype(x.dtype), preferred_element_type=jnp.float32).astype(out)
+        for s, w in zip(specs, weights)
+    )
 
 
 def matmul(spec: ModelSpec, s: str, x: jax.Array, w: jax.Array, out_dtype: str | None = None) -> jax.Array:
@@ -188,11 +190,15 @@ class Mlp(nn.Module):
         def dense_in(*names):
             ws = [param(self, n, init, (s.d_model, s.d_ff), names_in) for n in names]
             hs = matmuls(s, x, ["btd,df->btf"] * len(names), ws)
-            hs = [h + lora_delta(self, s, n, x, "btd,df->btf", (s.d_model, s.d_ff), names_in) if targeted(s, n)
-                  else h for n, h in zip(names, hs)]
+            hs = [
+                h + lora_delta(self, s, n, x, "btd,df->btf", (s.d_model, s.d_ff), names_in) if targeted(s, n) else h
+                for n, h in zip(names, hs)
+            ]
             if s.use_bias:
-                hs = [h + param(self, n + "_bias", nn.initializers.zeros, (s.d_ff,), ("mlp",)).astype(dt)
-                      for n, h in zip(names, hs)]
+                hs = [
+                    h + param(self, n + "_bias", nn.initializers.zeros, (s.d_ff,), ("mlp",)).astype(dt)
+                    for n, h in zip(names, hs)
+                ]
             return [self.part.constrain(h, ("batch", "length", "act_mlp")) for h in hs]
 
         w_out = lambda: param(self, "w_down", out_init, (s.d_ff, s.d_model), names_out)

@@ -48,7 +48,7 @@ def lora_delta(module: nn.Module, spec, name: str, x: jax.Array, einsum_spec: st
     names_of = lambda axes: tuple(w_names[ws.index(c)] for c in axes)
     fan_in = int(np.prod(shape_of(k)))
     # PEFT's default: A uniform in +-1/sqrt(fan_in), B zero
-    init_a = lambda key, shape, dtype: jax.random.uniform(key, shape, dtype, -1.0, 1.0) / fan_in ** 0.5
+    init_a = lambda key, shape, dtype: jax.random.uniform(key, shape, dtype, -1.0, 1.0) / fan_in**0.5
     a = param(module, name + SUFFIX_A, init_a, shape_of(k) + (r,), names_of(k) + ("lora_rank",))
     b = param(module, name + SUFFIX_B, nn.initializers.zeros, (r,) + shape_of(o), ("lora_rank",) + names_of(o))
     if spec.lora_dropout > 0 and module.has_rng("dropout"):
@@ -94,7 +94,7 @@ def _fold(w, a, b, scale: float):
     n_lead = a.ndim + b.ndim - w.ndim - 2
     lead = w.shape[:n_lead]
     n_k = a.ndim - 1 - n_lead
-    k, o = w.shape[n_lead:n_lead + n_k], w.shape[n_lead + n_k:]
+    k, o = w.shape[n_lead : n_lead + n_k], w.shape[n_lead + n_k :]
     size = lambda dims: int(np.prod(dims, dtype=np.int64))
     a3 = jnp.asarray(a, jnp.float32).reshape(size(lead), size(k), a.shape[-1])
     b3 = jnp.asarray(b, jnp.float32).reshape(size(lead), b.shape[n_lead], size(o))

@@ -107,8 +107,14 @@ def sharded_dropless(spec: ModelSpec, part: Partitioning, x, weights, experts, w
             y = jax.lax.psum_scatter(y, moved, scatter_dimension=0, tiled=True)
         return jax.lax.psum(y, summed) if summed else y
 
-    run = jax.shard_map(local, mesh=part.mesh, in_specs=(P(expert or None), rows, rows, rows, w_in, w_in, w_out),
-                        out_specs=rows, axis_names=set(batch + embed + expert), check_vma=False)
+    run = jax.shard_map(
+        local,
+        mesh=part.mesh,
+        in_specs=(P(expert or None), rows, rows, rows, w_in, w_in, w_out),
+        out_specs=rows,
+        axis_names=set(batch + embed + expert),
+        check_vma=False,
+    )
     firsts = jnp.arange(0, spec.n_experts, held, dtype=jnp.int32)  # each expert shard's first expert
     # jitted: an eager partly-manual shard_map (e.g. an init outside jit) fails in jax 0.10
     return jax.jit(run)(firsts, x, weights, experts, w_gate, w_up, w_down)
@@ -143,9 +149,15 @@ def layer_stats(spec: ModelSpec, logits, probs, experts, real, dropped) -> dict:
     mean_prob = jnp.sum(probs * real[:, None], 0) / n_real  # P_e
     z = jnp.sum(jnp.square(jax.nn.logsumexp(logits, -1)) * real) / n_real
     entropy = -jnp.sum(jnp.where(share > 0, share * jnp.log(jnp.maximum(share, 1e-30)), 0.0)) / math.log(e)
-    return {"balance": e * jnp.sum(share * mean_prob), "router_z": z, "load_min": jnp.min(share) * e,
-            "load_max": jnp.max(share) * e, "load_entropy": entropy,
-            "dropped": dropped.astype(jnp.float32), "assigned": n_real * k}
+    return {
+        "balance": e * jnp.sum(share * mean_prob),
+        "router_z": z,
+        "load_min": jnp.min(share) * e,
+        "load_max": jnp.max(share) * e,
+        "load_entropy": entropy,
+        "dropped": dropped.astype(jnp.float32),
+        "assigned": n_real * k,
+    }
 
 
 class MoE(nn.Module):
@@ -175,15 +187,17 @@ class MoE(nn.Module):
             # partitioner's way: the whole layer's assignments sorted together
             per_device = mesh is not None and b % split_count(mesh, _mesh_axes(rules, "batch")) == 0
             run = functools.partial(sharded_dropless, s, self.part) if per_device else functools.partial(dropless, s)
-            y = run(x.reshape(b * t, d), weights.reshape(b * t, -1), experts.reshape(b * t, -1),
-                    w_gate, w_up, w_down).reshape(b, t, d)
+            y = run(
+                x.reshape(b * t, d), weights.reshape(b * t, -1), experts.reshape(b * t, -1), w_gate, w_up, w_down
+            ).reshape(b, t, d)
             dropped = jnp.zeros((), jnp.float32)
         y = y.astype(s.dtype)
         if s.shared_d_ff:
             shared = dataclasses.replace(s, d_ff=s.shared_d_ff, use_bias=False, lora_rank=0)
             y = y + Mlp(shared, self.part, name="shared")(x)
-        stats = layer_stats(s, logits.reshape(b * t, e), probs.reshape(b * t, e), experts.reshape(b * t, -1),
-                            real.reshape(-1), dropped)
+        stats = layer_stats(
+            s, logits.reshape(b * t, e), probs.reshape(b * t, e), experts.reshape(b * t, -1), real.reshape(-1), dropped
+        )
         return self.part.constrain(y, ("batch", "length", "act_embed")), stats
 
 
@@ -194,9 +208,12 @@ def aux_sums(spec: ModelSpec, stats: dict, count) -> tuple[jax.Array, dict]:
     mean over micro-batches (within one micro-batch the statistics are over all devices' rows)."""
     balance, z = jnp.mean(stats["balance"]), jnp.mean(stats["router_z"])
     objective = count * (spec.moe_balance_coef * balance + spec.moe_z_coef * z)
-    sums = {"moe_balance_sum": count * balance, "moe_router_z_sum": count * z,
-            "moe_dropped_sum": count * jnp.sum(stats["dropped"]) / jnp.maximum(jnp.sum(stats["assigned"]), 1.0),
-            "moe_dropped_assignments_total": jnp.sum(stats["dropped"])}
+    sums = {
+        "moe_balance_sum": count * balance,
+        "moe_router_z_sum": count * z,
+        "moe_dropped_sum": count * jnp.sum(stats["dropped"]) / jnp.maximum(jnp.sum(stats["assigned"]), 1.0),
+        "moe_dropped_assignments_total": jnp.sum(stats["dropped"]),
+    }
     for name in ("load_min", "load_max", "load_entropy"):
         for i in range(stats[name].shape[0]):
             sums[f"moe_{name}_l{i}_sum"] = count * stats[name][i]

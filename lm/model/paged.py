@@ -7,9 +7,9 @@ token.
 
 A step gathers a sequence's keys through its page table into [kv_heads, B, S, head_dim] (S = the
 table's width × page_size), which folds into one batch axis without a copy, so `paged_attention`
-runs the same products as the dense cache's `cached_attention`. Positions past a sequence's own tokens may hold another sequence's stale
-entries; the causal mask (slot <= position) never lets a query see them, and unused table entries
-point at page 0, which the engine never hands out.
+runs the same products as the dense cache's `cached_attention`. Positions past a sequence's own
+tokens may hold another sequence's stale entries; the causal mask (slot <= position) never lets a
+query see them, and unused table entries point at page 0, which the engine never hands out.
 """
 
 from __future__ import annotations

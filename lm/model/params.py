@@ -79,8 +79,11 @@ def check_fits(abstract: dict, given: dict, source: str, complete: bool = False)
     bad += [f"{p}: not a param of this model" for p in got if p not in want]
     bad += [f"{p}: missing" for p in want if p not in got] if complete else []
     if bad:
-        raise UserError(f"{source} does not fit the model: " + "; ".join(bad[:5]) +
-                        (f"; ... ({len(bad)} in all)" if len(bad) > 5 else ""))
+        raise UserError(
+            f"{source} does not fit the model: "
+            + "; ".join(bad[:5])
+            + (f"; ... ({len(bad)} in all)" if len(bad) > 5 else "")
+        )
 
 
 def _shapes(tree) -> dict:

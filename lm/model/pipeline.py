@@ -80,17 +80,25 @@ def check(spec, stages: int, rows: int, shards: int = 1) -> None:
     """UserError unless `rows` batch rows can run through a pipeline of `stages`."""
     r, m = spec.pipeline_repeats, microbatches(spec, stages)
     if spec.n_experts:
-        raise UserError(f"mixture-of-experts layers (model.n_experts={spec.n_experts}) cannot be pipelined yet: "
-                        f"set mesh.stage=1 (it is {stages})")
+        raise UserError(
+            f"mixture-of-experts layers (model.n_experts={spec.n_experts}) cannot be pipelined yet: "
+            f"set mesh.stage=1 (it is {stages})"
+        )
     if spec.n_layers % (stages * r):
-        raise UserError(f"model.n_layers={spec.n_layers} must split into mesh.stage={stages} x "
-                        f"model.pipeline_repeats={r} equal chunks")
+        raise UserError(
+            f"model.n_layers={spec.n_layers} must split into mesh.stage={stages} x "
+            f"model.pipeline_repeats={r} equal chunks"
+        )
     if r > 1 and m < stages:
-        raise UserError(f"model.pipeline_microbatches={m}: a circular pipeline (model.pipeline_repeats={r}) "
-                        f"needs at least mesh.stage={stages} micro-batches")
+        raise UserError(
+            f"model.pipeline_microbatches={m}: a circular pipeline (model.pipeline_repeats={r}) "
+            f"needs at least mesh.stage={stages} micro-batches"
+        )
     if rows % m or (rows // m) % shards:
-        raise UserError(f"a batch of {rows} rows in model.pipeline_microbatches={m} micro-batches: each must "
-                        f"hold the same number of rows, divisible by the {shards} batch shards")
+        raise UserError(
+            f"a batch of {rows} rows in model.pipeline_microbatches={m} micro-batches: each must "
+            f"hold the same number of rows, divisible by the {shards} batch shards"
+        )
 
 
 def _split(a, m):
@@ -159,8 +167,11 @@ def pipeline_blocks(module: nn.Module, block_cls, policy, x, segment_ids, rope_c
         buf = per_stage(jnp.where(first, store[i % m][None], buf))
         k = i - ids  # the micro-batch round each stage holds (bubble where < 0 or >= m * repeats)
         rnd = jnp.clip(k // m, 0, repeats - 1)
-        here = jax.tree.map(lambda a: jax.vmap(lambda s, r: s[r])(a, rnd), layers) if repeats > 1 else \
-            jax.tree.map(lambda a: a[:, 0], layers)
+        here = (
+            jax.tree.map(lambda a: jax.vmap(lambda s, r: s[r])(a, rnd), layers)
+            if repeats > 1
+            else jax.tree.map(lambda a: a[:, 0], layers)
+        )
         seg, rope = jax.tree.map(lambda a: per_stage(a[k % m]), seg_rope)
         keys = None if key is None else jax.vmap(lambda s: jax.random.fold_in(key, s))(i * stages + ids)
         out = per_stage(stage(here, buf, seg, rope, keys))

@@ -42,7 +42,7 @@ class QTensor:
         if self.bits == 8:
             return tuple(self.values.shape)
         p = self.values.ndim - 1 + len(self.k_shape) + self.axis
-        return tuple(self.values.shape[:p]) + tuple(self.k_shape) + tuple(self.values.shape[p + 1:])
+        return tuple(self.values.shape[:p]) + tuple(self.k_shape) + tuple(self.values.shape[p + 1 :])
 
     @property
     def nbytes(self) -> int:
@@ -55,7 +55,7 @@ class QTensor:
         p = self.values.ndim - 1 + len(self.k_shape) + self.axis  # the packed axis
         q = unpack_int4(self.values, p)
         k = math.prod(self.k_shape)
-        grouped = q.reshape(q.shape[:p] + (k // self.group, self.group) + q.shape[p + 1:])
+        grouped = q.reshape(q.shape[:p] + (k // self.group, self.group) + q.shape[p + 1 :])
         w = grouped.astype(jnp.float32) * jnp.expand_dims(self.scale, p + 1)
         return w.reshape(self.shape).astype(dtype)
 
@@ -73,4 +73,4 @@ def unpack_int4(packed: jax.Array, axis: int) -> jax.Array:
     signed = lambda nibble: (nibble.astype(jnp.int8) ^ 8) - 8  # two's complement of 4 bits
     lo, hi = signed(packed & 0xF), signed(packed >> 4)
     both = jnp.stack([lo, hi], axis=axis + 1)
-    return both.reshape(packed.shape[:axis] + (2 * packed.shape[axis],) + packed.shape[axis + 1:])
+    return both.reshape(packed.shape[:axis] + (2 * packed.shape[axis],) + packed.shape[axis + 1 :])

@@ -50,9 +50,16 @@ MODES = {"int8": 8, "int4": 4}
 GROUP = 128
 # leaf name -> (first contracting axis counted from the end of the weight, number of contracting axes)
 CONTRACTING = {
-    "wq": (-3, 1), "wk": (-3, 1), "wv": (-3, 1), "wo": (-3, 2),
-    "w_gate": (-2, 1), "w_up": (-2, 1), "w_in": (-2, 1), "w_down": (-2, 1),
-    "head": (-2, 1), "embedding": (-1, 1),
+    "wq": (-3, 1),
+    "wk": (-3, 1),
+    "wv": (-3, 1),
+    "wo": (-3, 2),
+    "w_gate": (-2, 1),
+    "w_up": (-2, 1),
+    "w_in": (-2, 1),
+    "w_down": (-2, 1),
+    "head": (-2, 1),
+    "embedding": (-1, 1),
 }
 SUFFIXES = {8: ".q8", 4: ".q4"}  # quantized_tensors' names: values (int8 / packed uint8) and ".scale"
 
@@ -67,7 +74,7 @@ def quantize(w, bits: int, axis: int, n_k: int, group: int = GROUP) -> QTensor:
     """One float weight -> QTensor (jnp: runs on device, under jit or not)."""
     w = jnp.asarray(w).astype(jnp.float32)
     p = w.ndim + axis
-    k_shape = tuple(w.shape[p:p + n_k])
+    k_shape = tuple(w.shape[p : p + n_k])
     if bits == 8:
         k_axes = tuple(range(p, p + n_k))
         scale = _scale(jnp.max(jnp.abs(w), axis=k_axes, keepdims=True), 127)
@@ -77,10 +84,10 @@ def quantize(w, bits: int, axis: int, n_k: int, group: int = GROUP) -> QTensor:
     g = math.gcd(k, group)
     if k % 2:
         raise UserError(f"quantize int4: a weight of shape {w.shape} has {k} inputs; packing needs an even number")
-    grouped = w.reshape(w.shape[:p] + (k // g, g) + w.shape[p + n_k:])
+    grouped = w.reshape(w.shape[:p] + (k // g, g) + w.shape[p + n_k :])
     scale = _scale(jnp.max(jnp.abs(grouped), axis=p + 1), 7)
     q = jnp.clip(jnp.round(grouped / jnp.expand_dims(scale, p + 1)), -7, 7)
-    values = pack_int4(q.reshape(w.shape[:p] + (k,) + w.shape[p + n_k:]), p)
+    values = pack_int4(q.reshape(w.shape[:p] + (k,) + w.shape[p + n_k :]), p)
     return QTensor(values, scale, 4, axis, k_shape, g)
 
 
@@ -94,8 +101,12 @@ def is_quantized(x) -> bool:
 
 def _map_named(fn, tree: dict, *rest: dict, path: tuple = ()) -> dict:
     """fn(path, leaf, *rest_leaves) over a nested dict of params (a QTensor is one leaf)."""
-    return {k: _map_named(fn, v, *(r[k] for r in rest), path=path + (k,)) if isinstance(v, dict)
-            else fn(path + (k,), v, *(r[k] for r in rest)) for k, v in tree.items()}
+    return {
+        k: _map_named(fn, v, *(r[k] for r in rest), path=path + (k,))
+        if isinstance(v, dict)
+        else fn(path + (k,), v, *(r[k] for r in rest))
+        for k, v in tree.items()
+    }
 
 
 def _check_inputs(path: tuple, shape: tuple, spec) -> None:
@@ -104,7 +115,7 @@ def _check_inputs(path: tuple, shape: tuple, spec) -> None:
     d_ff = spec.shared_d_ff if "shared" in path else spec.expert_d_ff if "moe" in path else spec.d_ff
     want = spec.n_heads * spec.head_dim if name == "wo" else d_ff if name == "w_down" else spec.d_model
     axis, n_k = CONTRACTING[name]
-    got = math.prod(shape[len(shape) + axis:len(shape) + axis + n_k])
+    got = math.prod(shape[len(shape) + axis : len(shape) + axis + n_k])
     if got != want:
         raise UserError(f"quantize: {'/'.join(path)} {tuple(shape)} has {got} inputs; the model's spec says {want}")
 
@@ -130,6 +141,7 @@ def _quantizer(bits: int, axis: int, n_k: int, out_shardings=None):
 
 # ---- placement ---------------------------------------------------------------------------------
 
+
 def quantized_sharding(q: QTensor, sharding: NamedSharding) -> QTensor:
     """The shardings of a QTensor (or its abstract shape) whose float weight has `sharding`."""
     mesh, ndim = sharding.mesh, len(q.shape)
@@ -138,19 +150,24 @@ def quantized_sharding(q: QTensor, sharding: NamedSharding) -> QTensor:
     n_k = len(q.k_shape)
 
     def fit(entries, shape):
-        return NamedSharding(mesh, PartitionSpec(*[e if e is not None and n % split_count(mesh, e) == 0 else None
-                                                   for e, n in zip(entries, shape)]))
+        return NamedSharding(
+            mesh,
+            PartitionSpec(
+                *[e if e is not None and n % split_count(mesh, e) == 0 else None for e, n in zip(entries, shape)]
+            ),
+        )
 
     if q.bits == 8:
-        reduced = spec[:p] + (None,) * n_k + spec[p + n_k:]
+        reduced = spec[:p] + (None,) * n_k + spec[p + n_k :]
         return QTensor(fit(spec, q.values.shape), fit(reduced, q.scale.shape), q.bits, q.axis, q.k_shape, q.group)
-    flat = spec[:p] + (spec[p],) + spec[p + n_k:]  # the flattened contracting axis follows the first one
+    flat = spec[:p] + (spec[p],) + spec[p + n_k :]  # the flattened contracting axis follows the first one
     return QTensor(fit(flat, q.values.shape), fit(flat, q.scale.shape), q.bits, q.axis, q.k_shape, q.group)
 
 
 def _abstract(bits: int, axis: int, n_k: int, shape: tuple) -> QTensor:
-    return jax.eval_shape(functools.partial(quantize, bits=bits, axis=axis, n_k=n_k),
-                          jax.ShapeDtypeStruct(shape, jnp.float32))
+    return jax.eval_shape(
+        functools.partial(quantize, bits=bits, axis=axis, n_k=n_k), jax.ShapeDtypeStruct(shape, jnp.float32)
+    )
 
 
 def quantize_for_inference(built, params: dict, mode: str) -> dict:
@@ -194,11 +211,11 @@ def _subtree(tree: dict, like: dict) -> dict:
 
 # ---- bytes and export --------------------------------------------------------------------------
 
+
 def weight_bytes(params: dict) -> dict:
     """{'all': bytes of every leaf, 'quantized': bytes of the quantized weights (values + scales)}."""
     leaves = jax.tree.leaves(params, is_leaf=is_quantized)
-    return {"all": sum(int(x.nbytes) for x in leaves),
-            "quantized": sum(x.nbytes for x in leaves if is_quantized(x))}
+    return {"all": sum(int(x.nbytes) for x in leaves), "quantized": sum(x.nbytes for x in leaves if is_quantized(x))}
 
 
 def quantized_tensors(qparams: dict) -> dict[str, np.ndarray]:
@@ -234,7 +251,7 @@ def from_tensors(tensors: dict, abstract: dict) -> dict:
                 values, scale = tensors[name + suffix], tensors[name + ".scale"]
                 axis, n_k = CONTRACTING[path[-1]]
                 p = len(a.shape) + axis
-                k_shape = tuple(a.shape[p:p + n_k])
+                k_shape = tuple(a.shape[p : p + n_k])
                 group = 0 if bits == 8 else math.prod(k_shape) // scale.shape[p]
                 return QTensor(values, scale, bits, axis, k_shape, group)
         raise UserError(f"quantized tensors: no '{name}' (nor '{name}.q8' / '{name}.q4')")

@@ -15,10 +15,19 @@ import jax.numpy as jnp
 import numpy as np
 
 
-def inv_frequencies(head_dim: int, theta: float, scaling: str = "none", factor: float = 1.0,
-                    low_freq_factor: float = 1.0, high_freq_factor: float = 4.0, original_max_len: int = 8192,
-                    beta_fast: float = 32.0, beta_slow: float = 1.0, attention_factor: float = 0.0,
-                    truncate: bool = True) -> tuple[np.ndarray, float]:
+def inv_frequencies(
+    head_dim: int,
+    theta: float,
+    scaling: str = "none",
+    factor: float = 1.0,
+    low_freq_factor: float = 1.0,
+    high_freq_factor: float = 4.0,
+    original_max_len: int = 8192,
+    beta_fast: float = 32.0,
+    beta_slow: float = 1.0,
+    attention_factor: float = 0.0,
+    truncate: bool = True,
+) -> tuple[np.ndarray, float]:
     """(inverse frequencies float32 [H/2], the factor cos and sin are multiplied by)."""
     exps = np.arange(0, head_dim, 2, dtype=np.int64).astype(np.float32) / np.float32(head_dim)
     base = np.float32(theta) ** exps
@@ -30,8 +39,9 @@ def inv_frequencies(head_dim: int, theta: float, scaling: str = "none", factor: 
     if scaling == "llama3":
         return _llama3(inv, factor, low_freq_factor, high_freq_factor, original_max_len), 1.0
     if scaling == "yarn":
-        return _yarn(base, head_dim, theta, factor, original_max_len, beta_fast, beta_slow, truncate), \
-            attention_factor or _yarn_mscale(factor)
+        return _yarn(
+            base, head_dim, theta, factor, original_max_len, beta_fast, beta_slow, truncate
+        ), attention_factor or _yarn_mscale(factor)
     raise ValueError(f"unknown RoPE scaling {scaling!r}")
 
 
@@ -53,6 +63,7 @@ def _yarn_mscale(factor: float) -> float:
 
 def _yarn(base, head_dim, theta, factor, original_max_len, beta_fast, beta_slow, truncate):
     """YaRN: interpolated frequencies for low-frequency dims, extrapolated for high, a linear ramp between."""
+
     def correction_dim(rotations):
         return head_dim * math.log(original_max_len / (rotations * 2 * math.pi)) / (2 * math.log(theta))
 
@@ -81,13 +92,24 @@ def spec_tables(spec, positions: jax.Array, local: bool = False):
 
 def spec_frequencies(spec) -> tuple[np.ndarray, float]:
     """The scaled frequencies of a ModelSpec's global layers and their cos/sin factor."""
-    return inv_frequencies(spec.head_dim, spec.rope_theta, spec.rope_scaling, spec.rope_factor,
-                           spec.rope_low_freq_factor, spec.rope_high_freq_factor, spec.rope_original_max_len,
-                           spec.rope_beta_fast, spec.rope_beta_slow, spec.rope_attention_factor, spec.rope_truncate)
+    return inv_frequencies(
+        spec.head_dim,
+        spec.rope_theta,
+        spec.rope_scaling,
+        spec.rope_factor,
+        spec.rope_low_freq_factor,
+        spec.rope_high_freq_factor,
+        spec.rope_original_max_len,
+        spec.rope_beta_fast,
+        spec.rope_beta_slow,
+        spec.rope_attention_factor,
+        spec.rope_truncate,
+    )
 
 
-def rope_tables(positions: jax.Array, head_dim: int, theta: float, inv_freq: np.ndarray | None = None,
-                attention_factor: float = 1.0):
+def rope_tables(
+    positions: jax.Array, head_dim: int, theta: float, inv_freq: np.ndarray | None = None, attention_factor: float = 1.0
+):
     """(cos, sin), each [B, T, 1, 2, H/2] float32, for `apply_rope`; sin carries the rotation's sign.
     inv_freq: scaled frequencies (`inv_frequencies`); None: theta ** (-i / (H/2)).
 

@@ -83,8 +83,16 @@ class Transformer(nn.Module):
     paging: Paging | None = None
 
     @nn.compact
-    def __call__(self, inputs, segment_ids, positions, decode: bool = False, output: str = "logits",
-                 logits_at=None, page_table=None):
+    def __call__(
+        self,
+        inputs,
+        segment_ids,
+        positions,
+        decode: bool = False,
+        output: str = "logits",
+        logits_at=None,
+        page_table=None,
+    ):
         """inputs/segment_ids/positions: [B, T] int32 -> float32 logits [B, T, vocab]
         (output="hidden": [B, T, d_model] in the compute dtype; "scalar": float32 [B, T];
         "logits_and_scalar": both from one pass, as PPO's policy with a value head needs).
@@ -96,7 +104,7 @@ class Transformer(nn.Module):
         # lookup then stays local per shard instead of replicating the whole activation.
         x = jnp.take(c(embedding, ("vocab", None)), inputs, axis=0).astype(s.dtype)
         if s.embed_scale:
-            x = x * jnp.asarray(s.d_model ** 0.5, s.dtype)
+            x = x * jnp.asarray(s.d_model**0.5, s.dtype)
         if s.position == "learned":
             table = param(self, "pos_embedding", normal(s.init_std), (s.max_seq_len, s.d_model), ("position", "embed"))
             x = x + jnp.take(table, positions, axis=0).astype(s.dtype)
@@ -117,14 +125,16 @@ class Transformer(nn.Module):
         if self.unstacked:
             for i in range(s.n_layers):
                 flag = None if local is None else local[i]
-                x, _ = Block(s, self.part, decode, self.paging, name=f"layer_{i}")(x, segment_ids, rope_cs, slots,
-                                                                                   mask, flag)
+                x, _ = Block(s, self.part, decode, self.paging, name=f"layer_{i}")(
+                    x, segment_ids, rope_cs, slots, mask, flag
+                )
         else:
             if is_pipelined(self.part, decode) and not self.is_initializing():  # init: the plain params
                 x, aux = pipeline_blocks(self, Block, REMAT_POLICIES.get(s.remat), x, segment_ids, rope_cs, local), None
             else:
                 x, aux = scanned_blocks(s, decode)(s, self.part, decode, self.paging, name="blocks")(
-                    x, segment_ids, rope_cs, slots, mask, local)
+                    x, segment_ids, rope_cs, slots, mask, local
+                )
             if aux is not None:  # read by lm.model.apply.forward (apply with mutable=["aux"])
                 self.sow("aux", "moe", aux)
         x = Norm(s, name="final_norm")(x)
@@ -141,8 +151,11 @@ class Transformer(nn.Module):
             return x
         if logits_at is not None:
             x = jnp.take_along_axis(x, logits_at[:, None, None], axis=1)
-        head = embedding.T if s.tie_embeddings else \
-            param(self, "head", normal(s.init_std), (s.d_model, s.vocab_size), ("embed", "vocab"))
+        head = (
+            embedding.T
+            if s.tie_embeddings
+            else param(self, "head", normal(s.init_std), (s.d_model, s.vocab_size), ("embed", "vocab"))
+        )
         logits = c(matmul(s, "btd,dv->btv", x, head, out_dtype="float32"), ("batch", "length", "act_vocab"))
         logits = softcap(logits, s.final_softcap)
         return (logits, scalar) if output == "logits_and_scalar" else logits
@@ -150,8 +163,13 @@ class Transformer(nn.Module):
     def _cache_slots_and_mask(self, segment_ids, positions):
         """Each token's cache slot (its position; max_len for padding, i.e. nowhere) and which
         slots each query sees: slots at or before its position holding its own segment."""
-        seg_cache = self.variable("cache", "segment_ids", nn.with_logical_partitioning(jnp.zeros, ("batch", "cache_length")),
-                                  segment_ids.shape, jnp.int32)
+        seg_cache = self.variable(
+            "cache",
+            "segment_ids",
+            nn.with_logical_partitioning(jnp.zeros, ("batch", "cache_length")),
+            segment_ids.shape,
+            jnp.int32,
+        )
         max_len = seg_cache.value.shape[1]
         slots = jnp.where(segment_ids != 0, positions, max_len)
         rows = jnp.arange(segment_ids.shape[0])[:, None]

@@ -47,7 +47,9 @@ def target_devices(target: Target) -> list:
             raise UserError(f"--target {target.name}: this process has {len(devices)} CPU devices; {SIMULATE_HINT}")
         return devices[: target.chips]
     if importlib.util.find_spec("libtpu") is None:
-        raise UserError(f"--target {target.name} compiles with the TPU compiler, which comes with libtpu: {TPU_INSTALL}")
+        raise UserError(
+            f"--target {target.name} compiles with the TPU compiler, which comes with libtpu: {TPU_INSTALL}"
+        )
     quiet_libtpu(target)
     from jax.experimental import topologies
 
@@ -97,8 +99,7 @@ def compile_step(name: str, config, devices) -> Compiled:
         message = str(e).strip().splitlines()[0]
         found = _EXHAUSTED.search(message)
         temp = int(float(found.group(1)) * _UNITS[found.group(2)]) if found else None
-        return Compiled(name, build.config, time.perf_counter() - start, temporaries=temp,
-                        error=message[:300])
+        return Compiled(name, build.config, time.perf_counter() - start, temporaries=temp, error=message[:300])
     out = Compiled(name, build.config, time.perf_counter() - start, compiled=compiled)
     memory = compiled.memory_analysis()
     if memory is not None:
@@ -121,6 +122,13 @@ def compile_train_step(config, devices=None) -> dict:
     if c.error:
         raise UserError(f"the train step does not compile: {c.error}")
     shape = dict(zip(AXES, mesh_shape(config.mesh, len(devices))))
-    return {"backend": devices[0].platform, "devices": len(devices), "mesh": shape, "compile_s": c.compile_s,
-            "argument_bytes_per_device": c.arguments, "output_bytes_per_device": c.outputs,
-            "temp_bytes_per_device": c.temporaries, "code_bytes_per_device": c.code}
+    return {
+        "backend": devices[0].platform,
+        "devices": len(devices),
+        "mesh": shape,
+        "compile_s": c.compile_s,
+        "argument_bytes_per_device": c.arguments,
+        "output_bytes_per_device": c.outputs,
+        "temp_bytes_per_device": c.temporaries,
+        "code_bytes_per_device": c.code,
+    }

@@ -73,8 +73,11 @@ def abstract_frozen(run, base_dtype) -> dict | None:
         base = split_params(run.built.abstract_params(), run.trainable)[1]
         out["base"] = abstract(base, run.base_shardings, base_dtype)
     for name, slot in run.frozen.items():
-        out[name] = out["base"] if slot.shares_base else abstract(
-            slot.built.abstract_params(), slot.built.param_shardings, slot.dtype)
+        out[name] = (
+            out["base"]
+            if slot.shares_base
+            else abstract(slot.built.abstract_params(), slot.built.param_shardings, slot.dtype)
+        )
     return out
 
 
@@ -116,9 +119,14 @@ def _decode(config, devices) -> StepBuild:
     rollouts decode with. Layers stay stacked (the CPU kernel path unstacks them at run time)."""
     config = with_keys(config, model__lora_rank=0)
     built = build_model(config, devices, spec=_spec(config, devices))
-    engine = Engine(built.module, max_len=generation_context(built.spec),
-                    config=EngineConfig(slots=config.eval.batch_size), mesh=built.mesh, rules=built.rules,
-                    unstack=False)
+    engine = Engine(
+        built.module,
+        max_len=generation_context(built.spec),
+        config=EngineConfig(slots=config.eval.batch_size),
+        mesh=built.mesh,
+        rules=built.rules,
+        unstack=False,
+    )
     params = abstract(built.abstract_params(), built.param_shardings, config.model.compute_dtype)
     fn, args = engine.abstract_decode(params)
     return StepBuild("decode", fn, args, config)

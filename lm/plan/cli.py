@@ -13,17 +13,25 @@ from lm.verb import with_overrides
 def add_parser(sub) -> None:
     pl = with_overrides(sub, "plan", help="params, FLOPs and per-device memory of a config on a target")
     pl.add_argument("--config", default="configs/tiny.py")
-    pl.add_argument("--target", default="",
-                    help="what to plan for: a Cloud TPU slice (v4-N, v5e-N, v5p-N, v6e-N; N as in the slice's "
-                         "name) or cpu:N (N simulated CPU devices); default: the summary alone")
+    pl.add_argument(
+        "--target",
+        default="",
+        help="what to plan for: a Cloud TPU slice (v4-N, v5e-N, v5p-N, v6e-N; N as in the slice's "
+        "name) or cpu:N (N simulated CPU devices); default: the summary alone",
+    )
     names = step_names()  # the stage registry's compiled steps (lm.train.registry)
     pl.add_argument("--steps", default=names[0], help=f"comma-separated, among {','.join(names)} (or 'all')")
-    pl.add_argument("--compile", action="store_true",
-                    help="compile each step ahead of time for the target (a TPU slice needs lm[tpu]); "
-                         "nothing is allocated")
-    pl.add_argument("--fit", action="store_true",
-                    help="if a step does not fit, search remat, micro-batches and fsdp x tensor for the first "
-                         "setting that does, compiled to confirm")
+    pl.add_argument(
+        "--compile",
+        action="store_true",
+        help="compile each step ahead of time for the target (a TPU slice needs lm[tpu]); nothing is allocated",
+    )
+    pl.add_argument(
+        "--fit",
+        action="store_true",
+        help="if a step does not fit, search remat, micro-batches and fsdp x tensor for the first "
+        "setting that does, compiled to confirm",
+    )
 
 
 def _steps(text: str) -> tuple:
@@ -33,8 +41,7 @@ def _steps(text: str) -> tuple:
     steps = names if text == "all" else tuple(s.strip() for s in text.split(",") if s.strip())
     unknown = [s for s in steps if s not in names]
     if unknown or not steps:
-        raise UserError(f"--steps {text}: unknown {unknown or 'nothing'}; expected some of {','.join(names)} "
-                        "or 'all'")
+        raise UserError(f"--steps {text}: unknown {unknown or 'nothing'}; expected some of {','.join(names)} or 'all'")
     return steps
 
 
@@ -47,8 +54,10 @@ def run(args, overrides) -> int:
         from lm.errors import UserError
 
         flag = "--fit" if args.fit else "--compile"
-        raise UserError(f"lm plan {flag} needs --target (a Cloud TPU slice such as v5e-8, or cpu:N): it compiles "
-                        "the steps for that target")
+        raise UserError(
+            f"lm plan {flag} needs --target (a Cloud TPU slice such as v5e-8, or cpu:N): it compiles "
+            "the steps for that target"
+        )
     config = load_config(args.config, overrides)
     target = parse_target(args.target) if args.target else None
     steps = _steps(args.steps)
@@ -61,8 +70,9 @@ def run(args, overrides) -> int:
         from lm.process.cpu_flags import apply_cpu_defaults
 
         apply_cpu_defaults(config.model.compute_dtype)
-        os.environ["XLA_FLAGS"] = f"{os.environ.get('XLA_FLAGS', '')} " \
-                                  f"--xla_force_host_platform_device_count={target.chips}".strip()
+        os.environ["XLA_FLAGS"] = (
+            f"{os.environ.get('XLA_FLAGS', '')} --xla_force_host_platform_device_count={target.chips}".strip()
+        )
     from lm.plan.report import plan_target
 
     return plan_target(config, target, steps, compile_=args.compile or args.fit, fit=args.fit)

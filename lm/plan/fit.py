@@ -15,9 +15,9 @@ import itertools
 
 from lm.config import ConfigDict, rules_table
 from lm.errors import UserError
+from lm.model.layers import ModelSpec
 from lm.plan.hardware import Target
 from lm.plan.memory import estimate, mesh_sizes, param_leaves, splits
-from lm.model.layers import ModelSpec
 from lm.train.registry import compiled_step
 
 REMAT_ORDER = ("none", "dots_with_no_batch_dims_saveable", "dots_saveable", "full")  # keeps less ->
@@ -57,7 +57,7 @@ def _divides(leaf, rules, mesh) -> bool:
 def candidates(config, step: str, chips: int) -> list[ConfigDict]:
     """Every setting to try, in the order of the module doc."""
     t, remat = config.train, config.model.remat
-    remats = REMAT_ORDER[REMAT_ORDER.index(remat):] if remat in REMAT_ORDER else (remat,)
+    remats = REMAT_ORDER[REMAT_ORDER.index(remat) :] if remat in REMAT_ORDER else (remat,)
     micros = [t.micro_batches]
     while t.batch_size % (micros[-1] * 2) == 0:
         micros.append(micros[-1] * 2)
@@ -75,9 +75,11 @@ def candidates(config, step: str, chips: int) -> list[ConfigDict]:
 
 
 def overrides(config) -> str:
-    return (f"--config.model.remat={config.model.remat} --config.train.micro_batches={config.train.micro_batches} "
-            f"--config.mesh.data={config.mesh.data} --config.mesh.fsdp={config.mesh.fsdp} "
-            f"--config.mesh.tensor={config.mesh.tensor}")
+    return (
+        f"--config.model.remat={config.model.remat} --config.train.micro_batches={config.train.micro_batches} "
+        f"--config.mesh.data={config.mesh.data} --config.mesh.fsdp={config.mesh.fsdp} "
+        f"--config.mesh.tensor={config.mesh.tensor}"
+    )
 
 
 def search(config, step: str, target: Target, devices):

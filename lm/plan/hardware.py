@@ -34,8 +34,13 @@ TPUS = {
     "v6e": Chip("v6e", 32 * GiB, 918e12, 1640e9, 1, 2, ("TPU v6 lite", "TPU v6e"), 128 * MiB),
 }
 GPUS = {
-    "A100": Chip("A100", 80 * GiB, 312e12, 2039e9, device_kinds=("NVIDIA A100-SXM4-80GB", "NVIDIA A100 80GB PCIe",
-                                                                   "NVIDIA A100-SXM4-40GB")),
+    "A100": Chip(
+        "A100",
+        80 * GiB,
+        312e12,
+        2039e9,
+        device_kinds=("NVIDIA A100-SXM4-80GB", "NVIDIA A100 80GB PCIe", "NVIDIA A100-SXM4-40GB"),
+    ),
     "H100": Chip("H100", 80 * GiB, 989e12, 3350e9, device_kinds=("NVIDIA H100 80GB HBM3", "NVIDIA H100")),
     "H100 PCIe": Chip("H100 PCIe", 80 * GiB, 756e12, 2000e9, device_kinds=("NVIDIA H100 PCIe",)),
     "H200": Chip("H200", 141 * GiB, 989e12, 4800e9, device_kinds=("NVIDIA H200",)),
@@ -70,8 +75,19 @@ class Target:
 
 # The slice shapes Cloud TPU offers for a chip count (first one listed is the one used).
 _SHAPES_2D = {1: "1x1", 4: "2x2", 8: "2x4", 16: "4x4", 32: "4x8", 64: "8x8", 128: "8x16", 256: "16x16"}
-_SHAPES_3D = {4: "2x2x1", 8: "2x2x2", 16: "2x2x4", 32: "2x4x4", 64: "4x4x4", 128: "4x4x8", 256: "4x8x8",
-              512: "8x8x8", 1024: "8x8x16", 2048: "8x16x16", 4096: "16x16x16"}
+_SHAPES_3D = {
+    4: "2x2x1",
+    8: "2x2x2",
+    16: "2x2x4",
+    32: "2x4x4",
+    64: "4x4x4",
+    128: "4x4x8",
+    256: "4x8x8",
+    512: "8x8x8",
+    1024: "8x8x16",
+    2048: "8x16x16",
+    4096: "16x16x16",
+}
 
 
 def parse_target(text: str) -> Target:

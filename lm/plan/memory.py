@@ -100,8 +100,10 @@ def param_leaves(spec: ModelSpec) -> tuple[Leaf, ...]:
     specs = nn.get_partition_spec(boxed)
     shapes = nn.unbox(boxed)
     out = []
-    for (path, leaf), names in zip(jax.tree_util.tree_leaves_with_path(shapes), jax.tree.leaves(
-            specs, is_leaf=lambda x: isinstance(x, jax.sharding.PartitionSpec))):
+    for (path, leaf), names in zip(
+        jax.tree_util.tree_leaves_with_path(shapes),
+        jax.tree.leaves(specs, is_leaf=lambda x: isinstance(x, jax.sharding.PartitionSpec)),
+    ):
         out.append(Leaf(jax.tree_util.keystr(path), tuple(leaf.shape), tuple(names)))
     return tuple(out)
 
@@ -164,8 +166,11 @@ def estimate(config, step: str, devices: int, lora_rank: int = 16, chip=None) ->
     trained = [x for x in leaves if _is_adapter(x.path)] if lora else leaves
     frozen = [x for x in leaves if not _is_adapter(x.path)] if lora else []
     state = sum(leaf_bytes(x, rules, mesh, 4) for x in trained)
-    parts = {"params": state, "optimizer": ADAM_MOMENTS * state,
-             "grads": state * (2 if config.train.micro_batches > 1 else 1)}
+    parts = {
+        "params": state,
+        "optimizer": ADAM_MOMENTS * state,
+        "grads": state * (2 if config.train.micro_batches > 1 else 1),
+    }
     if frozen:
         parts["frozen base"] = sum(leaf_bytes(x, rules, mesh, compute) for x in frozen)
     resident = {}
@@ -187,8 +192,10 @@ def batch_rows(config, step: str, mesh: dict, rules: dict) -> int:
     rows = compiled.update_rows(config)
     shards = splits(("batch",), rules, mesh)
     if rows % t.micro_batches or (rows // t.micro_batches) % shards:
-        raise UserError(f"train.batch_size={rows} ({step}) with {t.micro_batches} micro-batch(es) does not split "
-                        f"evenly over the {shards} batch shards of mesh {mesh}")
+        raise UserError(
+            f"train.batch_size={rows} ({step}) with {t.micro_batches} micro-batch(es) does not split "
+            f"evenly over the {shards} batch shards of mesh {mesh}"
+        )
     rows = rows // t.micro_batches // shards
     return rows * compiled.rows_per_example
 
@@ -311,7 +318,11 @@ def _decode(config, spec, leaves, rules, mesh, c) -> Estimate:
     kv = spec.n_kv_heads / splits(("kv_heads",), rules, mesh)
     cache = int(2 * spec.n_layers * kv * tokens * spec.head_dim * c)
     layer = sum(x.size for x in leaves if x.path.startswith("['blocks']")) / spec.n_layers
-    parts = {"params": sum(leaf_bytes(x, rules, mesh, c) for x in leaves), "kv cache": cache,
-             "updated kv cache": cache, "gathered layer": int(2 * layer * c / splits(("mlp",), rules, mesh)),
-             "logits": int(rows * spec.vocab_size / splits(("act_vocab",), rules, mesh) * 4)}
+    parts = {
+        "params": sum(leaf_bytes(x, rules, mesh, c) for x in leaves),
+        "kv cache": cache,
+        "updated kv cache": cache,
+        "gathered layer": int(2 * layer * c / splits(("mlp",), rules, mesh)),
+        "logits": int(rows * spec.vocab_size / splits(("act_vocab",), rules, mesh) * 4),
+    }
     return Estimate(parts)

@@ -36,9 +36,11 @@ def pipeline_line(config, name: str, mesh: dict) -> str | None:
     if pipe is None:
         return None
     kind = "GPipe" if pipe.repeats == 1 else f"circular, {pipe.repeats} repeats"
-    return (f"  pipeline: {pipe.stages} stages ({kind}), {pipe.microbatches} pipeline micro-batches per "
-            f"micro-batch, {pipe.iterations} iterations: bubble {pipe.bubble:.1%} "
-            f"(= (stages - 1) / (repeats x micro-batches + stages - 1))")
+    return (
+        f"  pipeline: {pipe.stages} stages ({kind}), {pipe.microbatches} pipeline micro-batches per "
+        f"micro-batch, {pipe.iterations} iterations: bubble {pipe.bubble:.1%} "
+        f"(= (stages - 1) / (repeats x micro-batches + stages - 1))"
+    )
 
 
 def step_table(name: str, config, target: Target, est: Estimate, compiled=None) -> str:
@@ -49,8 +51,10 @@ def step_table(name: str, config, target: Target, est: Estimate, compiled=None) 
         head += f", {config.eval.batch_size} rows (eval.batch_size) against a KV cache"
     else:
         rows = batch_rows(config, name, mesh, dict(rules_table(config)))
-        head += (f", remat={config.model.remat}, {rows} row(s) x {config.data.seq_len} per device per micro-batch, "
-                 f"{t.micro_batches} micro-batch(es)")
+        head += (
+            f", remat={config.model.remat}, {rows} row(s) x {config.data.seq_len} per device per micro-batch, "
+            f"{t.micro_batches} micro-batch(es)"
+        )
     lines = [head] + [line for line in [pipeline_line(config, name, mesh)] if line]
     lines.append(f"  {'per device':<24}{'planner':>12}{'compiler':>12}")
     for part, value in est.parts.items():
@@ -60,8 +64,10 @@ def step_table(name: str, config, target: Target, est: Estimate, compiled=None) 
         got = getattr(compiled, part) if compiled is not None else None
         lines.append(f"  {part:<24}{_gib(value):>12}{_gib(got):>12}")
     got = compiled.total if compiled is not None else None
-    lines.append(f"  {'total':<24}{_gib(est.total):>12}{_gib(got):>12}  {error(est.total, got)}"
-                 + (f"  (compiled in {compiled.compile_s:.0f} s)" if compiled is not None else ""))
+    lines.append(
+        f"  {'total':<24}{_gib(est.total):>12}{_gib(got):>12}  {error(est.total, got)}"
+        + (f"  (compiled in {compiled.compile_s:.0f} s)" if compiled is not None else "")
+    )
     for part, value in est.resident.items():
         lines.append(f"  also resident: {part} {_gib(value)} (not read by this step; add it to the total)")
     lines.append(_fits(target, est.total + sum(est.resident.values()), compiled))
@@ -79,8 +85,13 @@ def _fits(target: Target, estimated: int, compiled) -> str:
     verdict = lambda n: "fits" if n <= hbm else "does NOT fit"  # noqa: E731
     text = f"  HBM of one {target.chip.name} chip: {_gib(hbm)}; planner: {verdict(estimated)}"
     if compiled is not None:
-        text += "; compiler: " + ("does NOT fit" if compiled.error and compiled.total else
-                                  "did not compile" if compiled.error else verdict(compiled.total))
+        text += "; compiler: " + (
+            "does NOT fit"
+            if compiled.error and compiled.total
+            else "did not compile"
+            if compiled.error
+            else verdict(compiled.total)
+        )
     return text
 
 
@@ -96,15 +107,19 @@ def step_flops(config, step: str, chips: int) -> float:
 
 def _cost(name: str, config, target: Target, compiled) -> list[str]:
     flops = step_flops(config, name, target.chips)
-    lines = [f"  model FLOPs per chip a step {flops:.3e}; the compiler's cost analysis: {compiled.flops:.3e} FLOPs, "
-             f"{human_bytes(compiled.bytes_accessed or 0)} accessed (XLA counts a loop's body once: the layer and "
-             "micro-batch scans make that one iteration's, not the step's)"]
+    lines = [
+        f"  model FLOPs per chip a step {flops:.3e}; the compiler's cost analysis: {compiled.flops:.3e} FLOPs, "
+        f"{human_bytes(compiled.bytes_accessed or 0)} accessed (XLA counts a loop's body once: the layer and "
+        "micro-batch scans make that one iteration's, not the step's)"
+    ]
     if target.chip is not None:
         seconds = flops / target.chip.bf16_flops
         pipe = pipeline_of(config, name, mesh_sizes(config, target.chips))
         idle = f"; {seconds / (1 - pipe.bubble):.3f} s with the pipeline's bubble" if pipe else ""
-        lines.append(f"  at the bf16 peak ({target.chip.bf16_flops / 1e12:.0f} TFLOP/s) a step takes at least "
-                     f"{seconds:.3f} s{idle} (an estimate, not a measurement)")
+        lines.append(
+            f"  at the bf16 peak ({target.chip.bf16_flops / 1e12:.0f} TFLOP/s) a step takes at least "
+            f"{seconds:.3f} s{idle} (an estimate, not a measurement)"
+        )
     return lines
 
 
@@ -131,8 +146,10 @@ def plan_target(config, target: Target, steps, compile_: bool, fit: bool) -> int
 def _fit(config, name: str, target: Target, devices) -> bool:
     found, est, compiled = search(config, name, target, devices)
     if found is None:
-        print(f"\n--fit: no setting of remat, micro-batches and fsdp x tensor fits {name} on {target.name} "
-              f"({compiled} compile(s) tried); it needs a larger slice or a shorter sequence")
+        print(
+            f"\n--fit: no setting of remat, micro-batches and fsdp x tensor fits {name} on {target.name} "
+            f"({compiled} compile(s) tried); it needs a larger slice or a shorter sequence"
+        )
         return False
     print(f"\n--fit: {name} fits with {overrides(found)}")
     print(step_table(name, found, target, est, compiled))

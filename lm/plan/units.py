@@ -33,8 +33,13 @@ def summary(m, seq_len: int) -> str:
         dtype = getattr(m, "compute_dtype", "float32")
         itemsize = 2 if dtype == "bfloat16" else 4
         experts = expert_params(m)
-        rows.append(("expert weights", f"{human_bytes(4 * experts)} float32 (training), "
-                                       f"{human_bytes(itemsize * experts)} {dtype}; split over mesh.expert"))
+        rows.append(
+            (
+                "expert weights",
+                f"{human_bytes(4 * experts)} float32 (training), "
+                f"{human_bytes(itemsize * experts)} {dtype}; split over mesh.expert",
+            )
+        )
     rows += [
         ("total", total),
         ("non-embedding", f"{non_embedding_params(m):,} ({_human(non_embedding_params(m))})"),

@@ -31,7 +31,7 @@ def thp_mode(path: pathlib.Path = THP_MODE) -> str | None:
     except OSError:
         return None
     start, end = text.find("["), text.find("]")
-    return text[start + 1:end] if 0 <= start < end else None
+    return text[start + 1 : end] if 0 <= start < end else None
 
 
 def _glibc_version() -> tuple[int, ...] | None:

@@ -88,12 +88,20 @@ def start(coordinator: str | None, num_processes: int | None, process_id: int | 
     coordinator, num_processes, process_id = _detected(coordinator, num_processes, process_id, launch.startup_s)
     relay = _Relay(coordinator) if coordinator and process_id not in (None, 0) else None
     joined = threading.Event()
-    threading.Thread(target=_expire, args=(joined, launch, coordinator, num_processes, process_id, relay),
-                     daemon=True, name="lm-join").start()
+    threading.Thread(
+        target=_expire,
+        args=(joined, launch, coordinator, num_processes, process_id, relay),
+        daemon=True,
+        name="lm-join",
+    ).start()
     try:
-        jax.distributed.initialize(relay.address if relay else coordinator, num_processes, process_id,
-                                   initialization_timeout=int(launch.startup_s) + MARGIN_S,
-                                   heartbeat_timeout_seconds=int(2 * (launch.peer_s + MARGIN_S)))
+        jax.distributed.initialize(
+            relay.address if relay else coordinator,
+            num_processes,
+            process_id,
+            initialization_timeout=int(launch.startup_s) + MARGIN_S,
+            heartbeat_timeout_seconds=int(2 * (launch.peer_s + MARGIN_S)),
+        )
     finally:
         joined.set()
     from jax._src.distributed import global_state
@@ -154,6 +162,7 @@ def end(line: str) -> None:
 
 # ---- joining -------------------------------------------------------------------------------------
 
+
 def _detected(coordinator: str | None, n: int | None, me: int | None, timeout: float):
     """The coordinator, process count and index that JAX would detect where they are not given
     (TPU pods, Slurm, Open MPI): the relay needs them before JAX does. Unchanged when none is found."""
@@ -169,8 +178,9 @@ def _detected(coordinator: str | None, n: int | None, me: int | None, timeout: f
         return coordinator, n, me
 
 
-def _expire(joined: threading.Event, launch: Launch, coordinator: str | None, n: int | None, me: int | None,
-            relay) -> None:
+def _expire(
+    joined: threading.Event, launch: Launch, coordinator: str | None, n: int | None, me: int | None, relay
+) -> None:
     if not joined.wait(launch.startup_s):
         end(_not_joined(launch.startup_s, coordinator, n, me, relay))
 
@@ -179,20 +189,26 @@ def _not_joined(waited_s: float, coordinator: str | None, n: int | None, me: int
     waited = f"within {waited_s:g} s (--startup-timeout)"
     at = coordinator or "the coordinator"
     if relay is not None and relay.lost:
-        return (f"lm: lost process 0 (the coordinator at {at}) while joining; run the same command again on "
-                "every process")
+        return (
+            f"lm: lost process 0 (the coordinator at {at}) while joining; run the same command again on every process"
+        )
     if relay is not None and not relay.reached:
-        return (f"lm: process 0 (the coordinator at {at}) did not answer {waited}; start it (the same command "
-                "with --process-id 0), or check --coordinator")
+        return (
+            f"lm: process 0 (the coordinator at {at}) did not answer {waited}; start it (the same command "
+            "with --process-id 0), or check --coordinator"
+        )
     if me == 0 and n:
         missing = "process 1 of 2" if n == 2 else f"some of processes 1-{n - 1} (of {n})"
     else:
         missing = "some of the processes"
-    return (f"lm: {missing} did not join {waited}; start every process with the same command and its own "
-            f"--process-id, and check that each one reaches {at}")
+    return (
+        f"lm: {missing} did not join {waited}; start every process with the same command and its own "
+        f"--process-id, and check that each one reaches {at}"
+    )
 
 
 # ---- after joining -------------------------------------------------------------------------------
+
 
 class _Watchdog:
     """Beats through the coordination service's key-value store; ends the process when a peer's beat
@@ -274,8 +290,11 @@ def _line(who: int, silent: float, me: int, n: int, launch: Launch) -> str:
     """The one line that ends a process whose peer `who` was lost."""
     how = "no answer" if who == 0 and me != 0 else "silent"
     what = f"process {who} of {n}" + (" (the coordinator)" if who == 0 else "")
-    said = [f"lm: lost {what}: {how} for {silent:.0f} s (--peer-timeout {launch.peer_s:g})", _reached(me, launch),
-            _advice(launch)]
+    said = [
+        f"lm: lost {what}: {how} for {silent:.0f} s (--peer-timeout {launch.peer_s:g})",
+        _reached(me, launch),
+        _advice(launch),
+    ]
     return "; ".join(s for s in said if s)
 
 
@@ -300,6 +319,7 @@ def _advice(launch: Launch) -> str:
 
 
 # ---- the relay -----------------------------------------------------------------------------------
+
 
 class _Relay:
     """A local TCP relay to the coordinator, for a process other than 0. When the coordinator's end

@@ -80,9 +80,19 @@ class Checkpointer:
     """Saves when asked (the loop decides when), keeps the newest `keep` plus every
     `keep_period`-th step, and restores onto any target shardings."""
 
-    def __init__(self, directory, every_steps: int = 100, keep: int = 3, *, every_minutes: float = 0.0,
-                 keep_period: int = 0, config=None, identity: dict | None = None,
-                 accept: Callable[[int, dict], None] | None = None, metrics_digest: Callable[[], str] | None = None):
+    def __init__(
+        self,
+        directory,
+        every_steps: int = 100,
+        keep: int = 3,
+        *,
+        every_minutes: float = 0.0,
+        keep_period: int = 0,
+        config=None,
+        identity: dict | None = None,
+        accept: Callable[[int, dict], None] | None = None,
+        metrics_digest: Callable[[], str] | None = None,
+    ):
         """identity: recorded in every meta; accept(step, meta): raises (a UserError) for a checkpoint
         this run must not restore; metrics_digest(): the digest of metrics.jsonl so far."""
         self.directory = pathlib.Path(directory).absolute()
@@ -90,8 +100,12 @@ class Checkpointer:
         self.rejected_dir = self.directory.parent / "rejected_checkpoints"
         self.every_steps, self.every_minutes = every_steps, every_minutes
         self.config = json.loads(config.to_json()) if config is not None else None
-        options = ocp.CheckpointManagerOptions(max_to_keep=keep, keep_period=keep_period or None,
-                                               enable_async_checkpointing=True, cleanup_tmp_directories=True)
+        options = ocp.CheckpointManagerOptions(
+            max_to_keep=keep,
+            keep_period=keep_period or None,
+            enable_async_checkpointing=True,
+            cleanup_tmp_directories=True,
+        )
         self.manager = ocp.CheckpointManager(self.directory, options=options, item_names=ITEMS)
         self._last_save = time.monotonic()
         self._pending_step = None  # the step whose asynchronous save may still be running
@@ -100,8 +114,15 @@ class Checkpointer:
     @classmethod
     def from_config(cls, directory, config, **kw) -> "Checkpointer":
         k = config.checkpoint
-        return cls(directory, k.every_steps, k.keep, every_minutes=k.every_minutes, keep_period=k.keep_period,
-                   config=config, **kw)
+        return cls(
+            directory,
+            k.every_steps,
+            k.keep,
+            every_minutes=k.every_minutes,
+            keep_period=k.keep_period,
+            config=config,
+            **kw,
+        )
 
     # ---- saving ----------------------------------------------------------------------------
 
@@ -121,11 +142,24 @@ class Checkpointer:
         """Starts an async save of everything at `step`; returns once the arrays are copied off device.
         A failure of the previous save is reported first, under that save's step."""
         self.wait()
-        meta = seal({"step": int(step), "shapes": _shapes(state), "checksum_kind": HASH, "checksums": checksums(state),
-                     "data_checksums": data_checksums(data_iter), "config": self.config, "identity": self.identity,
-                     "metrics_digest": self.metrics_digest() if self.metrics_digest else None, "health": health})
-        args = ocp.args.Composite(state=ocp.args.StandardSave(state), data=grain.checkpoint.CheckpointSave(data_iter),
-                                  meta=ocp.args.JsonSave(meta))
+        meta = seal(
+            {
+                "step": int(step),
+                "shapes": _shapes(state),
+                "checksum_kind": HASH,
+                "checksums": checksums(state),
+                "data_checksums": data_checksums(data_iter),
+                "config": self.config,
+                "identity": self.identity,
+                "metrics_digest": self.metrics_digest() if self.metrics_digest else None,
+                "health": health,
+            }
+        )
+        args = ocp.args.Composite(
+            state=ocp.args.StandardSave(state),
+            data=grain.checkpoint.CheckpointSave(data_iter),
+            meta=ocp.args.JsonSave(meta),
+        )
         with self._reporting(step):
             self.manager.save(step, args=args, force=True)
         self._last_save, self._pending_step = time.monotonic(), step
@@ -150,12 +184,17 @@ class Checkpointer:
         except Exception as error:
             self._pending_step = None  # reported once; the manager has given up on that save
             steps = [s for s in self.all_steps() if s != step]
-            then = ("then run the same command with --resume" if steps else
-                    f"then run the same command again without --resume (no checkpoint was saved yet; move "
-                    f"'{self.directory}' aside first if it is there)")
+            then = (
+                "then run the same command with --resume"
+                if steps
+                else f"then run the same command again without --resume (no checkpoint was saved yet; move "
+                f"'{self.directory}' aside first if it is there)"
+            )
             kept = f"the checkpoints already there are intact (steps {steps})" if steps else "no checkpoint is saved"
-            raise UserError(f"saving the checkpoint of step {step} in '{self.directory}' failed: "
-                            f"{describe(error)}; {kept}; free space or fix permissions, {then}") from error
+            raise UserError(
+                f"saving the checkpoint of step {step} in '{self.directory}' failed: "
+                f"{describe(error)}; {kept}; free space or fix permissions, {then}"
+            ) from error
 
     # ---- restoring -------------------------------------------------------------------------
 
@@ -180,18 +219,22 @@ class Checkpointer:
                 reason = describe(e, self.directory / str(s))
                 fault = access_fault(e)
                 if fault:
-                    raise UserError(f"checkpoint step {s} in '{self.directory}' cannot be read ({fault}: {reason}); "
-                                    "nothing was moved; fix the permissions or the storage, then run the same "
-                                    "command with --resume again") from None
+                    raise UserError(
+                        f"checkpoint step {s} in '{self.directory}' cannot be read ({fault}: {reason}); "
+                        "nothing was moved; fix the permissions or the storage, then run the same "
+                        "command with --resume again"
+                    ) from None
                 damaged.append((s, reason))
                 continue
             for bad, reason in damaged:
                 self._reject(bad, reason, s)
             return state, s, meta
         problems = "; ".join(f"step {s}: {reason}" for s, reason in damaged)
-        raise UserError(f"no intact checkpoint in '{self.directory}' ({problems}); nothing was moved; to train "
-                        f"again from the start, move it aside (mv '{self.directory}' '{self.directory}.damaged') "
-                        "and run the same command without --resume")
+        raise UserError(
+            f"no intact checkpoint in '{self.directory}' ({problems}); nothing was moved; to train "
+            f"again from the start, move it aside (mv '{self.directory}' '{self.directory}.damaged') "
+            "and run the same command without --resume"
+        )
 
     def _restore_checked(self, step: int, abstract_state, data_iter):
         step_dir = self.directory / str(step)
@@ -220,8 +263,11 @@ class Checkpointer:
                 verify_data(step_dir, meta["data_checksums"])
             items["data"] = grain.checkpoint.CheckpointRestore(data_iter)
         if not sealed or (data_iter is not None and "data_checksums" not in meta):
-            print(f"lm: warning: checkpoint step {step} in '{self.directory}' predates the checksums of its meta "
-                  "and data items; restoring them unchecked (the state's arrays are checked)", flush=True)
+            print(
+                f"lm: warning: checkpoint step {step} in '{self.directory}' predates the checksums of its meta "
+                "and data items; restoring them unchecked (the state's arrays are checked)",
+                flush=True,
+            )
         state = self.manager.restore(step, args=ocp.args.Composite(**items))["state"]
         for path, want, got in zip(leaf_paths(state), meta["checksums"], checksums(state, meta.get("checksum_kind"))):
             if want != got:
@@ -235,7 +281,8 @@ class Checkpointer:
             raise IncompatibleCheckpoint(
                 f"checkpoint step {step} in '{self.directory}' holds the data position of {len(saved)} "
                 f"process(es) ({', '.join(sorted(saved))}), this run has {count}; resume with "
-                f"{len(saved)} process(es) or start a new --workdir")
+                f"{len(saved)} process(es) or start a new --workdir"
+            )
 
     def _check_array_metadata(self, step: int, meta: dict) -> None:
         """Orbax's own tree metadata must be there and agree: exports and other tools read it."""
@@ -248,8 +295,11 @@ class Checkpointer:
     def _check_compatible(self, step: int, meta: dict, abstract_state) -> None:
         now = _shapes(abstract_state)
         saved = meta["shapes"]
-        diffs = [f"{p}: saved {saved[p][0]} {saved[p][1]}, now {now[p][0]} {now[p][1]}"
-                 for p in now if p in saved and saved[p] != now[p]]
+        diffs = [
+            f"{p}: saved {saved[p][0]} {saved[p][1]}, now {now[p][0]} {now[p][1]}"
+            for p in now
+            if p in saved and saved[p] != now[p]
+        ]
         diffs += [f"{p}: missing in the checkpoint" for p in now if p not in saved]
         diffs += [f"{p}: not in this config" for p in saved if p not in now]
         if not diffs:
@@ -258,20 +308,28 @@ class Checkpointer:
         keys = ""
         if self.config is not None and meta.get("config"):
             before, after = _flat(meta["config"].get("model", {})), _flat(self.config.get("model", {}))
-            changed = [f"model.{k}={before.get(k)!r} (checkpoint) vs {after.get(k)!r} (now)"
-                       for k in sorted(before.keys() | after.keys()) if before.get(k) != after.get(k)]
+            changed = [
+                f"model.{k}={before.get(k)!r} (checkpoint) vs {after.get(k)!r} (now)"
+                for k in sorted(before.keys() | after.keys())
+                if before.get(k) != after.get(k)
+            ]
             keys = f"; config differs in {', '.join(changed)}" if changed else ""
         shown = "; ".join(diffs[:10]) + (f"; ... ({len(diffs)} in all)" if len(diffs) > 10 else "")
-        raise IncompatibleCheckpoint(f"checkpoint step {step} in '{self.directory}' does not fit this config: "
-                                     f"{shown}{keys}; use the config it was trained with or a new --workdir")
+        raise IncompatibleCheckpoint(
+            f"checkpoint step {step} in '{self.directory}' does not fit this config: "
+            f"{shown}{keys}; use the config it was trained with or a new --workdir"
+        )
 
     def _reject(self, step: int, reason: str, restored: int) -> None:
         """Moves a damaged step out of the manager's sight (kept for inspection) and says why.
         Every process checks every item, so all reject the same step; process 0 moves it once
         all of them are done reading it."""
         target = self.rejected_dir / str(step)
-        print(f"lm: warning: checkpoint step {step} is damaged ({reason}); moved to '{target}', "
-              f"resuming from step {restored}", flush=True)
+        print(
+            f"lm: warning: checkpoint step {step} is damaged ({reason}); moved to '{target}', "
+            f"resuming from step {restored}",
+            flush=True,
+        )
         _barrier(f"lm_checked_checkpoint_{step}")
         if jax.process_index() == 0:
             self.rejected_dir.mkdir(parents=True, exist_ok=True)
@@ -346,12 +404,17 @@ def read_checkpoint_params(workdir, step: int | None = None) -> tuple[dict, dict
     with _reading_one_item():
         tree = ckptr.metadata(step_dir / "state").item_metadata.tree["params"]
         target = jax.tree.map(lambda m: np.zeros(m.shape, m.dtype), tree)
-        args = ocp.args.PyTreeRestore(item={"params": target}, partial_restore=True, restore_args={
-            "params": jax.tree.map(lambda _: ocp.RestoreArgs(restore_type=np.ndarray), tree)})
+        args = ocp.args.PyTreeRestore(
+            item={"params": target},
+            partial_restore=True,
+            restore_args={"params": jax.tree.map(lambda _: ocp.RestoreArgs(restore_type=np.ndarray), tree)},
+        )
         params = ckptr.restore(step_dir / "state", args=args)["params"]
     saved = dict(zip(meta["shapes"], meta["checksums"]))
     for path, got in zip(leaf_paths({"params": params}), checksums(params, meta.get("checksum_kind"))):
         if saved.get(path) != got:
-            raise UserError(f"lm export: '{path}' in '{step_dir}' does not match its saved checksum; "
-                            "the checkpoint is damaged, pick another --step")
+            raise UserError(
+                f"lm export: '{path}' in '{step_dir}' does not match its saved checksum; "
+                "the checkpoint is damaged, pick another --step"
+            )
     return params, meta, step

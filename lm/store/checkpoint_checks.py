@@ -34,6 +34,7 @@ class Damaged(ValueError):
 
 # ---- checksums -------------------------------------------------------------------------------
 
+
 def _as_u32(x):
     bits = {4: jnp.uint32, 2: jnp.uint16, 1: jnp.uint8}[x.dtype.itemsize]
     return jax.lax.bitcast_convert_type(x, bits).astype(jnp.uint32)
@@ -74,8 +75,10 @@ def _leaf_hashes(tree):
     out = []
     for x in jax.tree.leaves(tree):
         bits, index = _as_u32(x), _global_index(x.shape)
-        lanes = [jnp.sum(_mix(_mix(index ^ jnp.uint32(seed)) ^ (bits * jnp.uint32(0x9E3779B1))), dtype=jnp.uint32)
-                 for seed in (0x3C6EF372, 0xA54FF53A)]
+        lanes = [
+            jnp.sum(_mix(_mix(index ^ jnp.uint32(seed)) ^ (bits * jnp.uint32(0x9E3779B1))), dtype=jnp.uint32)
+            for seed in (0x3C6EF372, 0xA54FF53A)
+        ]
         out.append(jnp.stack(lanes))
     return out
 
@@ -135,11 +138,14 @@ def verify_meta(meta: dict, step_dir: pathlib.Path) -> None:
     body = {k: v for k, v in meta.items() if k != "meta_checksum"}
     if _json_digest(body) != meta["meta_checksum"]:
         where = step_dir / "meta" / "metadata"
-        raise Damaged(f"meta '{where.relative_to(step_dir.parent)}' (config, shapes, checksums, fault counters) "
-                      "differs from what was saved")
+        raise Damaged(
+            f"meta '{where.relative_to(step_dir.parent)}' (config, shapes, checksums, fault counters) "
+            "differs from what was saved"
+        )
 
 
 # ---- one-line descriptions of faults ---------------------------------------------------------
+
 
 def _first_line(error: BaseException) -> str:
     text = str(error).split(" See full TensorStore details")[0].strip().splitlines()
@@ -164,7 +170,8 @@ def describe(error: BaseException, step_dir: pathlib.Path | None = None) -> str:
         return str(error)
     messages = [str(e) for e in _chain(error)]
     if any("No space left on device" in m for m in messages) or any(
-            getattr(e, "errno", None) == 28 for e in _chain(error)):
+        getattr(e, "errno", None) == 28 for e in _chain(error)
+    ):
         files = [f for m in messages for f in _TS_FILE.findall(m)]
         return "no space left on device" + (f" (writing '{files[0]}')" if files else "")
     for m in messages:
@@ -175,12 +182,21 @@ def describe(error: BaseException, step_dir: pathlib.Path | None = None) -> str:
     return f"{type(plain).__name__}: {_first_line(plain)}"
 
 
-_ACCESS_ERRNOS = {errno.EACCES: "permission denied", errno.EPERM: "permission denied",
-                  errno.EIO: "input/output error", errno.EROFS: "read-only file system",
-                  errno.ESTALE: "stale file handle", errno.ENOTCONN: "storage not connected",
-                  errno.ETIMEDOUT: "storage timed out"}
-_ACCESS_TEXT = {"Permission denied": "permission denied", "PERMISSION_DENIED": "permission denied",
-                "Input/output error": "input/output error", "Read-only file system": "read-only file system"}
+_ACCESS_ERRNOS = {
+    errno.EACCES: "permission denied",
+    errno.EPERM: "permission denied",
+    errno.EIO: "input/output error",
+    errno.EROFS: "read-only file system",
+    errno.ESTALE: "stale file handle",
+    errno.ENOTCONN: "storage not connected",
+    errno.ETIMEDOUT: "storage timed out",
+}
+_ACCESS_TEXT = {
+    "Permission denied": "permission denied",
+    "PERMISSION_DENIED": "permission denied",
+    "Input/output error": "input/output error",
+    "Read-only file system": "read-only file system",
+}
 
 
 def access_fault(error: BaseException) -> str | None:
@@ -217,8 +233,9 @@ def _read_fault(key: str, database: pathlib.Path, message: str, step_dir) -> str
     if found is None:
         return f"{where} cannot be read ({message.split(':', 1)[0]}: {detail})"
     short = _TS_RANGE.search(message)
-    fault = _file_fault(found, None) or (f"is truncated ({short.group(2)} of {short.group(1)} bytes)" if short
-                                         else f"cannot be read ({detail})")
+    fault = _file_fault(found, None) or (
+        f"is truncated ({short.group(2)} of {short.group(1)} bytes)" if short else f"cannot be read ({detail})"
+    )
     return f"{where}: file '{_shown(found, step_dir)}' {fault}"
 
 
@@ -282,8 +299,14 @@ def _file_of(database: pathlib.Path, key: bytes) -> pathlib.Path | None:
 
 # ---- orbax's background threads --------------------------------------------------------------
 
-_ECHOES = ("_SignalingThread.run() raised an exception", "in background save thread", "Save Finalize thread",
-           "one or more items may not be finalized", "Failed to write metadata", "Failed to update metadata")
+_ECHOES = (
+    "_SignalingThread.run() raised an exception",
+    "in background save thread",
+    "Save Finalize thread",
+    "one or more items may not be finalized",
+    "Failed to write metadata",
+    "Failed to update metadata",
+)
 
 
 def _from_orbax(error: BaseException | None) -> bool:
@@ -310,8 +333,9 @@ class _DropEchoes(logging.Filter):
     def filter(self, record: logging.LogRecord) -> bool:
         message = str(record.msg)
         if record.name == "absl":
-            return not (record.levelno >= logging.ERROR and "/orbax/" in record.pathname
-                        and any(e in message for e in _ECHOES))
+            return not (
+                record.levelno >= logging.ERROR and "/orbax/" in record.pathname and any(e in message for e in _ECHOES)
+            )
         error = record.exc_info[1] if record.exc_info else None
         return not ("exception was never retrieved" in message and (_from_orbax(error) or "OCDBT" in message))
 

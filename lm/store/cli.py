@@ -9,8 +9,9 @@ import re
 from lm.errors import UserError
 
 FORMATS = ("orbax", "safetensors", "hf", "peft")
-OVERWRITE_HELP = ("replace an existing --out: a file, or in a directory the files this writes (nothing else there is "
-                  "touched)")
+OVERWRITE_HELP = (
+    "replace an existing --out: a file, or in a directory the files this writes (nothing else there is touched)"
+)
 UNITS = {"": 1, "B": 1, "KB": 10**3, "MB": 10**6, "GB": 10**9, "KIB": 2**10, "MIB": 2**20, "GIB": 2**30}
 
 
@@ -34,22 +35,37 @@ class Export:
         source.add_argument("--params", help="an `lm export` (dir or .safetensors) or a Hugging Face model directory")
         ex.add_argument("--step", type=int, help="which checkpoint of --workdir (default: the newest)")
         ex.add_argument("--out", required=True, help="a directory (orbax, hf, peft) or a file ending in .safetensors")
-        ex.add_argument("--format", choices=FORMATS,
-                        help="orbax | safetensors (our layout; default: from the --out suffix), hf (a directory "
-                             "transformers' AutoModelForCausalLM and AutoTokenizer load), peft (a LoRA run's adapters "
-                             "as a PEFT adapter over its base)")
-        ex.add_argument("--merge", action="store_true",
-                        help="a LoRA run: fold the adapters into their base and export a plain model (default: the "
-                             "adapters alone, which `lm sample` folds into the base named in their config; --format "
-                             "hf needs --merge)")
-        ex.add_argument("--dtype", choices=("float32", "bfloat16", "float16"),
-                        help="hf and peft: the tensors' dtype (default: as held; float32 for a model trained here)")
-        ex.add_argument("--quantize", choices=("int8", "int4"),
-                        help="write the weights quantized (int8 per channel, int4 per group of 128) to a .safetensors "
-                             "--out; `--params OUT` then loads them quantized")
+        ex.add_argument(
+            "--format",
+            choices=FORMATS,
+            help="orbax | safetensors (our layout; default: from the --out suffix), hf (a directory "
+            "transformers' AutoModelForCausalLM and AutoTokenizer load), peft (a LoRA run's adapters "
+            "as a PEFT adapter over its base)",
+        )
+        ex.add_argument(
+            "--merge",
+            action="store_true",
+            help="a LoRA run: fold the adapters into their base and export a plain model (default: the "
+            "adapters alone, which `lm sample` folds into the base named in their config; --format "
+            "hf needs --merge)",
+        )
+        ex.add_argument(
+            "--dtype",
+            choices=("float32", "bfloat16", "float16"),
+            help="hf and peft: the tensors' dtype (default: as held; float32 for a model trained here)",
+        )
+        ex.add_argument(
+            "--quantize",
+            choices=("int8", "int4"),
+            help="write the weights quantized (int8 per channel, int4 per group of 128) to a .safetensors "
+            "--out; `--params OUT` then loads them quantized",
+        )
         ex.add_argument("--shard-size", default="5GB", help="hf: the largest safetensors shard (default 5GB)")
-        ex.add_argument("--base-model", help="peft: base_model_name_or_path in adapter_config.json (default: the "
-                                             "Hugging Face directory the run started from, when it did)")
+        ex.add_argument(
+            "--base-model",
+            help="peft: base_model_name_or_path in adapter_config.json (default: the "
+            "Hugging Face directory the run started from, when it did)",
+        )
         ex.add_argument("--overwrite", action="store_true", help=OVERWRITE_HELP)
 
     @staticmethod
@@ -62,16 +78,20 @@ class Export:
         if args.base_model and fmt != "peft":
             raise UserError("lm export: --base-model applies to --format peft")
         if args.quantize and (fmt not in (None, "safetensors") or args.merge or args.dtype):
-            raise UserError("lm export --quantize writes our .safetensors layout (adapters folded in): drop "
-                            "--format/--merge/--dtype")
+            raise UserError(
+                "lm export --quantize writes our .safetensors layout (adapters folded in): drop "
+                "--format/--merge/--dtype"
+            )
         _check_out(args, fmt)
         if args.quantize:
             from lm.store.export import export_quantized
             from lm.store.load import load_trained
 
             done = export_quantized(load_trained(args.workdir, args.params, step=args.step), args.out, args.quantize)
-            print(f"wrote {done['params']:,} params quantized ({done['format']}, {done['bytes']:,} bytes) to "
-                  f"{done['out']}; lm sample/eval/serve --params read it back quantized")
+            print(
+                f"wrote {done['params']:,} params quantized ({done['format']}, {done['bytes']:,} bytes) to "
+                f"{done['out']}; lm sample/eval/serve --params read it back quantized"
+            )
             return 0
         if fmt in ("hf", "peft"):
             return _export_hf(args)
@@ -86,8 +106,10 @@ class Export:
 
             done = export_params(args.workdir, args.out, args.step, fmt, merge=args.merge)
             what = f"step {done['step']}"
-        print(f"wrote {done['params']:,} params of {what} to {done['out']} ({done['format']}); "
-              "read them with lm.store.load.load_params")
+        print(
+            f"wrote {done['params']:,} params of {what} to {done['out']} ({done['format']}); "
+            "read them with lm.store.load.load_params"
+        )
         return 0
 
 
@@ -117,18 +139,24 @@ def _export_hf(args) -> int:
     model = load_trained(workdir=args.workdir, params=args.params, step=args.step, merge_adapters=False)
     if args.format == "hf":
         done = export_hf(model, args.out, merge=args.merge, dtype=args.dtype, max_bytes=max_bytes)
-        print(f"wrote {done['params']:,} params as {done['architecture']} ({done['dtype']}, {len(done['files'])} "
-              f"weight file(s)) with its tokenizer to {done['out']}; load it with "
-              "transformers.AutoModelForCausalLM.from_pretrained")
+        print(
+            f"wrote {done['params']:,} params as {done['architecture']} ({done['dtype']}, {len(done['files'])} "
+            f"weight file(s)) with its tokenizer to {done['out']}; load it with "
+            "transformers.AutoModelForCausalLM.from_pretrained"
+        )
         return 0
     if args.merge:
-        raise UserError("lm export: --merge writes a plain model; use --format hf --merge (--format peft writes the "
-                        "adapters alone)")
+        raise UserError(
+            "lm export: --merge writes a plain model; use --format hf --merge (--format peft writes the adapters alone)"
+        )
     done = export_peft(model, args.out, base=args.base_model, dtype=args.dtype)
-    base = done["base"] or ("its base (write it with `lm export --params BASE --format hf` and name it with "
-                            "--base-model)")
-    print(f"wrote LoRA adapters (r={done['rank']}, {', '.join(done['targets'])}; {done['params']:,} params) to "
-          f"{done['out']}; load them with peft.PeftModel.from_pretrained over {base}")
+    base = done["base"] or (
+        "its base (write it with `lm export --params BASE --format hf` and name it with --base-model)"
+    )
+    print(
+        f"wrote LoRA adapters (r={done['rank']}, {', '.join(done['targets'])}; {done['params']:,} params) to "
+        f"{done['out']}; load them with peft.PeftModel.from_pretrained over {base}"
+    )
     return 0
 
 
@@ -149,15 +177,23 @@ class Import:
         from lm.store.hf.config import is_hf_dir
 
         if not is_hf_dir(args.path):
-            raise UserError(f"lm import hf: '{args.path}' is not a Hugging Face model directory (no config.json "
-                            "naming a model_type)")
+            raise UserError(
+                f"lm import hf: '{args.path}' is not a Hugging Face model directory (no config.json "
+                "naming a model_type)"
+            )
         from lm.outputs import check_out
         from lm.store.export import export_loaded, out_layout
         from lm.store.hf.reader import load_hf
 
-        check_out(args.out, args.overwrite, "--out", "file" if out_layout(args.out, args.format)[1] == "safetensors"
-                  else "dir")
+        check_out(
+            args.out,
+            args.overwrite,
+            "--out",
+            "file" if out_layout(args.out, args.format)[1] == "safetensors" else "dir",
+        )
         done = export_loaded(load_hf(args.path), args.out, args.format)
-        print(f"wrote {done['params']:,} params of {args.path} to {done['out']} ({done['format']}); use it with "
-              f"--params {done['out']}")
+        print(
+            f"wrote {done['params']:,} params of {args.path} to {done['out']} ({done['format']}); use it with "
+            f"--params {done['out']}"
+        )
         return 0

@@ -51,8 +51,10 @@ def out_layout(out, fmt: str | None) -> tuple[pathlib.Path, str]:
     """(out, 'orbax' | 'safetensors'): the layout asked for, or the one the --out suffix names."""
     out = pathlib.Path(out)
     if fmt is None and out.suffix not in ("", ".safetensors"):
-        raise UserError(f"lm export: --out {out}: a '{out.suffix}' file is neither form lm writes; give a file "
-                        "ending in .safetensors, or a directory path without a suffix (orbax layout)")
+        raise UserError(
+            f"lm export: --out {out}: a '{out.suffix}' file is neither form lm writes; give a file "
+            "ending in .safetensors, or a directory path without a suffix (orbax layout)"
+        )
     fmt = fmt or ("safetensors" if out.suffix == ".safetensors" else "orbax")
     if fmt not in ("orbax", "safetensors"):
         raise UserError(f"lm export: --format {fmt!r}: expected 'orbax' or 'safetensors'")
@@ -119,8 +121,10 @@ def quantized_out(out) -> pathlib.Path:
     """The --out of a quantized export: a .safetensors file."""
     out = pathlib.Path(out)
     if out.suffix != ".safetensors":
-        raise UserError(f"lm export --quantize: --out {out}: expected a file ending in .safetensors (the quantized "
-                        "layout is ours alone; Hugging Face and orbax exports stay float)")
+        raise UserError(
+            f"lm export --quantize: --out {out}: expected a file ending in .safetensors (the quantized "
+            "layout is ours alone; Hugging Face and orbax exports stay float)"
+        )
     return out
 
 
@@ -141,12 +145,19 @@ def export_quantized(model: Loaded, out, mode: str) -> dict:
     from safetensors.numpy import save_file
 
     with replacing(out) as tmp:
-        save_file({k: np.ascontiguousarray(v) for k, v in tensors.items()}, str(tmp),
-                  metadata={"lm_config": json.dumps(config.to_dict()), "lm_step": "0", "lm_quantization": mode})
+        save_file(
+            {k: np.ascontiguousarray(v) for k, v in tensors.items()},
+            str(tmp),
+            metadata={"lm_config": json.dumps(config.to_dict()), "lm_step": "0", "lm_quantization": mode},
+        )
     _keep_tokenizer(model.tokenizer, out.with_name(out.stem + ".tokenizer"))
-    return {"step": 0, "format": f"safetensors, {mode}", "params": sum(int(np.prod(x.shape)) for x in
-                                                                      jax.tree.leaves(params)),
-            "out": str(out), "bytes": sum(v.nbytes for v in tensors.values())}
+    return {
+        "step": 0,
+        "format": f"safetensors, {mode}",
+        "params": sum(int(np.prod(x.shape)) for x in jax.tree.leaves(params)),
+        "out": str(out),
+        "bytes": sum(v.nbytes for v in tensors.values()),
+    }
 
 
 def _write_orbax(out: pathlib.Path, params: dict, config_json: str, info: dict) -> None:

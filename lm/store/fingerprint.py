@@ -41,8 +41,10 @@ def _run(checkpoints: pathlib.Path) -> str:
             meta = json.loads((checkpoints / str(step) / "meta" / "metadata").read_text())
         except (OSError, ValueError):
             continue  # the loader skips it too (read_checkpoint_params picks the newest)
-        body = meta.get("meta_checksum") or hashlib.sha256(
-            json.dumps(meta.get("checksums"), sort_keys=True).encode()).hexdigest()
+        body = (
+            meta.get("meta_checksum")
+            or hashlib.sha256(json.dumps(meta.get("checksums"), sort_keys=True).encode()).hexdigest()
+        )
         return _digest([["run-step", step, body]])
     return ""
 

@@ -29,8 +29,13 @@ from lm.store.safetensors_files import check_finite
 __all__ = ["Loaded", "load_trained", "load_init", "load_params", "with_base"]
 
 
-def load_trained(workdir: str | None = None, params: str | None = None, tokenizer: str | None = None,
-                 step: int | None = None, merge_adapters: bool = True) -> Loaded:
+def load_trained(
+    workdir: str | None = None,
+    params: str | None = None,
+    tokenizer: str | None = None,
+    step: int | None = None,
+    merge_adapters: bool = True,
+) -> Loaded:
     """From an `lm train` workdir (its newest checkpoint, or `step`), an `lm export` (dir or
     .safetensors) or a Hugging Face model directory (lazy params: lm.store.hf.reader). A LoRA model's
     adapters are folded into its base unless merge_adapters=False (then its params and config
@@ -54,8 +59,10 @@ def load_trained(workdir: str | None = None, params: str | None = None, tokenize
         config = config_from(saved_config(path), source)
     check_finite(values, source)
     if quantized(values):
-        values = from_tensors(dict(zip(leaf_paths(values), jax.tree.leaves(values))),
-                              build_model(config, jax.devices()[:1]).abstract_params())
+        values = from_tensors(
+            dict(zip(leaf_paths(values), jax.tree.leaves(values))),
+            build_model(config, jax.devices()[:1]).abstract_params(),
+        )
     tok = tokenizer_for(config, tokenizer_beside(path), tokenizer, source)
     if config.model.lora_rank > 0 and merge_adapters:
         config, values = with_base(config, values, source)
@@ -71,15 +78,20 @@ def _check_run(workdir: pathlib.Path, step: int | None) -> None:
     if steps:
         raise UserError(f"'{workdir}' has no checkpoint of step {step} (saved steps: {steps})")
     if not workdir.exists():
-        raise UserError(f"'{workdir}' does not exist; give a run directory with checkpoints (what `lm train "
-                        "--workdir` writes) or an export with --params")
+        raise UserError(
+            f"'{workdir}' does not exist; give a run directory with checkpoints (what `lm train "
+            "--workdir` writes) or an export with --params"
+        )
     if is_hf_dir(workdir):
-        raise UserError(f"'{workdir}' is a Hugging Face model directory, not a run directory: give it with --params "
-                        f"'{workdir}'")
+        raise UserError(
+            f"'{workdir}' is a Hugging Face model directory, not a run directory: give it with --params '{workdir}'"
+        )
     if (workdir / "params").is_dir() or workdir.suffix == ".safetensors":
         raise UserError(f"'{workdir}' is an export, not a run directory: give it with --params '{workdir}'")
-    raise UserError(f"'{workdir}' holds no checkpoint (no {workdir / 'checkpoints'}/STEP) and no export; give a "
-                    "run directory with checkpoints (what `lm train --workdir` writes) or an export with --params")
+    raise UserError(
+        f"'{workdir}' holds no checkpoint (no {workdir / 'checkpoints'}/STEP) and no export; give a "
+        "run directory with checkpoints (what `lm train --workdir` writes) or an export with --params"
+    )
 
 
 def with_base(config, params: dict, source: str):
@@ -87,7 +99,9 @@ def with_base(config, params: dict, source: str):
     (config.sft.init or config.pairs.init) -> (the config without adapters, plain params as numpy)."""
     if "embedding" not in params:
         if not init_of(config):
-            raise UserError(f"{source} holds LoRA adapters but names no base model (sft.init, pairs.init and rl.init are empty)")
+            raise UserError(
+                f"{source} holds LoRA adapters but names no base model (sft.init, pairs.init and rl.init are empty)"
+            )
         params = merge_trees(params, load_init(init_of(config)).params)
     m = config.model
     merged = jax.tree.map(np.asarray, merge_lora(params, m.lora_alpha, m.lora_rank))
@@ -100,12 +114,16 @@ def load_init(init: str) -> Loaded:
     """The model a fine-tuning run starts from: an `lm train`/`lm sft` workdir (its newest
     checkpoint), an `lm export` or a Hugging Face model directory."""
     if not init:
-        raise UserError("no model to start from (init is empty); give --init RUN_OR_EXPORT (an `lm train` workdir, "
-                        "an `lm export` or a Hugging Face model directory)")
+        raise UserError(
+            "no model to start from (init is empty); give --init RUN_OR_EXPORT (an `lm train` workdir, "
+            "an `lm export` or a Hugging Face model directory)"
+        )
     path = pathlib.Path(init)
     if not path.exists():
-        raise UserError(f"--init {init}: no such file or directory; expected an `lm train` workdir, an `lm export` "
-                        "or a Hugging Face model directory")
+        raise UserError(
+            f"--init {init}: no such file or directory; expected an `lm train` workdir, an `lm export` "
+            "or a Hugging Face model directory"
+        )
     if (path / "checkpoints").is_dir():
         return load_trained(workdir=init)
     return load_trained(params=init)

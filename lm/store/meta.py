@@ -100,8 +100,10 @@ def _usable(name: str) -> bool:
 def check_given(tok, expected, given: str, source: str) -> None:
     """--tokenizer GIVEN must be the tokenizer of `source` (`expected`): the same id mapping."""
     if tok.fingerprint() != expected.fingerprint():
-        raise UserError(f"--tokenizer {given} does not match the tokenizer of {source} "
-                        f"({tok.fingerprint()} != {expected.fingerprint()}); leave --tokenizer out to use its own")
+        raise UserError(
+            f"--tokenizer {given} does not match the tokenizer of {source} "
+            f"({tok.fingerprint()} != {expected.fingerprint()}); leave --tokenizer out to use its own"
+        )
 
 
 def tokenizer_for(config, saved: pathlib.Path | None, given: str | None, source: str):
@@ -115,11 +117,15 @@ def tokenizer_for(config, saved: pathlib.Path | None, given: str | None, source:
     elif _usable(own):
         tok = load_tokenizer(own)
     else:
-        raise UserError(f"{source}: no tokenizer beside it and data.tokenizer='{own}' does not exist; "
-                        "pass --tokenizer PATH.model (or a Hugging Face tokenizer directory)")
+        raise UserError(
+            f"{source}: no tokenizer beside it and data.tokenizer='{own}' does not exist; "
+            "pass --tokenizer PATH.model (or a Hugging Face tokenizer directory)"
+        )
     if tok.vocab_size > config.model.vocab_size:
-        raise UserError(f"the tokenizer has {tok.vocab_size} ids but {source} has model.vocab_size="
-                        f"{config.model.vocab_size}: it is not the model's tokenizer")
+        raise UserError(
+            f"the tokenizer has {tok.vocab_size} ids but {source} has model.vocab_size="
+            f"{config.model.vocab_size}: it is not the model's tokenizer"
+        )
     return tok
 
 

@@ -24,8 +24,18 @@ import numpy as np
 from lm.errors import UserError
 from lm.outputs import publish, replacing, temp_name
 
-DTYPES = {"BF16": ml_dtypes.bfloat16, "F16": np.float16, "F32": np.float32, "F64": np.float64,
-          "I8": np.int8, "I16": np.int16, "I32": np.int32, "I64": np.int64, "U8": np.uint8, "BOOL": np.bool_}
+DTYPES = {
+    "BF16": ml_dtypes.bfloat16,
+    "F16": np.float16,
+    "F32": np.float32,
+    "F64": np.float64,
+    "I8": np.int8,
+    "I16": np.int16,
+    "I32": np.int32,
+    "I64": np.int64,
+    "U8": np.uint8,
+    "BOOL": np.bool_,
+}
 NAMES = {np.dtype(v): k for k, v in DTYPES.items()}
 SINGLE, INDEX = "model.safetensors", "model.safetensors.index.json"
 
@@ -39,7 +49,7 @@ def aligned_empty(shape: tuple, dtype) -> np.ndarray:
     nbytes = math.prod(shape) * dtype.itemsize
     raw = np.empty(nbytes + ALIGN, np.uint8)
     start = (-raw.ctypes.data) % ALIGN
-    return raw[start:start + nbytes].view(dtype).reshape(shape)
+    return raw[start : start + nbytes].view(dtype).reshape(shape)
 
 
 MAX_HEADER = 100_000_000  # bytes: the bound the safetensors library itself sets on a header
@@ -58,22 +68,23 @@ def nonfinite(x: np.ndarray) -> bool:
         flat, bits = x.reshape(-1).view(np.uint16), INF_BITS[x.dtype]
         buf = np.empty(min(BLOCK, flat.size), np.uint16)
         for i in range(0, flat.size, BLOCK):
-            part = buf[:len(flat[i:i + BLOCK])]
-            np.bitwise_and(flat[i:i + BLOCK], 0x7FFF, out=part)
+            part = buf[: len(flat[i : i + BLOCK])]
+            np.bitwise_and(flat[i : i + BLOCK], 0x7FFF, out=part)
             if int(part.max()) >= bits:
                 return True
         return False
     if x.dtype.kind != "f":
         return False
     flat = x.reshape(-1)
-    return any(not np.isfinite(flat[i:i + BLOCK]).all() for i in range(0, flat.size, BLOCK))
+    return any(not np.isfinite(flat[i : i + BLOCK]).all() for i in range(0, flat.size, BLOCK))
 
 
 def refuse_nonfinite(x: np.ndarray, name: str, source) -> None:
     """A UserError naming the tensor when it holds a NaN or an infinity."""
     if nonfinite(x):
-        raise UserError(f"{source}: tensor '{name}' holds non-finite values (NaN or Inf): the checkpoint is "
-                        "corrupt or diverged")
+        raise UserError(
+            f"{source}: tensor '{name}' holds non-finite values (NaN or Inf): the checkpoint is corrupt or diverged"
+        )
 
 
 def check_finite(tree, source: str, prefix: str = "") -> None:
@@ -82,8 +93,10 @@ def check_finite(tree, source: str, prefix: str = "") -> None:
         for key, value in tree.items():
             check_finite(value, source, f"{prefix}{key}/")
     elif nonfinite(np.asarray(tree)):
-        raise UserError(f"{source}: param '{prefix.rstrip('/')}' holds non-finite values (NaN or Inf): the "
-                        "checkpoint is corrupt or diverged")
+        raise UserError(
+            f"{source}: param '{prefix.rstrip('/')}' holds non-finite values (NaN or Inf): the "
+            "checkpoint is corrupt or diverged"
+        )
 
 
 def _int(v) -> bool:
@@ -98,12 +111,15 @@ def read_header(path: pathlib.Path) -> tuple[dict, int]:
         with open(path, "rb") as f:
             head = f.read(8)
             if len(head) < 8:
-                raise UserError(f"{path}: not a safetensors file ({size} bytes; expected an 8-byte header length "
-                                "first)")
+                raise UserError(
+                    f"{path}: not a safetensors file ({size} bytes; expected an 8-byte header length first)"
+                )
             (n,) = struct.unpack("<Q", head)
             if n < 2 or n > min(size - 8, MAX_HEADER):
-                raise UserError(f"{path}: not a safetensors file (header length {n}; expected 2 to "
-                                f"{min(size - 8, MAX_HEADER)} for a file of {size} bytes)")
+                raise UserError(
+                    f"{path}: not a safetensors file (header length {n}; expected 2 to "
+                    f"{min(size - 8, MAX_HEADER)} for a file of {size} bytes)"
+                )
             header = json.loads(f.read(n))
     except (OSError, ValueError, RecursionError) as e:
         reason = str(e).splitlines()[0] if str(e) else type(e).__name__
@@ -117,22 +133,29 @@ def _check_entry(path: pathlib.Path, name: str, info, data: int, size: int) -> t
     """(dtype, shape, start) of one header entry, checked against the file; a UserError otherwise."""
     where = f"{path}: tensor {name!r:.80}"
     if not isinstance(info, dict):
-        raise UserError(f"{where}: header entry is a {type(info).__name__}; expected an object with dtype, shape "
-                        "and data_offsets")
+        raise UserError(
+            f"{where}: header entry is a {type(info).__name__}; expected an object with dtype, shape and data_offsets"
+        )
     dtype, shape, offsets = info.get("dtype"), info.get("shape"), info.get("data_offsets")
     if not isinstance(dtype, str) or dtype not in DTYPES:
         raise UserError(f"{where}: dtype {dtype!r:.40}; expected one of {', '.join(DTYPES)}")
     if not isinstance(shape, list) or not all(_int(d) for d in shape):
         raise UserError(f"{where}: shape {shape!r:.60}; expected a list of integers >= 0")
-    if not isinstance(offsets, list) or len(offsets) != 2 or not all(_int(o) for o in offsets) \
-            or offsets[0] > offsets[1]:
+    if (
+        not isinstance(offsets, list)
+        or len(offsets) != 2
+        or not all(_int(o) for o in offsets)
+        or offsets[0] > offsets[1]
+    ):
         raise UserError(f"{where}: data_offsets {offsets!r:.60}; expected [start, end] with 0 <= start <= end")
     start, end = offsets
     itemsize = np.dtype(DTYPES[dtype]).itemsize
     if end - start != math.prod(shape) * itemsize or data + end > size:
-        raise UserError(f"{where} is cut short or malformed ({end - start} bytes at {start} for shape "
-                        f"{tuple(shape)} {dtype}, which needs {math.prod(shape) * itemsize}; the file has "
-                        f"{size - data} bytes of data)")
+        raise UserError(
+            f"{where} is cut short or malformed ({end - start} bytes at {start} for shape "
+            f"{tuple(shape)} {dtype}, which needs {math.prod(shape) * itemsize}; the file has "
+            f"{size - data} bytes of data)"
+        )
     return np.dtype(DTYPES[dtype]), tuple(shape), data + start
 
 
@@ -149,8 +172,10 @@ class TensorFiles:
             self._index(path)
         for name, path in (weight_map or {}).items():
             if name not in self.entries or self.entries[name][0] != path:
-                raise UserError(f"{self.directory / INDEX}: weight_map puts {name!r:.80} in '{path.name}', whose "
-                                "header does not hold it")
+                raise UserError(
+                    f"{self.directory / INDEX}: weight_map puts {name!r:.80} in '{path.name}', whose "
+                    "header does not hold it"
+                )
 
     def _weight_map(self) -> dict[str, pathlib.Path] | None:
         """The index's tensor -> file map (None without an index), checked: an object of names to the
@@ -163,21 +188,30 @@ class TensorFiles:
         except (OSError, ValueError, RecursionError, AttributeError) as e:
             raise UserError(f"{index}: not a safetensors index: {str(e).splitlines()[0] if str(e) else e!r}") from None
         if not isinstance(weight_map, dict):
-            raise UserError(f"{index}: 'weight_map' is {type(weight_map).__name__}; expected an object of tensor "
-                            "names to file names")
+            raise UserError(
+                f"{index}: 'weight_map' is {type(weight_map).__name__}; expected an object of tensor "
+                "names to file names"
+            )
         out = {}
         for name, file in weight_map.items():
-            if not isinstance(file, str) or "\0" in file or pathlib.PurePath(file).name != file or \
-                    file in ("", ".", ".."):
-                raise UserError(f"{index}: weight_map[{name!r:.80}] = {file!r:.60}; expected the name of a file in "
-                                f"'{self.directory}'")
+            if (
+                not isinstance(file, str)
+                or "\0" in file
+                or pathlib.PurePath(file).name != file
+                or file in ("", ".", "..")
+            ):
+                raise UserError(
+                    f"{index}: weight_map[{name!r:.80}] = {file!r:.60}; expected the name of a file in "
+                    f"'{self.directory}'"
+                )
             try:
                 found = (self.directory / file).is_file()
             except (OSError, ValueError):
                 found = False
             if not found:
-                raise UserError(f"{index}: weight_map[{name!r:.80}] names {file!r:.60}, which is not in "
-                                f"'{self.directory}'")
+                raise UserError(
+                    f"{index}: weight_map[{name!r:.80}] names {file!r:.60}, which is not in '{self.directory}'"
+                )
             out[name] = self.directory / file
         return out
 
@@ -256,8 +290,11 @@ def write_sharded(directory, tensors, max_bytes: int = 5 * 2**30, metadata: dict
         for path in temps:
             path.unlink(missing_ok=True)
         raise
-    names = [SINGLE] if len(shards) == 1 else \
-        [f"model-{i + 1:05d}-of-{len(shards):05d}.safetensors" for i in range(len(shards))]
+    names = (
+        [SINGLE]
+        if len(shards) == 1
+        else [f"model-{i + 1:05d}-of-{len(shards):05d}.safetensors" for i in range(len(shards))]
+    )
     stale = {directory / SINGLE, directory / INDEX, *directory.glob("model-*-of-*.safetensors")}
     stale -= {directory / n for n in names}
     for path, name in zip(temps, names):
@@ -285,8 +322,10 @@ def write_streamed(path, tensors, metadata: dict | None = None) -> int:
         size = math.prod(leaf.shape) * dtype.itemsize
         entries.append((name, leaf, dtype, offset, offset + size))
         offset += size
-    header = {name: {"dtype": NAMES[dtype], "shape": list(leaf.shape), "data_offsets": [start, end]}
-              for name, leaf, dtype, start, end in entries}
+    header = {
+        name: {"dtype": NAMES[dtype], "shape": list(leaf.shape), "data_offsets": [start, end]}
+        for name, leaf, dtype, start, end in entries
+    }
     if metadata:
         header["__metadata__"] = {str(k): str(v) for k, v in metadata.items()}
     raw = json.dumps(header, separators=(",", ":")).encode()

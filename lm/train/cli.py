@@ -22,8 +22,11 @@ class Pretrain:
         t = with_overrides(sub, self.entry.command, help=self.entry.help, description=self.entry.description)
         t.add_argument("--config", default="configs/tiny.py", help="a Python config file with get_config()")
         t.add_argument("--workdir", required=True, help="directory for checkpoints, metrics, plots")
-        t.add_argument("--init", help="continue pretraining a model: an `lm train` workdir, an `lm export` or a "
-                                      "Hugging Face model directory (its architecture and tokenizer are used)")
+        t.add_argument(
+            "--init",
+            help="continue pretraining a model: an `lm train` workdir, an `lm export` or a "
+            "Hugging Face model directory (its architecture and tokenizer are used)",
+        )
         t.add_argument("--resume", action="store_true", help="continue from the newest checkpoint in --workdir")
         t.add_argument("--no-progress", action="store_true", help="no progress bar (logs only)")
         add_distributed(t)
@@ -46,18 +49,22 @@ class Pretrain:
             config = continued_config(config, start, init, tokenizer_source(init, start))
         apply_cpu_defaults(config.model.compute_dtype)  # before anything imports jax
         start_distributed(args)
-        summary = load(self.entry.stage)(config, args.workdir, resume=args.resume,
-                                         show_progress=not args.no_progress)
+        summary = load(self.entry.stage)(config, args.workdir, resume=args.resume, show_progress=not args.no_progress)
         if summary.get("stopped_by"):
             raise Stopped(summary["stopped_by"], summary["step"])
         if summary.get("nothing_to_do"):
-            print(f"lm: {args.workdir} already finished at step {summary['step']} (train.steps="
-                  f"{config.train.steps}); nothing left to do, no file was changed. To train further, "
-                  "raise --config.train.steps", file=sys.stderr)
+            print(
+                f"lm: {args.workdir} already finished at step {summary['step']} (train.steps="
+                f"{config.train.steps}); nothing left to do, no file was changed. To train further, "
+                "raise --config.train.steps",
+                file=sys.stderr,
+            )
             return 0
         if summary["eval_loss"] is not None and is_main():
-            print(f"done: step {summary['step']}, held-out loss {summary['eval_loss']:.4f} "
-                  f"(unigram baseline {summary['unigram_baseline']:.4f}); see {args.workdir}/{self.entry.plot}")
+            print(
+                f"done: step {summary['step']}, held-out loss {summary['eval_loss']:.4f} "
+                f"(unigram baseline {summary['unigram_baseline']:.4f}); see {args.workdir}/{self.entry.plot}"
+            )
         return 0
 
 
@@ -84,13 +91,21 @@ class FineTune:
         """The verb's parser and its required arguments."""
         e = self.entry
         p = with_overrides(sub, e.command, help=e.help, description=e.description)
-        required = [p.add_argument("--init", required=True,
-                                   help="an `lm train`/`lm sft` workdir, an `lm export` or a Hugging Face model directory to start from"),
-                    p.add_argument("--data", required=True, help=e.data)]
+        required = [
+            p.add_argument(
+                "--init",
+                required=True,
+                help="an `lm train`/`lm sft` workdir, an `lm export` or a Hugging Face model directory to start from",
+            ),
+            p.add_argument("--data", required=True, help=e.data),
+        ]
         p.add_argument("--eval-data", help=e.eval_data)
         required.append(p.add_argument("--workdir", required=True, help="directory for checkpoints, metrics, plots"))
-        p.add_argument("--config", help="a config file whose get_config() sets some keys (default: built-in "
-                                        "fine-tuning defaults, lm/train/finetune.py FINETUNE_DEFAULTS)")
+        p.add_argument(
+            "--config",
+            help="a config file whose get_config() sets some keys (default: built-in "
+            "fine-tuning defaults, lm/train/finetune.py FINETUNE_DEFAULTS)",
+        )
         p.add_argument("--resume", action="store_true", help="continue from the newest checkpoint in --workdir")
         p.add_argument("--no-progress", action="store_true", help="no progress bar (logs only)")
         add_distributed(p)
@@ -101,13 +116,15 @@ class FineTune:
     def run(self, args, overrides) -> int:
         from pathlib import Path
 
-        from lm.train.finetune import finetune_config
         from lm.process.cpu_flags import apply_cpu_defaults
         from lm.store.meta import init_config
+        from lm.train.finetune import finetune_config
 
         if not Path(args.init).exists():
-            raise UserError(f"--init {args.init}: no such file or directory; expected an `lm train`/`lm sft` "
-                            "workdir, an `lm export` or a Hugging Face model directory")
+            raise UserError(
+                f"--init {args.init}: no such file or directory; expected an `lm train`/`lm sft` "
+                "workdir, an `lm export` or a Hugging Face model directory"
+            )
         init = str(Path(args.init).absolute())  # the run records where its base lives
         keys, elsewhere = {"init": init, "data": args.data, "eval_data": args.eval_data}, []
         for flag, _, *key in self.entry.options:

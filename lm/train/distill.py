@@ -40,28 +40,41 @@ class Distill(Sft):
 
     def check(self, config) -> None:
         super().check(config)
-        require_data(config.distill.teacher, "distill.teacher", "give --teacher RUN_OR_EXPORT (the model to learn from)")
+        require_data(
+            config.distill.teacher, "distill.teacher", "give --teacher RUN_OR_EXPORT (the model to learn from)"
+        )
 
     def read(self, ctx):
         self.teacher = load_init(ctx.config.distill.teacher)
         student, teacher = ctx.init, self.teacher
         if student.tokenizer.fingerprint() != teacher.tokenizer.fingerprint():
-            raise UserError(f"distill.teacher {teacher.source} and the student {student.source} use different "
-                            f"tokenizers ({teacher.tokenizer.fingerprint()} != {student.tokenizer.fingerprint()}); "
-                            "token-level distillation needs the same vocabulary")
+            raise UserError(
+                f"distill.teacher {teacher.source} and the student {student.source} use different "
+                f"tokenizers ({teacher.tokenizer.fingerprint()} != {student.tokenizer.fingerprint()}); "
+                "token-level distillation needs the same vocabulary"
+            )
         if teacher.config.model.vocab_size != ctx.config.model.vocab_size:
-            raise UserError(f"distill.teacher {teacher.source} has model.vocab_size={teacher.config.model.vocab_size}"
-                            f", the student {ctx.config.model.vocab_size}: their logits must cover the same ids")
+            raise UserError(
+                f"distill.teacher {teacher.source} has model.vocab_size={teacher.config.model.vocab_size}"
+                f", the student {ctx.config.model.vocab_size}: their logits must cover the same ids"
+            )
         if teacher.config.model.max_seq_len < ctx.config.data.seq_len:
-            raise UserError(f"distill.teacher {teacher.source} has model.max_seq_len={teacher.config.model.max_seq_len}"
-                            f", shorter than the rows it must score (data.seq_len={ctx.config.data.seq_len})")
+            raise UserError(
+                f"distill.teacher {teacher.source} has model.max_seq_len={teacher.config.model.max_seq_len}"
+                f", shorter than the rows it must score (data.seq_len={ctx.config.data.seq_len})"
+            )
         data = super().read(ctx)
         d, s = ctx.config.distill, ctx.config.sft
         self.prompts = None
         if d.on_policy_fraction > 0:  # the data's prompts, for the student's own responses
-            self.prompts = read_prompts(s.data, student.tokenizer, seq_len=ctx.config.data.seq_len,
-                                        max_new_tokens=d.max_new_tokens, on_bad_record=s.on_bad_record,
-                                        max_skipped_fraction=s.max_skipped_fraction)
+            self.prompts = read_prompts(
+                s.data,
+                student.tokenizer,
+                seq_len=ctx.config.data.seq_len,
+                max_new_tokens=d.max_new_tokens,
+                on_bad_record=s.on_bad_record,
+                max_skipped_fraction=s.max_skipped_fraction,
+            )
         return data
 
     def batches(self, ctx):
@@ -69,8 +82,9 @@ class Distill(Sft):
         if self.prompts is None:
             return data_iter, signature, None
         template = ChatTemplate.for_tokenizer(ctx.init.tokenizer)
-        step = OnPolicyStep(ctx.run, ctx.frozen, self.prompts, signature, template, ctx.config.distill,
-                            ctx.config.train.seed)
+        step = OnPolicyStep(
+            ctx.run, ctx.frozen, self.prompts, signature, template, ctx.config.distill, ctx.config.train.seed
+        )
         return data_iter, signature, step
 
     def loss(self, config):
@@ -88,9 +102,16 @@ class Distill(Sft):
     def finish(self, ctx) -> dict:
         summary = super().finish(ctx)
         d = ctx.config.distill
-        summary |= {"teacher": d.teacher, "divergence": d.divergence, "beta": d.beta, "temperature": d.temperature,
-                    "nll": ctx.last.get("nll"), "top1_agreement": ctx.last.get("top1_agreement"),
-                    "eval_nll": ctx.last.get("eval_nll"), "eval_top1_agreement": ctx.last.get("eval_top1_agreement")}
+        summary |= {
+            "teacher": d.teacher,
+            "divergence": d.divergence,
+            "beta": d.beta,
+            "temperature": d.temperature,
+            "nll": ctx.last.get("nll"),
+            "top1_agreement": ctx.last.get("top1_agreement"),
+            "eval_nll": ctx.last.get("eval_nll"),
+            "eval_top1_agreement": ctx.last.get("eval_top1_agreement"),
+        }
         return summary
 
 

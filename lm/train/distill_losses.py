@@ -47,8 +47,9 @@ def _kl(logp: jax.Array, logq: jax.Array) -> jax.Array:
     return jnp.sum(p * diff, axis=-1)
 
 
-def token_divergence(student_logits: jax.Array, teacher_logits: jax.Array, kind: str,
-                     beta: float = 0.5, temperature: float = 1.0) -> jax.Array:
+def token_divergence(
+    student_logits: jax.Array, teacher_logits: jax.Array, kind: str, beta: float = 0.5, temperature: float = 1.0
+) -> jax.Array:
     """[B, T, V] logits -> float32 [B, T] divergence at each position (see the module docstring)."""
     check_divergence(kind, beta, temperature)
     logp_s = jax.nn.log_softmax(student_logits.astype(jnp.float32) / temperature, axis=-1)
@@ -65,8 +66,14 @@ def token_divergence(student_logits: jax.Array, teacher_logits: jax.Array, kind:
     return beta * _kl(logp_t, log_m) + (1.0 - beta) * _kl(logp_s, log_m)
 
 
-def masked_divergence(student_logits: jax.Array, teacher_logits: jax.Array, mask: jax.Array, kind: str,
-                      beta: float = 0.5, temperature: float = 1.0) -> tuple[jax.Array, jax.Array]:
+def masked_divergence(
+    student_logits: jax.Array,
+    teacher_logits: jax.Array,
+    mask: jax.Array,
+    kind: str,
+    beta: float = 0.5,
+    temperature: float = 1.0,
+) -> tuple[jax.Array, jax.Array]:
     """(sum of divergence * mask over positions with mask != 0, sum of mask): float32 scalars, so the
     mean over a batch is one division whatever the micro-batch split."""
     mask = mask.astype(jnp.float32)
@@ -80,8 +87,9 @@ def masked_divergence(student_logits: jax.Array, teacher_logits: jax.Array, mask
     return div_sum, jnp.sum(mask)
 
 
-def top1_agreement(student_logits: jax.Array, teacher_logits: jax.Array,
-                   mask: jax.Array) -> tuple[jax.Array, jax.Array]:
+def top1_agreement(
+    student_logits: jax.Array, teacher_logits: jax.Array, mask: jax.Array
+) -> tuple[jax.Array, jax.Array]:
     """(positions with mask != 0 where both argmaxes agree, positions with mask != 0): float32."""
     keep = mask != 0
     agree = jnp.argmax(student_logits, axis=-1) == jnp.argmax(teacher_logits, axis=-1)

@@ -39,8 +39,16 @@ from lm.train.pair_losses import DpoSettings, dpo_loss, pair_logprobs
 from lm.train.setup import build_run, reference_slot
 from lm.train.stage import first_eval, run_stage
 
-EVAL_METRICS = ("loss", "rewards/accuracies", "rewards/margins", "rewards/chosen", "rewards/rejected",
-                "logps/chosen", "logps/rejected", "logps/accuracies")
+EVAL_METRICS = (
+    "loss",
+    "rewards/accuracies",
+    "rewards/margins",
+    "rewards/chosen",
+    "rewards/rejected",
+    "logps/chosen",
+    "logps/rejected",
+    "logps/accuracies",
+)
 TABLE_KEYS = ("loss", "rewards/accuracies", "rewards/margins", "logps/accuracies", "logps/chosen", "logps/rejected")
 REF_FILE = "reference_logps.npz"
 RECORD = "record"  # the array in REF_FILE that holds reference_record as JSON
@@ -65,8 +73,13 @@ def build_dpo_run(config, devices=None):
     settings = DpoSettings.from_config(config.dpo)
     live = mode in ("live", "adapters_off")
     loss = lambda m: dpo_loss(m, settings, "live" if live else mode)  # noqa: E731
-    return build_run(config, loss, devices=devices, trainable=is_adapter if lora else None,
-                     frozen={"reference": reference_slot(config, lora)} if live else None)
+    return build_run(
+        config,
+        loss,
+        devices=devices,
+        trainable=is_adapter if lora else None,
+        frozen={"reference": reference_slot(config, lora)} if live else None,
+    )
 
 
 def base_shardings(run):
@@ -80,8 +93,11 @@ def reference_logps(run, base: dict, rows, batch_size: int) -> np.ndarray:
     signature = run.signature(batch_size, pairs=True, extra=pairs.PAIR_EXTRA)
     placer = run.placer(signature)
     rep = NamedSharding(run.mesh, PartitionSpec())
-    fn = jax.jit(lambda p, b: pair_logprobs(model, p, b)[0], in_shardings=(shardings, run.batch_shardings(signature)),
-                 out_shardings=rep)
+    fn = jax.jit(
+        lambda p, b: pair_logprobs(model, p, b)[0],
+        in_shardings=(shardings, run.batch_shardings(signature)),
+        out_shardings=rep,
+    )
     params = jax.tree.map(place_leaf, base, subtree(shardings, base))  # shard by shard (lazy leaves too)
     out = [np.asarray(jax.device_get(fn(params, placer.from_global(b)))) for b in ready_batches(rows, batch_size)]
     return np.concatenate(out)[: len(rows)].astype(np.float32)
@@ -115,10 +131,15 @@ def reference_record(ctx) -> dict:
     """What the reference log-probs follow from: the pairs they score (rows_digest, per split)
     and the reference model (its init's fingerprint and the model settings)."""
     train, heldout = ctx.data
-    model = {f"model.{k}": v for k, v in ctx.config.model.to_dict().items()
-             if not k.startswith("lora_") and k not in NOT_REFERENCE}
-    record = {"data": {"train": rows_digest(train), "heldout": rows_digest(heldout) if heldout is not None else None},
-              "model": {"pairs.init": model_fingerprint(ctx.config.pairs.init)} | model}
+    model = {
+        f"model.{k}": v
+        for k, v in ctx.config.model.to_dict().items()
+        if not k.startswith("lora_") and k not in NOT_REFERENCE
+    }
+    record = {
+        "data": {"train": rows_digest(train), "heldout": rows_digest(heldout) if heldout is not None else None},
+        "model": {"pairs.init": model_fingerprint(ctx.config.pairs.init)} | model,
+    }
     return json.loads(json.dumps(record))  # as it reads back (tuples as lists)
 
 
@@ -131,7 +152,7 @@ def rows_digest(rows) -> str:
         digest.update(f"{name} {array.dtype.str} {list(array.shape)}".encode())
         step = max(1, (64 << 20) // max(array[:1].nbytes, 1))  # ~64 MiB of a memory-mapped array at a time
         for start in range(0, len(array), step):
-            digest.update(np.ascontiguousarray(array[start:start + step]).data)
+            digest.update(np.ascontiguousarray(array[start : start + step]).data)
     return digest.hexdigest()
 
 
@@ -162,8 +183,11 @@ def read_reference(path: pathlib.Path, n_train: int, n_heldout: int | None, reco
         if problem is None:
             held = arrays["heldout"].astype(np.float32) if n_heldout is not None else None
             return arrays["train"].astype(np.float32), held
-    print(f"lm: warning: the precomputed reference '{path}' is damaged or does not fit the data ({problem}); "
-          "computing it again", flush=True)
+    print(
+        f"lm: warning: the precomputed reference '{path}' is damaged or does not fit the data ({problem}); "
+        "computing it again",
+        flush=True,
+    )
     return None
 
 
@@ -177,13 +201,18 @@ def _other_source(saved, record: dict, heldout: bool) -> str | None:
     except (ValueError, TypeError, KeyError, IndexError):
         return "has an unreadable record of the data and model it was computed from"
     splits = {"train": "train pairs"} | ({"heldout": "held-out pairs"} if heldout else {})
-    other_data = [f"{label}: sha256 {_short(data.get(k))} (file) vs {_short(record['data'][k])} (now)"
-                  for k, label in splits.items() if data.get(k) != record["data"][k]]
+    other_data = [
+        f"{label}: sha256 {_short(data.get(k))} (file) vs {_short(record['data'][k])} (now)"
+        for k, label in splits.items()
+        if data.get(k) != record["data"][k]
+    ]
     now = record["model"]
     # a model setting added to the code since the file was written: its default is all it knew
-    other_model = [f"{k}: {model.get(k, '(none)')!r} (file) vs {now.get(k, '(none)')!r} (now)"
-                   for k in sorted(model.keys() | now.keys())
-                   if model.get(k) != now.get(k) and (k in model or not k.startswith("model."))]
+    other_model = [
+        f"{k}: {model.get(k, '(none)')!r} (file) vs {now.get(k, '(none)')!r} (now)"
+        for k in sorted(model.keys() | now.keys())
+        if model.get(k) != now.get(k) and (k in model or not k.startswith("model."))
+    ]
     if not other_data and not other_model:
         return None
     what = " and ".join(w for w, d in (("other data", other_data), ("another reference model", other_model)) if d)
@@ -222,7 +251,11 @@ class Dpo(pairs.PairStage):
         if reference_mode(ctx.config) != "precomputed":
             return {}, None, None
         train, held = _precomputed(ctx)
-        return {"ref_logps": ((2,), np.float32)}, {"ref_logps": train}, ({"ref_logps": held} if held is not None else None)
+        return (
+            {"ref_logps": ((2,), np.float32)},
+            {"ref_logps": train},
+            ({"ref_logps": held} if held is not None else None),
+        )
 
     def flops_per_token(self, ctx):
         flops = counts.flops_per_token(ctx.config.model, ctx.config.data.seq_len)
@@ -233,16 +266,22 @@ class Dpo(pairs.PairStage):
     def finish(self, ctx) -> dict:
         c, last = ctx.config, ctx.last
         before, after = first_eval(ctx.workdir), {k: v for k, v in last.items() if k.startswith("eval_")}
-        summary = {"step": c.train.steps, "init": c.pairs.init, "loss_name": c.dpo.loss,
-                   "beta": DpoSettings.from_config(c.dpo).loss_beta,
-                   "reference": reference_mode(c), "lora_rank": c.model.lora_rank, "data": ctx.data[0].stats,
-                   "eval_init": before, "eval": after} | {k: last.get(k) for k in SUMMARY_KEYS}
+        summary = {
+            "step": c.train.steps,
+            "init": c.pairs.init,
+            "loss_name": c.dpo.loss,
+            "beta": DpoSettings.from_config(c.dpo).loss_beta,
+            "reference": reference_mode(c),
+            "lora_rank": c.model.lora_rank,
+            "data": ctx.data[0].stats,
+            "eval_init": before,
+            "eval": after,
+        } | {k: last.get(k) for k in SUMMARY_KEYS}
         if before or after:
             print(pairs.eval_table("DPO: held-out pairs", TABLE_KEYS, before, after, self.held_out_pairs(ctx)))
         p = c.pairs
         if p.eval_answers:
-            summary |= compare_answers(ctx.init, c, ctx.params, p.eval_answers, p.eval_examples,
-                                       p.eval_max_new_tokens)
+            summary |= compare_answers(ctx.init, c, ctx.params, p.eval_answers, p.eval_examples, p.eval_max_new_tokens)
         return summary
 
 

@@ -151,6 +151,7 @@ class FaultPolicy:
 @dataclasses.dataclass
 class Verdict:
     """A reason to leave the normal path: `action` is 'restore' or 'stop'."""
+
     action: str
     reason: str
 
@@ -181,16 +182,20 @@ class Health:
             self.skipped_steps += 1
             self.consecutive_bad += 1
             if self.consecutive_bad >= p.max_bad_steps:
-                return self._verdict(f"{self.consecutive_bad} consecutive steps with non-finite loss or "
-                                     f"gradients (train.max_bad_steps={p.max_bad_steps}), the last at step {step}")
+                return self._verdict(
+                    f"{self.consecutive_bad} consecutive steps with non-finite loss or "
+                    f"gradients (train.max_bad_steps={p.max_bad_steps}), the last at step {step}"
+                )
             return None
         self.consecutive_bad = 0
         if p.spike_window and len(self.losses) == p.spike_window:
             spike, median, std = robust_spike(self.losses, loss, p.spike_threshold)
             if spike:
-                return self._verdict(f"loss spike at step {step}: {loss:.4f} > median {median:.4f} + "
-                                     f"{p.spike_threshold:g} x robust std {std:.4f} over the last "
-                                     f"{p.spike_window} steps (train.spike_window, train.spike_threshold)")
+                return self._verdict(
+                    f"loss spike at step {step}: {loss:.4f} > median {median:.4f} + "
+                    f"{p.spike_threshold:g} x robust std {std:.4f} over the last "
+                    f"{p.spike_window} steps (train.spike_window, train.spike_threshold)"
+                )
         self.losses.append(loss)
         return None
 
@@ -207,8 +212,11 @@ class Health:
         self.consecutive_bad = 0
 
     def metrics(self) -> dict:
-        return {"skipped_steps": self.skipped_steps, "consecutive_bad": self.consecutive_bad,
-                "rollbacks": self.rollbacks}
+        return {
+            "skipped_steps": self.skipped_steps,
+            "consecutive_bad": self.consecutive_bad,
+            "rollbacks": self.rollbacks,
+        }
 
     def state_dict(self) -> dict:
         return self.metrics() | {"losses": list(self.losses)}

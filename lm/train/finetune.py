@@ -7,13 +7,20 @@ from lm.config import ConfigDict, apply_overrides, base_config, load_file, merge
 
 # Settings that differ from pretraining's (a config file or overrides may change each): a tenth of
 # the pretraining peak learning rate, a short warmup, decay to 0, no weight decay.
-FINETUNE_DEFAULTS = {"optim.warmup_steps": 10, "optim.min_lr_ratio": 0.0, "optim.weight_decay": 0.0,
-                     "eval.every_steps": 50, "checkpoint.every_steps": 100, "train.log_every": 10}
+FINETUNE_DEFAULTS = {
+    "optim.warmup_steps": 10,
+    "optim.min_lr_ratio": 0.0,
+    "optim.weight_decay": 0.0,
+    "eval.every_steps": 50,
+    "checkpoint.every_steps": 100,
+    "train.log_every": 10,
+}
 FINETUNE_LR_FRACTION = 0.1
 
 
-def finetune_config(start: ConfigDict, path: str | None = None, overrides=(), section: str = "sft",
-                    **keys) -> ConfigDict:
+def finetune_config(
+    start: ConfigDict, path: str | None = None, overrides=(), section: str = "sft", **keys
+) -> ConfigDict:
     """The config of a fine-tuning run: the schema, the fine-tuning defaults, the model and sequence
     length of the run it starts from (`start`, its config), then `path` (only the keys its
     get_config() sets), `keys` (values of `section`, e.g. sft.init, from the command line) and the

@@ -15,15 +15,15 @@ from typing import Callable
 
 import jax
 
-from lm.model import counts
 from lm.errors import UserError
-from lm.train.perf import measure_matmul_peak
+from lm.model import counts
 from lm.model.params import leaf_paths
 from lm.store.checkpoint import Checkpointer, IncompatibleCheckpoint, read_meta, saved_steps
 from lm.train.faults import FaultPolicy, StopSignal, agree_any
 from lm.train.identity import check_identity, flat_keys
 from lm.train.loop import Faults, LoopSpec, run_loop
 from lm.train.metrics import MetricsWriter, json_default, metrics_problem, read_metrics, truncate_after
+from lm.train.perf import measure_matmul_peak
 from lm.train.steps import summarize
 from lm.train.workdir import write_atomic
 
@@ -39,8 +39,10 @@ def check_resume(directory: pathlib.Path, resume: bool, total_steps: int) -> int
     if resume and not steps:
         raise UserError(f"--resume: no checkpoint in '{directory}'; run without --resume to start fresh")
     if not resume and steps:
-        raise UserError(f"'{directory.parent}' already holds checkpoints (steps {steps[0]}..{steps[-1]}); "
-                        "pass --resume to continue, or use a new --workdir")
+        raise UserError(
+            f"'{directory.parent}' already holds checkpoints (steps {steps[0]}..{steps[-1]}); "
+            "pass --resume to continue, or use a new --workdir"
+        )
     return steps[-1] if resume and steps[-1] >= total_steps else None
 
 
@@ -57,8 +59,9 @@ def newest_meta(directory: pathlib.Path) -> tuple[int | None, dict]:
     return None, {}
 
 
-def check_made_by(directory: pathlib.Path, identity: dict, parts: tuple = (), updates_per_step: int | None = None
-                  ) -> None:
+def check_made_by(
+    directory: pathlib.Path, identity: dict, parts: tuple = (), updates_per_step: int | None = None
+) -> None:
     """The newest checkpoint must be this run's (its stage and run id, then `parts` of its
     identity, and the schedule of its updates when `updates_per_step` is known): checked on its
     metadata before any data work (parts=()) and again once the run is built (every part);
@@ -76,16 +79,21 @@ def check_fits(run, directory: pathlib.Path) -> None:
     if step is not None:
         saved = dict(meta["shapes"])
         now = _shapes(run.abstract_state())
-        diffs = [f"{p}: saved {saved[p][0]} {saved[p][1]}, now {now[p][0]} {now[p][1]}"
-                 for p in now if p in saved and list(saved[p]) != now[p]]
+        diffs = [
+            f"{p}: saved {saved[p][0]} {saved[p][1]}, now {now[p][0]} {now[p][1]}"
+            for p in now
+            if p in saved and list(saved[p]) != now[p]
+        ]
         diffs += [f"{p}: missing in the checkpoint" for p in now if p not in saved]
         diffs += [f"{p}: not in this config" for p in saved if p not in now]
         if diffs:
             diffs = [d for d in diffs if d.startswith("params/")] or diffs  # the optimizer state mirrors them
             shown = "; ".join(diffs[:10]) + (f"; ... ({len(diffs)} in all)" if len(diffs) > 10 else "")
-            raise IncompatibleCheckpoint(f"checkpoint step {step} in '{directory}' does not fit this config: {shown}"
-                                         f"{_model_keys(meta.get('config'), run.config)}; use the config it was "
-                                         "trained with or a new --workdir")
+            raise IncompatibleCheckpoint(
+                f"checkpoint step {step} in '{directory}' does not fit this config: {shown}"
+                f"{_model_keys(meta.get('config'), run.config)}; use the config it was "
+                "trained with or a new --workdir"
+            )
 
 
 def _shapes(tree) -> dict:
@@ -97,10 +105,12 @@ def _model_keys(saved: dict | None, config) -> str:
     if not isinstance(saved, dict):
         return ""
     before, after = flat_keys(saved.get("model") or {}), flat_keys(json.loads(config.to_json()).get("model", {}))
-    changed = [f"model.{k}={before.get(k)!r} (checkpoint) vs {after.get(k)!r} (now)"
-               for k in sorted(before.keys() | after.keys()) if before.get(k) != after.get(k)]
+    changed = [
+        f"model.{k}={before.get(k)!r} (checkpoint) vs {after.get(k)!r} (now)"
+        for k in sorted(before.keys() | after.keys())
+        if before.get(k) != after.get(k)
+    ]
     return f"; config differs in {', '.join(changed)}" if changed else ""
-
 
 
 def save_final_metrics(workdir, last: dict) -> None:
@@ -118,8 +128,11 @@ def final_metrics(workdir, step: int) -> dict:
             return last
     except (OSError, ValueError, AttributeError):
         pass
-    print(f"lm: note: {workdir / FINAL_METRICS} is missing or not of step {step}; the summary takes the metrics "
-          f"logged at step {step} (no run-wide throughput)", file=sys.stderr)
+    print(
+        f"lm: note: {workdir / FINAL_METRICS} is missing or not of step {step}; the summary takes the metrics "
+        f"logged at step {step} (no run-wide throughput)",
+        file=sys.stderr,
+    )
     rows = [r for r in read_metrics(workdir / "metrics.jsonl") if r["step"] == step]
     kept = {k: v for r in rows for k, v in r.items() if k not in ("step", "digest")}
     return kept | {"stopped_by": None, "stop_step": step}
@@ -147,9 +160,11 @@ def peak_flops(config) -> tuple[float, str]:
         return config.train.peak_flops, "train.peak_flops (given)"
     n = len(jax.devices())
     per_device = measure_matmul_peak(config.model.compute_dtype)
-    return per_device * n, (f"measured at start-up: a 2048^3 {config.model.compute_dtype} matmul on one device "
-                            f"({per_device / 1e9:.0f} GFLOP/s) x {n} device(s); set train.peak_flops to the "
-                            "vendor's figure for a stable MFU")
+    return per_device * n, (
+        f"measured at start-up: a 2048^3 {config.model.compute_dtype} matmul on one device "
+        f"({per_device / 1e9:.0f} GFLOP/s) x {n} device(s); set train.peak_flops to the "
+        "vendor's figure for a stable MFU"
+    )
 
 
 def _accepting(identity: dict | None, directory: pathlib.Path, updates_per_step: int) -> Callable[[int, dict], None]:
@@ -162,12 +177,16 @@ def _accepting(identity: dict | None, directory: pathlib.Path, updates_per_step:
             return
         if not meta.get("identity"):
             if not warned:
-                print(f"lm: warning: checkpoint step {step} in '{directory}' predates run identities: the stage, "
-                      "run and settings that made it are unchecked", flush=True)
+                print(
+                    f"lm: warning: checkpoint step {step} in '{directory}' predates run identities: the stage, "
+                    "run and settings that made it are unchecked",
+                    flush=True,
+                )
                 warned.append(step)
             return
-        check_identity(meta["identity"], identity, f"checkpoint step {step} in '{directory}'",
-                       updates=step * updates_per_step)
+        check_identity(
+            meta["identity"], identity, f"checkpoint step {step} in '{directory}'", updates=step * updates_per_step
+        )
 
     return accept
 
@@ -178,15 +197,30 @@ def _check_metrics(workdir: pathlib.Path, step: int, meta: dict, is_main: bool) 
     path = workdir / "metrics.jsonl"
     problem = metrics_problem(path, step, meta.get("metrics_digest")) if is_main else None
     if agree_any([problem is not None])[0]:
-        raise UserError(f"{problem or 'process 0 found metrics.jsonl edited'}; metrics.jsonl is the run's record: "
-                        f"put the original back, or move it aside (mv '{path}' '{path}.edited') to resume with a "
-                        f"record that starts after step {step}")
+        raise UserError(
+            f"{problem or 'process 0 found metrics.jsonl edited'}; metrics.jsonl is the run's record: "
+            f"put the original back, or move it aside (mv '{path}' '{path}.edited') to resume with a "
+            f"record that starts after step {step}"
+        )
 
 
-def fit(run, workdir, data_iter, *, resume: bool, init: Callable, ready: Callable[[], None] = lambda: None,
-        evaluate: Callable | None = None, first_row: dict | None = None, frozen=None, signature: dict | None = None,
-        show_progress: bool = True, flops_per_token: float | None = None, step_fn: Callable | None = None,
-        identity: dict | None = None):
+def fit(
+    run,
+    workdir,
+    data_iter,
+    *,
+    resume: bool,
+    init: Callable,
+    ready: Callable[[], None] = lambda: None,
+    evaluate: Callable | None = None,
+    first_row: dict | None = None,
+    frozen=None,
+    signature: dict | None = None,
+    show_progress: bool = True,
+    flops_per_token: float | None = None,
+    step_fn: Callable | None = None,
+    identity: dict | None = None,
+):
     """Trains `run` from a fresh `init()` state (or the newest checkpoint when resuming) to
     config.train.steps. Returns (state, last) where last holds the final logged and eval metrics,
     run throughput, `stopped_by` (a signal's name when one ended the run early) and the peak.
@@ -208,9 +242,13 @@ def fit(run, workdir, data_iter, *, resume: bool, init: Callable, ready: Callabl
     signature = signature or run.signature()
     to_device = (lambda batch: batch) if step_fn is not None else run.placer(signature)
     writer = None
-    checkpointer = Checkpointer.from_config(workdir / "checkpoints", config, identity=identity,
-                                            accept=_accepting(identity, workdir / "checkpoints", run.updates_per_step),
-                                            metrics_digest=lambda: writer.digest if writer is not None else "")
+    checkpointer = Checkpointer.from_config(
+        workdir / "checkpoints",
+        config,
+        identity=identity,
+        accept=_accepting(identity, workdir / "checkpoints", run.updates_per_step),
+        metrics_digest=lambda: writer.digest if writer is not None else "",
+    )
     target = run.abstract_state()
     health = None
     if resume:
@@ -235,15 +273,37 @@ def fit(run, workdir, data_iter, *, resume: bool, init: Callable, ready: Callabl
     peak, peak_source = peak_flops(config)
     writer = MetricsWriter(workdir, enabled=is_main)
     if not resume:
-        writer.write(0, dict(first_row or {}) | {"flops_per_token": flops, "peak_flops": peak} |
-                     (evaluate(state) if evaluate else {}))
-    spec = LoopSpec(t.steps, t.log_every, config.eval.every_steps, math.prod(signature["inputs"].shape), flops, peak,
-                    config.checkpoint.agree_every_steps, run.updates_per_step,
-                    measure_peak=None if t.peak_flops > 0 else lambda: peak_flops(config)[0])
+        writer.write(
+            0,
+            dict(first_row or {})
+            | {"flops_per_token": flops, "peak_flops": peak}
+            | (evaluate(state) if evaluate else {}),
+        )
+    spec = LoopSpec(
+        t.steps,
+        t.log_every,
+        config.eval.every_steps,
+        math.prod(signature["inputs"].shape),
+        flops,
+        peak,
+        config.checkpoint.agree_every_steps,
+        run.updates_per_step,
+        measure_peak=None if t.peak_flops > 0 else lambda: peak_flops(config)[0],
+    )
     with StopSignal() as stop:
         faults = Faults(FaultPolicy.from_config(t), stop, target, health)
-        state, last = run_loop(spec, state, step_fn, data_iter, to_device, evaluate=evaluate, writer=writer,
-                               checkpointer=checkpointer, faults=faults, show_progress=show_progress and is_main)
+        state, last = run_loop(
+            spec,
+            state,
+            step_fn,
+            data_iter,
+            to_device,
+            evaluate=evaluate,
+            writer=writer,
+            checkpointer=checkpointer,
+            faults=faults,
+            show_progress=show_progress and is_main,
+        )
         checkpointer.close()  # a signal during the last save still lets it finish
     writer.close()
     revised = last.get("peak_flops_revised")  # the run beat the start-up figure (lm.train.loop._Peak)

@@ -30,20 +30,50 @@ from lm.store.fingerprint import fingerprint_or_empty
 RUN_FILE = "run.json"  # the identity a run started with, beside its checkpoints
 
 # Keys (or prefixes ending in '.') whose change keeps the trajectory: resume may change them.
-NEUTRAL = ("eval.", "checkpoint.", "mesh.", "curate.workers", "data.cache_dir", "data.workers", "data.tokenizer",
-           "data.corpus", "data.sources", "train.log_every", "train.peak_flops", "train.sample_tokens",
-           "train.sample_prompt", "train.max_bad_steps", "train.on_bad", "train.spike_window",
-           "train.spike_threshold", "train.max_rollbacks",
-           "model.remat", "model.kernels", "model.attention", "model.pipeline_microbatches",
-           "sft.data", "pairs.data", "rl.data", "sft.on_bad_record", "pairs.on_bad_record", "rl.on_bad_record",
-           "sft.max_skipped_fraction", "pairs.max_skipped_fraction", "rl.max_skipped_fraction")
+NEUTRAL = (
+    "eval.",
+    "checkpoint.",
+    "mesh.",
+    "curate.workers",
+    "data.cache_dir",
+    "data.workers",
+    "data.tokenizer",
+    "data.corpus",
+    "data.sources",
+    "train.log_every",
+    "train.peak_flops",
+    "train.sample_tokens",
+    "train.sample_prompt",
+    "train.max_bad_steps",
+    "train.on_bad",
+    "train.spike_window",
+    "train.spike_threshold",
+    "train.max_rollbacks",
+    "model.remat",
+    "model.kernels",
+    "model.attention",
+    "model.pipeline_microbatches",
+    "sft.data",
+    "pairs.data",
+    "rl.data",
+    "sft.on_bad_record",
+    "pairs.on_bad_record",
+    "rl.on_bad_record",
+    "sft.max_skipped_fraction",
+    "pairs.max_skipped_fraction",
+    "rl.max_skipped_fraction",
+)
 MODEL_KEYS = ("train.init", "sft.init", "pairs.init", "rl.init", "distill.teacher", "rl.reward_model")
 
 
 def _neutral(key: str) -> bool:
     name = key.partition(".")[2]
-    return (key in NEUTRAL or any(p.endswith(".") and key.startswith(p) for p in NEUTRAL)
-            or key in MODEL_KEYS or name.startswith("eval_"))
+    return (
+        key in NEUTRAL
+        or any(p.endswith(".") and key.startswith(p) for p in NEUTRAL)
+        or key in MODEL_KEYS
+        or name.startswith("eval_")
+    )
 
 
 def flat_keys(d: dict, prefix: str = "") -> dict:
@@ -58,8 +88,9 @@ def settings(config) -> dict:
     """{dotted key: value} of the config keys that shape the trajectory."""
     flat = flat_keys(json.loads(config.to_json()))
     weights = [entry.rsplit(":", 1)[1] if ":" in entry else "1" for entry in flat.get("data.sources") or []]
-    return ({k: v for k, v in flat.items() if not _neutral(k) and k not in SCHEDULE}
-            | ({"data.source_weights": weights} if weights else {}))
+    return {k: v for k, v in flat.items() if not _neutral(k) and k not in SCHEDULE} | (
+        {"data.source_weights": weights} if weights else {}
+    )
 
 
 # The run's length shapes the steps already taken only through the learning rate (lm.train.optim):
@@ -79,8 +110,12 @@ def _same_rates(saved: dict, now: dict, updates: int) -> bool:
 
     def rates(part: dict):
         s = now["settings"]
-        o = types.SimpleNamespace(lr=s["optim.lr"], warmup_steps=s["optim.warmup_steps"],
-                                  min_lr_ratio=s["optim.min_lr_ratio"], decay_steps=part["optim.decay_steps"])
+        o = types.SimpleNamespace(
+            lr=s["optim.lr"],
+            warmup_steps=s["optim.warmup_steps"],
+            min_lr_ratio=s["optim.min_lr_ratio"],
+            decay_steps=part["optim.decay_steps"],
+        )
         return np.asarray(make_schedule(o, part["train.steps"])(np.arange(updates)))
 
     return np.array_equal(rates(saved["schedule"]), rates(now["schedule"]))
@@ -109,10 +144,16 @@ def new_identity(stage: str, config, data: dict, first: dict | None = None) -> d
     (run.json, or the newest checkpoint's identity)."""
     first = first or {}
     argv = _COMMAND or sys.argv[1:]
-    return {"stage": stage, "run_id": first.get("run_id") or uuid.uuid4().hex[:12],
-            "command": first.get("command") or shlex.join(["lm", *argv])[:2000],
-            "started": first.get("started") or time.strftime("%Y-%m-%d %H:%M:%S"),
-            "settings": settings(config), "schedule": schedule(config), "data": data, "models": models(config)}
+    return {
+        "stage": stage,
+        "run_id": first.get("run_id") or uuid.uuid4().hex[:12],
+        "command": first.get("command") or shlex.join(["lm", *argv])[:2000],
+        "started": first.get("started") or time.strftime("%Y-%m-%d %H:%M:%S"),
+        "settings": settings(config),
+        "schedule": schedule(config),
+        "data": data,
+        "models": models(config),
+    }
 
 
 PARTS = ("settings", "data", "models")
@@ -133,11 +174,21 @@ def differences(saved: dict, now: dict, parts: tuple = PARTS, updates: int | Non
                 continue  # a key added to the code since the checkpoint: its default is all it knew
             if before.get(key) != after.get(key):
                 label = f"{key}" if part == "settings" else f"{part} {key}"
-                diffs.append(f"{label}: {before.get(key, '(none)')!r} (checkpoint) vs {after.get(key, '(none)')!r} (now)")
-    if updates is not None and not diffs and saved.get("schedule") and saved["schedule"] != now["schedule"] \
-            and not _same_rates(saved, now, updates):
-        shown = ", ".join(f"{k}={saved['schedule'][k]} (checkpoint) vs {now['schedule'][k]} (now)" for k in SCHEDULE
-                          if saved["schedule"][k] != now["schedule"][k])
+                diffs.append(
+                    f"{label}: {before.get(key, '(none)')!r} (checkpoint) vs {after.get(key, '(none)')!r} (now)"
+                )
+    if (
+        updates is not None
+        and not diffs
+        and saved.get("schedule")
+        and saved["schedule"] != now["schedule"]
+        and not _same_rates(saved, now, updates)
+    ):
+        shown = ", ".join(
+            f"{k}={saved['schedule'][k]} (checkpoint) vs {now['schedule'][k]} (now)"
+            for k in SCHEDULE
+            if saved["schedule"][k] != now["schedule"][k]
+        )
         diffs.append(f"the learning rate of the {updates} updates made differs ({shown})")
     return diffs
 
@@ -146,8 +197,9 @@ class NotThisRun(UserError):
     """A checkpoint made by another stage, another run or another trajectory: never restored, never moved."""
 
 
-def check_identity(saved: dict | None, now: dict | None, where: str, parts: tuple = PARTS,
-                   updates: int | None = None) -> None:
+def check_identity(
+    saved: dict | None, now: dict | None, where: str, parts: tuple = PARTS, updates: int | None = None
+) -> None:
     """Refuses a checkpoint whose identity differs from `now`; a checkpoint without one passes
     (the caller warns once)."""
     if not saved or not now:
@@ -156,9 +208,11 @@ def check_identity(saved: dict | None, now: dict | None, where: str, parts: tupl
     if not diffs:
         return
     shown = "; ".join(diffs[:8]) + (f"; ... ({len(diffs)} in all)" if len(diffs) > 8 else "")
-    raise NotThisRun(f"{where} is not this run's to resume ({shown}); it was made by `{saved.get('command')}`: "
-                     f"resume it with `{resume_command(saved.get('command') or 'lm')}`, or start this one in a new "
-                     "--workdir")
+    raise NotThisRun(
+        f"{where} is not this run's to resume ({shown}); it was made by `{saved.get('command')}`: "
+        f"resume it with `{resume_command(saved.get('command') or 'lm')}`, or start this one in a new "
+        "--workdir"
+    )
 
 
 def resume_command(command: str) -> str:

@@ -21,12 +21,11 @@ from typing import Callable, Iterator
 import jax
 from tqdm import tqdm
 
-from lm.process import peers
 from lm.data.progress import bars
 from lm.errors import UserError
-from lm.train.perf import mfu
+from lm.process import peers
 from lm.train.faults import FaultPolicy, Health, StopSignal, agree_any
-
+from lm.train.perf import mfu
 
 EVAL_SHOWN = ("eval_loss", "eval_reward")  # printed at each eval
 
@@ -47,6 +46,7 @@ class LoopSpec:
 @dataclasses.dataclass
 class Faults:
     """The fault-handling parts of a run; all optional."""
+
     policy: FaultPolicy = dataclasses.field(default_factory=FaultPolicy)
     stop: StopSignal | None = None
     abstract_state: object = None  # restore target for rollbacks
@@ -95,8 +95,9 @@ class _Logger:
     def __init__(self, spec: LoopSpec, writer, start: int, show: bool):
         self.spec, self.writer, self.peak = spec, writer, _Peak(spec)
         self.lines = show and not bars(show)
-        self.bar = tqdm(total=spec.total_steps, initial=start, disable=not show or self.lines, unit="step",
-                        dynamic_ncols=True)
+        self.bar = tqdm(
+            total=spec.total_steps, initial=start, disable=not show or self.lines, unit="step", dynamic_ncols=True
+        )
         self.window_start, self.window_steps, self.compile_s, self.logged = None, 0, None, {}
         self.run_steps, self.run_seconds = 0, 0.0  # every timed window of the run, for its summary
 
@@ -159,14 +160,28 @@ class _Logger:
         if not self.run_steps:
             return {}
         tps = self.run_steps * self.spec.tokens_per_step / self.run_seconds
-        return {"run_tokens_per_s": tps, "run_mfu": mfu(tps, self.spec.flops_per_token, self.peak.flops),
-                "run_train_seconds": self.run_seconds, "run_timed_steps": self.run_steps}
+        return {
+            "run_tokens_per_s": tps,
+            "run_mfu": mfu(tps, self.spec.flops_per_token, self.peak.flops),
+            "run_train_seconds": self.run_seconds,
+            "run_timed_steps": self.run_steps,
+        }
 
 
 @peers.settling()  # multi-host: an error that a lost peer caused waits for the watchdog to name it
-def run_loop(spec: LoopSpec, state, step_fn: Callable, data_iter: Iterator, to_device: Callable, *,
-             evaluate: Callable | None = None, writer=None, checkpointer=None, faults: Faults | None = None,
-             show_progress: bool = True):
+def run_loop(
+    spec: LoopSpec,
+    state,
+    step_fn: Callable,
+    data_iter: Iterator,
+    to_device: Callable,
+    *,
+    evaluate: Callable | None = None,
+    writer=None,
+    checkpointer=None,
+    faults: Faults | None = None,
+    show_progress: bool = True,
+):
     """Runs from state.step to spec.total_steps; returns (state, last logged and eval metrics).
 
     The returned dict holds `stopped_by` (a signal name) when a signal ended the run early.
@@ -188,8 +203,11 @@ def run_loop(spec: LoopSpec, state, step_fn: Callable, data_iter: Iterator, to_d
         pending.append((step, metrics))
         stop, timed = _agreed_flags(spec, step, faults.stop, checkpointer)
         ckpt_due = checkpointer is not None and (checkpointer.due(step) or timed or stop or step == spec.total_steps)
-        must_check = ckpt_due or _due(step, spec.log_every, spec.total_steps) or \
-            (evaluate is not None and _due(step, spec.eval_every, spec.total_steps))
+        must_check = (
+            ckpt_due
+            or _due(step, spec.log_every, spec.total_steps)
+            or (evaluate is not None and _due(step, spec.eval_every, spec.total_steps))
+        )
         verdict = _check(pending, health, log, spec, upto=step if must_check else step - 1)
         if verdict is not None:
             state, step = _handle(verdict, state, step, checkpointer, faults, health, log)
@@ -200,8 +218,12 @@ def run_loop(spec: LoopSpec, state, step_fn: Callable, data_iter: Iterator, to_d
         if evaluate is not None and _due(step, spec.eval_every, spec.total_steps):
             last_eval = evaluate(state)
             log.write(step, last_eval)
-            log.say(f"step {step}: " + ", ".join(f"{k} {v:.4f}" for k, v in last_eval.items()
-                                                  if k in EVAL_SHOWN or k.endswith("/bits_per_byte")))
+            log.say(
+                f"step {step}: "
+                + ", ".join(
+                    f"{k} {v:.4f}" for k, v in last_eval.items() if k in EVAL_SHOWN or k.endswith("/bits_per_byte")
+                )
+            )
             log.pause()
         if ckpt_due:
             checkpointer.save(step, state, data_iter, health=health.state_dict())
@@ -212,8 +234,14 @@ def run_loop(spec: LoopSpec, state, step_fn: Callable, data_iter: Iterator, to_d
             stopped_by = faults.stop.received or "a signal on another process"
             break
     log.bar.close()
-    return state, (log.logged | last_eval | log.run_figures() | log.peak.figures()
-                   | {"stopped_by": stopped_by, "stop_step": step} | health.metrics())
+    return state, (
+        log.logged
+        | last_eval
+        | log.run_figures()
+        | log.peak.figures()
+        | {"stopped_by": stopped_by, "stop_step": step}
+        | health.metrics()
+    )
 
 
 def _agreed_flags(spec: LoopSpec, step: int, stop: StopSignal | None, checkpointer) -> tuple[bool, bool]:
@@ -243,21 +271,26 @@ def _check(pending: list, health: Health, log: _Logger, spec: LoopSpec, upto: in
 def _handle(verdict, state, step: int, checkpointer, faults: Faults, health: Health, log: _Logger):
     """Rolls back to the newest checkpoint (the data iterator keeps going: the bad batches are
     skipped) or stops with the reason."""
-    if verdict.action == "restore" and (checkpointer is None or faults.abstract_state is None
-                                        or checkpointer.latest_step() is None):
+    if verdict.action == "restore" and (
+        checkpointer is None or faults.abstract_state is None or checkpointer.latest_step() is None
+    ):
         verdict.reason += "; no checkpoint to roll back to yet"
         verdict.action = "stop"
     if verdict.action == "stop":
         log.bar.close()
-        raise UserError(f"training stopped: {verdict.reason}; inspect the data near that step, or lower "
-                        "optim.lr, then --resume (train.on_bad=restore rolls back automatically)")
+        raise UserError(
+            f"training stopped: {verdict.reason}; inspect the data near that step, or lower "
+            "optim.lr, then --resume (train.on_bad=restore rolls back automatically)"
+        )
     checkpointer.wait()
     del state  # free the bad state before the restored one arrives
     state, restored_step, _ = checkpointer.restore(faults.abstract_state)
     health.rolled_back()
     peers.PROGRESS.step = restored_step
-    log.say(f"lm: warning: {verdict.reason}; rolled back to step {restored_step} and skipped the "
-            f"{step - restored_step} batches since ({health.rollbacks} rollback(s) so far)")
+    log.say(
+        f"lm: warning: {verdict.reason}; rolled back to step {restored_step} and skipped the "
+        f"{step - restored_step} batches since ({health.rollbacks} rollback(s) so far)"
+    )
     log.write(step, {"rollback_to": restored_step} | health.metrics())
     log.bar.n = restored_step
     log.pause()

@@ -89,13 +89,17 @@ def metrics_problem(path: pathlib.Path, step: int, anchor: str | None) -> str | 
             previous = ""
             continue
         if row["digest"] != row_digest(previous, row):
-            return (f"{path}:{line}: the row of step {row['step']} is not the one the run wrote "
-                    "(edited after it was logged: its digest does not match)")
+            return (
+                f"{path}:{line}: the row of step {row['step']} is not the one the run wrote "
+                "(edited after it was logged: its digest does not match)"
+            )
         previous = row["digest"]
         seen.add(previous)
     if anchor and anchor not in seen:
-        return (f"{path}: the rows logged before the checkpoint of step {step} are missing or replaced "
-                "(the digest the checkpoint recorded is not in the file)")
+        return (
+            f"{path}: the rows logged before the checkpoint of step {step} are missing or replaced "
+            "(the digest the checkpoint recorded is not in the file)"
+        )
     return None
 
 
@@ -124,8 +128,11 @@ def _add_row(tb, row: dict) -> None:
     from tensorboardX.proto.event_pb2 import Event
     from tensorboardX.proto.summary_pb2 import Summary
 
-    values = [Summary.Value(tag=k, simple_value=float(v)) for k, v in row.items()
-              if k != "step" and isinstance(v, (int, float))]
+    values = [
+        Summary.Value(tag=k, simple_value=float(v))
+        for k, v in row.items()
+        if k != "step" and isinstance(v, (int, float))
+    ]
     if values:
         tb.write_event(Event(wall_time=time.time(), step=row["step"], summary=Summary(value=values)))
 
@@ -165,8 +172,11 @@ def _read_rows(path: pathlib.Path) -> tuple[list[dict], str | None]:
         cut.append(bad)
 
     rows = [row for _, row in iter_jsonl(path, _metrics_row, expected=EXPECTED, on_error=on_error)]
-    note = (f"{cut[0].where}: dropped a partial last line (its writer was killed mid-write): "
-            f"{cut[0].problem}") if cut else None
+    note = (
+        (f"{cut[0].where}: dropped a partial last line (its writer was killed mid-write): {cut[0].problem}")
+        if cut
+        else None
+    )
     return rows, note
 
 
@@ -191,8 +201,12 @@ def truncate_after(path: pathlib.Path, step: int) -> None:
         f.write("".join(json.dumps(r) + "\n" for r in rows if r["step"] <= step))
 
 
-def plot_curves(metrics_path: pathlib.Path, out_path: pathlib.Path, baseline: float | None = None,
-                loss_label: str = "loss (nats/token)") -> None:
+def plot_curves(
+    metrics_path: pathlib.Path,
+    out_path: pathlib.Path,
+    baseline: float | None = None,
+    loss_label: str = "loss (nats/token)",
+) -> None:
     """Train and eval loss against step (and the learning rate) as a PNG; `loss_label` names the
     loss's unit (a pair stage's loss is per pair, not per token)."""
     _save(curves_figure(read_metrics(metrics_path), baseline, loss_label), out_path)
@@ -244,17 +258,29 @@ def moe_routing(rows: list[dict]) -> dict:
     last = logged[-1]
     layers = sorted(int(k.rsplit("_l", 1)[1]) for k in last if k.startswith("moe_load_min_l"))
     per_layer = {i: {name: last[f"moe_load_{name}_l{i}"] for name in ("min", "max", "entropy")} for i in layers}
-    return {"step": last["step"], "balance": last["moe_balance"], "router_z": last["moe_router_z"],
-            "dropped": last["moe_dropped"], "load_min": min(v["min"] for v in per_layer.values()),
-            "load_max": max(v["max"] for v in per_layer.values()), "per_layer": per_layer}
+    return {
+        "step": last["step"],
+        "balance": last["moe_balance"],
+        "router_z": last["moe_router_z"],
+        "dropped": last["moe_dropped"],
+        "load_min": min(v["min"] for v in per_layer.values()),
+        "load_max": max(v["max"] for v in per_layer.values()),
+        "per_layer": per_layer,
+    }
 
 
-def plot_runs(runs: dict, out_path: pathlib.Path, baseline: float | None = None, until: int | None = None,
-              title: str | None = None) -> None:
+def plot_runs(
+    runs: dict,
+    out_path: pathlib.Path,
+    baseline: float | None = None,
+    until: int | None = None,
+    title: str | None = None,
+) -> None:
     """The train and held-out loss of several runs ({label: metrics.jsonl path}) in one PNG, one
     colour per run; `until`: only the steps up to it (a longer run beside a shorter one)."""
-    rows = {label: [r for r in read_metrics(path) if until is None or r["step"] <= until]
-            for label, path in runs.items()}
+    rows = {
+        label: [r for r in read_metrics(path) if until is None or r["step"] <= until] for label, path in runs.items()
+    }
     _save(runs_figure(rows, baseline, title), out_path)
 
 
@@ -268,12 +294,15 @@ def runs_figure(runs: dict, baseline: float | None = None, title: str | None = N
 
     series = lambda rows, key: [(r["step"], r[key]) for r in rows if isinstance(r.get(key), (int, float))]  # noqa: E731
     heights = [3, 1] if len(runs) > 1 else [1]
-    fig, axes = plt.subplots(len(heights), 1, figsize=(8, 2 * len(heights) + 3), height_ratios=heights, sharex=True,
-                             squeeze=False)
+    fig, axes = plt.subplots(
+        len(heights), 1, figsize=(8, 2 * len(heights) + 3), height_ratios=heights, sharex=True, squeeze=False
+    )
     ax = axes[0][0]
     for i, (label, rows) in enumerate(runs.items()):
-        for key, style, width, alpha, name in (("loss", "-", 0.8, 0.45, "train"), ("eval_loss", "o-", 1.6, 1.0,
-                                                                                   "held-out")):
+        for key, style, width, alpha, name in (
+            ("loss", "-", 0.8, 0.45, "train"),
+            ("eval_loss", "o-", 1.6, 1.0, "held-out"),
+        ):
             points = series(rows, key)
             if points:
                 ax.plot(*zip(*points), style, color=f"C{i}", lw=width, alpha=alpha, ms=4, label=f"{label}: {name}")
@@ -290,8 +319,9 @@ def runs_figure(runs: dict, baseline: float | None = None, title: str | None = N
         for i, (label, rows) in enumerate(others, 1):
             points = [(step, v - reference[step]) for step, v in series(rows, "eval_loss") if step in reference]
             if points:
-                gap.plot(*zip(*points), "o-", color=f"C{i}", lw=1.4, ms=4,
-                         label=f"{label}: held-out loss minus {first}'s")
+                gap.plot(
+                    *zip(*points), "o-", color=f"C{i}", lw=1.4, ms=4, label=f"{label}: held-out loss minus {first}'s"
+                )
         gap.axhline(0.0, color="C0", lw=1)
         gap.set_ylabel("gap (nats/token)", fontsize=9)
         gap.legend(fontsize=9)
@@ -305,8 +335,10 @@ def runs_figure(runs: dict, baseline: float | None = None, title: str | None = N
 RL_PANELS = (  # (y label, ((metrics key, legend), ...)) per panel
     ("reward per response", (("reward", "sampled responses (mean)"), ("eval_reward", "held-out greedy responses"))),
     ("KL to the reference (nats/token)", (("kl", "policy vs reference, per response token"),)),
-    ("response length (tokens)", (("response_length", "mean sampled response"),
-                                  ("eval_response_length", "held-out greedy response"))),
+    (
+        "response length (tokens)",
+        (("response_length", "mean sampled response"), ("eval_response_length", "held-out greedy response")),
+    ),
 )
 
 

@@ -16,8 +16,12 @@ import optax
 def make_schedule(o, total_steps: int) -> optax.Schedule:
     decay_steps = o.decay_steps or total_steps
     return optax.warmup_cosine_decay_schedule(
-        init_value=0.0, peak_value=o.lr, warmup_steps=o.warmup_steps,
-        decay_steps=max(decay_steps, o.warmup_steps + 1), end_value=o.lr * o.min_lr_ratio)
+        init_value=0.0,
+        peak_value=o.lr,
+        warmup_steps=o.warmup_steps,
+        decay_steps=max(decay_steps, o.warmup_steps + 1),
+        end_value=o.lr * o.min_lr_ratio,
+    )
 
 
 def _kind(path) -> str:
@@ -43,8 +47,10 @@ def make_optimizer(o, total_steps: int) -> tuple[optax.GradientTransformation, o
     result is exactly optax.adamw with that schedule.
     """
     parts = [optax.clip_by_global_norm(o.grad_clip)] if o.grad_clip > 0 else []
-    parts += [optax.scale_by_adam(b1=o.b1, b2=o.b2, eps=o.eps),
-              optax.add_decayed_weights(o.weight_decay, mask=lambda p: decay_mask(p, o))]
+    parts += [
+        optax.scale_by_adam(b1=o.b1, b2=o.b2, eps=o.eps),
+        optax.add_decayed_weights(o.weight_decay, mask=lambda p: decay_mask(p, o)),
+    ]
     return optax.chain(*parts), make_schedule(o, total_steps)
 
 

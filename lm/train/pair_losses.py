@@ -111,11 +111,19 @@ def dpo_loss(model, settings: DpoSettings, reference: str = "live"):
         logp, count, aux = pair_logprobs(model, params, batch, rng)
         valid = jnp.all(count > 0, axis=-1)
         loss, chosen, rejected = dpo_terms(settings, logp, ref_logps(frozen, batch), count)
-        stats = _pair_stats(valid, loss, **{
-            "rewards/chosen": chosen, "rewards/rejected": rejected,
-            "rewards/accuracies": (chosen > rejected).astype(jnp.float32), "rewards/margins": chosen - rejected,
-            "logps/chosen": logp[:, 0], "logps/rejected": logp[:, 1],
-            "logps/accuracies": (logp[:, 0] > logp[:, 1]).astype(jnp.float32)})
+        stats = _pair_stats(
+            valid,
+            loss,
+            **{
+                "rewards/chosen": chosen,
+                "rewards/rejected": rejected,
+                "rewards/accuracies": (chosen > rejected).astype(jnp.float32),
+                "rewards/margins": chosen - rejected,
+                "logps/chosen": logp[:, 0],
+                "logps/rejected": logp[:, 1],
+                "logps/accuracies": (logp[:, 0] > logp[:, 1]).astype(jnp.float32),
+            },
+        )
         tokens = jnp.sum(jnp.where(valid[:, None], count, 0.0))
         return add_aux(model, stats["loss_sum"], stats | {"pairs_total": stats["count"], "tokens_total": tokens}, aux)
 
@@ -138,8 +146,13 @@ def reward_loss(model, center_coef: float = 0.0):
         valid = jnp.all(jnp.any(batch["loss_mask"] > 0, axis=-1), axis=-1)
         chosen, rejected = scores[:, 0], scores[:, 1]
         loss = reward_terms(chosen, rejected, batch["margin"], center_coef)
-        stats = _pair_stats(valid, loss, accuracy=(chosen > rejected).astype(jnp.float32),
-                            margin=chosen - rejected, **{"rewards/chosen": chosen, "rewards/rejected": rejected})
+        stats = _pair_stats(
+            valid,
+            loss,
+            accuracy=(chosen > rejected).astype(jnp.float32),
+            margin=chosen - rejected,
+            **{"rewards/chosen": chosen, "rewards/rejected": rejected},
+        )
         tokens = jnp.sum(jnp.where(valid[:, None], jnp.sum(batch["loss_mask"], axis=-1), 0.0))
         return add_aux(model, stats["loss_sum"], stats | {"pairs_total": stats["count"], "tokens_total": tokens}, aux)
 

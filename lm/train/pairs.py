@@ -38,8 +38,12 @@ class WithFields:
 
 def settings(config) -> SftSettings:
     p = config.pairs
-    return SftSettings(seq_len=config.data.seq_len, truncation=p.truncation, on_bad_record=p.on_bad_record,
-                       max_skipped_fraction=p.max_skipped_fraction)
+    return SftSettings(
+        seq_len=config.data.seq_len,
+        truncation=p.truncation,
+        on_bad_record=p.on_bad_record,
+        max_skipped_fraction=p.max_skipped_fraction,
+    )
 
 
 def steps_for_epochs(pairs: int, epochs: float, batch_size: int) -> int:
@@ -54,8 +58,11 @@ class PairStage(Stage):
     eval_metrics: tuple = ("loss",)
 
     def check(self, config) -> None:
-        require_data(config.pairs.data, "pairs.data",
-                     f'give `lm {self.verb} --data pairs.jsonl` ({{"prompt", "chosen", "rejected"}} lines)')
+        require_data(
+            config.pairs.data,
+            "pairs.data",
+            f'give `lm {self.verb} --data pairs.jsonl` ({{"prompt", "chosen", "rejected"}} lines)',
+        )
 
     def read(self, ctx):
         p, tok = ctx.config.pairs, ctx.init.tokenizer
@@ -85,9 +92,16 @@ class PairStage(Stage):
         self._extra = PAIR_EXTRA | extra
         signature = run.signature(pairs=True, extra=self._extra)
         rows = WithFields(ctx.data[0], train_fields) if train_fields else ctx.data[0]
-        data_iter = iter(train_dataset([Source(c.pairs.data, rows, 1.0)], seq_len=c.data.seq_len,
-                                       global_batch=t.batch_size, seed=t.seed, rows=run.placer(signature).rows,
-                                       pack=False))
+        data_iter = iter(
+            train_dataset(
+                [Source(c.pairs.data, rows, 1.0)],
+                seq_len=c.data.seq_len,
+                global_batch=t.batch_size,
+                seed=t.seed,
+                rows=run.placer(signature).rows,
+                pack=False,
+            )
+        )
         return data_iter, signature, None
 
     def evaluator(self, ctx):
@@ -97,8 +111,9 @@ class PairStage(Stage):
         held = WithFields(heldout, self._held_fields) if self._held_fields else heldout
         signature = run.signature(e.batch_size, pairs=True, extra=self._extra)
         batches = ready_batches(held, e.batch_size, ctx.config.pairs.eval_pairs)
-        return evaluator(run.eval_step(signature), batches, run.placer(signature), ctx.frozen,
-                         metrics=self.eval_metrics)
+        return evaluator(
+            run.eval_step(signature), batches, run.placer(signature), ctx.frozen, metrics=self.eval_metrics
+        )
 
     def first_row(self, ctx) -> dict:
         return {"trainable_params": trainable_count(ctx.run), **{f"data/{k}": v for k, v in ctx.data[0].stats.items()}}

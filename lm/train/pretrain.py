@@ -22,8 +22,18 @@ from lm.train.metrics import plot_curves
 from lm.train.setup import build_run
 from lm.train.stage import Stage, run_stage
 
-SUMMARY_KEYS = ("loss", "eval_loss", "tokens_per_s", "mfu", "run_tokens_per_s", "run_mfu", "run_train_seconds",
-                "peak_flops", "peak_flops_source", "compile_s")
+SUMMARY_KEYS = (
+    "loss",
+    "eval_loss",
+    "tokens_per_s",
+    "mfu",
+    "run_tokens_per_s",
+    "run_mfu",
+    "run_train_seconds",
+    "peak_flops",
+    "peak_flops_source",
+    "compile_s",
+)
 
 
 class Pretrain(Stage):
@@ -40,8 +50,13 @@ class Pretrain(Stage):
 
     def read(self, ctx):
         d = ctx.config.data
-        data = prepare_pretrain_data(d, data_cache_dir(d), vocab_size=ctx.config.model.vocab_size,
-                                     progress=ctx.show_progress, curate_cfg=ctx.config.curate)
+        data = prepare_pretrain_data(
+            d,
+            data_cache_dir(d),
+            vocab_size=ctx.config.model.vocab_size,
+            progress=ctx.show_progress,
+            curate_cfg=ctx.config.curate,
+        )
         print(describe(data.stats))
         return data
 
@@ -57,25 +72,40 @@ class Pretrain(Stage):
     def batches(self, ctx):
         run, t = ctx.run, ctx.config.train
         signature = run.signature()
-        data_iter = iter(train_dataset(ctx.data.train, seq_len=ctx.config.data.seq_len, global_batch=t.batch_size,
-                                       seed=t.seed, rows=run.placer(signature).rows))
+        data_iter = iter(
+            train_dataset(
+                ctx.data.train,
+                seq_len=ctx.config.data.seq_len,
+                global_batch=t.batch_size,
+                seed=t.seed,
+                rows=run.placer(signature).rows,
+            )
+        )
         return data_iter, signature, None
 
     def evaluator(self, ctx):
         run, e = ctx.run, ctx.config.eval
         signature = run.signature(e.batch_size)
-        batches = eval_batches(ctx.data.heldout, seq_len=ctx.config.data.seq_len, batch_size=e.batch_size,
-                               n_batches=e.batches)
+        batches = eval_batches(
+            ctx.data.heldout, seq_len=ctx.config.data.seq_len, batch_size=e.batch_size, n_batches=e.batches
+        )
         return evaluator(run.eval_step(signature), batches, run.placer(signature))
 
     def first_row(self, ctx) -> dict:
         s = ctx.data.stats
-        return {"unigram_baseline": s["unigram_entropy_nats"], "params": counts.param_count(ctx.config.model),
-                "train_docs": s["train_docs"], "split_docs": s["split_docs"]}
+        return {
+            "unigram_baseline": s["unigram_entropy_nats"],
+            "params": counts.param_count(ctx.config.model),
+            "train_docs": s["train_docs"],
+            "split_docs": s["split_docs"],
+        }
 
     def finish(self, ctx) -> dict:
         text = _sample(ctx.config, ctx.run, ctx.params, ctx.data.tokenizer)
-        summary = {"step": int(jax.device_get(ctx.state.step)), "unigram_baseline": ctx.data.stats["unigram_entropy_nats"]}
+        summary = {
+            "step": int(jax.device_get(ctx.state.step)),
+            "unigram_baseline": ctx.data.stats["unigram_entropy_nats"],
+        }
         summary |= {k: ctx.last.get(k) for k in SUMMARY_KEYS}
         ctx.returned["sample"] = text
         if ctx.is_main:
@@ -84,8 +114,9 @@ class Pretrain(Stage):
         return summary
 
     def plot(self, ctx) -> None:
-        plot_curves(ctx.workdir / "metrics.jsonl", ctx.workdir / "loss.png",
-                    baseline=ctx.data.stats["unigram_entropy_nats"])
+        plot_curves(
+            ctx.workdir / "metrics.jsonl", ctx.workdir / "loss.png", baseline=ctx.data.stats["unigram_entropy_nats"]
+        )
 
 
 def _sample(config, run, params, tok) -> str:

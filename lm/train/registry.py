@@ -106,67 +106,123 @@ def load(reference: str):
     return getattr(importlib.import_module(module), name)
 
 
-EVAL_ANSWERS = ("--eval-answers", "held-out conversations (chat JSONL) answered greedily at the end: "
-                                  "exact match of the init and the tuned model")
+EVAL_ANSWERS = (
+    "--eval-answers",
+    "held-out conversations (chat JSONL) answered greedily at the end: exact match of the init and the tuned model",
+)
 CHAT_DATA = 'JSONL: {"messages": [...]} or {"instruction", "output"} lines'
 
 _STAGES: list[StageEntry] = [
     StageEntry(
-        "pretrain", "pretrain a model (default: tiny model on the Python standard library)",
-        "lm.train.pretrain:train", "train", verb="train", start="config",
-        steps=(CompiledStep("pretrain", "lm.train.pretrain:compiled_step"),)),
+        "pretrain",
+        "pretrain a model (default: tiny model on the Python standard library)",
+        "lm.train.pretrain:train",
+        "train",
+        verb="train",
+        start="config",
+        steps=(CompiledStep("pretrain", "lm.train.pretrain:compiled_step"),),
+    ),
     StageEntry(
-        "sft", "fine-tune a trained model on conversations (JSONL), fully or with LoRA", "lm.train.sft:sft", "sft",
+        "sft",
+        "fine-tune a trained model on conversations (JSONL), fully or with LoRA",
+        "lm.train.sft:sft",
+        "sft",
         description="Supervised fine-tuning on the assistant turns of chat or instruction JSONL, starting from a "
-                    "run or an export. LoRA: --config.model.lora_rank=8.",
-        data=CHAT_DATA, eval_data="held-out JSONL: response loss during training, exact match at the end",
-        steps=(CompiledStep("sft", "lm.train.sft:compiled_step"),
-               CompiledStep("sft_lora", "lm.train.sft:compiled_step", passes=2, lora=True))),
+        "run or an export. LoRA: --config.model.lora_rank=8.",
+        data=CHAT_DATA,
+        eval_data="held-out JSONL: response loss during training, exact match at the end",
+        steps=(
+            CompiledStep("sft", "lm.train.sft:compiled_step"),
+            CompiledStep("sft_lora", "lm.train.sft:compiled_step", passes=2, lora=True),
+        ),
+    ),
     StageEntry(
-        "dpo", "preference-tune a trained model on pairs (DPO, IPO, SimPO), fully or with LoRA",
-        "lm.train.dpo:dpo", "pairs",
+        "dpo",
+        "preference-tune a trained model on pairs (DPO, IPO, SimPO), fully or with LoRA",
+        "lm.train.dpo:dpo",
+        "pairs",
         description="Direct preference optimisation from a run or an export (usually an `lm sft` run). Loss: "
-                    "--config.dpo.loss=sigmoid|ipo|simpo, --config.dpo.beta; reference held live or precomputed: "
-                    "--config.dpo.reference=live|precomputed.",
+        "--config.dpo.loss=sigmoid|ipo|simpo, --config.dpo.beta; reference held live or precomputed: "
+        "--config.dpo.reference=live|precomputed.",
         data='JSONL pairs: {"prompt": TEXT or MESSAGES, "chosen": TEXT, "rejected": TEXT}',
         eval_data="held-out pairs: DPO metrics (rewards/accuracies, margins, ...) at every eval",
         options=(EVAL_ANSWERS,),
-        steps=(CompiledStep("dpo", "lm.train.dpo:compiled_step", passes=4, rows_per_example=PAIR_ROWS,
-                            reference="argument", needs_reference="lm.train.dpo:needs_reference"),)),
+        steps=(
+            CompiledStep(
+                "dpo",
+                "lm.train.dpo:compiled_step",
+                passes=4,
+                rows_per_example=PAIR_ROWS,
+                reference="argument",
+                needs_reference="lm.train.dpo:needs_reference",
+            ),
+        ),
+    ),
     StageEntry(
-        "reward", "train a Bradley-Terry reward model on pairs; `lm reward score` scores texts",
-        "lm.train.reward:reward", "pairs",
+        "reward",
+        "train a Bradley-Terry reward model on pairs; `lm reward score` scores texts",
+        "lm.train.reward:reward",
+        "pairs",
         description="A scalar head on a trained model's trunk, trained on preference pairs. "
-                    "Score with: lm reward score --workdir RUN (--pairs FILE | --texts FILE).",
+        "Score with: lm reward score --workdir RUN (--pairs FILE | --texts FILE).",
         data='JSONL pairs: {"prompt", "chosen", "rejected"[, "margin"]}',
-        eval_data="held-out pairs: accuracy and mean margin at every eval", actions=("lm.infer.score_cli",)),
+        eval_data="held-out pairs: accuracy and mean margin at every eval",
+        actions=("lm.infer.score_cli",),
+    ),
     StageEntry(
-        "rl", "RL from rewards (GRPO, PPO) on prompts, sampling with the KV cache", "lm.train.rl:rl", "rl",
+        "rl",
+        "RL from rewards (GRPO, PPO) on prompts, sampling with the KV cache",
+        "lm.train.rl:rl",
+        "rl",
         description="Reinforcement learning from a run or an export (usually an `lm sft` run): each step samples "
-                    "--config.rl.group_size responses per prompt, scores them (--config.rl.rewards=module:function "
-                    "or file.py:function, --config.rl.reward_model=REWARD_RUN) and updates the policy. "
-                    "--config.rl.algo=grpo|ppo, --config.rl.beta (KL to the init model).",
+        "--config.rl.group_size responses per prompt, scores them (--config.rl.rewards=module:function "
+        "or file.py:function, --config.rl.reward_model=REWARD_RUN) and updates the policy. "
+        "--config.rl.algo=grpo|ppo, --config.rl.beta (KL to the init model).",
         data='JSONL prompts: {"prompt": TEXT or MESSAGES, ...} or {"messages": [...]} lines; '
-             "the other keys reach the reward functions",
-        eval_data="held-out prompts: mean reward of greedy answers at every eval", plot="rl.png",
-        options=(("--rewards", "reward functions, e.g. 'lm.data.synthetic:sort_reward' or "
-                               "'my_rewards.py:score=0.5,other.py:fmt' (sets rl.rewards)"),
-                 ("--reward-model", "an `lm reward` run or export scoring the responses (sets rl.reward_model)"),
-                 EVAL_ANSWERS),
-        steps=(CompiledStep("rl", "lm.train.rl:compiled_step", rows="lm.train.rl:update_rows", reference="resident",
-                            needs_reference="lm.train.rl:needs_reference", splits_batch=False),)),
+        "the other keys reach the reward functions",
+        eval_data="held-out prompts: mean reward of greedy answers at every eval",
+        plot="rl.png",
+        options=(
+            (
+                "--rewards",
+                "reward functions, e.g. 'lm.data.synthetic:sort_reward' or "
+                "'my_rewards.py:score=0.5,other.py:fmt' (sets rl.rewards)",
+            ),
+            ("--reward-model", "an `lm reward` run or export scoring the responses (sets rl.reward_model)"),
+            EVAL_ANSWERS,
+        ),
+        steps=(
+            CompiledStep(
+                "rl",
+                "lm.train.rl:compiled_step",
+                rows="lm.train.rl:update_rows",
+                reference="resident",
+                needs_reference="lm.train.rl:needs_reference",
+                splits_batch=False,
+            ),
+        ),
+    ),
     StageEntry(
-        "distill", "distil a frozen teacher into a student on conversations (forward/reverse KL, generalized JSD)",
-        "lm.train.distill:distill", "sft",
+        "distill",
+        "distil a frozen teacher into a student on conversations (forward/reverse KL, generalized JSD)",
+        "lm.train.distill:distill",
+        "sft",
         description="Token-level distillation on the assistant turns of chat or instruction JSONL: the student "
-                    "starts from --init, the teacher (--teacher: any run or export sharing the student's tokenizer, "
-                    "of any size) is frozen beside it. --config.distill.divergence=forward_kl|reverse_kl|jsd, "
-                    "--config.distill.beta, --config.distill.temperature.",
+        "starts from --init, the teacher (--teacher: any run or export sharing the student's tokenizer, "
+        "of any size) is frozen beside it. --config.distill.divergence=forward_kl|reverse_kl|jsd, "
+        "--config.distill.beta, --config.distill.temperature.",
         data=CHAT_DATA,
         eval_data="held-out JSONL: divergence, response loss and top-1 agreement during training, exact match at "
-                  "the end",
-        options=(("--teacher", "the model to learn from: an `lm train`/`lm sft`/`lm rl` workdir or an `lm export` "
-                               "(sets distill.teacher)", "distill.teacher"),)),
+        "the end",
+        options=(
+            (
+                "--teacher",
+                "the model to learn from: an `lm train`/`lm sft`/`lm rl` workdir or an `lm export` "
+                "(sets distill.teacher)",
+                "distill.teacher",
+            ),
+        ),
+    ),
 ]
 
 # Not a stage: the generation engine's decode block, which sampling, serving, evaluation and RL

@@ -22,8 +22,13 @@ EVAL_METRICS = ("loss", "accuracy", "margin", "rewards/chosen", "rewards/rejecte
 
 def build_reward_run(config, devices=None):
     lora = config.model.lora_rank > 0
-    return build_run(config, lambda m: reward_loss(m, config.reward.center_coef), devices=devices,
-                     model_fn=reward_model, trainable=is_adapter_or_head if lora else None)
+    return build_run(
+        config,
+        lambda m: reward_loss(m, config.reward.center_coef),
+        devices=devices,
+        model_fn=reward_model,
+        trainable=is_adapter_or_head if lora else None,
+    )
 
 
 class Reward(pairs.PairStage):
@@ -36,12 +41,26 @@ class Reward(pairs.PairStage):
     def finish(self, ctx) -> dict:
         c, last = ctx.config, ctx.last
         before, after = first_eval(ctx.workdir), {k: v for k, v in last.items() if k.startswith("eval_")}
-        summary = {"step": c.train.steps, "init": c.pairs.init, "lora_rank": c.model.lora_rank,
-                   "data": ctx.data[0].stats, "eval_init": before, "eval": after,
-                   "loss": last.get("loss"), "run_tokens_per_s": last.get("run_tokens_per_s")}
+        summary = {
+            "step": c.train.steps,
+            "init": c.pairs.init,
+            "lora_rank": c.model.lora_rank,
+            "data": ctx.data[0].stats,
+            "eval_init": before,
+            "eval": after,
+            "loss": last.get("loss"),
+            "run_tokens_per_s": last.get("run_tokens_per_s"),
+        }
         if ctx.data[1] is not None:
-            print(pairs.eval_table("reward model: held-out pairs", ("loss", "accuracy", "margin"), before, after,
-                                   self.held_out_pairs(ctx)))
+            print(
+                pairs.eval_table(
+                    "reward model: held-out pairs",
+                    ("loss", "accuracy", "margin"),
+                    before,
+                    after,
+                    self.held_out_pairs(ctx),
+                )
+            )
         return summary
 
 

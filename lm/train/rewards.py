@@ -62,8 +62,14 @@ def parse_rewards(text: str) -> list[RewardFn]:
 class Rewards:
     """Scores a rollout batch: (total reward [N], {source: raw rewards [N]})."""
 
-    def __init__(self, functions: list[RewardFn], scorer=None, scorer_weight: float = 1.0,
-                 truncation_penalty: float = 0.0, model=None):
+    def __init__(
+        self,
+        functions: list[RewardFn],
+        scorer=None,
+        scorer_weight: float = 1.0,
+        truncation_penalty: float = 0.0,
+        model=None,
+    ):
         if not functions and scorer is None and model is None:
             raise UserError("rl: no reward; set rl.rewards (module:function) and/or rl.reward_model")
         self.functions, self.scorer, self.scorer_weight = functions, scorer, scorer_weight
@@ -80,14 +86,26 @@ class Rewards:
         if self.model is not None:
             self.scorer = RewardScorer(self.model, mesh=mesh)
 
-    def __call__(self, prompts: list, messages: list[list[dict]], completions: list[str], truncated: np.ndarray,
-                 columns: list[dict]) -> tuple[np.ndarray, dict]:
+    def __call__(
+        self,
+        prompts: list,
+        messages: list[list[dict]],
+        completions: list[str],
+        truncated: np.ndarray,
+        columns: list[dict],
+    ) -> tuple[np.ndarray, dict]:
         n = len(completions)
         keys = sorted({k for c in columns for k in c})
         kwargs = {k: [c.get(k) for c in columns] for k in keys}
         total, parts = np.zeros(n, np.float64), {}
-        values = on_main(lambda: np.stack([call_reward(f, prompts, completions, kwargs) for f in self.functions]),
-                         (len(self.functions), n)) if self.functions else ()
+        values = (
+            on_main(
+                lambda: np.stack([call_reward(f, prompts, completions, kwargs) for f in self.functions]),
+                (len(self.functions), n),
+            )
+            if self.functions
+            else ()
+        )
         for f, v in zip(self.functions, values):
             parts[f.name] = v
             total += f.weight * v
@@ -139,8 +157,10 @@ def reward_values(f: RewardFn, out, n: int) -> np.ndarray:
     if isinstance(out, np.ndarray):
         out = out.reshape(-1)
     elif isinstance(out, (str, bytes, dict)) or not hasattr(out, "__len__"):
-        raise UserError(f"{head} {type(out).__name__} {_short(out)} for {n} completions; expected a list of "
-                        f"{n} floats, one per completion")
+        raise UserError(
+            f"{head} {type(out).__name__} {_short(out)} for {n} completions; expected a list of "
+            f"{n} floats, one per completion"
+        )
     if len(out) != n:
         raise UserError(f"{head} {len(out)} values for {n} completions; expected one float per completion")
     values = np.zeros(n, np.float64)
@@ -158,7 +178,7 @@ def _failing_row(f: RewardFn, prompts: list, completions: list[str], columns: di
     """The first completion on which the function raises when called on it alone (None: none does)."""
     for i in range(len(completions)):
         try:
-            f.fn(prompts[i:i + 1], completions[i:i + 1], **{k: v[i:i + 1] for k, v in columns.items()})
+            f.fn(prompts[i : i + 1], completions[i : i + 1], **{k: v[i : i + 1] for k, v in columns.items()})
         except Exception:
             return i
     return None
@@ -168,8 +188,11 @@ def _raised(f: RewardFn, error: BaseException, prompts: list, row: int | None) -
     """One line naming the function, the completion and the error, then the function's traceback
     (its own frames, from a new line)."""
     n = len(prompts)
-    where = (f"on completion {row} of {n} (prompt {_short(prompts[row])})" if row is not None
-             else f"on a batch of {n} completions (on none of them alone)")
+    where = (
+        f"on completion {row} of {n} (prompt {_short(prompts[row])})"
+        if row is not None
+        else f"on a batch of {n} completions (on none of them alone)"
+    )
     frames = "".join(traceback.format_exception(type(error), error, error.__traceback__.tb_next)).rstrip()
     message = " ".join(str(error).split())
     message = message if len(message) <= 200 else message[:197] + "..."
@@ -178,4 +201,4 @@ def _raised(f: RewardFn, error: BaseException, prompts: list, row: int | None) -
 
 def _short(value, limit: int = 80) -> str:
     text = repr(value)
-    return text if len(text) <= limit else text[:limit - 3] + "..."
+    return text if len(text) <= limit else text[: limit - 3] + "..."

@@ -30,8 +30,17 @@ from lm.train.rollout import Sampler, Scorer
 from lm.train.setup import build_run, reference_slot
 from lm.train.stage import Stage, first_eval, require_data, run_stage, trainable_count
 
-SUMMARY_KEYS = ("reward", "kl", "loss", "response_length", "rollout_tokens_per_s", "update_tokens_per_s",
-                "sampling_share", "eval_reward", "compile_s")
+SUMMARY_KEYS = (
+    "reward",
+    "kl",
+    "loss",
+    "response_length",
+    "rollout_tokens_per_s",
+    "update_tokens_per_s",
+    "sampling_share",
+    "eval_reward",
+    "compile_s",
+)
 
 
 def rl_config(config):
@@ -69,14 +78,28 @@ def build_rl_run(config, devices=None):
     model_fn = reward_model if r.algo == "ppo" else Transformer  # PPO's value head is a scalar head
     trainable = (is_adapter_or_head if r.algo == "ppo" else is_adapter) if lora else None
     frozen = {"reference": reference_slot(config, lora)} if settings.needs_reference else None
-    return build_run(config, lambda m: rl_loss(m, settings), devices=devices, model_fn=model_fn,
-                     trainable=trainable, frozen=frozen, updates_per_step=r.epochs * r.minibatches)
+    return build_run(
+        config,
+        lambda m: rl_loss(m, settings),
+        devices=devices,
+        model_fn=model_fn,
+        trainable=trainable,
+        frozen=frozen,
+        updates_per_step=r.epochs * r.minibatches,
+    )
 
 
 def _prompts(path, loaded, config, limit: int = 0) -> PromptSet:
     r = config.rl
-    return read_prompts(path, loaded.tokenizer, seq_len=config.data.seq_len, max_new_tokens=r.max_new_tokens,
-                        on_bad_record=r.on_bad_record, max_skipped_fraction=r.max_skipped_fraction, limit=limit)
+    return read_prompts(
+        path,
+        loaded.tokenizer,
+        seq_len=config.data.seq_len,
+        max_new_tokens=r.max_new_tokens,
+        on_bad_record=r.on_bad_record,
+        max_skipped_fraction=r.max_skipped_fraction,
+        limit=limit,
+    )
 
 
 class Rl(Stage):
@@ -117,8 +140,15 @@ class Rl(Stage):
         self.step = rl_step.RlStep(run, ctx.frozen, prompts, rewards, sampler, self.scorer, template, settings, r)
         # Every process reads the whole prompt batch (the same seed draws the same one): each samples
         # all rollouts on the shared mesh and feeds the update rows its devices hold (lm.train.rl_step).
-        data_iter = iter(train_dataset([Source(r.data, prompts, 1.0)], seq_len=c.data.seq_len,
-                                       global_batch=r.prompts_per_step, seed=c.train.seed, pack=False))
+        data_iter = iter(
+            train_dataset(
+                [Source(r.data, prompts, 1.0)],
+                seq_len=c.data.seq_len,
+                global_batch=r.prompts_per_step,
+                seed=c.train.seed,
+                pack=False,
+            )
+        )
         return data_iter, self.step.signature, self.step
 
     def evaluator(self, ctx):
@@ -140,13 +170,20 @@ class Rl(Stage):
     def finish(self, ctx) -> dict:
         c, r = ctx.config, ctx.config.rl
         policy = {k: v for k, v in ctx.params.items() if k != "scalar_head"}
-        summary = {"step": c.train.steps, "init": r.init, "algo": r.algo, "lora_rank": c.model.lora_rank,
-                   "eval_init": first_eval(ctx.workdir),
-                   "eval": {k: v for k, v in ctx.last.items() if k.startswith("eval_")}}
+        summary = {
+            "step": c.train.steps,
+            "init": r.init,
+            "algo": r.algo,
+            "lora_rank": c.model.lora_rank,
+            "eval_init": first_eval(ctx.workdir),
+            "eval": {k: v for k, v in ctx.last.items() if k.startswith("eval_")},
+        }
         summary |= {k: ctx.last.get(k) for k in SUMMARY_KEYS}
         if summary["eval"]:
-            print(f"held-out greedy reward: init {summary['eval_init'].get('eval_reward', float('nan')):.4f} -> "
-                  f"tuned {summary['eval'].get('eval_reward', float('nan')):.4f}")
+            print(
+                f"held-out greedy reward: init {summary['eval_init'].get('eval_reward', float('nan')):.4f} -> "
+                f"tuned {summary['eval'].get('eval_reward', float('nan')):.4f}"
+            )
         if r.eval_answers:
             summary |= compare_answers(ctx.init, c, policy, r.eval_answers, r.eval_examples, r.eval_max_new_tokens)
         return summary

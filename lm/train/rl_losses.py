@@ -46,6 +46,7 @@ ALGOS = ("grpo", "ppo")
 
 # ---- advantages (host side, numpy) -----------------------------------------------------------
 
+
 def group_advantages(rewards: np.ndarray, group: int, scale: bool = True, eps: float = 1e-4) -> np.ndarray:
     """[P * G] rewards, G consecutive samples per prompt -> (r - group mean) / (group std + eps)
     (the sample std, as TRL); scale=False leaves out the division (Dr. GRPO)."""
@@ -83,6 +84,7 @@ def whiten(x: np.ndarray, mask: np.ndarray, eps: float = 1e-8) -> np.ndarray:
 
 
 # ---- per-token terms ------------------------------------------------------------------------
+
 
 def tempered(logits, temperature: float):
     """float32 logits / temperature: the distribution rollouts are sampled from (before top-p)."""
@@ -178,9 +180,16 @@ def rl_loss(model, settings: RlSettings):
             per_token = pg + s.beta * kl
             extra = {"kl": kl}
         objective, count = aggregate(per_token, mask, s.loss_type, s.max_new_tokens)
-        totals = _totals(mask, policy_loss=pg, clip_fraction=clipped, ratio=ratio,
-                         entropy=jax.lax.stop_gradient(entropy(logits)), **extra)
-        return add_aux(model, objective, totals | {"loss_sum": objective, "count": count, "tokens_total": jnp.sum(mask)},
-                       aux)
+        totals = _totals(
+            mask,
+            policy_loss=pg,
+            clip_fraction=clipped,
+            ratio=ratio,
+            entropy=jax.lax.stop_gradient(entropy(logits)),
+            **extra,
+        )
+        return add_aux(
+            model, objective, totals | {"loss_sum": objective, "count": count, "tokens_total": jnp.sum(mask)}, aux
+        )
 
     return loss_fn

@@ -55,8 +55,11 @@ def advantages(settings: RlSettings, ro: Rollouts, rewards: np.ndarray, scored: 
     var = returns[m].var()
     explained = float(1.0 - (returns[m] - values[m]).var() / var) if var > 0 else 0.0
     fields = {"advantages": adv, "returns": returns, "old_values": values}
-    return fields, {"kl": float(kl[m].mean()) if m.any() else 0.0, "explained_variance": explained,
-                    "value_mean": float(values[m].mean()) if m.any() else 0.0}
+    return fields, {
+        "kl": float(kl[m].mean()) if m.any() else 0.0,
+        "explained_variance": explained,
+        "value_mean": float(values[m].mean()) if m.any() else 0.0,
+    }
 
 
 class RlStep:
@@ -84,9 +87,13 @@ class RlStep:
         t_sample = time.perf_counter() - t0
         ro = layout(prompt_ids, generation, self.run.config.data.seq_len)
         completions = [self.template.answer_text(ids) for ids in ro.responses]
-        total, parts = self.rewards([self.prompts.prompts[i] for i in index],
-                                    [self.prompts.messages[i] for i in index], completions, ro.truncated,
-                                    [self.prompts.columns[i] for i in index])
+        total, parts = self.rewards(
+            [self.prompts.prompts[i] for i in index],
+            [self.prompts.messages[i] for i in index],
+            completions,
+            ro.truncated,
+            [self.prompts.columns[i] for i in index],
+        )
         scored = self.scorer(state.params, self.frozen, ro.rows, self.score_placer)
         if "old_logp" in scored:  # at a temperature other than 1: the policy's own pass, not the sampler's
             ro.rows["old_logp"] = scored.pop("old_logp")
@@ -107,7 +114,7 @@ class RlStep:
         for _ in range(self.epochs):
             perm = perm_rng.permutation(n) if self.minibatches > 1 else np.arange(n)
             for m in range(self.minibatches):
-                idx = perm[m * size:(m + 1) * size]
+                idx = perm[m * size : (m + 1) * size]
                 mb = self.placer.from_global({k: rows[k][idx] for k in names})
                 state, stats = self.update(state, mb)
                 metrics.append(stats)
@@ -115,19 +122,30 @@ class RlStep:
 
     def _metrics(self, ro: Rollouts, total, parts, updates: list, extra: dict, t_sample, t_update) -> dict:
         out = {k: float(np.mean([u[k] for u in updates])) for k in UPDATE_METRICS if k in updates[0]}
-        out |= {k: float(np.mean([u[k] / max(float(u["tokens"]), 1.0) for u in updates]))
-                for k in TOKEN_METRICS if k in updates[0]}
+        out |= {
+            k: float(np.mean([u[k] / max(float(u["tokens"]), 1.0) for u in updates]))
+            for k in TOKEN_METRICS
+            if k in updates[0]
+        }
         out["update_skipped"] = float(sum(u["update_skipped"] for u in updates))
         out |= extra
         groups = total.reshape(-1, self.group)
-        out |= {"reward": float(total.mean()), "reward_std": float(total.std()),
-                "zero_std_groups": float(np.mean(groups.std(axis=1) == 0)),
-                **{f"reward/{k}": float(v.mean()) for k, v in parts.items()},
-                "response_length": float(ro.lengths.mean()), "truncated": float(ro.truncated.mean()),
-                "rollout_tokens_per_s": float(ro.lengths.sum() / max(t_sample, 1e-9)),
-                "update_tokens_per_s": float(len(updates) * self.signature["inputs"].shape[0]
-                                             * self.signature["inputs"].shape[1] / max(t_update, 1e-9)),
-                "sampling_share": float(t_sample / max(t_sample + t_update, 1e-9))}
+        out |= {
+            "reward": float(total.mean()),
+            "reward_std": float(total.std()),
+            "zero_std_groups": float(np.mean(groups.std(axis=1) == 0)),
+            **{f"reward/{k}": float(v.mean()) for k, v in parts.items()},
+            "response_length": float(ro.lengths.mean()),
+            "truncated": float(ro.truncated.mean()),
+            "rollout_tokens_per_s": float(ro.lengths.sum() / max(t_sample, 1e-9)),
+            "update_tokens_per_s": float(
+                len(updates)
+                * self.signature["inputs"].shape[0]
+                * self.signature["inputs"].shape[1]
+                / max(t_update, 1e-9)
+            ),
+            "sampling_share": float(t_sample / max(t_sample + t_update, 1e-9)),
+        }
         return out
 
 
@@ -148,15 +166,21 @@ def evaluator(step: RlStep, prompts, limit: int, batch_size: int):
             gen = step.sampler(params, [prompts.tokens(i) for i in idx], jax.random.PRNGKey(0), sampling)
             texts = [step.template.answer_text(ids) for ids in gen.ids]
             cut = np.array([f == "length" for f in gen.finish])
-            total, parts = step.rewards([prompts.prompts[i] for i in idx], [prompts.messages[i] for i in idx], texts,
-                                        cut, [prompts.columns[i] for i in idx])
+            total, parts = step.rewards(
+                [prompts.prompts[i] for i in idx],
+                [prompts.messages[i] for i in idx],
+                texts,
+                cut,
+                [prompts.columns[i] for i in idx],
+            )
             totals.append(total), lengths.append([len(x) for x in gen.ids]), truncated.append(cut)
             for k, v in parts.items():
                 parts_all.setdefault(k, []).append(v)
-        out = {"eval_reward": float(np.concatenate(totals).mean()),
-               "eval_response_length": float(np.concatenate(lengths).mean()),
-               "eval_truncated": float(np.concatenate(truncated).mean())}
+        out = {
+            "eval_reward": float(np.concatenate(totals).mean()),
+            "eval_response_length": float(np.concatenate(lengths).mean()),
+            "eval_truncated": float(np.concatenate(truncated).mean()),
+        }
         return out | {f"eval_reward/{k}": float(np.concatenate(v).mean()) for k, v in parts_all.items()}
 
     return evaluate
-

@@ -83,8 +83,15 @@ class Sampler:
         return self._policy(state_params, frozen)
 
     def __call__(self, params, prompts: list[list[int]], rng, sampling: SamplingParams | None = None) -> Generation:
-        generator = Generator(self.model, params, sampling or self.sampling, eos_id=self.eos_id,
-                              max_len=self.seq_len, mesh=self.run.mesh, rules=self.run.rules)
+        generator = Generator(
+            self.model,
+            params,
+            sampling or self.sampling,
+            eos_id=self.eos_id,
+            max_len=self.seq_len,
+            mesh=self.run.mesh,
+            rules=self.run.rules,
+        )
         return generator(prompts, rng=rng)
 
 

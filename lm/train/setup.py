@@ -85,8 +85,9 @@ class Run:
         seed = self.config.train.seed if seed is None else seed
         if base is not None:
             train_state.check_base(self.model, base, "the initial params")
-        state, own, _ = train_state.create_state(self.model, self.optimizer, self.mesh, self.rules, seed,
-                                                 self.trainable, base)
+        state, own, _ = train_state.create_state(
+            self.model, self.optimizer, self.mesh, self.rules, seed, self.trainable, base
+        )
         return state, self._frozen(own, base, sources)
 
     def frozen_params(self, base: dict | None, sources: dict | None = None) -> dict | None:
@@ -162,9 +163,11 @@ class Run:
         sharding = next(iter(self.batch_shardings(self.signature(batch_size)).values()))
         shards = split_count(self.mesh, sharding.spec[0])
         if batch_size % micro_batches or (batch_size // micro_batches) % shards:
-            raise UserError(f"{key}={batch_size} with {micro_batches} micro-batch(es) gives micro-batches of "
-                            f"{batch_size // micro_batches} rows, which must divide evenly over the {shards} "
-                            f"batch shards of mesh {dict(self.mesh.shape)}")
+            raise UserError(
+                f"{key}={batch_size} with {micro_batches} micro-batch(es) gives micro-batches of "
+                f"{batch_size // micro_batches} rows, which must divide evenly over the {shards} "
+                f"batch shards of mesh {dict(self.mesh.shape)}"
+            )
 
     # ---- steps -----------------------------------------------------------------------------
 
@@ -173,14 +176,28 @@ class Run:
         (`step(state, batch, frozen)` when the run has frozen params: see `bind`)."""
         t = self.config.train
         self.check_batch(next(iter((signature or self.signature()).values())).shape[0], t.micro_batches)
-        return make_train_step(loss_fn or self.loss_fn, self.optimizer, self.schedule, self.mesh,
-                               self.state_shardings, self.batch_shardings(signature), t.micro_batches,
-                               self.frozen_shardings, self.frozen_modules)
+        return make_train_step(
+            loss_fn or self.loss_fn,
+            self.optimizer,
+            self.schedule,
+            self.mesh,
+            self.state_shardings,
+            self.batch_shardings(signature),
+            t.micro_batches,
+            self.frozen_shardings,
+            self.frozen_modules,
+        )
 
     def eval_step(self, signature: dict | None = None, loss_fn: Callable | None = None):
         """The jitted `eval(params, batch[, frozen]) -> summed statistics`."""
-        return make_eval_step(loss_fn or self.loss_fn, self.mesh, self.state_shardings.params,
-                              self.batch_shardings(signature), self.frozen_shardings, self.frozen_modules)
+        return make_eval_step(
+            loss_fn or self.loss_fn,
+            self.mesh,
+            self.state_shardings.params,
+            self.batch_shardings(signature),
+            self.frozen_shardings,
+            self.frozen_modules,
+        )
 
     @staticmethod
     def bind(fn: Callable, frozen) -> Callable:
@@ -188,10 +205,17 @@ class Run:
         return fn if frozen is None else (lambda x, batch: fn(x, batch, frozen))
 
 
-def build_run(config, loss: LossFactory | None = None, *, devices=None,
-              model_fn: ModelFn = Transformer,
-              spec: ModelSpec | None = None, trainable: Callable | None = None, frozen: dict | None = None,
-              updates_per_step: int = 1) -> Run:
+def build_run(
+    config,
+    loss: LossFactory | None = None,
+    *,
+    devices=None,
+    model_fn: ModelFn = Transformer,
+    spec: ModelSpec | None = None,
+    trainable: Callable | None = None,
+    frozen: dict | None = None,
+    updates_per_step: int = 1,
+) -> Run:
     """Builds a run from a validated config.
 
     loss: model -> LossFn (default: pretraining's next-token loss with the config's z-loss).
@@ -213,8 +237,9 @@ def build_run(config, loss: LossFactory | None = None, *, devices=None,
     shardings, base_shardings = train_state.state_shardings(model, optimizer, mesh, rules, trainable)
     slots = {name: make(mesh) for name, make in (frozen or {}).items()}
     loss = loss or (lambda m: pretrain_loss(m, config.optim.z_loss))
-    return Run(config, built, optimizer, schedule, shardings, loss(model), trainable, base_shardings, slots,
-               updates_per_step)
+    return Run(
+        config, built, optimizer, schedule, shardings, loss(model), trainable, base_shardings, slots, updates_per_step
+    )
 
 
 def reference_slot(config, lora: bool):
@@ -222,8 +247,9 @@ def reference_slot(config, lora: bool):
     head). Without adapters a copy of the init params in the compute dtype; with adapters the
     frozen base itself."""
     spec = dataclasses.replace(ModelSpec.from_config(config.model), lora_rank=0)
-    return lambda mesh: FrozenSlot(build_model(config, spec=spec, mesh=mesh),
-                                   None if lora else config.model.compute_dtype, shares_base=lora)
+    return lambda mesh: FrozenSlot(
+        build_model(config, spec=spec, mesh=mesh), None if lora else config.model.compute_dtype, shares_base=lora
+    )
 
 
 def host_batch(signature: dict, seed: int = 0, vocab_size: int = 256) -> dict:

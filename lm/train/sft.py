@@ -13,11 +13,11 @@ from __future__ import annotations
 
 import math
 
-from lm.model import counts
 from lm.data.cache import data_cache_dir
 from lm.data.pipeline import Source, eval_batches, train_dataset
 from lm.data.sft import SftSettings, describe, prepare_sft
 from lm.eval.answers import answer_accuracy, read_conversations
+from lm.model import counts
 from lm.model.lora import is_adapter
 from lm.train.fit import evaluator
 from lm.train.losses import sft_loss
@@ -30,8 +30,13 @@ SUMMARY_KEYS = ("loss", "eval_loss", "tokens_per_s", "run_tokens_per_s", "run_mf
 
 def settings(config) -> SftSettings:
     s = config.sft
-    return SftSettings(seq_len=config.data.seq_len, truncation=s.truncation, train_on=s.train_on,
-                       on_bad_record=s.on_bad_record, max_skipped_fraction=s.max_skipped_fraction)
+    return SftSettings(
+        seq_len=config.data.seq_len,
+        truncation=s.truncation,
+        train_on=s.train_on,
+        on_bad_record=s.on_bad_record,
+        max_skipped_fraction=s.max_skipped_fraction,
+    )
 
 
 def steps_for_epochs(stats: dict, epochs: float, batch_size: int, seq_len: int) -> int:
@@ -69,8 +74,9 @@ class Sft(Stage):
 
     def build(self, ctx):
         lora = ctx.config.model.lora_rank > 0
-        return build_run(ctx.config, self.loss(ctx.config), trainable=is_adapter if lora else None,
-                         frozen=self.frozen_slots(ctx))
+        return build_run(
+            ctx.config, self.loss(ctx.config), trainable=is_adapter if lora else None, frozen=self.frozen_slots(ctx)
+        )
 
     def frozen_slots(self, ctx) -> dict | None:
         return None
@@ -82,8 +88,15 @@ class Sft(Stage):
     def batches(self, ctx):
         run, t, s = ctx.run, ctx.config.train, ctx.config.sft
         signature = run.signature()
-        data_iter = iter(train_dataset([Source(s.data, ctx.data[0], 1.0)], seq_len=ctx.config.data.seq_len,
-                                       global_batch=t.batch_size, seed=t.seed, rows=run.placer(signature).rows))
+        data_iter = iter(
+            train_dataset(
+                [Source(s.data, ctx.data[0], 1.0)],
+                seq_len=ctx.config.data.seq_len,
+                global_batch=t.batch_size,
+                seed=t.seed,
+                rows=run.placer(signature).rows,
+            )
+        )
         return data_iter, signature, None
 
     def evaluator(self, ctx):
@@ -91,30 +104,53 @@ class Sft(Stage):
         if heldout is None:
             return None
         signature = run.signature(e.batch_size)
-        batches = eval_batches([Source(ctx.config.sft.eval_data, heldout, 1.0)], seq_len=ctx.config.data.seq_len,
-                               batch_size=e.batch_size, n_batches=e.batches)
-        return evaluator(run.eval_step(signature), batches, run.placer(signature), ctx.frozen,
-                         metrics=self.eval_metrics)
+        batches = eval_batches(
+            [Source(ctx.config.sft.eval_data, heldout, 1.0)],
+            seq_len=ctx.config.data.seq_len,
+            batch_size=e.batch_size,
+            n_batches=e.batches,
+        )
+        return evaluator(
+            run.eval_step(signature), batches, run.placer(signature), ctx.frozen, metrics=self.eval_metrics
+        )
 
     def first_row(self, ctx) -> dict:
-        return {"params": counts.param_count(ctx.config.model), "trainable_params": trainable_count(ctx.run),
-                **{f"data/{k}": v for k, v in ctx.data[0].stats.items()}}
+        return {
+            "params": counts.param_count(ctx.config.model),
+            "trainable_params": trainable_count(ctx.run),
+            **{f"data/{k}": v for k, v in ctx.data[0].stats.items()},
+        }
 
     def finish(self, ctx) -> dict:
         c, init = ctx.config, ctx.init
-        summary = {"step": c.train.steps, "init": c.sft.init, "lora_rank": c.model.lora_rank,
-                   "data": ctx.data[0].stats} | {k: ctx.last.get(k) for k in SUMMARY_KEYS}
+        summary = {
+            "step": c.train.steps,
+            "init": c.sft.init,
+            "lora_rank": c.model.lora_rank,
+            "data": ctx.data[0].stats,
+        } | {k: ctx.last.get(k) for k in SUMMARY_KEYS}
         if c.sft.eval_data:
             conversations = read_conversations(c.sft.eval_data, c.sft.eval_examples)
             n_new = c.sft.eval_max_new_tokens
             before = answer_accuracy(init.config, init.params, init.tokenizer, conversations, n_new)
             after = answer_accuracy(c, ctx.params, init.tokenizer, conversations, n_new)
-            summary |= {"exact_match_init": before["exact_match"], "exact_match": after["exact_match"],
-                        "exact_match_n": after["n"], "answers": after["examples"]}
+            summary |= {
+                "exact_match_init": before["exact_match"],
+                "exact_match": after["exact_match"],
+                "exact_match_n": after["n"],
+                "answers": after["examples"],
+            }
             summary["eval_loss_init"] = first_eval(ctx.workdir).get("eval_loss")
             key = self.response_loss
-            print(table([("init", first_eval(ctx.workdir).get(key), before["exact_match"]),
-                         (self.verb, ctx.last.get(key), after["exact_match"])], after["n"]))
+            print(
+                table(
+                    [
+                        ("init", first_eval(ctx.workdir).get(key), before["exact_match"]),
+                        (self.verb, ctx.last.get(key), after["exact_match"]),
+                    ],
+                    after["n"],
+                )
+            )
         return summary
 
 
@@ -134,6 +170,7 @@ def sft(config, workdir, resume: bool = False, show_progress: bool = True) -> di
 def compiled_step(config, devices, spec):
     """The step `lm plan` compiles (lm.train.registry): the SFT loss, over LoRA adapters alone when
     model.lora_rank > 0 (the base frozen)."""
-    run = build_run(config, sft_loss, devices=devices, spec=spec,
-                    trainable=is_adapter if config.model.lora_rank > 0 else None)
+    run = build_run(
+        config, sft_loss, devices=devices, spec=spec, trainable=is_adapter if config.model.lora_rank > 0 else None
+    )
     return run, run.signature()

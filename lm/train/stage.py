@@ -148,8 +148,11 @@ def run_stage(stage: Stage, config, workdir, resume: bool = False, show_progress
             if finished is not None and _summarized(ctx.workdir, finished):
                 return {"step": finished, "nothing_to_do": True, "stopped_by": None, "eval_loss": None}
             if finished is not None:
-                print(f"lm: training ended at step {finished} but its end-of-run work did not (no summary.json): "
-                      "restoring the final checkpoint to do it", flush=True)
+                print(
+                    f"lm: training ended at step {finished} but its end-of-run work did not (no summary.json): "
+                    "restoring the final checkpoint to do it",
+                    flush=True,
+                )
             _build(stage, ctx)
             _train(stage, ctx)
             if ctx.last["stopped_by"]:
@@ -218,11 +221,22 @@ def _train(stage: Stage, ctx: Ctx) -> None:
     data_iter, signature, step_fn = stage.batches(ctx)
     evaluate = with_sets(stage.evaluator(ctx), ctx.config.eval, run.built, stage.tokenizer(ctx), ctx.frozen)
     ctx.phase("training", defer=True, saved=True)
-    ctx.state, ctx.last = fit(run, ctx.workdir, data_iter, resume=ctx.resume, init=lambda: state0,
-                              ready=lambda: _write_run_files(stage, ctx), evaluate=evaluate,
-                              first_row=stage.first_row(ctx), frozen=ctx.frozen, signature=signature,
-                              show_progress=ctx.show_progress, flops_per_token=stage.flops_per_token(ctx),
-                              step_fn=step_fn, identity=ctx.identity)
+    ctx.state, ctx.last = fit(
+        run,
+        ctx.workdir,
+        data_iter,
+        resume=ctx.resume,
+        init=lambda: state0,
+        ready=lambda: _write_run_files(stage, ctx),
+        evaluate=evaluate,
+        first_row=stage.first_row(ctx),
+        frozen=ctx.frozen,
+        signature=signature,
+        show_progress=ctx.show_progress,
+        flops_per_token=stage.flops_per_token(ctx),
+        step_fn=step_fn,
+        identity=ctx.identity,
+    )
     if ctx.is_main and not ctx.last["stopped_by"]:
         save_final_metrics(ctx.workdir, ctx.last)
 

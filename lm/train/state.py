@@ -34,8 +34,9 @@ def state_shardings(model, optimizer, mesh, rules, trainable=None):
     boxed = jax.eval_shape(lambda r: init_params(model, r), jax.random.PRNGKey(0))
     p_shard, f_shard = split_params(param_shardings(boxed, mesh, rules), trainable)
     opt_abstract = jax.eval_shape(optimizer.init, split_params(nn.unbox(boxed), trainable)[0])
-    o_shard = optax.tree_map_params(optimizer, lambda _, s: s, opt_abstract, p_shard,
-                                    transform_non_params=lambda _: replicated(mesh))
+    o_shard = optax.tree_map_params(
+        optimizer, lambda _, s: s, opt_abstract, p_shard, transform_non_params=lambda _: replicated(mesh)
+    )
     rep = replicated(mesh)
     return TrainState(step=rep, params=p_shard, opt_state=o_shard, rng=rep), f_shard
 
@@ -46,9 +47,16 @@ def _with_base(params: dict | None, base: dict | None, cast: bool) -> dict | Non
     stays bf16)."""
     if base is None or params is None:
         return params
-    return {k: (_with_base(v, base.get(k), cast) if isinstance(v, dict) else
-                base[k].astype(v.dtype) if cast and k in base else base.get(k, v))
-            for k, v in params.items()}
+    return {
+        k: (
+            _with_base(v, base.get(k), cast)
+            if isinstance(v, dict)
+            else base[k].astype(v.dtype)
+            if cast and k in base
+            else base.get(k, v)
+        )
+        for k, v in params.items()
+    }
 
 
 def check_base(model, base: dict, source: str) -> None:
@@ -61,8 +69,9 @@ def _init_fn(model, optimizer, trainable=None):
         param_rng, state_rng = jax.random.split(rng)
         params, frozen = split_params(nn.unbox(init_params(model, param_rng)), trainable)
         params, frozen = _with_base(params, base, cast=True), _with_base(frozen, base, cast=False)
-        return TrainState(step=jnp.zeros((), jnp.int32), params=params,
-                          opt_state=optimizer.init(params), rng=state_rng), frozen
+        return TrainState(
+            step=jnp.zeros((), jnp.int32), params=params, opt_state=optimizer.init(params), rng=state_rng
+        ), frozen
 
     return init
 
@@ -78,8 +87,9 @@ def create_state(model, optimizer, mesh, rules, seed: int, trainable=None, base:
         all_shard = merge_trees(shardings.params, f_shard)
         base_shard = jax.tree.map(lambda _, sh: sh, base, subtree(all_shard, base))
         base = jax.tree.map(place_leaf, base, base_shard)  # shard by shard: no whole host copy
-        state, frozen = jax.jit(init, in_shardings=(replicated(mesh), base_shard),
-                                out_shardings=(shardings, f_shard))(jax.random.PRNGKey(seed), base)
+        state, frozen = jax.jit(init, in_shardings=(replicated(mesh), base_shard), out_shardings=(shardings, f_shard))(
+            jax.random.PRNGKey(seed), base
+        )
     return state, frozen, shardings
 
 

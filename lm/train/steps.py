@@ -97,8 +97,17 @@ def frozen_view(frozen: dict | None, modules: dict) -> tuple[dict | None, dict]:
     return frozen.get("base"), {n: FrozenModel(modules[n], p) for n, p in frozen.items() if n != "base"}
 
 
-def make_train_step(loss_fn, optimizer, schedule, mesh, state_shardings, batch_shardings, n_micro: int = 1,
-                    frozen_shardings=None, frozen_modules=None):
+def make_train_step(
+    loss_fn,
+    optimizer,
+    schedule,
+    mesh,
+    state_shardings,
+    batch_shardings,
+    n_micro: int = 1,
+    frozen_shardings=None,
+    frozen_modules=None,
+):
     """Builds the jitted `step(state, batch) -> (state, metrics)`; the state buffer is donated.
 
     optimizer gives the update direction and schedule the learning rate (lm.train.optim);
@@ -122,8 +131,7 @@ def make_train_step(loss_fn, optimizer, schedule, mesh, state_shardings, batch_s
         params = apply_update(state.params, direction, lr)
         ok = is_finite(stats, grad_norm)
         params, opt_state = keep_if_bad(ok, (params, opt_state), (state.params, state.opt_state))
-        metrics = summarize(stats) | {"grad_norm": grad_norm, "lr": lr,
-                                      "update_skipped": 1.0 - ok.astype(jnp.float32)}
+        metrics = summarize(stats) | {"grad_norm": grad_norm, "lr": lr, "update_skipped": 1.0 - ok.astype(jnp.float32)}
         return TrainState(step=state.step + 1, params=params, opt_state=opt_state, rng=rng), metrics
 
     rep = NamedSharding(mesh, PartitionSpec())

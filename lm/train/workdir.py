@@ -65,22 +65,28 @@ def lock_workdir(workdir) -> WorkdirLock:
         except FileNotFoundError:
             continue
         except OSError as e:
-            raise UserError(f"cannot create the lock file '{path}' ({e.strerror}); the run writes in '{workdir}': "
-                            "fix its permissions or choose another --workdir") from None
+            raise UserError(
+                f"cannot create the lock file '{path}' ({e.strerror}); the run writes in '{workdir}': "
+                "fix its permissions or choose another --workdir"
+            ) from None
         try:
             fcntl.flock(fd, fcntl.LOCK_EX | fcntl.LOCK_NB)
         except BlockingIOError:
             holder = _read_holder(fd)
             os.close(fd)
-            raise UserError(f"'{workdir}' is in use by another run ({_describe(holder)}; lock file '{path}'); "
-                            "wait for it to end or choose another --workdir") from None
+            raise UserError(
+                f"'{workdir}' is in use by another run ({_describe(holder)}; lock file '{path}'); "
+                "wait for it to end or choose another --workdir"
+            ) from None
         if not _same_file(fd, path):
             os.close(fd)
             continue
         previous = _read(fd)
         if previous:
-            print(f"lm: note: taking over '{path}' from {_describe(previous)}, which ended without removing it",
-                  file=sys.stderr)
+            print(
+                f"lm: note: taking over '{path}' from {_describe(previous)}, which ended without removing it",
+                file=sys.stderr,
+            )
         _write_holder(fd)
         return WorkdirLock(path, fd, [p for p in reversed(created)])
     raise UserError(f"could not take the lock '{path}': it keeps being replaced; is another run starting there?")
@@ -114,8 +120,12 @@ def _read_holder(fd: int) -> dict | None:
 
 
 def _write_holder(fd: int) -> None:
-    holder = {"pid": os.getpid(), "host": socket.gethostname(), "since": time.strftime("%Y-%m-%d %H:%M:%S"),
-              "command": " ".join(sys.argv)[:500]}
+    holder = {
+        "pid": os.getpid(),
+        "host": socket.gethostname(),
+        "since": time.strftime("%Y-%m-%d %H:%M:%S"),
+        "command": " ".join(sys.argv)[:500],
+    }
     os.ftruncate(fd, 0)
     os.lseek(fd, 0, os.SEEK_SET)
     os.write(fd, json.dumps(holder).encode())
@@ -149,8 +159,9 @@ def check_writable(workdir) -> None:
     for name in FOLDERS:
         folder = workdir / name
         if folder.exists() and not folder.is_dir():
-            raise UserError(f"'{folder}' is a file where the run keeps a folder; move it away or choose "
-                            "another --workdir")
+            raise UserError(
+                f"'{folder}' is a file where the run keeps a folder; move it away or choose another --workdir"
+            )
         if folder.is_dir():
             _require(folder)
             for step in sorted(folder.iterdir()):

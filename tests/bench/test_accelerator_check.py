@@ -52,7 +52,8 @@ def test_kernel_comparison_passes_a_correct_path_and_fails_a_leaky_one(dtype):
 def test_model_comparison_catches_a_leak(monkeypatch):
     """(A correct path passes in the CPU smoke run: ALLOW_CPU=1 QUICK=1 bench/accelerator_check.sh.)"""
     leaky = lambda q, k, v, seg, impl, *a, **kw: (ignores_segments if impl == "xla" else ATTEND)(
-        q, k, v, seg, impl, *a, **kw)
+        q, k, v, seg, impl, *a, **kw
+    )
     monkeypatch.setattr(attention_module, "attend", leaky)  # the reference path stays correct
     bad = ac.model_errors("xla", "bfloat16", SEG)
     assert bad["logits"] > 0.1 and bad["grads"] > 0.1 and bad["leak"] > 0.1, bad
@@ -105,6 +106,10 @@ def test_no_accelerator_is_a_clear_error_unless_allowed():
     script = str(REPO / "bench" / "accelerator_check.py")
     proc = subprocess.run([sys.executable, script, "probe"], env=env, capture_output=True, text=True)
     assert proc.returncode == 3 and "JAX sees no accelerator" in proc.stderr and "jax[cuda12]" in proc.stderr
-    proc = subprocess.run(["bash", str(REPO / "bench" / "accelerator_check.sh")], env=env | {"PYTHON": "/nonexistent"},
-                          capture_output=True, text=True)
+    proc = subprocess.run(
+        ["bash", str(REPO / "bench" / "accelerator_check.sh")],
+        env=env | {"PYTHON": "/nonexistent"},
+        capture_output=True,
+        text=True,
+    )
     assert proc.returncode == 2 and "make install" in proc.stderr

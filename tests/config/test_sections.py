@@ -96,14 +96,17 @@ def test_one_require():
     assert defined == ["lm/config/core.py"]
 
 
-@pytest.mark.parametrize("override, key", [
-    ("distill.divergence=kl", "distill.divergence"),
-    ("distill.beta=1.5", "distill.beta"),
-    ("distill.beta=-0.1", "distill.beta"),
-    ("distill.beta=nan", "distill.beta"),
-    ("distill.temperature=0", "distill.temperature"),
-    ("distill.temperature=inf", "distill.temperature"),
-])
+@pytest.mark.parametrize(
+    "override, key",
+    [
+        ("distill.divergence=kl", "distill.divergence"),
+        ("distill.beta=1.5", "distill.beta"),
+        ("distill.beta=-0.1", "distill.beta"),
+        ("distill.beta=nan", "distill.beta"),
+        ("distill.temperature=0", "distill.temperature"),
+        ("distill.temperature=inf", "distill.temperature"),
+    ],
+)
 def test_distill_checks_name_the_key(override, key):
     with pytest.raises(UserError, match=rf"^config key '{key}' = "):
         load_config(None, [override])
@@ -116,7 +119,9 @@ def test_distill_defaults():
 
 
 def test_the_config_loads_without_jax():
-    code = ("import sys, lm.config; lm.config.load_config('configs/tiny.py'); "
-            "assert not {'jax', 'flax', 'numpy'} & set(sys.modules), sorted(sys.modules)")
+    code = (
+        "import sys, lm.config; lm.config.load_config('configs/tiny.py'); "
+        "assert not {'jax', 'flax', 'numpy'} & set(sys.modules), sorted(sys.modules)"
+    )
     done = subprocess.run([sys.executable, "-c", code], cwd=ROOT, capture_output=True, text=True)
     assert done.returncode == 0, done.stderr

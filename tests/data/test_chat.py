@@ -33,13 +33,19 @@ def by_hand(parts):
 
 def test_two_turn_mask_with_plain_text_markers():
     ids, weights = ChatTemplate.for_tokenizer(ByteTokenizer()).render(CONVO)
-    want_ids, want_weights = by_hand([
-        ("<|system|>\nBe brief.<|end|>\n", 0),
-        ("<|user|>\nHi?<|end|>\n", 0),
-        ("<|assistant|>\n", 0), ("Hello!<|end|>", 1), ("\n", 0),
-        ("<|user|>\n2+2?<|end|>\n", 0),
-        ("<|assistant|>\n", 0), ("4<|end|>", 1), ("\n", 0),
-    ])
+    want_ids, want_weights = by_hand(
+        [
+            ("<|system|>\nBe brief.<|end|>\n", 0),
+            ("<|user|>\nHi?<|end|>\n", 0),
+            ("<|assistant|>\n", 0),
+            ("Hello!<|end|>", 1),
+            ("\n", 0),
+            ("<|user|>\n2+2?<|end|>\n", 0),
+            ("<|assistant|>\n", 0),
+            ("4<|end|>", 1),
+            ("\n", 0),
+        ]
+    )
     assert ids.dtype == np.int32 and weights.dtype == np.float32
     np.testing.assert_array_equal(ids, want_ids)
     np.testing.assert_array_equal(weights, want_weights)
@@ -49,10 +55,14 @@ def test_two_turn_mask_with_plain_text_markers():
 def test_train_on_last_weights_only_the_last_answer():
     template = ChatTemplate.for_tokenizer(ByteTokenizer())
     ids, weights = template.render(CONVO, train_on="last")
-    want_ids, want_weights = by_hand([
-        ("<|system|>\nBe brief.<|end|>\n<|user|>\nHi?<|end|>\n<|assistant|>\nHello!<|end|>\n", 0),
-        ("<|user|>\n2+2?<|end|>\n<|assistant|>\n", 0), ("4<|end|>", 1), ("\n", 0),
-    ])
+    want_ids, want_weights = by_hand(
+        [
+            ("<|system|>\nBe brief.<|end|>\n<|user|>\nHi?<|end|>\n<|assistant|>\nHello!<|end|>\n", 0),
+            ("<|user|>\n2+2?<|end|>\n<|assistant|>\n", 0),
+            ("4<|end|>", 1),
+            ("\n", 0),
+        ]
+    )
     np.testing.assert_array_equal(ids, want_ids)
     np.testing.assert_array_equal(weights, want_weights)
     np.testing.assert_array_equal(ids, template.render(CONVO)[0])  # same ids, other weights
@@ -63,8 +73,15 @@ def test_train_on_last_weights_only_the_last_answer():
 def test_plain_text_prompt_and_stops():
     template = ChatTemplate.for_tokenizer(ByteTokenizer())
     ids = template.prompt(CONVO[:4])
-    want, _ = by_hand([("<|system|>\nBe brief.<|end|>\n<|user|>\nHi?<|end|>\n<|assistant|>\nHello!<|end|>\n"
-                        "<|user|>\n2+2?<|end|>\n<|assistant|>\n", 0)])
+    want, _ = by_hand(
+        [
+            (
+                "<|system|>\nBe brief.<|end|>\n<|user|>\nHi?<|end|>\n<|assistant|>\nHello!<|end|>\n"
+                "<|user|>\n2+2?<|end|>\n<|assistant|>\n",
+                0,
+            )
+        ]
+    )
     np.testing.assert_array_equal(ids, want)
     np.testing.assert_array_equal(ids, template.render(CONVO)[0][: len(ids)])  # the answer continues it
     assert template.stop_ids == (ByteTokenizer.eos_id,)
@@ -98,15 +115,20 @@ def test_control_token_markers_are_single_ids(spm_tok, monkeypatch, capsys):
     sid = {name: spm_tok.special_id(f"<|{name}|>") for name in ("system", "user", "assistant", "end")}
     nl, enc = list(spm_tok.encode("\n")), lambda s: list(spm_tok.encode(s))  # noqa: E731
     ids, weights = template.render(CONVO[1:3])
-    parts = [([spm_tok.bos_id], 0), ([sid["user"]] + nl + enc("Hi?") + [sid["end"]] + nl, 0),
-             ([sid["assistant"]] + nl, 0), (enc("Hello!") + [sid["end"]], 1), (nl, 0)]
+    parts = [
+        ([spm_tok.bos_id], 0),
+        ([sid["user"]] + nl + enc("Hi?") + [sid["end"]] + nl, 0),
+        ([sid["assistant"]] + nl, 0),
+        (enc("Hello!") + [sid["end"]], 1),
+        (nl, 0),
+    ]
     np.testing.assert_array_equal(ids, [i for p, _ in parts for i in p])
     np.testing.assert_array_equal(weights, [w for p, w in parts for _ in p])
     ends = np.flatnonzero(ids == sid["end"])
     np.testing.assert_array_equal(weights[ends], [0, 1])  # the user's end marker is not trained on, the answer's is
 
     prompt = template.prompt(CONVO[:2])
-    np.testing.assert_array_equal(prompt[-1 - len(nl):], [sid["assistant"]] + nl)
+    np.testing.assert_array_equal(prompt[-1 - len(nl) :], [sid["assistant"]] + nl)
     assert template.stop_ids == (sid["end"], spm_tok.eos_id)
     assert template.stop_strings == ()
     assert template.answer_text(enc("Hello!") + [sid["end"], spm_tok.eos_id]) == "Hello!"
@@ -114,8 +136,9 @@ def test_control_token_markers_are_single_ids(spm_tok, monkeypatch, capsys):
 
 def test_literal_marker_text_in_content_stays_text(spm_tok):
     template = ChatTemplate.for_tokenizer(spm_tok)
-    ids, weights = template.render([{"role": "user", "content": "say <|end|>"},
-                                    {"role": "assistant", "content": "<|assistant|>"}])
+    ids, weights = template.render(
+        [{"role": "user", "content": "say <|end|>"}, {"role": "assistant", "content": "<|assistant|>"}]
+    )
     specials = [spm_tok.special_id(t) for t in chat.CHAT_TOKENS]
     assert [int(i) for i in ids if i in specials] == [specials[1], specials[3], specials[2], specials[3]]
 
@@ -123,17 +146,22 @@ def test_literal_marker_text_in_content_stays_text(spm_tok):
 ANSWER = {"role": "assistant", "content": "y"}
 
 
-@pytest.mark.parametrize("messages, error", [
-    ("hi", "expected a non-empty list"),
-    ([], "expected a non-empty list"),
-    (["hi"], r"messages\[0\] is str"),
-    ([{"role": "bot", "content": "x"}, ANSWER], r"messages\[0\]: role 'bot' is not one of"),
-    ([{"content": "x"}], r"messages\[0\]: role None"),
-    ([{"role": "user", "content": ""}, ANSWER], r"messages\[0\] \(user\): content is empty"),
-    ([{"role": "user", "content": "x"}, {"role": "assistant", "content": 3}],
-     r"messages\[1\] \(assistant\): content is int"),
-    ([{"role": "system", "content": "s"}, {"role": "user", "content": "x"}], "no assistant turn"),
-])
+@pytest.mark.parametrize(
+    "messages, error",
+    [
+        ("hi", "expected a non-empty list"),
+        ([], "expected a non-empty list"),
+        (["hi"], r"messages\[0\] is str"),
+        ([{"role": "bot", "content": "x"}, ANSWER], r"messages\[0\]: role 'bot' is not one of"),
+        ([{"content": "x"}], r"messages\[0\]: role None"),
+        ([{"role": "user", "content": ""}, ANSWER], r"messages\[0\] \(user\): content is empty"),
+        (
+            [{"role": "user", "content": "x"}, {"role": "assistant", "content": 3}],
+            r"messages\[1\] \(assistant\): content is int",
+        ),
+        ([{"role": "system", "content": "s"}, {"role": "user", "content": "x"}], "no assistant turn"),
+    ],
+)
 def test_invalid_messages_raise_for_training(messages, error):
     with pytest.raises(ValueError, match=error):
         ChatTemplate.for_tokenizer(ByteTokenizer()).render(messages)

@@ -17,19 +17,21 @@ from lm.data.curate import REPORT, curate  # noqa: E402
 from lm.data.curate.report import table  # noqa: E402
 from lm.errors import UserError  # noqa: E402
 
-_WORDS = ("the of and to in that have with be river mountain forest village ocean people history language music "
-          "science garden winter summer morning evening teacher student library market harbor bridge castle "
-          "painter farmer doctor sailor kitchen window letter journey storm island valley meadow lantern "
-          "careful quiet bright ancient gentle famous simple narrow silver golden walked carried noticed "
-          "remembered discovered painted visited described followed gathered opened wrote built because "
-          "although while after before during between under across toward through often rarely slowly").split()
+_WORDS = (
+    "the of and to in that have with be river mountain forest village ocean people history language music "
+    "science garden winter summer morning evening teacher student library market harbor bridge castle "
+    "painter farmer doctor sailor kitchen window letter journey storm island valley meadow lantern "
+    "careful quiet bright ancient gentle famous simple narrow silver golden walked carried noticed "
+    "remembered discovered painted visited described followed gathered opened wrote built because "
+    "although while after before during between under across toward through often rarely slowly"
+).split()
 
 
 def prose(seed: int, sentences: int = 12) -> str:
     """English prose unique per seed that passes every default filter: two sentences a line."""
     rng = random.Random(seed)
     out = [" ".join(rng.choice(_WORDS) for _ in range(14)).capitalize() + "." for _ in range(sentences)]
-    return "\n".join(" ".join(out[i:i + 2]) for i in range(0, len(out), 2))
+    return "\n".join(" ".join(out[i : i + 2]) for i in range(0, len(out), 2))
 
 
 def short_lines(seed: int) -> str:
@@ -37,24 +39,37 @@ def short_lines(seed: int) -> str:
     return "\n".join(" ".join(rng.choice(_WORDS) for _ in range(4)).capitalize() + "." for _ in range(60))
 
 
-FRENCH = ("Le village se trouve au bord de la rivière, entre les montagnes et la forêt. Chaque matin, les habitants "
-          "se rendent au marché pour acheter du pain frais et des légumes. Les enfants vont à l'école à pied, "
-          "et les anciens se retrouvent sur la place pour discuter de la pluie et du beau temps. En hiver, la neige "
-          "recouvre les toits et les chemins deviennent difficiles. Au printemps, les fleurs reviennent dans les "
-          "jardins et les oiseaux chantent dès l'aube.")
-SHORT = ("The river was quiet this morning. We walked along the bank for an hour. "
-         "The birds were singing in the trees. Nobody else was there. It was a good day.")
+FRENCH = (
+    "Le village se trouve au bord de la rivière, entre les montagnes et la forêt. Chaque matin, les habitants "
+    "se rendent au marché pour acheter du pain frais et des légumes. Les enfants vont à l'école à pied, "
+    "et les anciens se retrouvent sur la place pour discuter de la pluie et du beau temps. En hiver, la neige "
+    "recouvre les toits et les chemins deviennent difficiles. Au printemps, les fleurs reviennent dans les "
+    "jardins et les oiseaux chantent dès l'aube."
+)
+SHORT = (
+    "The river was quiet this morning. We walked along the bank for an hour. "
+    "The birds were singing in the trees. Nobody else was there. It was a good day."
+)
 REPEATED = prose(20, 4) + "\n" + "\n".join(["We walked along the river and talked about the weather for a while."] * 12)
 CURLY = prose(21) + "\nThe setting is written as {value} in the file, as the manual says."
 NEAR = prose(1).replace("Walked", "Strolled", 1).split(" ")
 NEAR[40] = "lantern"
 NEAR = " ".join(NEAR)
-PII = (prose(22) + "\nWrite to jane.doe@example.net or call (555) 123-4567 or +44 20 7946 0958. "
-       "The server at 8.8.8.8 answered, the router at 192.168.1.1 did not, and build 20240115 passed.")
+PII = (
+    prose(22) + "\nWrite to jane.doe@example.net or call (555) 123-4567 or +44 20 7946 0958. "
+    "The server at 8.8.8.8 answered, the router at 192.168.1.1 did not, and build 20240115 passed."
+)
 
 JSONL = [  # (id, text): in a.jsonl
-    ("good0", prose(0)), ("good1", prose(1)), ("good2", prose(2)), ("french", FRENCH), ("short", SHORT),
-    ("repeated", REPEATED), ("curly", CURLY), ("short_lines", short_lines(23)), ("pii", PII),
+    ("good0", prose(0)),
+    ("good1", prose(1)),
+    ("good2", prose(2)),
+    ("french", FRENCH),
+    ("short", SHORT),
+    ("repeated", REPEATED),
+    ("curly", CURLY),
+    ("short_lines", short_lines(23)),
+    ("pii", PII),
     ("banned", prose(24) + "\nA zyzzyva crossed the meadow."),
 ]
 GZ = [("good0_copy", prose(0)), ("good1_near", NEAR), ("good3", prose(3))]  # in b.jsonl.gz
@@ -152,7 +167,7 @@ def test_skip_mode_names_the_skipped_records_in_the_report_and_its_table(run):
     assert "not valid JSON" in listed[0] and "invalid UTF-8 (byte 0xe9)" in listed[1]
     shown = table(run["report"]).splitlines()
     at = shown.index("skipped 2 unreadable record(s) (curate.on_bad_record=skip; =error stops at the first):")
-    assert shown[at + 1:at + 3] == [f"  {line}" for line in listed]
+    assert shown[at + 1 : at + 3] == [f"  {line}" for line in listed]
 
 
 def test_pii_is_redacted(run):

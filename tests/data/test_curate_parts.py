@@ -13,8 +13,8 @@ from lm import cli  # noqa: E402
 from lm.config import load_config  # noqa: E402
 from lm.data.curate import REPORT, curate  # noqa: E402
 from lm.data.curate.blocks import PIIRedactor, ShippedFT176LID  # noqa: E402
-from lm.data.curate.settings import check_config  # noqa: E402
 from lm.data.curate.read import InputFile, discover, read_records  # noqa: E402
+from lm.data.curate.settings import check_config  # noqa: E402
 from lm.errors import UserError  # noqa: E402
 
 
@@ -29,8 +29,10 @@ def test_jsonl_reader_plain_gzip_zstd_give_the_same_records(tmp_path):
     (tmp_path / "a.jsonl").write_bytes(lines)
     (tmp_path / "a.jsonl.gz").write_bytes(gzip.compress(lines))
     (tmp_path / "a.jsonl.zst").write_bytes(zstandard.ZstdCompressor().compress(lines))
-    got = [[(r.text, r.record_id, r.nbytes, r.problem) for r in _records(tmp_path / n)]
-           for n in ("a.jsonl", "a.jsonl.gz", "a.jsonl.zst")]
+    got = [
+        [(r.text, r.record_id, r.nbytes, r.problem) for r in _records(tmp_path / n)]
+        for n in ("a.jsonl", "a.jsonl.gz", "a.jsonl.zst")
+    ]
     assert got[0] == [("one", "7", 3, ""), ("café", "a.jsonl:3", 5, "")]  # blank line 2 skipped
     assert got[1] == [("one", "7", 3, ""), ("café", "a.jsonl.gz:3", 5, "")]
     assert [g[:1] + g[2:] for g in got[2]] == [("one", 3, ""), ("café", 5, "")]
@@ -40,8 +42,13 @@ def test_jsonl_reader_reports_each_bad_line(tmp_path):
     p = tmp_path / "b.jsonl"
     p.write_bytes(b'[1, 2]\n{"text": 3}\n{"text": "ok"}\n\xff\xfe\n{"te\n')
     problems = [(r.where.rsplit(":", 1)[1], r.problem.split(" (")[0].split(";")[0]) for r in _records(p)]
-    assert problems == [("1", "no string field 'text'"), ("2", "no string field 'text'"), ("3", ""),
-                        ("4", "invalid UTF-8"), ("5", "not valid JSON")]
+    assert problems == [
+        ("1", "no string field 'text'"),
+        ("2", "no string field 'text'"),
+        ("3", ""),
+        ("4", "invalid UTF-8"),
+        ("5", "not valid JSON"),
+    ]
 
 
 def test_truncated_gzip_is_a_bad_record_not_a_crash(tmp_path):
@@ -58,7 +65,10 @@ def test_parquet_reader_reads_text_column_and_flags_nulls_and_missing_column(tmp
     pq.write_table(pa.table({"text": ["first", None, "third"], "n": [1, 2, 3]}), tmp_path / "d.parquet")
     recs = _records(tmp_path / "d.parquet")
     assert [(r.text, r.record_id, bool(r.problem)) for r in recs] == [
-        ("first", "d.parquet:1", False), ("", "", True), ("third", "d.parquet:3", False)]
+        ("first", "d.parquet:1", False),
+        ("", "", True),
+        ("third", "d.parquet:3", False),
+    ]
     assert "no column 'body'" in _records(tmp_path / "d.parquet", key="body")[0].problem
 
 
@@ -81,23 +91,36 @@ def test_stdlib_input_is_the_standard_library():
     assert len(files) > 500 and not skipped and any(f.rel == "json/decoder.py" for f in files)
 
 
-@pytest.mark.parametrize("text, redacted", [
-    ("mail a.b-c@mail.example.co.uk now", "a.b-c@mail.example.co.uk"),
-    ("dns 1.1.1.1 up", "1.1.1.1"),
-    ("call 555-123-4567.", "555-123-4567"),
-    ("call (555) 123 4567", "(555) 123 4567"),
-    ("call +1 555.123.4567", "+1 555.123.4567"),
-])
+@pytest.mark.parametrize(
+    "text, redacted",
+    [
+        ("mail a.b-c@mail.example.co.uk now", "a.b-c@mail.example.co.uk"),
+        ("dns 1.1.1.1 up", "1.1.1.1"),
+        ("call 555-123-4567.", "555-123-4567"),
+        ("call (555) 123 4567", "(555) 123 4567"),
+        ("call +1 555.123.4567", "+1 555.123.4567"),
+    ],
+)
 def test_pii_redacts(text, redacted):
     out = PIIRedactor(emails=True, ips=True, phones=True).format(text)
     assert redacted not in out and out.split()[0] == text.split()[0]
 
 
-@pytest.mark.parametrize("text", [
-    "x = 12345678901", "version 3.11.7", "lan 10.0.0.1 and 192.168.0.10", "date 2024-01-15",
-    "mask 255.255.255.0", "isbn 978-3-16-148410-0", "row 6 12 24 48 96 192", "hex 0031 2044 0034",
-    "n 123 456 789", "mixed 555-123.4567",
-])
+@pytest.mark.parametrize(
+    "text",
+    [
+        "x = 12345678901",
+        "version 3.11.7",
+        "lan 10.0.0.1 and 192.168.0.10",
+        "date 2024-01-15",
+        "mask 255.255.255.0",
+        "isbn 978-3-16-148410-0",
+        "row 6 12 24 48 96 192",
+        "hex 0031 2044 0034",
+        "n 123 456 789",
+        "mixed 555-123.4567",
+    ],
+)
 def test_pii_leaves_numbers_that_are_not_personal(text):
     assert PIIRedactor(emails=True, ips=True, phones=True).format(text) == text
 
@@ -151,18 +174,32 @@ def _docs(root, n=6):
 
 
 def _only_dedup(*extra):
-    return load_config(None, [f"curate.{s}.enabled=false" for s in
-                              ("language", "gopher_repetition", "gopher_quality", "c4", "fineweb")] + list(extra))
+    return load_config(
+        None,
+        [f"curate.{s}.enabled=false" for s in ("language", "gopher_repetition", "gopher_quality", "c4", "fineweb")]
+        + list(extra),
+    )
 
 
 def test_cli_curate_writes_shards_and_report(tmp_path, capsys):
     _docs(tmp_path / "in")
     (tmp_path / "in" / "copy.txt").write_text((tmp_path / "in" / "d0.txt").read_text())
-    args = ["curate", "--input", str(tmp_path / "in" / "*.txt"), "--out", str(tmp_path / "out"),
-            "--config", "configs/tiny.py", "--no-progress", "--config.curate.language.enabled=false",
-            "--config.curate.gopher_quality.enabled=false", "--config.curate.c4.enabled=false",
-            "--config.curate.fineweb.enabled=false", "--config.curate.gopher_repetition.enabled=false",
-            "--config.curate.on_bad_record=error"]
+    args = [
+        "curate",
+        "--input",
+        str(tmp_path / "in" / "*.txt"),
+        "--out",
+        str(tmp_path / "out"),
+        "--config",
+        "configs/tiny.py",
+        "--no-progress",
+        "--config.curate.language.enabled=false",
+        "--config.curate.gopher_quality.enabled=false",
+        "--config.curate.c4.enabled=false",
+        "--config.curate.fineweb.enabled=false",
+        "--config.curate.gopher_repetition.enabled=false",
+        "--config.curate.on_bad_record=error",
+    ]
     assert cli.main(args) == 0
     assert "kept 6 of 7 documents" in capsys.readouterr().out
     report = json.loads((tmp_path / "out" / REPORT).read_text())
@@ -179,14 +216,25 @@ def test_tiny_config_skips_malformed_jsonl_and_names_each_line(tmp_path, capsys)
     _docs(tmp_path / "in", n=2)
     bad = tmp_path / "in" / "bad.jsonl"
     bad.write_text('{"text": "fine"}\nnope\n{"body": 1}\n')
-    args = ["curate", "--input", str(tmp_path / "in"), "--out", str(tmp_path / "out"), "--config",
-            "configs/tiny.py", "--no-progress", "--config.curate.language.enabled=false"]
+    args = [
+        "curate",
+        "--input",
+        str(tmp_path / "in"),
+        "--out",
+        str(tmp_path / "out"),
+        "--config",
+        "configs/tiny.py",
+        "--no-progress",
+        "--config.curate.language.enabled=false",
+    ]
     assert cli.main(args) == 0
     out = capsys.readouterr().out
     assert "skipped 2 unreadable record(s) (curate.on_bad_record=skip; =error stops at the first):" in out
     assert f"  {bad}:2: not valid JSON" in out and f"  {bad}:3: no string field 'text'" in out
-    assert [line.split(": ", 1)[0] for line in json.loads((tmp_path / "out" / REPORT).read_text())["bad_records"]] \
-        == [f"{bad}:2", f"{bad}:3"]
+    assert [line.split(": ", 1)[0] for line in json.loads((tmp_path / "out" / REPORT).read_text())["bad_records"]] == [
+        f"{bad}:2",
+        f"{bad}:3",
+    ]
     assert cli.main(args + ["--config.curate.on_bad_record=error"]) == 2
     assert f"{bad}:2: not valid JSON" in capsys.readouterr().err
 

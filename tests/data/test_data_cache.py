@@ -37,8 +37,7 @@ def test_concurrent_builders_build_an_entry_once(tmp_path):
         time.sleep(0.3)  # long enough for the other thread to find the entry locked
         (staging / "data").write_text("x")
 
-    threads = [threading.Thread(target=lambda: results.append(cached_dir(tmp_path, "entry", build)))
-               for _ in range(2)]
+    threads = [threading.Thread(target=lambda: results.append(cached_dir(tmp_path, "entry", build))) for _ in range(2)]
     for t in threads:
         t.start()
     for t in threads:
@@ -65,11 +64,23 @@ def test_a_failed_build_leaves_no_entry_and_the_next_one_builds(tmp_path):
 
 def _config(corpus, *overrides):
     """Lenient curation (the planted duplicate is the only drop), a small trained BPE."""
-    return load_config("configs/tiny.py", [
-        f"data.corpus={corpus}", "data.curate=true", "data.workers=1", "data.heldout_fraction=0.3",
-        "data.tokenizer=spm:512", "model.vocab_size=512", "curate.c4.enabled=false", "curate.fineweb.enabled=false",
-        "curate.gopher_quality.enabled=false", "curate.gopher_repetition.enabled=false",
-        "curate.language.threshold=0.2", *overrides])
+    return load_config(
+        "configs/tiny.py",
+        [
+            f"data.corpus={corpus}",
+            "data.curate=true",
+            "data.workers=1",
+            "data.heldout_fraction=0.3",
+            "data.tokenizer=spm:512",
+            "model.vocab_size=512",
+            "curate.c4.enabled=false",
+            "curate.fineweb.enabled=false",
+            "curate.gopher_quality.enabled=false",
+            "curate.gopher_repetition.enabled=false",
+            "curate.language.threshold=0.2",
+            *overrides,
+        ],
+    )
 
 
 class Counts:
@@ -77,15 +88,18 @@ class Counts:
 
     def __init__(self, monkeypatch):
         self.n = {"curate": 0, "train_tokenizer": 0, "tokenize": 0}
-        for name, module, attr in (("curate", lm.data.curate, "curate"),
-                                   ("train_tokenizer", prepare, "train_corpus_tokenizer"),
-                                   ("tokenize", prepare, "tokenize_corpus")):
+        for name, module, attr in (
+            ("curate", lm.data.curate, "curate"),
+            ("train_tokenizer", prepare, "train_corpus_tokenizer"),
+            ("tokenize", prepare, "tokenize_corpus"),
+        ):
             monkeypatch.setattr(module, attr, self._counted(name, getattr(module, attr)))
 
     def _counted(self, name, fn):
         def wrapper(*args, **kw):
             self.n[name] += 1
             return fn(*args, **kw)
+
         return wrapper
 
     def since(self, before: dict) -> dict:

@@ -25,8 +25,10 @@ ROOT = pathlib.Path(__file__).resolve().parents[2]
 
 
 def _sft_file(tmp_path):
-    lines = [{"messages": [{"role": "user", "content": f"question {i}"}, {"role": "assistant", "content": "ok" * i}]}
-             for i in range(1, 6)]
+    lines = [
+        {"messages": [{"role": "user", "content": f"question {i}"}, {"role": "assistant", "content": "ok" * i}]}
+        for i in range(1, 6)
+    ]
     path = tmp_path / "sft.jsonl"
     path.write_text("".join(json.dumps(r) + "\n" for r in lines))
     return path
@@ -95,16 +97,23 @@ def test_a_truncated_file_is_found_without_hashing_and_rebuilt(tmp_path, sft_bui
         rebuilt = _prepare_sft(path, cache)  # same process: sizes are checked on every use
         assert rebuilt.built and len(rebuilt) == 5
         err = capsys.readouterr().err.strip().splitlines()
-        assert len(err) == 1 and f"'{entry}'" in err[0] and f"{name} has {size // 2} bytes, the manifest says {size}" in err[0]
+        assert (
+            len(err) == 1
+            and f"'{entry}'" in err[0]
+            and f"{name} has {size // 2} bytes, the manifest says {size}" in err[0]
+        )
     assert len(sft_builds) == 3 and len(_asides(entry)) == 2
     _assert_rebuilt_like_fresh(entry, _prepare_sft(path, tmp_path / "fresh").path)
 
 
-@pytest.mark.parametrize("damage, reason", [
-    (lambda e: (e / "weights.npy").unlink(), "weights.npy is missing"),
-    (lambda e: (e / MANIFEST).unlink(), f"no {MANIFEST} (written before entries had one)"),
-    (lambda e: (e / MANIFEST).write_text("{"), f"{MANIFEST} is unreadable"),
-])
+@pytest.mark.parametrize(
+    "damage, reason",
+    [
+        (lambda e: (e / "weights.npy").unlink(), "weights.npy is missing"),
+        (lambda e: (e / MANIFEST).unlink(), f"no {MANIFEST} (written before entries had one)"),
+        (lambda e: (e / MANIFEST).write_text("{"), f"{MANIFEST} is unreadable"),
+    ],
+)
 def test_a_missing_file_or_manifest_rebuilds(tmp_path, sft_builds, capsys, damage, reason):
     path, cache = _sft_file(tmp_path), tmp_path / "cache"
     entry = _prepare_sft(path, cache).path
@@ -151,8 +160,9 @@ def test_a_changed_token_in_a_shard_is_rebuilt(tmp_path, monkeypatch, capsys):
     again = prepare.prepare_pretrain_data(d, cache, progress=False)
     assert len(builds) == 2 and again.train[0].shards.path.parent == entry
     assert f"train/{shard.name} does not match its sha256 hash" in capsys.readouterr().err
-    _assert_rebuilt_like_fresh(entry, prepare.prepare_pretrain_data(d, tmp_path / "fresh", progress=False)
-                               .train[0].shards.path.parent)
+    _assert_rebuilt_like_fresh(
+        entry, prepare.prepare_pretrain_data(d, tmp_path / "fresh", progress=False).train[0].shards.path.parent
+    )
 
 
 def test_a_changed_tokenizer_model_is_retrained(tmp_path, monkeypatch, capsys):
@@ -190,8 +200,11 @@ def test_a_cache_root_that_is_a_file_is_one_user_error(tmp_path, monkeypatch):
     assert f"'{root}' is a file, not a directory" in str(e.value)
     assert "data.cache_dir" in str(e.value) and "$LM_CACHE_DIR" in str(e.value) and "\n" not in str(e.value)
     d.cache_dir = str(root / "below")  # below a file: cannot be created
-    with pytest.raises(UserError, match=r"data cache '.*/not-a-dir/below' is not usable \(Not a directory.*"
-                                        r"data.cache_dir \(or \$LM_CACHE_DIR\)"):
+    with pytest.raises(
+        UserError,
+        match=r"data cache '.*/not-a-dir/below' is not usable \(Not a directory.*"
+        r"data.cache_dir \(or \$LM_CACHE_DIR\)",
+    ):
         _prepare_sft(path, data_cache_dir(d))
 
 
@@ -241,8 +254,15 @@ def test_two_processes_rebuild_a_bad_entry_once(tmp_path):
     log = tmp_path / "builds.log"
     cached_dir(tmp_path / "cache", "entry", lambda staging: staging.mkdir() or (staging / "data").write_text("whole"))
     (tmp_path / "cache" / "entry" / "data").write_text("cut")
-    procs = [subprocess.Popen([sys.executable, "-c", _RACE, str(tmp_path / "cache"), str(log)], cwd=ROOT,
-                              stderr=subprocess.PIPE, text=True) for _ in range(2)]
+    procs = [
+        subprocess.Popen(
+            [sys.executable, "-c", _RACE, str(tmp_path / "cache"), str(log)],
+            cwd=ROOT,
+            stderr=subprocess.PIPE,
+            text=True,
+        )
+        for _ in range(2)
+    ]
     errs = [p.communicate()[1] for p in procs]
     assert [p.returncode for p in procs] == [0, 0], errs
     assert log.read_text() == "build\n"

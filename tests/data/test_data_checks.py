@@ -14,8 +14,9 @@ from lm.errors import UserError
 
 
 def cfg(*overrides):
-    return load_config("configs/tiny.py", ["data.curate=false", "data.tokenizer=byte", "model.vocab_size=264",
-                                           *overrides])
+    return load_config(
+        "configs/tiny.py", ["data.curate=false", "data.tokenizer=byte", "model.vocab_size=264", *overrides]
+    )
 
 
 @pytest.fixture(scope="module")
@@ -25,9 +26,11 @@ def spm_model(tmp_path_factory, corpus):
 
 
 def test_a_good_config_passes_without_jax_grain_or_datatrove(corpus):
-    code = ("import sys; from lm.config import load_config; from lm.data.checks import check_data_config; "
-            f"check_data_config(load_config('configs/tiny.py', ['data.corpus={corpus}'])); "
-            "print(sorted(m for m in ('jax', 'grain', 'datatrove') if m in sys.modules))")
+    code = (
+        "import sys; from lm.config import load_config; from lm.data.checks import check_data_config; "
+        f"check_data_config(load_config('configs/tiny.py', ['data.corpus={corpus}'])); "
+        "print(sorted(m for m in ('jax', 'grain', 'datatrove') if m in sys.modules))"
+    )
     out = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, check=True).stdout
     assert out.strip() == "[]"
 
@@ -58,8 +61,11 @@ def test_tokenizer_model_must_exist(tmp_path, corpus):
 
 
 def test_tokenizer_must_fit_the_model(corpus, spm_model):
-    with pytest.raises(UserError, match=r"^data.tokenizer = 'spm:4096': a 4096-piece tokenizer needs "
-                                        r"model.vocab_size >= 4096 \(it is 264\)"):
+    with pytest.raises(
+        UserError,
+        match=r"^data.tokenizer = 'spm:4096': a 4096-piece tokenizer needs "
+        r"model.vocab_size >= 4096 \(it is 264\)",
+    ):
         check_data_config(cfg(f"data.corpus={corpus}", "data.tokenizer=spm:4096"))
     with pytest.raises(UserError, match=rf"^data.tokenizer = '{spm_model}' has 400 ids but model.vocab_size is 264"):
         check_data_config(cfg(f"data.corpus={corpus}", f"data.tokenizer={spm_model}"))
@@ -72,13 +78,20 @@ def test_tokenizer_must_fit_the_model(corpus, spm_model):
 def test_tokenized_dir_must_match_the_tokenizer(tmp_path, corpus, spm_model):
     tokenize_corpus(str(corpus), tmp_path / "byte_shards", "byte", 0.25, progress=False)
     check_data_config(cfg(f"data.sources={tmp_path}/byte_shards"))
-    with pytest.raises(UserError, match=r"^data.sources\[1\] = '.*/byte_shards' was tokenized with 'byte' "
-                                        r"\(byte-v1.*\), but data.tokenizer = '.*tok.model' is spm:"):
-        check_data_config(cfg(f"data.sources={corpus}:1,{tmp_path}/byte_shards:1", f"data.tokenizer={spm_model}",
-                              "model.vocab_size=400"))
+    with pytest.raises(
+        UserError,
+        match=r"^data.sources\[1\] = '.*/byte_shards' was tokenized with 'byte' "
+        r"\(byte-v1.*\), but data.tokenizer = '.*tok.model' is spm:",
+    ):
+        check_data_config(
+            cfg(
+                f"data.sources={corpus}:1,{tmp_path}/byte_shards:1",
+                f"data.tokenizer={spm_model}",
+                "model.vocab_size=400",
+            )
+        )
     with pytest.raises(UserError, match="^data.tokenizer = 'spm:300' trains on a corpus, but data.sources holds only"):
-        check_data_config(cfg(f"data.sources={tmp_path}/byte_shards", "data.tokenizer=spm:300",
-                              "model.vocab_size=300"))
+        check_data_config(cfg(f"data.sources={tmp_path}/byte_shards", "data.tokenizer=spm:300", "model.vocab_size=300"))
 
 
 def test_curation_settings_are_checked_up_front(corpus):

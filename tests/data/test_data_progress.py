@@ -23,10 +23,21 @@ def test_bars_only_on_a_terminal():
 
 
 def _config(corpus, workers):
-    return load_config("configs/tiny.py", [
-        f"data.corpus={corpus}", "data.curate=true", f"data.workers={workers}", "data.heldout_fraction=0.3",
-        "data.tokenizer=byte", "model.vocab_size=264", "curate.c4.enabled=false", "curate.fineweb.enabled=false",
-        "curate.gopher_quality.enabled=false", "curate.language.threshold=0.2"])
+    return load_config(
+        "configs/tiny.py",
+        [
+            f"data.corpus={corpus}",
+            "data.curate=true",
+            f"data.workers={workers}",
+            "data.heldout_fraction=0.3",
+            "data.tokenizer=byte",
+            "model.vocab_size=264",
+            "curate.c4.enabled=false",
+            "curate.fineweb.enabled=false",
+            "curate.gopher_quality.enabled=false",
+            "curate.language.threshold=0.2",
+        ],
+    )
 
 
 @pytest.mark.parametrize("workers", [1, 2])

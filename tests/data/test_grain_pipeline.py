@@ -49,8 +49,14 @@ def test_pieces_split_long_documents_exactly():
     p = Pieces(shards, seq_len=4)
     assert len(p) == 6
     assert p.stats() == {"docs": 3, "pieces": 6, "split_docs": 2, "truncated_docs": 0}
-    expected = [([0, 1, 2, 3], [1, 2, 3, 4]), ([5, 6, 7, 8], [6, 7, 8, 9]), ([9, 10, 11, 12], [10, 11, 12, 13]),
-                ([14, 15, 16, 17], [15, 16, 17, 18]), ([18, 19, 20, 21], [19, 20, 21, 22]), ([22], [23])]
+    expected = [
+        ([0, 1, 2, 3], [1, 2, 3, 4]),
+        ([5, 6, 7, 8], [6, 7, 8, 9]),
+        ([9, 10, 11, 12], [10, 11, 12, 13]),
+        ([14, 15, 16, 17], [15, 16, 17, 18]),
+        ([18, 19, 20, 21], [19, 20, 21, 22]),
+        ([22], [23]),
+    ]
     for i, (inputs, targets) in enumerate(expected):
         np.testing.assert_array_equal(p[i]["inputs"], inputs)
         np.testing.assert_array_equal(p[i]["targets"], targets)
@@ -74,7 +80,7 @@ def test_packed_rows_follow_the_batch_contract():
             seg = row["segment_ids"]
             np.testing.assert_array_equal(row["loss_mask"], seg > 0)  # no loss on padding
             used = seg > 0
-            assert not used[np.argmin(used):].any() or used.all()  # padding only at the end
+            assert not used[np.argmin(used) :].any() or used.all()  # padding only at the end
             n_pad += int((~used).sum())
             for s in np.unique(seg[used]):
                 where = np.flatnonzero(seg == s)
@@ -109,8 +115,10 @@ def test_processes_read_disjoint_parts_of_the_same_global_batch(process_count):
     kw = dict(seq_len=8, global_batch=8, seed=1)
     whole = take(iter(train_dataset([Source("a", shards, 1.0)], **kw)), 10)
     share = 8 // process_count
-    parts = [take(iter(train_dataset([Source("a", shards, 1.0)], rows=range(p * share, (p + 1) * share), **kw)), 10)
-             for p in range(process_count)]
+    parts = [
+        take(iter(train_dataset([Source("a", shards, 1.0)], rows=range(p * share, (p + 1) * share), **kw)), 10)
+        for p in range(process_count)
+    ]
     joined = [{k: np.concatenate([p[i][k] for p in parts]) for k in whole[0]} for i in range(10)]
     assert_same(whole, joined)
     replica = take(iter(train_dataset([Source("a", shards, 1.0)], rows=range(share), **kw)), 10)
@@ -118,8 +126,10 @@ def test_processes_read_disjoint_parts_of_the_same_global_batch(process_count):
     odd = take(iter(train_dataset([Source("a", shards, 1.0)], rows=[5, 2], **kw)), 3)
     assert_same(odd, [{k: v[[5, 2]] for k, v in b.items()} for b in whole[:3]])
     # Within an epoch no piece is read by two processes (two batches stay well inside the first one).
-    seen = [{s for b in p[:2] for i in range(len(b["inputs"])) for s in segments({k: v[i] for k, v in b.items()})}
-            for p in parts]
+    seen = [
+        {s for b in p[:2] for i in range(len(b["inputs"])) for s in segments({k: v[i] for k, v in b.items()})}
+        for p in parts
+    ]
     for a in range(process_count):
         for b in range(a + 1, process_count):
             assert not seen[a] & seen[b]

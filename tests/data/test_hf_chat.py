@@ -30,7 +30,8 @@ PLAIN = """{%- for message in messages %}{% if not loop.first %}{{ '\\n' }}{% en
 DROPS_THINKING = LLAMA3_GENERATION_TEMPLATE.replace(
     "{%- generation %}{{- message['content'] | trim + '<|eot_id|>' }}{%- endgeneration %}",
     "{%- set content = message['content'] if loop.last else message['content'].split('</think>')[-1] %}"
-    "{%- generation %}{{- content | trim + '<|eot_id|>' }}{%- endgeneration %}")
+    "{%- generation %}{{- content | trim + '<|eot_id|>' }}{%- endgeneration %}",
+)
 
 SHOWS_LAST_THINKING = """{%- for message in messages %}
     {%- if message.role == 'assistant' %}
@@ -84,8 +85,9 @@ def test_text_and_ids_equal_transformers(directory, messages):
     hf, template = auto(directory), template_of(directory)
     for prompt in (False, True):
         convo = messages[:-1] if prompt else messages
-        assert template._text(convo, prompt) == hf.apply_chat_template(convo, tokenize=False,
-                                                                      add_generation_prompt=prompt)
+        assert template._text(convo, prompt) == hf.apply_chat_template(
+            convo, tokenize=False, add_generation_prompt=prompt
+        )
         want = hf.apply_chat_template(convo, add_generation_prompt=prompt, return_dict=False)
         got = template.prompt(convo) if prompt else template.render(convo)[0]
         assert got.dtype == np.int32 and got.tolist() == want
@@ -97,11 +99,14 @@ def test_template_list_in_tokenizer_config(qwen_tokenizer, tmp_path):
     source = (out / "chat_template.jinja").read_text()
     (out / "chat_template.jinja").unlink()
     config = json.loads((out / "tokenizer_config.json").read_text())
-    config["chat_template"] = [{"name": "tool_use", "template": "{{ raise_exception('no') }}"},
-                               {"name": "default", "template": source}]
+    config["chat_template"] = [
+        {"name": "tool_use", "template": "{{ raise_exception('no') }}"},
+        {"name": "default", "template": source},
+    ]
     (out / "tokenizer_config.json").write_text(json.dumps(config))
     assert template_of(out).prompt(CONVO[:4]).tolist() == auto(out).apply_chat_template(
-        CONVO[:4], add_generation_prompt=True, return_dict=False)
+        CONVO[:4], add_generation_prompt=True, return_dict=False
+    )
 
 
 def test_masks_equal_transformers_generation_blocks(llama3_tokenizer, tmp_path):
@@ -132,11 +137,15 @@ def test_each_turn_ends_with_its_end_of_turn_token(request, name):
 
 
 def test_a_merge_across_the_turn_boundary_is_weighted_once(llama3_tokenizer, tmp_path):
-    """" def" and "):\\n" are single tokens of this BPE: the first carries the space before the
+    """ " def" and "):\\n" are single tokens of this BPE: the first carries the space before the
     content, the second the newline after it."""
     directory = with_template(llama3_tokenizer, tmp_path, PLAIN)
-    messages = [{"role": "user", "content": "Write f."}, {"role": "assistant", "content": "def f(x):"},
-                {"role": "user", "content": "More."}, {"role": "assistant", "content": "return x"}]
+    messages = [
+        {"role": "user", "content": "Write f."},
+        {"role": "assistant", "content": "def f(x):"},
+        {"role": "user", "content": "More."},
+        {"role": "assistant", "content": "return x"},
+    ]
     template, tok = template_of(directory), load_tokenizer(str(directory))
     text = template._text(messages)
     spans = [(text.index(c), text.index(c) + len(c)) for c in ("def f(x):", "return x")]
@@ -152,16 +161,26 @@ def test_a_merge_across_the_turn_boundary_is_weighted_once(llama3_tokenizer, tmp
 
 
 def test_a_template_that_is_not_prefix_consistent(llama3_tokenizer, tmp_path):
-    messages = [{"role": "user", "content": "Hi"}, {"role": "assistant", "content": "<think>hm</think>Hello"},
-                {"role": "user", "content": "Bye"}, {"role": "assistant", "content": "<think>ok</think>Bye"}]
+    messages = [
+        {"role": "user", "content": "Hi"},
+        {"role": "assistant", "content": "<think>hm</think>Hello"},
+        {"role": "user", "content": "Bye"},
+        {"role": "assistant", "content": "<think>ok</think>Bye"},
+    ]
     marked = with_template(llama3_tokenizer, tmp_path / "a", DROPS_THINKING)
     want = auto(marked).apply_chat_template(messages, return_assistant_tokens_mask=True, return_dict=True)
     ids, weights = template_of(marked).render(messages)  # falls back to the {% generation %} blocks
     assert ids.tolist() == want["input_ids"] and weights.tolist() == want["assistant_masks"]
-    unmarked = with_template(llama3_tokenizer, tmp_path / "b", DROPS_THINKING.replace("{%- generation %}", "")
-                             .replace("{%- endgeneration %}", ""))
-    with pytest.raises(UserError, match=f"chat template '{unmarked / 'chat_template.jinja'}': cannot find the "
-                                        "assistant's text: .*no {% generation %} blocks") as e:
+    unmarked = with_template(
+        llama3_tokenizer,
+        tmp_path / "b",
+        DROPS_THINKING.replace("{%- generation %}", "").replace("{%- endgeneration %}", ""),
+    )
+    with pytest.raises(
+        UserError,
+        match=f"chat template '{unmarked / 'chat_template.jinja'}': cannot find the "
+        "assistant's text: .*no {% generation %} blocks",
+    ) as e:
         template_of(unmarked).render(messages)
     assert "\n" not in str(e.value)
 
@@ -170,8 +189,11 @@ def test_a_turn_that_renders_otherwise_when_last(qwen_tokenizer, tmp_path):
     """As Qwen3's template: an empty reasoning block only on the last assistant turn. Each prompt
     is still a prefix, and each turn is found after it."""
     marked = with_template(qwen_tokenizer, tmp_path / "a", SHOWS_LAST_THINKING)
-    unmarked = with_template(qwen_tokenizer, tmp_path / "b", SHOWS_LAST_THINKING.replace("{%- generation %}", "")
-                             .replace("{%- endgeneration %}", ""))
+    unmarked = with_template(
+        qwen_tokenizer,
+        tmp_path / "b",
+        SHOWS_LAST_THINKING.replace("{%- generation %}", "").replace("{%- endgeneration %}", ""),
+    )
     want = auto(marked).apply_chat_template(CONVO[1:], return_assistant_tokens_mask=True, return_dict=True)
     template = template_of(unmarked)
     assert "endgeneration" not in (unmarked / "chat_template.jinja").read_text()
@@ -196,8 +218,9 @@ def test_bad_inputs(gemma_tokenizer, tmp_path):
     template = template_of(gemma_tokenizer)
     # Gemma's template folds the system prompt into the first user turn, and refuses two user turns in a row
     assert template._text(CONVO[:2], True).startswith("<bos><start_of_turn>user\nBe brief. Answer in Python.\n\n")
-    with pytest.raises(UserError, match=f"chat template '{gemma_tokenizer / 'chat_template.jinja'}': "
-                                        "Conversation roles must alternate") as e:
+    with pytest.raises(
+        UserError, match=f"chat template '{gemma_tokenizer / 'chat_template.jinja'}': Conversation roles must alternate"
+    ) as e:
         template.render([CONVO[1], CONVO[1], CONVO[2]])
     assert "\n" not in str(e.value)
     with pytest.raises(UserError, match="train_on='first'"):

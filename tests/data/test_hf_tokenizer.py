@@ -56,8 +56,11 @@ def test_named_ids_stops_and_bos_as_transformers_adds_it(llama3_tokenizer, qwen_
     assert (llama.bos_id, llama.eos_id, llama.pad_id) == (llama.special_id("<|begin_of_text|>"), eot, eot)
     assert llama.stop_ids == (eot, end_of_text)  # generation_config's list, eos first
     # Qwen: no BOS although generation_config names one; pad is <|endoftext|>
-    assert (qwen.bos_id, qwen.eos_id, qwen.pad_id) == (-1, qwen.special_id("<|im_end|>"),
-                                                       qwen.special_id("<|endoftext|>"))
+    assert (qwen.bos_id, qwen.eos_id, qwen.pad_id) == (
+        -1,
+        qwen.special_id("<|im_end|>"),
+        qwen.special_id("<|endoftext|>"),
+    )
     assert (gemma.bos_id, gemma.eos_id, gemma.pad_id, gemma.stop_ids) == (2, 1, 0, (1,))
     for tok, directory in ((llama, llama3_tokenizer), (qwen, qwen_tokenizer), (gemma, gemma_tokenizer)):
         hf = auto(directory)
@@ -147,8 +150,14 @@ def test_settings_in_the_files_as_transformers_reads_them(gemma_tokenizer, tmp_p
     shutil.copytree(gemma_tokenizer, out)
     data = json.loads((out / "tokenizer.json").read_text())
     data["truncation"] = {"direction": "Right", "max_length": 8, "strategy": "LongestFirst", "stride": 0}
-    data["padding"] = {"strategy": {"Fixed": 64}, "direction": "Right", "pad_to_multiple_of": None, "pad_id": 0,
-                       "pad_type_id": 0, "pad_token": "<pad>"}
+    data["padding"] = {
+        "strategy": {"Fixed": 64},
+        "direction": "Right",
+        "pad_to_multiple_of": None,
+        "pad_id": 0,
+        "pad_type_id": 0,
+        "pad_token": "<pad>",
+    }
     (out / "tokenizer.json").write_text(json.dumps(data))
     config = json.loads((out / "tokenizer_config.json").read_text())
     (out / "tokenizer_config.json").write_text(json.dumps(config | {"add_bos_token": False}))

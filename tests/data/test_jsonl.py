@@ -30,19 +30,28 @@ def test_byte_order_mark_at_the_start_is_allowed(tmp_path):
 
 def test_malformed_line_names_file_and_line(tmp_path):
     path = write(tmp_path / "bad.jsonl", b'{"a": 1}\n\n{"a": \n')
-    with pytest.raises(BadLine, match=rf"^{re.escape(str(path))}:3: malformed JSON \(Expecting value at column 7\); "
-                                      "expected one JSON value per line$") as e:
+    with pytest.raises(
+        BadLine,
+        match=rf"^{re.escape(str(path))}:3: malformed JSON \(Expecting value at column 7\); "
+        "expected one JSON value per line$",
+    ) as e:
         list(iter_jsonl(path))
     assert isinstance(e.value, UserError) and e.value.line == 3 and e.value.where == f"{path}:3"
-    with pytest.raises(UserError, match=r"bad.jsonl:1: not valid JSON \(Extra data at column 10\); expected one "
-                                        "JSON object per line"):
+    with pytest.raises(
+        UserError,
+        match=r"bad.jsonl:1: not valid JSON \(Extra data at column 10\); expected one "
+        "JSON object per line",
+    ):
         list(iter_jsonl(write(path, b'{"a": 1} {"b": 2}\n'), expected=ONE_OBJECT, bad_json="not valid JSON"))
 
 
 def test_invalid_utf8_names_file_and_line(tmp_path):
     path = write(tmp_path / "latin1.jsonl", b'{"text": "ok"}\n{"text": "caf\xe9"}\n')
-    with pytest.raises(UserError, match=r"latin1.jsonl:2: not UTF-8 \(invalid continuation byte at byte 14 of the "
-                                        r"line\); expected UTF-8 encoded JSON, one JSON value per line"):
+    with pytest.raises(
+        UserError,
+        match=r"latin1.jsonl:2: not UTF-8 \(invalid continuation byte at byte 14 of the "
+        r"line\); expected UTF-8 encoded JSON, one JSON value per line",
+    ):
         list(iter_jsonl(path))
 
 
@@ -73,7 +82,10 @@ def test_on_error_skips_counts_or_raises(tmp_path):
 
     assert list(iter_jsonl(path, number, on_error=seen.append)) == [(1, 1), (6, 4)]
     assert [(e.line, type(e.cause).__name__) for e in seen] == [
-        (2, "JSONDecodeError"), (4, "ValueError"), (5, "UnicodeDecodeError")]
+        (2, "JSONDecodeError"),
+        (4, "ValueError"),
+        (5, "UnicodeDecodeError"),
+    ]
 
     def stop(error):
         raise UserError(f"{error} (skip mode skips such lines)")
@@ -84,8 +96,11 @@ def test_on_error_skips_counts_or_raises(tmp_path):
 
 def test_empty_and_missing_files(tmp_path):
     empty = write(tmp_path / "empty.jsonl", b"\n  \n")
-    with pytest.raises(UserError, match=r"empty.jsonl: no preference pairs \(the file has no non-blank line\); "
-                                        "expected one JSON object per line"):
+    with pytest.raises(
+        UserError,
+        match=r"empty.jsonl: no preference pairs \(the file has no non-blank line\); "
+        "expected one JSON object per line",
+    ):
         read_jsonl(empty, what="preference pairs", expected=ONE_OBJECT)
     assert list(iter_jsonl(empty)) == []
     with pytest.raises(UserError, match="nope.jsonl: no such file; expected a JSONL file"):
@@ -108,5 +123,5 @@ def test_gzip_is_read_transparently_and_damage_is_one_error(tmp_path):
 
 
 def test_stopping_early_reads_no_further(tmp_path):
-    path = write(tmp_path / "a.jsonl", b'1\n2\n{broken\n')
+    path = write(tmp_path / "a.jsonl", b"1\n2\n{broken\n")
     assert read_jsonl(path, limit=2) == [(1, 1), (2, 2)]  # the broken line is never read

@@ -29,17 +29,26 @@ def assert_side(pair, side, ids, weights, seq_len=96):
 
 
 def invariant(s):
-    return s["pairs_read"] == s["pairs_kept"] + s["dropped_too_long"] + s["skipped_identical"] + \
-        s["skipped_empty_mask"] + s["skipped_bad_records"]
+    return (
+        s["pairs_read"]
+        == s["pairs_kept"]
+        + s["dropped_too_long"]
+        + s["skipped_identical"]
+        + s["skipped_empty_mask"]
+        + s["skipped_bad_records"]
+    )
 
 
 def test_both_sides_masked_on_the_response_only(tmp_path):
     multi = [{"role": "user", "content": "a"}, {"role": "assistant", "content": "b"}, {"role": "user", "content": "c"}]
-    path = jsonl(tmp_path / "p.jsonl", [
-        {"prompt": "sort 21", "chosen": "12", "rejected": "21", "margin": 0.5},
-        {"prompt": multi, "chosen": [{"role": "assistant", "content": "Y"}], "rejected": "N"},
-        {"prompt": "sort 21", "chosen": [{"role": "assistant", "content": "12"}], "rejected": "21"},
-    ])
+    path = jsonl(
+        tmp_path / "p.jsonl",
+        [
+            {"prompt": "sort 21", "chosen": "12", "rejected": "21", "margin": 0.5},
+            {"prompt": multi, "chosen": [{"role": "assistant", "content": "Y"}], "rejected": "N"},
+            {"prompt": "sort 21", "chosen": [{"role": "assistant", "content": "12"}], "rejected": "21"},
+        ],
+    )
     ex = prepare(tmp_path, path)
     assert len(ex) == 3 and float(ex[0]["margin"]) == 0.5 and float(ex[1]["margin"]) == 0.0
     head = "<|user|>\nsort 21<|end|>\n<|assistant|>\n"
@@ -53,14 +62,17 @@ def test_both_sides_masked_on_the_response_only(tmp_path):
     assert s["pairs_kept"] == 3 and s["chosen_tokens"] == len("12<|end|>Y<|end|>12<|end|>") and invariant(s)
 
 
-@pytest.mark.parametrize("line, reason", [
-    ('{"prompt": "p", "chosen": "a"}', "no 'rejected'"),
-    ('{"prompt": "p", "chosen": "", "rejected": "b"}', "'chosen' is empty"),
-    ('{"prompt": 3, "chosen": "a", "rejected": "b"}', "'prompt' is int"),
-    ('{"prompt": "p", "chosen": "a", "rejected": "a"}', "identical"),
-    ('{"prompt": "p", "chosen": "a", "rejected": "b", "margin": "x"}', "'margin'"),
-    ('{"prompt": "p", "chosen": "a", ', "malformed JSON"),
-])
+@pytest.mark.parametrize(
+    "line, reason",
+    [
+        ('{"prompt": "p", "chosen": "a"}', "no 'rejected'"),
+        ('{"prompt": "p", "chosen": "", "rejected": "b"}', "'chosen' is empty"),
+        ('{"prompt": 3, "chosen": "a", "rejected": "b"}', "'prompt' is int"),
+        ('{"prompt": "p", "chosen": "a", "rejected": "a"}', "identical"),
+        ('{"prompt": "p", "chosen": "a", "rejected": "b", "margin": "x"}', "'margin'"),
+        ('{"prompt": "p", "chosen": "a", ', "malformed JSON"),
+    ],
+)
 def test_bad_records_name_file_and_line_or_are_counted(tmp_path, line, reason):
     good = json.dumps({"prompt": "p", "chosen": "a", "rejected": "b"})
     path = tmp_path / "bad.jsonl"
@@ -73,8 +85,10 @@ def test_bad_records_name_file_and_line_or_are_counted(tmp_path, line, reason):
 
 
 def test_over_long_pairs_are_dropped_or_cut_and_counted(tmp_path):
-    path = jsonl(tmp_path / "long.jsonl", [{"prompt": "p", "chosen": "x" * 80, "rejected": "y"},
-                                           {"prompt": "p", "chosen": "a", "rejected": "b"}])
+    path = jsonl(
+        tmp_path / "long.jsonl",
+        [{"prompt": "p", "chosen": "x" * 80, "rejected": "y"}, {"prompt": "p", "chosen": "a", "rejected": "b"}],
+    )
     s = prepare(tmp_path, path, max_skipped_fraction=1.0).stats
     assert s["dropped_too_long"] == 1 and s["pairs_kept"] == 1 and invariant(s)
     cut = prepare(tmp_path, path, truncation="cut_response", seq_len=64)

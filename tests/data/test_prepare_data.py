@@ -61,8 +61,9 @@ def test_prepare_and_cache_reuse(tmp_path):
 def test_max_bytes_keeps_whole_files(tmp_path):
     write_corpus(tmp_path / "corpus")
     full = prepare_pretrain_data(data_cfg(tmp_path / "corpus"), tmp_path / "cache", progress=False).stats
-    capped = prepare_pretrain_data(data_cfg(tmp_path / "corpus", max_train_bytes=60), tmp_path / "cache",
-                                   progress=False).stats
+    capped = prepare_pretrain_data(
+        data_cfg(tmp_path / "corpus", max_train_bytes=60), tmp_path / "cache", progress=False
+    ).stats
     assert 1 <= capped["train_docs"] < full["train_docs"]
     assert capped["train_bytes"] <= 60 or capped["train_docs"] == 1
     assert capped["train_tokens"] == capped["train_bytes"] + capped["train_docs"]
@@ -138,10 +139,20 @@ def test_curation_in_front_of_tokenizing(tmp_path, corpus):
     src = tmp_path / "raw"
     shutil.copytree(corpus, src)
     shutil.copy(src / "abc.py", src / "abc_copy.py")  # an exact duplicate: curation drops one
-    c = load_config("configs/tiny.py", [f"data.corpus={src}", "data.curate=true", "data.workers=1",
-                                        "data.heldout_fraction=0.3", "data.tokenizer=byte", "curate.c4.enabled=false",
-                                        "curate.fineweb.enabled=false", "curate.gopher_quality.enabled=false",
-                                        "curate.language.threshold=0.3"])
+    c = load_config(
+        "configs/tiny.py",
+        [
+            f"data.corpus={src}",
+            "data.curate=true",
+            "data.workers=1",
+            "data.heldout_fraction=0.3",
+            "data.tokenizer=byte",
+            "curate.c4.enabled=false",
+            "curate.fineweb.enabled=false",
+            "curate.gopher_quality.enabled=false",
+            "curate.language.threshold=0.3",
+        ],
+    )
     data = prepare_pretrain_data(c.data, tmp_path / "cache", 264, progress=False, curate_cfg=c.curate)
     (curated,) = (tmp_path / "cache").glob("curated-*")
     report = json.loads((curated / "report.json").read_text())
@@ -149,6 +160,9 @@ def test_curation_in_front_of_tokenizing(tmp_path, corpus):
     s = data.stats
     assert s["train_docs"] + s["heldout_docs"] == report["kept"]["docs"]  # tokenized what curation kept
     assert data.train[0].shards.manifest["inputs"]["corpus"] == str(curated / "*.jsonl.gz")
-    texts = [data.tokenizer.decode(src_.shards.doc(i)) for src_ in data.train + data.heldout
-             for i in range(src_.shards.n_docs)]
+    texts = [
+        data.tokenizer.decode(src_.shards.doc(i))
+        for src_ in data.train + data.heldout
+        for i in range(src_.shards.n_docs)
+    ]
     assert texts.count((src / "abc.py").read_text()) <= 1

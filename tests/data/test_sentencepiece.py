@@ -16,8 +16,20 @@ from lm.errors import UserError  # noqa: E402
 
 STDLIB = Path(sysconfig.get_paths()["stdlib"])
 # Whole stdlib files (all longer than sentencepiece's default 4192-byte limit).
-FILES = ["textwrap.py", "string.py", "heapq.py", "bisect.py", "shlex.py", "fnmatch.py",
-         "colorsys.py", "keyword.py", "glob.py", "copy.py", "queue.py", "sched.py"]
+FILES = [
+    "textwrap.py",
+    "string.py",
+    "heapq.py",
+    "bisect.py",
+    "shlex.py",
+    "fnmatch.py",
+    "colorsys.py",
+    "keyword.py",
+    "glob.py",
+    "copy.py",
+    "queue.py",
+    "sched.py",
+]
 # Text the model never saw: other scripts, emoji, tabs, runs of spaces, CRLF, trailing blanks.
 SAMPLES = [
     "def f(x):\n\tif x:\n\t\treturn  x * 2   \n\n\n",
@@ -117,10 +129,9 @@ def test_long_document_counted_not_silently_dropped(tmp_path):
     docs = _docs()
     # "é" only appears in this ~20 kB doc (well over sentencepiece's 4192 default):
     # it becomes a single piece only if the doc really was trained on.
-    long_doc = ("café résumé naïve " * 1200)[: 20_000]
+    long_doc = ("café résumé naïve " * 1200)[:20_000]
     too_long = "x" * 30_001
-    stats_tok = train_sentencepiece(docs + [long_doc, too_long], tmp_path / "t", vocab_size=600,
-                                    max_doc_bytes=30_000)
+    stats_tok = train_sentencepiece(docs + [long_doc, too_long], tmp_path / "t", vocab_size=600, max_doc_bytes=30_000)
     assert stats_tok.train_stats["skipped_long_docs"] == 1
     assert stats_tok.train_stats["docs_used"] == len(docs) + 1
     assert len(stats_tok.encode("é")) == 1
@@ -161,8 +172,15 @@ def test_foreign_model_without_pad_or_chat_tokens(tmp_path):
     import sentencepiece as spm
 
     spm.SentencePieceTrainer.train(
-        sentence_iterator=iter(_docs()[:3]), model_prefix=str(tmp_path / "llama"), model_type="bpe",
-        vocab_size=500, byte_fallback=True, pad_id=-1, max_sentence_length=1 << 20, minloglevel=2)
+        sentence_iterator=iter(_docs()[:3]),
+        model_prefix=str(tmp_path / "llama"),
+        model_type="bpe",
+        vocab_size=500,
+        byte_fallback=True,
+        pad_id=-1,
+        max_sentence_length=1 << 20,
+        minloglevel=2,
+    )
     t = SentencePieceTokenizer(tmp_path / "llama.model")
     assert 0 <= t.pad_id < t.vocab_size  # mapped to a valid id (unk), never -1
     assert (t.bos_id, t.eos_id) == (1, 2)

@@ -49,39 +49,86 @@ def prepare(tmp_path, path, **settings):
 
 
 def test_chat_and_instruction_formats(tmp_path):
-    path = jsonl(tmp_path / "mixed.jsonl", [
-        {"messages": [{"role": "system", "content": "S"}, {"role": "user", "content": "Hi"},
-                      {"role": "assistant", "content": "Yo"}, {"role": "user", "content": "Bye"},
-                      {"role": "assistant", "content": "Ciao"}]},
-        "",  # blank lines are ignored
-        {"instruction": "Add", "input": "2 2", "output": "4", "system": "Calc", "id": 7},
-        {"instruction": "Greet", "input": "", "output": "Hey"},
-        {"instruction": "Greet", "output": "Hey"},
-    ])
+    path = jsonl(
+        tmp_path / "mixed.jsonl",
+        [
+            {
+                "messages": [
+                    {"role": "system", "content": "S"},
+                    {"role": "user", "content": "Hi"},
+                    {"role": "assistant", "content": "Yo"},
+                    {"role": "user", "content": "Bye"},
+                    {"role": "assistant", "content": "Ciao"},
+                ]
+            },
+            "",  # blank lines are ignored
+            {"instruction": "Add", "input": "2 2", "output": "4", "system": "Calc", "id": 7},
+            {"instruction": "Greet", "input": "", "output": "Hey"},
+            {"instruction": "Greet", "output": "Hey"},
+        ],
+    )
     ex = prepare(tmp_path, path)
     assert len(ex) == 4
-    assert_example(ex[0], *by_hand([("<|system|>\nS<|end|>\n<|user|>\nHi<|end|>\n<|assistant|>\n", 0),
-                                    ("Yo<|end|>", 1), ("\n<|user|>\nBye<|end|>\n<|assistant|>\n", 0),
-                                    ("Ciao<|end|>", 1), ("\n", 0)]))
-    assert_example(ex[1], *by_hand([("<|system|>\nCalc<|end|>\n<|user|>\nAdd\n\n2 2<|end|>\n<|assistant|>\n", 0),
-                                    ("4<|end|>", 1), ("\n", 0)]))
+    assert_example(
+        ex[0],
+        *by_hand(
+            [
+                ("<|system|>\nS<|end|>\n<|user|>\nHi<|end|>\n<|assistant|>\n", 0),
+                ("Yo<|end|>", 1),
+                ("\n<|user|>\nBye<|end|>\n<|assistant|>\n", 0),
+                ("Ciao<|end|>", 1),
+                ("\n", 0),
+            ]
+        ),
+    )
+    assert_example(
+        ex[1],
+        *by_hand(
+            [("<|system|>\nCalc<|end|>\n<|user|>\nAdd\n\n2 2<|end|>\n<|assistant|>\n", 0), ("4<|end|>", 1), ("\n", 0)]
+        ),
+    )
     greet = by_hand([("<|user|>\nGreet<|end|>\n<|assistant|>\n", 0), ("Hey<|end|>", 1), ("\n", 0)])
     assert_example(ex[2], *greet)
     assert_example(ex[3], *greet)  # no input key = empty input
     predictions = [len(ex[i]["inputs"]) for i in range(4)]
-    assert ex.stats == {"examples_read": 4, "examples_kept": 4, "dropped_too_long": 0, "truncated_prompt": 0,
-                        "truncated_response": 0, "skipped_empty_mask": 0, "skipped_bad_records": 0,
-                        "response_tokens": sum(map(len, ("Yo<|end|>", "Ciao<|end|>", "4<|end|>", "Hey<|end|>" * 2))),
-                        "total_tokens": sum(predictions)}
+    assert ex.stats == {
+        "examples_read": 4,
+        "examples_kept": 4,
+        "dropped_too_long": 0,
+        "truncated_prompt": 0,
+        "truncated_response": 0,
+        "skipped_empty_mask": 0,
+        "skipped_bad_records": 0,
+        "response_tokens": sum(map(len, ("Yo<|end|>", "Ciao<|end|>", "4<|end|>", "Hey<|end|>" * 2))),
+        "total_tokens": sum(predictions),
+    }
 
 
 def test_train_on_last(tmp_path):
-    path = jsonl(tmp_path / "c.jsonl", [{"messages": [
-        {"role": "user", "content": "a"}, {"role": "assistant", "content": "b"},
-        {"role": "user", "content": "c"}, {"role": "assistant", "content": "d"}]}])
+    path = jsonl(
+        tmp_path / "c.jsonl",
+        [
+            {
+                "messages": [
+                    {"role": "user", "content": "a"},
+                    {"role": "assistant", "content": "b"},
+                    {"role": "user", "content": "c"},
+                    {"role": "assistant", "content": "d"},
+                ]
+            }
+        ],
+    )
     ex = prepare(tmp_path, path, train_on="last")
-    assert_example(ex[0], *by_hand([("<|user|>\na<|end|>\n<|assistant|>\nb<|end|>\n<|user|>\nc<|end|>\n"
-                                     "<|assistant|>\n", 0), ("d<|end|>", 1), ("\n", 0)]))
+    assert_example(
+        ex[0],
+        *by_hand(
+            [
+                ("<|user|>\na<|end|>\n<|assistant|>\nb<|end|>\n<|user|>\nc<|end|>\n<|assistant|>\n", 0),
+                ("d<|end|>", 1),
+                ("\n", 0),
+            ]
+        ),
+    )
 
 
 # With the byte tokenizer an example of user content U and answer A bytes has
@@ -99,8 +146,7 @@ def test_drop_counts_and_skips_over_long_examples(tmp_path):
 
 
 def test_cut_prompt_left_keeps_the_last_tokens(tmp_path):
-    ex = prepare(tmp_path, jsonl(tmp_path / "p.jsonl", [SHORT, LONG_PROMPT]), seq_len=64,
-                 truncation="cut_prompt_left")
+    ex = prepare(tmp_path, jsonl(tmp_path / "p.jsonl", [SHORT, LONG_PROMPT]), seq_len=64, truncation="cut_prompt_left")
     full = by_hand([("<|user|>\n" + "u" * 40 + "<|end|>\n<|assistant|>\n", 0), ("a" * 5 + "<|end|>", 1), ("\n", 0)])
     assert_example(ex[1], full[0][-65:], full[1][-65:])
     assert len(ex[1]["inputs"]) == 64 and ex[1]["loss_mask"].sum() == 12
@@ -116,9 +162,17 @@ def test_cut_response_keeps_the_first_tokens_and_skips_empty_masks(tmp_path):
     assert_example(ex[1], full[0][:65], full[1][:65])
     assert ex[1]["loss_mask"].sum() == 65 - 37  # 37 prompt tokens, then answer bytes only: no end marker
     # The long prompt fills the row before its answer begins: nothing to learn, skipped and counted.
-    assert ex.stats == {"examples_read": 4, "examples_kept": 3, "dropped_too_long": 0, "truncated_prompt": 0,
-                        "truncated_response": 1, "skipped_empty_mask": 1, "skipped_bad_records": 0,
-                        "response_tokens": 12 + 28 + 12, "total_tokens": 49 + 64 + 49}
+    assert ex.stats == {
+        "examples_read": 4,
+        "examples_kept": 3,
+        "dropped_too_long": 0,
+        "truncated_prompt": 0,
+        "truncated_response": 1,
+        "skipped_empty_mask": 1,
+        "skipped_bad_records": 0,
+        "response_tokens": 12 + 28 + 12,
+        "total_tokens": 49 + 64 + 49,
+    }
 
 
 def test_too_many_empty_masks_is_an_error(tmp_path):
@@ -126,8 +180,16 @@ def test_too_many_empty_masks_is_an_error(tmp_path):
     with pytest.raises(UserError) as e:
         prepare(tmp_path, path, seq_len=64, truncation="cut_response", max_skipped_fraction=0.25)
     msg = str(e.value)
-    for part in (str(path), "2 of 4 examples", "50.0%", "truncation='cut_response'", "seq_len=64",
-                 "max_skipped_fraction=0.25", "data.seq_len", "truncation policy"):
+    for part in (
+        str(path),
+        "2 of 4 examples",
+        "50.0%",
+        "truncation='cut_response'",
+        "seq_len=64",
+        "max_skipped_fraction=0.25",
+        "data.seq_len",
+        "truncation policy",
+    ):
         assert part in msg
     assert not list((tmp_path / "cache").glob("sft-*"))  # failed data leaves no entry
 
@@ -143,12 +205,16 @@ def test_no_usable_example_is_an_error(tmp_path):
 
 BAD = [
     ('{"messages": [', "malformed JSON"),
-    ('[1, 2]', "a JSON list; expected an object with 'messages'"),
+    ("[1, 2]", "a JSON list; expected an object with 'messages'"),
     ('{"text": "hi"}', r"keys \['text'\]; expected 'messages'"),
-    ('{"messages": [{"role": "bot", "content": "x"}, {"role": "assistant", "content": "y"}]}',
-     r"messages\[0\]: role 'bot' is not one of system, user, assistant"),
-    ('{"messages": [{"role": "user", "content": "x"}, {"role": "assistant", "content": ""}]}',
-     r"messages\[1\] \(assistant\): content is empty"),
+    (
+        '{"messages": [{"role": "bot", "content": "x"}, {"role": "assistant", "content": "y"}]}',
+        r"messages\[0\]: role 'bot' is not one of system, user, assistant",
+    ),
+    (
+        '{"messages": [{"role": "user", "content": "x"}, {"role": "assistant", "content": ""}]}',
+        r"messages\[1\] \(assistant\): content is empty",
+    ),
     ('{"messages": [{"role": "user", "content": "x"}]}', "no assistant turn"),
     ('{"messages": "hi"}', "'messages' is str"),
     ('{"instruction": "x"}', "no 'output'"),
@@ -189,8 +255,13 @@ def test_cache_is_reused_and_a_change_builds_a_new_entry(tmp_path, monkeypatch):
     path = jsonl(tmp_path / "c.jsonl", [SHORT, LONG_ANSWER])
     first = prepare(tmp_path, path)
     assert first.built and len(calls) == 1
-    assert {p.name for p in first.path.iterdir()} == {"tokens.npy", "weights.npy", "offsets.npy", "stats.json",
-                                                      ".cache-manifest.json"}
+    assert {p.name for p in first.path.iterdir()} == {
+        "tokens.npy",
+        "weights.npy",
+        "offsets.npy",
+        "stats.json",
+        ".cache-manifest.json",
+    }
     again = prepare(tmp_path, path)
     assert not again.built and len(calls) == 1  # not tokenized again
     assert again.path == first.path and again.stats == first.stats
@@ -209,12 +280,19 @@ def test_cache_is_reused_and_a_change_builds_a_new_entry(tmp_path, monkeypatch):
 def many_examples(tmp_path, n=40, seq_len=128):
     """Examples of 44 to 98 predictions, each with a unique question so rows can be traced back."""
     rng = np.random.default_rng(0)
-    records = [{"messages": [{"role": "system", "content": "s"}] * (i % 2 == 0) + [
-                   {"role": "user", "content": f"q{i}:" + "u" * int(rng.integers(0, 15))},
-                   {"role": "assistant", "content": "a" * int(rng.integers(1, 30))}]}
-               for i in range(n)]
-    return prepare_sft(jsonl(tmp_path / "many.jsonl", records), ByteTokenizer(), SftSettings(seq_len=seq_len),
-                       tmp_path / "cache")
+    records = [
+        {
+            "messages": [{"role": "system", "content": "s"}] * (i % 2 == 0)
+            + [
+                {"role": "user", "content": f"q{i}:" + "u" * int(rng.integers(0, 15))},
+                {"role": "assistant", "content": "a" * int(rng.integers(1, 30))},
+            ]
+        }
+        for i in range(n)
+    ]
+    return prepare_sft(
+        jsonl(tmp_path / "many.jsonl", records), ByteTokenizer(), SftSettings(seq_len=seq_len), tmp_path / "cache"
+    )
 
 
 def check_rows(batches, examples):
@@ -240,8 +318,9 @@ def check_rows(batches, examples):
 def test_packed_sft_rows_keep_examples_whole(tmp_path):
     examples = many_examples(tmp_path)
     assert len(examples) == 40
-    batches = [b for _, b in zip(range(12), train_dataset([Source("sft", examples, 1.0)], seq_len=128,
-                                                              global_batch=4, seed=0))]
+    batches = [
+        b for _, b in zip(range(12), train_dataset([Source("sft", examples, 1.0)], seq_len=128, global_batch=4, seed=0))
+    ]
     assert all(b["loss_mask"].dtype == np.float32 and b["inputs"].shape == (4, 128) for b in batches)
     assert check_rows(batches, examples) > 48  # several examples share a row
     assert any((b["segment_ids"] == 0).any() for b in batches)
@@ -253,12 +332,19 @@ def test_packed_sft_rows_keep_examples_whole(tmp_path):
 def test_sft_mixed_with_token_shards(tmp_path):
     examples = many_examples(tmp_path, n=12)
     shards = ShardSet(None, {}, [np.arange(10**6, 10**6 + 200, dtype=np.uint32)], [np.arange(0, 201, 20)])
-    batches = [b for _, b in zip(range(6), train_dataset([Source("sft", examples, 1.0), Source("web", shards, 1.0)],
-                                                             seq_len=128, global_batch=2, seed=1))]
+    batches = [
+        b
+        for _, b in zip(
+            range(6),
+            train_dataset(
+                [Source("sft", examples, 1.0), Source("web", shards, 1.0)], seq_len=128, global_batch=2, seed=1
+            ),
+        )
+    ]
     web = np.concatenate([b["inputs"] for b in batches]) >= 10**6
     mask = np.concatenate([b["loss_mask"] for b in batches])
     assert web.any() and (mask[web] == 1).all()  # pretraining pieces keep every prediction
-    sft_only = [{k: np.where(web[i * 2:(i + 1) * 2], 0, v) for k, v in b.items()} for i, b in enumerate(batches)]
+    sft_only = [{k: np.where(web[i * 2 : (i + 1) * 2], 0, v) for k, v in b.items()} for i, b in enumerate(batches)]
     check_rows(sft_only, examples)
 
 

@@ -5,8 +5,7 @@ import numpy as np
 import pytest
 
 from lm.data import shards as shards_mod
-from lm.data.corpus import split_files
-from lm.data.corpus import unit_hash
+from lm.data.corpus import split_files, unit_hash
 from lm.data.shards import open_shards, tokenize_corpus
 from lm.data.tokenizer import ByteTokenizer
 from lm.data.tokens import token_dtype
@@ -109,20 +108,24 @@ def test_jsonl_documents_split_by_text_hash(tmp_path):
     write_jsonl(tmp_path / "b.jsonl", [json.dumps({"text": t}) for t in texts[20:]] + ["", '{"text": ""}'])
     m = tokenize_corpus(str(tmp_path / "*.jsonl*"), tmp_path / "out", "byte", 0.3, progress=False)
     tok = ByteTokenizer()
-    got = {s: [tok.decode(d[:-1]) for d in read_docs(open_shards(tmp_path / "out" / s, tok))]
-           for s in ("train", "heldout")}
+    got = {
+        s: [tok.decode(d[:-1]) for d in read_docs(open_shards(tmp_path / "out" / s, tok))] for s in ("train", "heldout")
+    }
     held = [t for t in texts if unit_hash(t.encode()) < 0.3]
     assert got["heldout"] == held and got["train"] == [t for t in texts if t not in held]
     assert 0 < len(held) < len(texts)
     assert m["train"]["skipped"]["empty_docs"] == 1
 
 
-@pytest.mark.parametrize("line, words", [
-    ("not json", "b.jsonl:2: not a JSON object"),
-    ('{"content": "x"}', "b.jsonl:2: expected a JSON object with a string 'text' field, found keys ['content']"),
-    ('{"text": 3}', "b.jsonl:2: expected a JSON object"),
-    ("[1, 2]", "b.jsonl:2: expected a JSON object with a string 'text' field, found list"),
-])
+@pytest.mark.parametrize(
+    "line, words",
+    [
+        ("not json", "b.jsonl:2: not a JSON object"),
+        ('{"content": "x"}', "b.jsonl:2: expected a JSON object with a string 'text' field, found keys ['content']"),
+        ('{"text": 3}', "b.jsonl:2: expected a JSON object"),
+        ("[1, 2]", "b.jsonl:2: expected a JSON object with a string 'text' field, found list"),
+    ],
+)
 def test_bad_jsonl_names_file_and_line(tmp_path, line, words):
     write_jsonl(tmp_path / "a.jsonl", ['{"text": "fine"}'] * 3)
     write_jsonl(tmp_path / "b.jsonl", ['{"text": "fine too"}', line])

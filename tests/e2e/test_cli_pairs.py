@@ -12,9 +12,17 @@ from lm.cli import main
 from lm.data.synthetic import write_sort_pairs, write_sort_task
 from tests.e2e.test_cli_train import final_params
 
-COMMON = ["--config.pairs.epochs=0", "--config.train.batch_size=8", "--config.eval.every_steps=3",
-          "--config.checkpoint.every_steps=3", "--config.eval.batch_size=8", "--config.pairs.eval_pairs=8",
-          "--config.train.peak_flops=1e11", "--config.optim.lr=1e-3", "--no-progress"]
+COMMON = [
+    "--config.pairs.epochs=0",
+    "--config.train.batch_size=8",
+    "--config.eval.every_steps=3",
+    "--config.checkpoint.every_steps=3",
+    "--config.eval.batch_size=8",
+    "--config.pairs.eval_pairs=8",
+    "--config.train.peak_flops=1e11",
+    "--config.optim.lr=1e-3",
+    "--no-progress",
+]
 
 
 @pytest.fixture(scope="module")
@@ -25,8 +33,21 @@ def task(tmp_path_factory):
 
 def run(verb, base, task, workdir, steps, *extra, held_out=True):
     heldout = ["--eval-data", str(task["heldout"])] if held_out else []
-    return main([verb, "--init", str(base), "--data", str(task["train"]), *heldout, "--workdir", str(workdir),
-                 f"--config.train.steps={steps}", *COMMON, *extra])
+    return main(
+        [
+            verb,
+            "--init",
+            str(base),
+            "--data",
+            str(task["train"]),
+            *heldout,
+            "--workdir",
+            str(workdir),
+            f"--config.train.steps={steps}",
+            *COMMON,
+            *extra,
+        ]
+    )
 
 
 def rows(workdir):
@@ -36,11 +57,32 @@ def rows(workdir):
 @pytest.mark.slow
 def test_dpo_logs_trl_metrics_and_reports_held_out_pairs_and_answers(small_base, task, tmp_path):
     w = tmp_path / "dpo"
-    assert run("dpo", small_base, task, w, 6, "--eval-answers", str(task["answers"]), "--config.dpo.reference=precomputed",
-               "--config.pairs.eval_examples=4", "--config.pairs.eval_max_new_tokens=6") == 0
+    assert (
+        run(
+            "dpo",
+            small_base,
+            task,
+            w,
+            6,
+            "--eval-answers",
+            str(task["answers"]),
+            "--config.dpo.reference=precomputed",
+            "--config.pairs.eval_examples=4",
+            "--config.pairs.eval_max_new_tokens=6",
+        )
+        == 0
+    )
     logged = [r for r in rows(w) if "loss" in r]
-    keys = {"rewards/chosen", "rewards/rejected", "rewards/accuracies", "rewards/margins", "logps/chosen",
-            "logps/rejected", "grad_norm", "pairs"}
+    keys = {
+        "rewards/chosen",
+        "rewards/rejected",
+        "rewards/accuracies",
+        "rewards/margins",
+        "logps/chosen",
+        "logps/rejected",
+        "grad_norm",
+        "pairs",
+    }
     assert logged and all(keys <= r.keys() and r["pairs"] == 8 for r in logged)
     first = [r for r in rows(w) if r["step"] == 0 and "eval_loss" in r][0]
     assert first["eval_loss"] == pytest.approx(np.log(2), abs=1e-5)

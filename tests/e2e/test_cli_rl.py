@@ -19,10 +19,20 @@ def overlap(prompts, completions, answer, **columns):
     """Share of the response's characters found in the reference answer (spread on an untrained model)."""
     return [sum(ch in a for ch in c) / max(len(c), 1) for c, a in zip(completions, answer)]
 '''
-COMMON = ["--config.rl.prompts_per_step=2", "--config.rl.group_size=4", "--config.rl.max_new_tokens=8",
-          "--config.rl.epochs=2", "--config.rl.eval_prompts=4", "--config.eval.batch_size=4",
-          "--config.eval.every_steps=2", "--config.checkpoint.every_steps=2", "--config.train.log_every=1",
-          "--config.train.peak_flops=1e11", "--config.optim.lr=1e-3", "--no-progress"]
+COMMON = [
+    "--config.rl.prompts_per_step=2",
+    "--config.rl.group_size=4",
+    "--config.rl.max_new_tokens=8",
+    "--config.rl.epochs=2",
+    "--config.rl.eval_prompts=4",
+    "--config.eval.batch_size=4",
+    "--config.eval.every_steps=2",
+    "--config.checkpoint.every_steps=2",
+    "--config.train.log_every=1",
+    "--config.train.peak_flops=1e11",
+    "--config.optim.lr=1e-3",
+    "--no-progress",
+]
 
 
 @pytest.fixture(scope="module")
@@ -33,9 +43,24 @@ def task(tmp_path_factory):
 
 
 def run(base, task, workdir, steps, *extra):
-    return main(["rl", "--init", str(base), "--data", str(task["train"]), "--eval-data", str(task["heldout"]),
-                 "--rewards", task["rewards"], "--workdir", str(workdir), f"--config.train.steps={steps}",
-                 *COMMON, *extra])
+    return main(
+        [
+            "rl",
+            "--init",
+            str(base),
+            "--data",
+            str(task["train"]),
+            "--eval-data",
+            str(task["heldout"]),
+            "--rewards",
+            task["rewards"],
+            "--workdir",
+            str(workdir),
+            f"--config.train.steps={steps}",
+            *COMMON,
+            *extra,
+        ]
+    )
 
 
 @pytest.mark.slow
@@ -44,9 +69,22 @@ def test_grpo_logs_rl_metrics_and_resumes_exactly(small_base, task, tmp_path):
     assert run(small_base, task, straight, 4) == 0
     rows = [json.loads(line) for line in (straight / "metrics.jsonl").read_text().splitlines()]
     logged = [r for r in rows if "reward" in r]
-    keys = {"loss", "reward", "reward_std", "reward/overlap", "kl", "clip_fraction", "entropy", "response_length",
-            "truncated", "zero_std_groups", "rollout_tokens_per_s", "update_tokens_per_s", "sampling_share",
-            "grad_norm"}
+    keys = {
+        "loss",
+        "reward",
+        "reward_std",
+        "reward/overlap",
+        "kl",
+        "clip_fraction",
+        "entropy",
+        "response_length",
+        "truncated",
+        "zero_std_groups",
+        "rollout_tokens_per_s",
+        "update_tokens_per_s",
+        "sampling_share",
+        "grad_norm",
+    }
     assert len(logged) == 4 and all(keys <= r.keys() for r in logged)
     assert logged[0]["kl"] == pytest.approx(0.0, abs=1e-4)  # the first rollouts come from the reference
     evals = [r for r in rows if "eval_reward" in r]
@@ -74,11 +112,12 @@ def test_bad_prompts_and_rewards_are_one_line_errors(small_base, task, tmp_path,
     assert f"{bad}:2" in error("--data", str(bad), "--rewards", task["rewards"])
     assert "rl.rewards" in error("--data", str(task["train"]), "--rewards", "no_such_module:fn")
     assert "no reward" in error("--data", str(task["train"]))
-    assert "rl.group_size" in error("--data", str(task["train"]), "--rewards", task["rewards"],
-                                    "--config.rl.group_size=1")
+    assert "rl.group_size" in error(
+        "--data", str(task["train"]), "--rewards", task["rewards"], "--config.rl.group_size=1"
+    )
 
 
-BAD_REWARDS = '''
+BAD_REWARDS = """
 def lookup(completions):
     return [{"a": 1.0, "c": 0.5}[c] for c in completions]
 
@@ -94,7 +133,7 @@ def pairs(prompts, completions, **columns):  # raises on batches, never on one c
 
 def constant(prompts, completions, **columns):
     return 1.0
-'''
+"""
 
 
 def _reward(tmp_path, name):
@@ -113,14 +152,19 @@ def test_a_raising_reward_function_names_itself_the_completion_and_its_own_trace
     with pytest.raises(UserError) as e:
         call_reward(picky, ["p0", "p1", "p2"], ["a", "b", "c"], {"answer": ["x", "y", "z"]})
     first, *trace = str(e.value).split("\n")
-    assert first == (f"reward function 'picky' ({tmp_path / 'bad_rewards.py'}:picky) raised KeyError on completion 1 "
-                     "of 3 (prompt 'p1'): 'b'")
+    assert first == (
+        f"reward function 'picky' ({tmp_path / 'bad_rewards.py'}:picky) raised KeyError on completion 1 "
+        "of 3 (prompt 'p1'): 'b'"
+    )
     assert trace[0] == "Traceback (most recent call last):" and trace[-1] == "KeyError: 'b'"
     frames = [line.strip() for line in trace if line.strip().startswith("File ")]
     assert [f.rpartition(" in ")[2] for f in frames][:2] == ["picky", "lookup"]
     assert all(str(tmp_path) in f for f in frames)  # the user's frames only
-    with pytest.raises(UserError, match=r"'pairs' .* raised AssertionError on a batch of 2 completions \(on none "
-                                        r"of them alone\): more than one\nTraceback"):
+    with pytest.raises(
+        UserError,
+        match=r"'pairs' .* raised AssertionError on a batch of 2 completions \(on none "
+        r"of them alone\): more than one\nTraceback",
+    ):
         call_reward(_reward(tmp_path, "pairs"), ["p0", "p1"], ["a", "b"], {})
 
 
@@ -129,10 +173,12 @@ def test_reward_values_that_are_not_one_finite_float_per_completion_are_named(tm
     from lm.train.rewards import RewardFn, reward_values
 
     f = RewardFn("judge", None, 1.0, "mine.py:judge")
-    cases = {(1.0, float("nan"), 0.0): r"'judge' \(mine.py:judge\) returned nan for completion 1; expected a finite",
-             (float("-inf"), 1.0, 0.0): "returned -inf for completion 0",
-             (1.0, 2.0): "returned 2 values for 3 completions",
-             (1.0, None, 2.0): "returned None for completion 1; expected a float"}
+    cases = {
+        (1.0, float("nan"), 0.0): r"'judge' \(mine.py:judge\) returned nan for completion 1; expected a finite",
+        (float("-inf"), 1.0, 0.0): "returned -inf for completion 0",
+        (1.0, 2.0): "returned 2 values for 3 completions",
+        (1.0, None, 2.0): "returned None for completion 1; expected a float",
+    }
     for out, message in cases.items():
         with pytest.raises(UserError, match=message):
             reward_values(f, list(out), 3)
@@ -146,17 +192,33 @@ class _Terminal(io.StringIO):
         return True
 
 
-def test_reward_function_error_starts_on_its_own_line_after_the_progress_bar(small_base, task, tmp_path,
-                                                                             monkeypatch):
-    (tmp_path / "boom.py").write_text("def boom(prompts, completions, **columns):\n    return [1 / 0 for _ in "
-                                      "completions]\n")
+def test_reward_function_error_starts_on_its_own_line_after_the_progress_bar(small_base, task, tmp_path, monkeypatch):
+    (tmp_path / "boom.py").write_text(
+        "def boom(prompts, completions, **columns):\n    return [1 / 0 for _ in completions]\n"
+    )
     terminal = _Terminal()
     monkeypatch.setattr(sys, "stderr", terminal)  # progress bars are drawn on terminals only
     # the bar is drawn before the first rollout (no held-out rewards at step 0, which come before it)
     args = [a for a in COMMON if a != "--no-progress" and not a.startswith("--config.eval.every_steps")]
-    assert main(["rl", "--init", str(small_base), "--data", str(task["train"]), "--rewards",
-                 f"{tmp_path / 'boom.py'}:boom", "--workdir", str(tmp_path / "w"), "--config.train.steps=2",
-                 "--config.eval.every_steps=0", *args]) == 2
+    assert (
+        main(
+            [
+                "rl",
+                "--init",
+                str(small_base),
+                "--data",
+                str(task["train"]),
+                "--rewards",
+                f"{tmp_path / 'boom.py'}:boom",
+                "--workdir",
+                str(tmp_path / "w"),
+                "--config.train.steps=2",
+                "--config.eval.every_steps=0",
+                *args,
+            ]
+        )
+        == 2
+    )
     err = terminal.getvalue()
     assert "0/2" in err  # the bar was drawn
     lines = err.split("\n")
@@ -164,4 +226,4 @@ def test_reward_function_error_starts_on_its_own_line_after_the_progress_bar(sma
     assert len(at) == 1 and "on completion 0 of 8" in lines[at[0]]
     assert lines[at[0] + 1] == "Traceback (most recent call last):"
     assert lines[at[0] + 2].strip().startswith(f'File "{tmp_path / "boom.py"}", line 2, in ')
-    assert "ZeroDivisionError: division by zero" in lines[at[0] + 3:]
+    assert "ZeroDivisionError: division by zero" in lines[at[0] + 3 :]

@@ -11,10 +11,18 @@ from lm.cli import main
 from lm.data.synthetic import write_sort_task
 from tests.e2e.test_cli_train import final_params
 
-SFT = ["--config.sft.epochs=0", "--config.train.batch_size=8", "--config.eval.every_steps=5",
-       "--config.checkpoint.every_steps=5", "--config.eval.batches=1", "--config.eval.batch_size=8",
-       "--config.sft.eval_examples=8", "--config.sft.eval_max_new_tokens=8", "--config.train.peak_flops=1e11",
-       "--no-progress"]
+SFT = [
+    "--config.sft.epochs=0",
+    "--config.train.batch_size=8",
+    "--config.eval.every_steps=5",
+    "--config.checkpoint.every_steps=5",
+    "--config.eval.batches=1",
+    "--config.eval.batch_size=8",
+    "--config.sft.eval_examples=8",
+    "--config.sft.eval_max_new_tokens=8",
+    "--config.train.peak_flops=1e11",
+    "--no-progress",
+]
 
 
 @pytest.fixture(scope="module")
@@ -25,8 +33,21 @@ def base_run(tmp_path_factory, small_base):
 
 def sft(root, task, workdir, steps, *extra, held_out=True):
     heldout = ["--eval-data", str(task["heldout"])] if held_out else []
-    return main(["sft", "--init", str(root / "base"), "--data", str(task["train"]), *heldout,
-                 "--workdir", str(workdir), f"--config.train.steps={steps}", *SFT, *extra])
+    return main(
+        [
+            "sft",
+            "--init",
+            str(root / "base"),
+            "--data",
+            str(task["train"]),
+            *heldout,
+            "--workdir",
+            str(workdir),
+            f"--config.train.steps={steps}",
+            *SFT,
+            *extra,
+        ]
+    )
 
 
 @pytest.mark.slow
@@ -66,8 +87,10 @@ def test_lora_checkpoints_hold_adapters_resume_exactly_and_merge(base_run, tmp_p
     answers = []
     for source in (["--workdir", str(straight)], ["--params", str(out)]):
         capsys.readouterr()
-        assert main(["sample", *source, "--chat", "--prompt", "sort 321", "--max-new-tokens", "4",
-                     "--temperature", "0"]) == 0
+        assert (
+            main(["sample", *source, "--chat", "--prompt", "sort 321", "--max-new-tokens", "4", "--temperature", "0"])
+            == 0
+        )
         answers.append(capsys.readouterr().out)
     assert answers[0] == answers[1]  # adapters folded in on load == the merged export
 
@@ -80,8 +103,7 @@ def _keys(tree, prefix=""):
 def test_bad_data_is_one_line_naming_file_and_line(base_run, tmp_path, capsys):
     root, task = base_run
     bad = tmp_path / "bad.jsonl"
-    bad.write_text(task["train"].read_text().splitlines()[0] + "\n{\"messages\": [{\"role\": \"robot\", "
-                   "\"content\": \"x\"}]}\n")
+    bad.write_text(task["train"].read_text().splitlines()[0] + '\n{"messages": [{"role": "robot", "content": "x"}]}\n')
     assert main(["sft", "--init", str(root / "base"), "--data", str(bad), "--workdir", str(tmp_path / "w"), *SFT]) == 2
     err = capsys.readouterr().err
     errors = [line for line in err.splitlines() if line.startswith("lm: error:")]

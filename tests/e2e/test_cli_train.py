@@ -18,17 +18,39 @@ from lm.cli import main
 # The byte-level data path without curation: the default config's curation and tokenizer
 # training have their own tests.
 BYTES = ["--config.data.curate=false", "--config.data.tokenizer=byte", "--config.model.vocab_size=264"]
-SMALL = [*BYTES, "--config.model.d_model=32", "--config.model.n_layers=2", "--config.model.n_heads=2",
-         "--config.model.n_kv_heads=1", "--config.model.d_ff=64", "--config.data.seq_len=32",
-         "--config.train.batch_size=16", "--config.eval.batches=2", "--config.eval.batch_size=8",
-         "--config.train.sample_tokens=16", "--config.optim.warmup_steps=5", "--config.optim.decay_steps=40",
-         "--config.train.peak_flops=1e11", "--no-progress"]
+SMALL = [
+    *BYTES,
+    "--config.model.d_model=32",
+    "--config.model.n_layers=2",
+    "--config.model.n_heads=2",
+    "--config.model.n_kv_heads=1",
+    "--config.model.d_ff=64",
+    "--config.data.seq_len=32",
+    "--config.train.batch_size=16",
+    "--config.eval.batches=2",
+    "--config.eval.batch_size=8",
+    "--config.train.sample_tokens=16",
+    "--config.optim.warmup_steps=5",
+    "--config.optim.decay_steps=40",
+    "--config.train.peak_flops=1e11",
+    "--no-progress",
+]
 
 
 def train(workdir, corpus, steps, *extra):
-    return main(["train", "--workdir", str(workdir), f"--config.data.corpus={corpus}",
-                 f"--config.train.steps={steps}", "--config.eval.every_steps=10",
-                 "--config.checkpoint.every_steps=10", *SMALL, *extra])
+    return main(
+        [
+            "train",
+            "--workdir",
+            str(workdir),
+            f"--config.data.corpus={corpus}",
+            f"--config.train.steps={steps}",
+            "--config.eval.every_steps=10",
+            "--config.checkpoint.every_steps=10",
+            *SMALL,
+            *extra,
+        ]
+    )
 
 
 def final_params(workdir, step):
@@ -132,12 +154,22 @@ def test_plan_prints_counts(capsys):
 
 
 def test_tokenizer_train_then_pretrain_with_it(tmp_path, capsys, corpus):
-    assert main(["tokenizer", "train", "--corpus", str(corpus), "--out", str(tmp_path / "tok"),
-                 "--vocab-size", "512"]) == 0
+    assert (
+        main(["tokenizer", "train", "--corpus", str(corpus), "--out", str(tmp_path / "tok"), "--vocab-size", "512"])
+        == 0
+    )
     model = tmp_path / "tok.model"
     assert model.is_file() and "512 pieces" in capsys.readouterr().out
-    too_small = main(["train", "--workdir", str(tmp_path / "a"), f"--config.data.corpus={corpus}", *BYTES,
-                      f"--config.data.tokenizer={model}"])
+    too_small = main(
+        [
+            "train",
+            "--workdir",
+            str(tmp_path / "a"),
+            f"--config.data.corpus={corpus}",
+            *BYTES,
+            f"--config.data.tokenizer={model}",
+        ]
+    )
     assert too_small == 2 and "model.vocab_size is 264" in capsys.readouterr().err
     assert train(tmp_path / "b", corpus, 4, f"--config.data.tokenizer={model}", "--config.model.vocab_size=512") == 0
     rows = [json.loads(line) for line in (tmp_path / "b" / "metrics.jsonl").read_text().splitlines()]
@@ -149,19 +181,37 @@ def test_default_config_curates_trains_a_tokenizer_then_pretrains(tmp_path, corp
     src = tmp_path / "raw"
     shutil.copytree(corpus, src)
     shutil.copy(corpus / "abc.py", src / "abc_copy.py")  # an exact duplicate for curation to drop
-    args = [a for a in SMALL if a not in BYTES] + ["--config.model.vocab_size=512", "--config.data.tokenizer=spm:512",
-                                                   "--config.data.heldout_fraction=0.3", "--config.data.workers=1"]
+    args = [a for a in SMALL if a not in BYTES] + [
+        "--config.model.vocab_size=512",
+        "--config.data.tokenizer=spm:512",
+        "--config.data.heldout_fraction=0.3",
+        "--config.data.workers=1",
+    ]
     cache = tmp_path / "cache"
-    assert main(["train", "--workdir", str(tmp_path / "w"), f"--config.data.corpus={src}",
-                 f"--config.data.cache_dir={cache}", "--config.train.steps=2", "--config.eval.every_steps=2",
-                 *args]) == 0
+    assert (
+        main(
+            [
+                "train",
+                "--workdir",
+                str(tmp_path / "w"),
+                f"--config.data.corpus={src}",
+                f"--config.data.cache_dir={cache}",
+                "--config.train.steps=2",
+                "--config.eval.every_steps=2",
+                *args,
+            ]
+        )
+        == 0
+    )
     (report,) = cache.glob("curated-*/report.json")
     report = json.loads(report.read_text())
     assert report["in"]["docs"] == 13 and report["stages"]["exact_dedup"]["reasons"]["exact_duplicate"]["docs"] == 1
     stats = json.loads((tmp_path / "w" / "data_stats.json").read_text())
     assert stats["train_docs"] + stats["heldout_docs"] == report["kept"]["docs"]
     assert list(cache.glob("tokenizer-spm512-*/*.model"))
-    assert (tmp_path / "w" / "tokenizer.model").read_bytes() == next(cache.glob("tokenizer-spm512-*/*.model")).read_bytes()
+    assert (tmp_path / "w" / "tokenizer.model").read_bytes() == next(
+        cache.glob("tokenizer-spm512-*/*.model")
+    ).read_bytes()
     rows = [json.loads(line) for line in (tmp_path / "w" / "metrics.jsonl").read_text().splitlines()]
     assert rows[-1]["step"] == 2 and rows[-1]["eval_loss"] < 1.5 * math.log(512)
 
@@ -238,8 +288,9 @@ def test_a_run_killed_after_its_final_checkpoint_finishes_on_resume(done_run, tm
     (work / "final_metrics.json").unlink()
     assert train(work, corpus, 4, "--resume") == 0 and "final_metrics.json is missing" in capsys.readouterr().err
     first, again = (json.loads((w / "summary.json").read_text()) for w in (done_run, work))
-    assert {k: again[k] for k in ("step", "loss", "eval_loss", "compile_s")} == \
-        {k: first[k] for k in ("step", "loss", "eval_loss", "compile_s")} and again["run_tokens_per_s"] is None
+    assert {k: again[k] for k in ("step", "loss", "eval_loss", "compile_s")} == {
+        k: first[k] for k in ("step", "loss", "eval_loss", "compile_s")
+    } and again["run_tokens_per_s"] is None
 
 
 def test_a_second_writer_is_refused_naming_the_first(tmp_path, corpus, capsys, monkeypatch):
@@ -268,8 +319,11 @@ def test_unwritable_outputs_are_one_line_before_any_data_work(tmp_path, corpus, 
     (tmp_path / "m").mkdir()
     (tmp_path / "m" / "metrics.jsonl").write_text("")
     (tmp_path / "c" / "checkpoints").mkdir(parents=True)  # a fresh run would train, then fail its first save
-    cases = [(locked / "w" / "run", locked / "w"), (tmp_path / "m", tmp_path / "m" / "metrics.jsonl"),
-             (tmp_path / "c", tmp_path / "c" / "checkpoints")]
+    cases = [
+        (locked / "w" / "run", locked / "w"),
+        (tmp_path / "m", tmp_path / "m" / "metrics.jsonl"),
+        (tmp_path / "c", tmp_path / "c" / "checkpoints"),
+    ]
     for _, unwritable in cases:
         unwritable.chmod(0o555)
     try:
@@ -288,8 +342,14 @@ def start_patched(module: str, name: str, marker: str, args: list[str]):
 
     script = SLOW.format(module=module, name=name, marker=marker)
     env = os.environ | {"XLA_FLAGS": xla_flags(8), "JAX_PLATFORMS": "cpu"}
-    proc = subprocess.Popen([sys.executable, "-c", script, *args], cwd=ROOT, env=env, stdout=subprocess.PIPE,
-                            stderr=subprocess.PIPE, text=True)
+    proc = subprocess.Popen(
+        [sys.executable, "-c", script, *args],
+        cwd=ROOT,
+        env=env,
+        stdout=subprocess.PIPE,
+        stderr=subprocess.PIPE,
+        text=True,
+    )
     for line in iter(proc.stdout.readline, ""):
         if line.strip() == marker:
             return proc
@@ -312,8 +372,15 @@ def test_sigterm_during_data_preparation_stops_cleanly(tmp_path, corpus):
 @pytest.mark.slow
 def test_sigterm_during_the_end_of_run_work_finishes_on_resume(tmp_path, corpus, capsys):
     work = tmp_path / "w"
-    args = ["train", "--workdir", str(work), f"--config.data.corpus={corpus}", "--config.train.steps=2",
-            "--config.eval.every_steps=2", *SMALL]
+    args = [
+        "train",
+        "--workdir",
+        str(work),
+        f"--config.data.corpus={corpus}",
+        "--config.train.steps=2",
+        "--config.eval.every_steps=2",
+        *SMALL,
+    ]
     proc = start_patched("lm.train.pretrain", "_sample", "sampling", args)
     proc.send_signal(signal.SIGTERM)
     _, err = proc.communicate(timeout=120)
@@ -344,8 +411,15 @@ def test_a_stop_swallowed_where_it_landed_still_keeps_the_run_unfinished(tmp_pat
 
     monkeypatch.setattr(pretrain, "_sample", swallowed)
     work = tmp_path / "w"
-    args = ["train", "--workdir", str(work), f"--config.data.corpus={corpus}", "--config.train.steps=2",
-            "--config.eval.every_steps=2", *SMALL]
+    args = [
+        "train",
+        "--workdir",
+        str(work),
+        f"--config.data.corpus={corpus}",
+        "--config.train.steps=2",
+        "--config.eval.every_steps=2",
+        *SMALL,
+    ]
     assert main(args) == 0
     assert "lm: stopped by SIGTERM" in capsys.readouterr().err
     assert not (work / "summary.json").exists()

@@ -5,8 +5,8 @@ import math
 
 
 def test_moe_stage_trains_beside_the_dense_run(small_base, tmp_path):
-    from lm.demo.pipeline import evidence
     from lm.demo.moe import moe_pretraining
+    from lm.demo.pipeline import evidence
 
     out = moe_pretraining(tmp_path, small_base, steps=10, show_progress=False)
     config = json.loads((tmp_path / "pretrain-moe" / "config.json").read_text())
@@ -16,8 +16,10 @@ def test_moe_stage_trains_beside_the_dense_run(small_base, tmp_path):
     assert m["capacity_factor"] == 0.0  # dropless
     # the dense run's batches and learning-rate schedule: its seed, batch and decay length
     assert config["optim"]["decay_steps"] == dense["optim"]["decay_steps"] and config["train"]["steps"] == 10
-    assert (config["train"]["seed"], config["train"]["batch_size"]) == (dense["train"]["seed"],
-                                                                        dense["train"]["batch_size"])
+    assert (config["train"]["seed"], config["train"]["batch_size"]) == (
+        dense["train"]["seed"],
+        dense["train"]["batch_size"],
+    )
     assert math.isfinite(out["eval_loss"]) and out["eval_loss"] < out["eval_loss_init"]
     assert out["dense_eval_loss"] is not None  # the dense run evaluated at step 10 too
     assert out["routing"]["dropped"] == 0 and out["routing"]["balance"] >= 1.0 - 1e-4

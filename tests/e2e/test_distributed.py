@@ -11,8 +11,14 @@ import pytest
 from tests.conftest import xla_flags
 from tests.e2e.test_cli_train import SMALL
 
-ARGS = SMALL + ["--config.train.steps=6", "--config.train.log_every=2", "--config.eval.every_steps=0",
-                "--config.checkpoint.every_steps=3", "--config.mesh.data=2", "--config.mesh.fsdp=4"]
+ARGS = SMALL + [
+    "--config.train.steps=6",
+    "--config.train.log_every=2",
+    "--config.eval.every_steps=0",
+    "--config.checkpoint.every_steps=3",
+    "--config.mesh.data=2",
+    "--config.mesh.fsdp=4",
+]
 
 
 def free_port() -> int:
@@ -22,14 +28,23 @@ def free_port() -> int:
 
 
 def run(workdir, corpus, n_proc: int, devices_per_proc: int, args=ARGS):
-    env = os.environ | {"XLA_FLAGS": xla_flags(devices_per_proc),
-                        "JAX_PLATFORMS": "cpu"}
-    base = [sys.executable, "-m", "lm.cli", "train", "--workdir", str(workdir),
-            f"--config.data.corpus={corpus}", *args]
+    env = os.environ | {"XLA_FLAGS": xla_flags(devices_per_proc), "JAX_PLATFORMS": "cpu"}
+    base = [sys.executable, "-m", "lm.cli", "train", "--workdir", str(workdir), f"--config.data.corpus={corpus}", *args]
     if n_proc > 1:
         port = free_port()
-        cmds = [base + ["--distributed", "--coordinator", f"127.0.0.1:{port}", "--num-processes", str(n_proc),
-                        "--process-id", str(i)] for i in range(n_proc)]
+        cmds = [
+            base
+            + [
+                "--distributed",
+                "--coordinator",
+                f"127.0.0.1:{port}",
+                "--num-processes",
+                str(n_proc),
+                "--process-id",
+                str(i),
+            ]
+            for i in range(n_proc)
+        ]
     else:
         cmds = [base]
     procs = [subprocess.Popen(c, env=env, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True) for c in cmds]
@@ -56,9 +71,17 @@ def test_two_processes_match_one(tmp_path, corpus):
 
 # tensor=2 spans processes: processes 0 and 1 hold the same batch shard (and 2 and 3 the other),
 # so each pair must feed identical rows.
-TENSOR_ARGS = SMALL + ["--config.train.steps=4", "--config.train.log_every=1", "--config.eval.every_steps=0",
-                       "--config.checkpoint.every_steps=4", "--config.mesh.data=1", "--config.mesh.fsdp=2",
-                       "--config.mesh.tensor=2", "--config.model.n_kv_heads=2", "--config.train.batch_size=8"]
+TENSOR_ARGS = SMALL + [
+    "--config.train.steps=4",
+    "--config.train.log_every=1",
+    "--config.eval.every_steps=0",
+    "--config.checkpoint.every_steps=4",
+    "--config.mesh.data=1",
+    "--config.mesh.fsdp=2",
+    "--config.mesh.tensor=2",
+    "--config.model.n_kv_heads=2",
+    "--config.train.batch_size=8",
+]
 
 
 @pytest.mark.slow

@@ -18,7 +18,7 @@ from tests.e2e.test_cli_rl import COMMON
 from tests.e2e.test_distributed import free_port
 
 # overlap (as in test_cli_rl) that also notes which process called it
-REWARD = '''
+REWARD = """
 import os, pathlib
 
 def overlap(prompts, completions, answer, **columns):
@@ -26,7 +26,7 @@ def overlap(prompts, completions, answer, **columns):
     calls.parent.mkdir(exist_ok=True)
     calls.write_text(calls.read_text() + "x" if calls.exists() else "x")
     return [sum(ch in a for ch in c) / max(len(c), 1) for c, a in zip(completions, answer)]
-'''
+"""
 DRIVER = """
 import json, sys
 from lm.cli import main
@@ -45,8 +45,10 @@ def write(path, rows):
 def inputs(tmp_path_factory):
     root = tmp_path_factory.mktemp("stages")
     task = write_sort_task(root, 16, 4)
-    mc = write(root / "mc.jsonl", [{"context": f"def f{i}(x):", "choices": ["\n    return x", "\n\n\n"], "answer": 0}
-                                   for i in range(6)])
+    mc = write(
+        root / "mc.jsonl",
+        [{"context": f"def f{i}(x):", "choices": ["\n    return x", "\n\n\n"], "answer": 0} for i in range(6)],
+    )
     gen = write(root / "gen.jsonl", [{"prompt": "import o", "answer": "s"}, {"prompt": "def", "answer": " f"}])
     held = write(root / "held.jsonl", [{"text": "def add(a, b):\n    return a + b\n"}] * 3)
     prompts = write(root / "prompts.jsonl", [{"prompt": p} for p in ("def f(", "import", "x = ")])
@@ -58,21 +60,72 @@ def start(base, inputs, out, n_proc: int) -> list:
     processes of 8 // n_proc devices each."""
     out.mkdir()
     (out / "rewards.py").write_text(REWARD)
-    rl = ["rl", "--init", str(base), "--data", str(inputs["train"]), "--eval-data", str(inputs["heldout"]),
-          "--rewards", f"{out / 'rewards.py'}:overlap", "--workdir", str(out / "rl"), "--config.train.steps=1",
-          "--config.optim.warmup_steps=0", *COMMON]  # no warmup: the two updates move the params
-    evaluate = ["eval", "--workdir", str(base), "--no-progress", "--batch-size", "8", "--out", str(out / "eval.json"),
-                "--tasks", f"held={inputs['held']}", f"mc={inputs['mc']}?shots=2",
-                f"gen={inputs['gen']}?chat=false&max_new_tokens=4&scorer=normalized"]
-    sample = ["sample", "--workdir", str(base), "--prompts", str(inputs["prompts"]), "--out",
-              str(out / "sample.jsonl"), "--max-new-tokens", "6", "--temperature", "1", "--seed", "3"]
+    rl = [
+        "rl",
+        "--init",
+        str(base),
+        "--data",
+        str(inputs["train"]),
+        "--eval-data",
+        str(inputs["heldout"]),
+        "--rewards",
+        f"{out / 'rewards.py'}:overlap",
+        "--workdir",
+        str(out / "rl"),
+        "--config.train.steps=1",
+        "--config.optim.warmup_steps=0",
+        *COMMON,
+    ]  # no warmup: the two updates move the params
+    evaluate = [
+        "eval",
+        "--workdir",
+        str(base),
+        "--no-progress",
+        "--batch-size",
+        "8",
+        "--out",
+        str(out / "eval.json"),
+        "--tasks",
+        f"held={inputs['held']}",
+        f"mc={inputs['mc']}?shots=2",
+        f"gen={inputs['gen']}?chat=false&max_new_tokens=4&scorer=normalized",
+    ]
+    sample = [
+        "sample",
+        "--workdir",
+        str(base),
+        "--prompts",
+        str(inputs["prompts"]),
+        "--out",
+        str(out / "sample.jsonl"),
+        "--max-new-tokens",
+        "6",
+        "--temperature",
+        "1",
+        "--seed",
+        "3",
+    ]
     verbs = json.dumps([rl, evaluate, sample])
     env = os.environ | {"XLA_FLAGS": xla_flags(8 // n_proc), "JAX_PLATFORMS": "cpu"}
     port = free_port()
-    flags = [["--coordinator", f"127.0.0.1:{port}", "--num-processes", str(n_proc), "--process-id", str(i)]
-             for i in range(n_proc)] if n_proc > 1 else [[]]
-    return [subprocess.Popen([sys.executable, "-c", DRIVER, verbs, *f], env=env, stdout=subprocess.PIPE,
-                             stderr=subprocess.STDOUT, text=True) for f in flags]
+    flags = (
+        [
+            ["--coordinator", f"127.0.0.1:{port}", "--num-processes", str(n_proc), "--process-id", str(i)]
+            for i in range(n_proc)
+        ]
+        if n_proc > 1
+        else [[]]
+    )
+    return [
+        subprocess.Popen(
+            [sys.executable, "-c", DRIVER, verbs, *f],
+            env=env,
+            stdout=subprocess.PIPE,
+            stderr=subprocess.STDOUT,
+            text=True,
+        )
+        for f in flags
+    ]
 
 
 def results(out, procs: list):
@@ -102,8 +155,10 @@ def test_rl_eval_and_sample_in_two_processes_match_one(small_base, inputs, tmp_p
     assert any("reward" in r for r in rows_one) and any("eval_reward" in r for r in rows_one)
     for a, b in zip(rows_one, rows_two):
         assert b == pytest.approx(a, rel=1e-5, abs=1e-6)
-    base, *tuned = (jax.tree.leaves(read_checkpoint_params(w)[0]) for w in (small_base, tmp_path / "1" / "rl",
-                                                                              tmp_path / "2" / "rl"))
+    base, *tuned = (
+        jax.tree.leaves(read_checkpoint_params(w)[0])
+        for w in (small_base, tmp_path / "1" / "rl", tmp_path / "2" / "rl")
+    )
     assert any(not np.array_equal(x, y) for x, y in zip(base, tuned[0]))
     for x, y in zip(*tuned):  # Adam's steps (lr 1e-3, sign-like) agree to a hundredth of a step
         np.testing.assert_allclose(y, x, rtol=1e-5, atol=1e-5)
@@ -118,6 +173,7 @@ def test_rl_eval_and_sample_in_two_processes_match_one(small_base, inputs, tmp_p
     assert tasks_two["gen"]["samples"] == tasks_one["gen"]["samples"]
     # sample: the same sampled tokens, written once
     assert [s["tokens"] for s in two[2]] == [s["tokens"] for s in one[2]]
-    np.testing.assert_allclose(sum((s["logprobs"] for s in two[2]), []), sum((s["logprobs"] for s in one[2]), []),
-                               rtol=1e-5)
+    np.testing.assert_allclose(
+        sum((s["logprobs"] for s in two[2]), []), sum((s["logprobs"] for s in one[2]), []), rtol=1e-5
+    )
     assert two[3][1].count("bits_per_byte") == 0 and two[3][0].count("bits_per_byte") == 1  # one table

@@ -55,8 +55,14 @@ def test_sigterm_while_dpo_reads_its_init_model_prints_one_line(where, small_bas
     data = write_sort_pairs(tmp_path, n_train=4, n_heldout=1)["train"]
     work = tmp_path / "dpo"
     args = ["dpo", "--init", str(small_base), "--data", str(data), "--workdir", str(work), "--no-progress"]
-    proc = subprocess.Popen([sys.executable, "-c", SCRIPT, where, *args], cwd=ROOT, env=env(1),
-                            stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True)
+    proc = subprocess.Popen(
+        [sys.executable, "-c", SCRIPT, where, *args],
+        cwd=ROOT,
+        env=env(1),
+        stdout=subprocess.PIPE,
+        stderr=subprocess.PIPE,
+        text=True,
+    )
     for line in iter(proc.stdout.readline, ""):
         if line.strip() == WAITING:
             break
@@ -65,7 +71,9 @@ def test_sigterm_while_dpo_reads_its_init_model_prints_one_line(where, small_bas
     proc.send_signal(signal.SIGTERM)
     _, err = proc.communicate(timeout=GUARD)
     assert proc.returncode == 0, err[-3000:]
-    assert lines(err) == [f"lm: stopped by SIGTERM during loading the init model; nothing is lost; run again with "
-                          f"the same command: lm {shlex.join(args)}"], err[-3000:]
+    assert lines(err) == [
+        f"lm: stopped by SIGTERM during loading the init model; nothing is lost; run again with "
+        f"the same command: lm {shlex.join(args)}"
+    ], err[-3000:]
     assert "Traceback" not in err
     assert not (work / "checkpoints").exists()

@@ -19,20 +19,35 @@ from tests.conftest import xla_flags
 from tests.e2e.test_cli_train import SMALL
 
 STEPS = 24
-ARGS = SMALL + [f"--config.train.steps={STEPS}", "--config.train.log_every=1", "--config.eval.every_steps=0",
-                "--config.checkpoint.every_steps=4", "--config.checkpoint.keep=2"]
+ARGS = SMALL + [
+    f"--config.train.steps={STEPS}",
+    "--config.train.log_every=1",
+    "--config.eval.every_steps=0",
+    "--config.checkpoint.every_steps=4",
+    "--config.checkpoint.keep=2",
+]
 ROOT = pathlib.Path(__file__).resolve().parents[2]
 
 
 def command(workdir, corpus, resume=False):
-    return [sys.executable, "-m", "lm.cli", "train", "--workdir", str(workdir), f"--config.data.corpus={corpus}",
-            *ARGS, *(["--resume"] if resume else [])]
+    return [
+        sys.executable,
+        "-m",
+        "lm.cli",
+        "train",
+        "--workdir",
+        str(workdir),
+        f"--config.data.corpus={corpus}",
+        *ARGS,
+        *(["--resume"] if resume else []),
+    ]
 
 
 def start(workdir, corpus, resume=False):
     env = os.environ | {"XLA_FLAGS": xla_flags(8), "JAX_PLATFORMS": "cpu"}
-    return subprocess.Popen(command(workdir, corpus, resume), env=env, cwd=ROOT, stdout=subprocess.PIPE,
-                            stderr=subprocess.PIPE, text=True)
+    return subprocess.Popen(
+        command(workdir, corpus, resume), env=env, cwd=ROOT, stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True
+    )
 
 
 def logged_step(workdir) -> int:
@@ -116,11 +131,24 @@ def test_sigterm_to_one_process_stops_all_at_the_same_step(tmp_path, corpus):
 
     env = os.environ | {"XLA_FLAGS": xla_flags(4), "JAX_PLATFORMS": "cpu"}
     port = free_port()
-    base = command(tmp_path / "w", corpus) + ["--config.mesh.data=2", "--config.mesh.fsdp=4",
-                                              "--config.train.steps=100000", "--config.checkpoint.agree_every_steps=3"]
-    procs = [subprocess.Popen(base + ["--distributed", "--coordinator", f"127.0.0.1:{port}", "--num-processes", "2",
-                                      "--process-id", str(i)], env=env, cwd=ROOT, stdout=subprocess.PIPE,
-                              stderr=subprocess.PIPE, text=True) for i in range(2)]
+    base = command(tmp_path / "w", corpus) + [
+        "--config.mesh.data=2",
+        "--config.mesh.fsdp=4",
+        "--config.train.steps=100000",
+        "--config.checkpoint.agree_every_steps=3",
+    ]
+    procs = [
+        subprocess.Popen(
+            base
+            + ["--distributed", "--coordinator", f"127.0.0.1:{port}", "--num-processes", "2", "--process-id", str(i)],
+            env=env,
+            cwd=ROOT,
+            stdout=subprocess.PIPE,
+            stderr=subprocess.PIPE,
+            text=True,
+        )
+        for i in range(2)
+    ]
     wait_for(procs[0], lambda: logged_step(tmp_path / "w") >= 5)
     procs[1].send_signal(signal.SIGTERM)
     results = [finish(p) for p in procs]

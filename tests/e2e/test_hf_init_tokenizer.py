@@ -20,9 +20,16 @@ from lm.errors import UserError  # noqa: E402
 from tests.hf_models import write_model  # noqa: E402
 from tests.hf_tokenizers import qwen_like  # noqa: E402
 
-STEPS = ["--config.train.steps=2", "--config.optim.lr=1e-3", "--config.optim.warmup_steps=0",
-         "--config.train.batch_size=8", "--config.train.peak_flops=1e11", "--config.data.seq_len=96",
-         "--config.checkpoint.every_steps=2", "--no-progress"]
+STEPS = [
+    "--config.train.steps=2",
+    "--config.optim.lr=1e-3",
+    "--config.optim.warmup_steps=0",
+    "--config.train.batch_size=8",
+    "--config.train.peak_flops=1e11",
+    "--config.data.seq_len=96",
+    "--config.checkpoint.every_steps=2",
+    "--no-progress",
+]
 PROMPT = "sort 70931"
 NEW = 6
 TEXTS = ["sort 70931", "def f(x):\n    return x  # ünïcode", "<|im_start|>user\nhi<|im_end|>\n"]
@@ -50,8 +57,22 @@ def task(tmp_path_factory):
 @pytest.fixture(scope="module")
 def full_sft(hf, task, tmp_path_factory):
     work = tmp_path_factory.mktemp("full") / "sft"
-    assert main(["sft", "--init", str(hf), "--data", str(task["train"]), "--workdir", str(work),
-                 "--config.sft.epochs=0", *STEPS]) == 0
+    assert (
+        main(
+            [
+                "sft",
+                "--init",
+                str(hf),
+                "--data",
+                str(task["train"]),
+                "--workdir",
+                str(work),
+                "--config.sft.epochs=0",
+                *STEPS,
+            ]
+        )
+        == 0
+    )
     return work
 
 
@@ -67,8 +88,25 @@ def _sampled(work, tmp_path) -> list[int]:
     """`lm sample --workdir RUN --chat` greedy: the ids it answers PROMPT with."""
     prompts, out = tmp_path / "prompts.jsonl", tmp_path / "out.jsonl"
     prompts.write_text(json.dumps({"prompt": PROMPT}) + "\n")
-    assert main(["sample", "--workdir", str(work), "--chat", "--prompts", str(prompts), "--out", str(out),
-                 "--temperature", "0", "--max-new-tokens", str(NEW)]) == 0
+    assert (
+        main(
+            [
+                "sample",
+                "--workdir",
+                str(work),
+                "--chat",
+                "--prompts",
+                str(prompts),
+                "--out",
+                str(out),
+                "--temperature",
+                "0",
+                "--max-new-tokens",
+                str(NEW),
+            ]
+        )
+        == 0
+    )
     return json.loads(out.read_text())["tokens"]
 
 
@@ -92,7 +130,7 @@ def _greedy(model, tokenizer_dir) -> tuple[list[int], set]:
 
 def _same_answer(ours: list[int], theirs: list[int], stops: set) -> None:
     """Our greedy ids are transformers' up to where ours stopped (at a stop id, or after NEW)."""
-    assert ours == theirs[:len(ours)], (ours, theirs)
+    assert ours == theirs[: len(ours)], (ours, theirs)
     assert len(ours) == NEW or (ours and ours[-1] in stops) or theirs[len(ours)] in stops, (ours, theirs)
 
 
@@ -110,8 +148,9 @@ def _exported_tokenizer_is_hf(out, hf, vocab: int) -> None:
         assert exported.encode(text, add_special_tokens=False).ids == want
         assert auto(text, add_special_tokens=False)["input_ids"] == want
     chat = [{"role": "user", "content": PROMPT}]
-    assert auto.apply_chat_template(chat, tokenize=False, add_generation_prompt=True) == \
-        original.apply_chat_template(chat, tokenize=False, add_generation_prompt=True)
+    assert auto.apply_chat_template(chat, tokenize=False, add_generation_prompt=True) == original.apply_chat_template(
+        chat, tokenize=False, add_generation_prompt=True
+    )
 
 
 def test_full_sft_keeps_the_tokenizer_and_answers_as_transformers(hf, full_sft, tmp_path):
@@ -155,13 +194,29 @@ def test_a_run_started_from_the_run_carries_the_tokenizer_on(hf, full_sft, task,
     from lm.store.load import load_trained
 
     work = tmp_path / "again"
-    assert main(["sft", "--init", str(full_sft), "--data", str(task["train"]), "--workdir", str(work),
-                 "--config.sft.epochs=0", *STEPS, "--config.train.steps=1"]) == 0
+    assert (
+        main(
+            [
+                "sft",
+                "--init",
+                str(full_sft),
+                "--data",
+                str(task["train"]),
+                "--workdir",
+                str(work),
+                "--config.sft.epochs=0",
+                *STEPS,
+                "--config.train.steps=1",
+            ]
+        )
+        == 0
+    )
     config = json.loads((work / "config.json").read_text())
     assert config["data"]["tokenizer"] == str((full_sft / "tokenizer").absolute())
     assert (work / "tokenizer" / "tokenizer.json").read_bytes() == (hf / "tokenizer.json").read_bytes()
-    assert load_trained(workdir=str(work)).tokenizer.fingerprint() == \
-        load_trained(params=str(hf)).tokenizer.fingerprint()
+    assert (
+        load_trained(workdir=str(work)).tokenizer.fingerprint() == load_trained(params=str(hf)).tokenizer.fingerprint()
+    )
 
 
 def test_lora_sft_answers_as_peft_over_the_base_and_its_exports_carry_the_tokenizer(hf, task, tmp_path):
@@ -170,8 +225,24 @@ def test_lora_sft_answers_as_peft_over_the_base_and_its_exports_carry_the_tokeni
     from transformers import AutoModelForCausalLM
 
     work = tmp_path / "lora"
-    assert main(["sft", "--init", str(hf), "--data", str(task["train"]), "--workdir", str(work),
-                 "--config.sft.epochs=0", "--config.model.lora_rank=4", *STEPS, "--config.optim.lr=1e-2"]) == 0
+    assert (
+        main(
+            [
+                "sft",
+                "--init",
+                str(hf),
+                "--data",
+                str(task["train"]),
+                "--workdir",
+                str(work),
+                "--config.sft.epochs=0",
+                "--config.model.lora_rank=4",
+                *STEPS,
+                "--config.optim.lr=1e-2",
+            ]
+        )
+        == 0
+    )
     _keeps_hf_tokenizer(work, hf)
     ours = _sampled(work, tmp_path)
     adapter, merged = tmp_path / "adapter", tmp_path / "merged"
@@ -191,8 +262,22 @@ def test_dpo_keeps_the_tokenizer_and_answers_as_transformers(hf, task, tmp_path)
     from transformers import AutoModelForCausalLM
 
     work = tmp_path / "dpo"
-    assert main(["dpo", "--init", str(hf), "--data", str(task["pairs"]), "--workdir", str(work),
-                 "--config.pairs.epochs=0", *STEPS]) == 0
+    assert (
+        main(
+            [
+                "dpo",
+                "--init",
+                str(hf),
+                "--data",
+                str(task["pairs"]),
+                "--workdir",
+                str(work),
+                "--config.pairs.epochs=0",
+                *STEPS,
+            ]
+        )
+        == 0
+    )
     _keeps_hf_tokenizer(work, hf)
     ours = _sampled(work, tmp_path)
     out = tmp_path / "hf"

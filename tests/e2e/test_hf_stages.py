@@ -14,8 +14,14 @@ from lm.data.synthetic import write_sort_task  # noqa: E402
 from tests.hf_models import write_model  # noqa: E402
 from tests.hf_tokenizers import qwen_like  # noqa: E402
 
-SMALL = ["--config.train.batch_size=8", "--config.eval.batches=1", "--config.eval.batch_size=8",
-         "--config.train.peak_flops=1e11", "--no-progress", "--config.data.seq_len=64"]
+SMALL = [
+    "--config.train.batch_size=8",
+    "--config.eval.batches=1",
+    "--config.eval.batch_size=8",
+    "--config.train.peak_flops=1e11",
+    "--no-progress",
+    "--config.data.seq_len=64",
+]
 
 
 @pytest.fixture(scope="module")
@@ -32,12 +38,29 @@ def qwen(tmp_path_factory):
 
 def test_continued_pretraining_starts_from_the_checkpoint(qwen, corpus, tmp_path):
     work = tmp_path / "cpt"
-    assert main(["train", "--init", str(qwen), "--workdir", str(work), f"--config.data.corpus={corpus}",
-                 "--config.data.curate=false", "--config.data.heldout_fraction=0.2",
-                 "--config.train.steps=3", "--config.eval.every_steps=3", "--config.train.sample_tokens=8",
-                 *SMALL]) == 0
+    assert (
+        main(
+            [
+                "train",
+                "--init",
+                str(qwen),
+                "--workdir",
+                str(work),
+                f"--config.data.corpus={corpus}",
+                "--config.data.curate=false",
+                "--config.data.heldout_fraction=0.2",
+                "--config.train.steps=3",
+                "--config.eval.every_steps=3",
+                "--config.train.sample_tokens=8",
+                *SMALL,
+            ]
+        )
+        == 0
+    )
     config = json.loads((work / "config.json").read_text())
-    assert config["model"]["family"] == "qwen3" and config["model"]["qk_norm"] and config["data"]["tokenizer"] == str(qwen)
+    assert (
+        config["model"]["family"] == "qwen3" and config["model"]["qk_norm"] and config["data"]["tokenizer"] == str(qwen)
+    )
     rows = [json.loads(line) for line in (work / "metrics.jsonl").read_text().splitlines()]
     first = next(r for r in rows if r.get("step") == 0 and "eval_loss" in r)
     assert np.isfinite(first["eval_loss"])
@@ -48,11 +71,31 @@ def test_continued_pretraining_starts_from_the_checkpoint(qwen, corpus, tmp_path
 def test_lora_sft_with_the_models_chat_template(qwen, tmp_path):
     task = write_sort_task(tmp_path / "task", n_train=64, n_heldout=8)
     work = tmp_path / "sft"
-    assert main(["sft", "--init", str(qwen), "--data", str(task["train"]), "--eval-data", str(task["heldout"]),
-                 "--workdir", str(work), "--config.train.steps=5", "--config.model.lora_rank=4",
-                 "--config.sft.epochs=0", "--config.eval.every_steps=5", "--config.checkpoint.every_steps=5",
-                 "--config.sft.eval_examples=4", "--config.sft.eval_max_new_tokens=4", *SMALL,
-                 "--config.data.seq_len=128"]) == 0
+    assert (
+        main(
+            [
+                "sft",
+                "--init",
+                str(qwen),
+                "--data",
+                str(task["train"]),
+                "--eval-data",
+                str(task["heldout"]),
+                "--workdir",
+                str(work),
+                "--config.train.steps=5",
+                "--config.model.lora_rank=4",
+                "--config.sft.epochs=0",
+                "--config.eval.every_steps=5",
+                "--config.checkpoint.every_steps=5",
+                "--config.sft.eval_examples=4",
+                "--config.sft.eval_max_new_tokens=4",
+                *SMALL,
+                "--config.data.seq_len=128",
+            ]
+        )
+        == 0
+    )
     rows = [json.loads(line) for line in (work / "metrics.jsonl").read_text().splitlines()]
     losses = [r["loss"] for r in rows if "loss" in r]
     assert losses and all(np.isfinite(losses))
@@ -68,8 +111,25 @@ def test_lora_sft_with_the_models_chat_template(qwen, tmp_path):
     out = tmp_path / "out.jsonl"
     prompts = tmp_path / "prompts.jsonl"
     prompts.write_text(json.dumps({"prompt": "sort 4321"}) + "\n")
-    assert main(["sample", "--workdir", str(work), "--chat", "--prompts", str(prompts), "--out", str(out),
-                 "--temperature", "0", "--max-new-tokens", "4"]) == 0
+    assert (
+        main(
+            [
+                "sample",
+                "--workdir",
+                str(work),
+                "--chat",
+                "--prompts",
+                str(prompts),
+                "--out",
+                str(out),
+                "--temperature",
+                "0",
+                "--max-new-tokens",
+                "4",
+            ]
+        )
+        == 0
+    )
     assert json.loads(out.read_text())["finish_reason"] in ("eos", "length", "stop")
     # the adapters, exported for PEFT over the original checkpoint, give our merged model's logits
     import jax

@@ -20,22 +20,54 @@ from tests.e2e.test_fault_resume import ROOT, logged_step, losses, wait_for
 
 STEPS = 24
 PEER_S = 10
-ARGS = SMALL + [f"--config.train.steps={STEPS}", "--config.train.log_every=1", "--config.eval.every_steps=0",
-                "--config.checkpoint.every_steps=4", "--config.mesh.data=2", "--config.mesh.fsdp=4",
-                "--peer-timeout", str(PEER_S)]
+ARGS = SMALL + [
+    f"--config.train.steps={STEPS}",
+    "--config.train.log_every=1",
+    "--config.eval.every_steps=0",
+    "--config.checkpoint.every_steps=4",
+    "--config.mesh.data=2",
+    "--config.mesh.fsdp=4",
+    "--peer-timeout",
+    str(PEER_S),
+]
 SLACK_S = 300  # on top of the bound: a slow, loaded machine must pass
-LOST = re.compile(r"lm: lost process (\d) of 2(?: \(the coordinator\))?: (?:silent|no answer) for (\d+) s "
-                  rf"\(--peer-timeout {PEER_S}\); this process \((\d)\) completed step (\d+); resume from checkpoint "
-                  r"step (\d+): run the same command on every process with --resume$")
+LOST = re.compile(
+    r"lm: lost process (\d) of 2(?: \(the coordinator\))?: (?:silent|no answer) for (\d+) s "
+    rf"\(--peer-timeout {PEER_S}\); this process \((\d)\) completed step (\d+); resume from checkpoint "
+    r"step (\d+): run the same command on every process with --resume$"
+)
 
 
 def launch(workdir, corpus, *extra: str) -> tuple[list[subprocess.Popen], int]:
     env = os.environ | {"XLA_FLAGS": xla_flags(4), "JAX_PLATFORMS": "cpu"}
     port = free_port()
-    base = [sys.executable, "-m", "lm.cli", "train", "--workdir", str(workdir), f"--config.data.corpus={corpus}",
-            *ARGS, *extra, "--distributed", "--coordinator", f"127.0.0.1:{port}", "--num-processes", "2"]
-    return [subprocess.Popen(base + ["--process-id", str(i)], env=env, cwd=ROOT, stdout=subprocess.PIPE,
-                             stderr=subprocess.PIPE, text=True) for i in range(2)], port
+    base = [
+        sys.executable,
+        "-m",
+        "lm.cli",
+        "train",
+        "--workdir",
+        str(workdir),
+        f"--config.data.corpus={corpus}",
+        *ARGS,
+        *extra,
+        "--distributed",
+        "--coordinator",
+        f"127.0.0.1:{port}",
+        "--num-processes",
+        "2",
+    ]
+    return [
+        subprocess.Popen(
+            base + ["--process-id", str(i)],
+            env=env,
+            cwd=ROOT,
+            stdout=subprocess.PIPE,
+            stderr=subprocess.PIPE,
+            text=True,
+        )
+        for i in range(2)
+    ], port
 
 
 def ended(proc: subprocess.Popen, timeout: float = 600) -> tuple[int, str, str]:
@@ -100,11 +132,13 @@ def test_a_process_lost_while_joining_is_named(tmp_path, corpus):
         if lost == 1:
             assert last_line(err) == (
                 "lm: process 1 of 2 did not join within 10 s (--startup-timeout); start every process with the "
-                f"same command and its own --process-id, and check that each one reaches 127.0.0.1:{port}")
+                f"same command and its own --process-id, and check that each one reaches 127.0.0.1:{port}"
+            )
         else:
             assert last_line(err) == (
                 f"lm: process 0 (the coordinator at 127.0.0.1:{port}) did not answer within 10 s "
-                "(--startup-timeout); start it (the same command with --process-id 0), or check --coordinator")
+                "(--startup-timeout); start it (the same command with --process-id 0), or check --coordinator"
+            )
 
 
 def test_the_line_says_what_was_reached_and_how_to_go_on(monkeypatch, tmp_path):
@@ -112,23 +146,28 @@ def test_the_line_says_what_was_reached_and_how_to_go_on(monkeypatch, tmp_path):
     monkeypatch.setattr(peers, "PROGRESS", progress)
     fresh, resumed = (peers.Launch(300, 10, resumable=True, resumed=r) for r in (False, True))
     head = "lm: lost process 1 of 2: silent for 12 s (--peer-timeout 10); this process (0) "
-    assert peers._line(1, 12.3, 0, 2, fresh) == head + ("had not begun training; no checkpoint yet: run the same "
-                                                         "command again on every process (without --resume)")
+    assert peers._line(1, 12.3, 0, 2, fresh) == head + (
+        "had not begun training; no checkpoint yet: run the same command again on every process (without --resume)"
+    )
     assert peers._line(1, 12.3, 0, 2, resumed) == head + (
         "had not resumed training; resume from the newest checkpoint: run the same command again on every process "
-        "(with --resume)")
+        "(with --resume)"
+    )
     progress.started(4, tmp_path)  # resumed from step 4; the save of step 8 never finished
     progress.saving_started(8)
     progress.step = 9
     advice = "resume from checkpoint step {}: run the same command on every process with --resume"
     assert peers._line(1, 12, 0, 2, resumed) == head + "completed step 9; " + advice.format(4)
     (tmp_path / "8").mkdir()
-    assert peers._line(0, 12, 2, 3, resumed) == ("lm: lost process 0 of 3 (the coordinator): no answer for 12 s "
-                                                 "(--peer-timeout 10); this process (2) completed step 9; "
-                                                 + advice.format(8))
+    assert peers._line(0, 12, 2, 3, resumed) == (
+        "lm: lost process 0 of 3 (the coordinator): no answer for 12 s "
+        "(--peer-timeout 10); this process (2) completed step 9; " + advice.format(8)
+    )
     other = peers.Launch(300, 10, resumable=False, resumed=False)
-    assert peers._line(1, 12, 0, 2, other).endswith("silent for 12 s (--peer-timeout 10); this process (0) completed "
-                                                    "step 9; run the same command again on every process")
+    assert peers._line(1, 12, 0, 2, other).endswith(
+        "silent for 12 s (--peer-timeout 10); this process (0) completed "
+        "step 9; run the same command again on every process"
+    )
 
 
 def test_the_relay_keeps_a_connection_open_and_silent_once_the_coordinator_closed_it():
@@ -154,8 +193,9 @@ def test_the_relay_keeps_a_connection_open_and_silent_once_the_coordinator_close
 def test_a_cluster_s_coordinator_and_index_are_found_before_jax_looks(monkeypatch):
     """--distributed alone on Slurm: the relay needs the coordinator and the index JAX would detect."""
     monkeypatch.delenv("JAX_COORDINATOR_ADDRESS", raising=False)
-    for key, value in dict(SLURM_JOB_ID="4096", SLURM_STEP_NODELIST="node[7-8]", SLURM_NTASKS="2",
-                           SLURM_PROCID="1", SLURM_LOCALID="0").items():
+    for key, value in dict(
+        SLURM_JOB_ID="4096", SLURM_STEP_NODELIST="node[7-8]", SLURM_NTASKS="2", SLURM_PROCID="1", SLURM_LOCALID="0"
+    ).items():
         monkeypatch.setenv(key, value)
     address, n, me = peers._detected(None, None, None, 10)
     assert address.startswith("node7:") and (n, me) == (2, 1)

@@ -47,12 +47,19 @@ def logged_step(workdir) -> int:
 
 # ---- lm demo -----------------------------------------------------------------------------------
 
+
 def start_patched(module: str, name: str, marker: str, args: list[str]):
     """`lm ARGS` whose `module.name` prints `marker` and waits for a signal; returns the process
     and what it printed before the marker."""
     script = SLOW.format(module=module, name=name, marker=marker)
-    proc = subprocess.Popen([sys.executable, "-c", script, *args], cwd=ROOT, env=env(), stdout=subprocess.PIPE,
-                            stderr=subprocess.PIPE, text=True)
+    proc = subprocess.Popen(
+        [sys.executable, "-c", script, *args],
+        cwd=ROOT,
+        env=env(),
+        stdout=subprocess.PIPE,
+        stderr=subprocess.PIPE,
+        text=True,
+    )
     seen = []
     for line in iter(proc.stdout.readline, ""):
         if line.strip() == marker:
@@ -62,16 +69,30 @@ def start_patched(module: str, name: str, marker: str, args: list[str]):
 
 
 def demo_args(workdir, corpus, steps: int) -> list[str]:
-    return ["demo", "--workdir", str(workdir), f"--config.data.corpus={corpus}", f"--config.train.steps={steps}",
-            "--config.train.log_every=1", "--config.eval.every_steps=0", *SMALL]
+    return [
+        "demo",
+        "--workdir",
+        str(workdir),
+        f"--config.data.corpus={corpus}",
+        f"--config.train.steps={steps}",
+        "--config.train.log_every=1",
+        "--config.eval.every_steps=0",
+        *SMALL,
+    ]
 
 
 @pytest.mark.slow
 def test_a_signal_stops_the_demo_as_a_whole_and_resume_goes_on(tmp_path, corpus):
     work = tmp_path / "demo"
     args = demo_args(work, corpus, 100000)
-    proc = subprocess.Popen([sys.executable, "-m", "lm.cli", *args], cwd=ROOT, env=env(), stdout=subprocess.PIPE,
-                            stderr=subprocess.PIPE, text=True)
+    proc = subprocess.Popen(
+        [sys.executable, "-m", "lm.cli", *args],
+        cwd=ROOT,
+        env=env(),
+        stdout=subprocess.PIPE,
+        stderr=subprocess.PIPE,
+        text=True,
+    )
     wait_for(proc, lambda: logged_step(work / "pretrain") >= 2, "pretraining's second step")
     proc.send_signal(signal.SIGINT)
     out, err = proc.communicate(timeout=GUARD)
@@ -92,8 +113,10 @@ def test_a_signal_stops_the_demo_as_a_whole_and_resume_goes_on(tmp_path, corpus)
     assert proc.returncode == 0, err[-3000:]
     assert f"resumed from step {stop_step}" in out
     assert json.loads((work / "pretrain" / "summary.json").read_text())["step"] == stop_step + 2
-    assert lines(err)[-1].startswith("lm: stopped by SIGTERM during demo stage 2 (the sort task); the finished "
-                                     "stages are kept. Continue with: lm demo"), err[-3000:]
+    assert lines(err)[-1].startswith(
+        "lm: stopped by SIGTERM during demo stage 2 (the sort task); the finished "
+        "stages are kept. Continue with: lm demo"
+    ), err[-3000:]
 
     # again: the finished pretraining is not run again
     proc, out = start_patched("lm.demo.pipeline", "write_sort_task", "writing the task", resumed)
@@ -144,16 +167,35 @@ def start_sample(phase: str, run_dir, tmp_path):
     prompts, out = tmp_path / "prompts.jsonl", tmp_path / "out.jsonl"
     prompts.write_text("".join(json.dumps({"prompt": f"def f{i}("}) + "\n" for i in range(8)))
     out.write_text("the results of an earlier run\n")
-    args = ["sample", "--workdir", str(run_dir), "--prompts", str(prompts), "--out", str(out), "--overwrite",
-            "--max-new-tokens", "48", "--batch-size", "2"]  # prompts wait: many decoding blocks
-    proc = subprocess.Popen([sys.executable, "-c", PHASES, phase, *args], cwd=ROOT, env=env(1), stdout=subprocess.PIPE,
-                            stderr=subprocess.PIPE, text=True)
+    args = [
+        "sample",
+        "--workdir",
+        str(run_dir),
+        "--prompts",
+        str(prompts),
+        "--out",
+        str(out),
+        "--overwrite",
+        "--max-new-tokens",
+        "48",
+        "--batch-size",
+        "2",
+    ]  # prompts wait: many decoding blocks
+    proc = subprocess.Popen(
+        [sys.executable, "-c", PHASES, phase, *args],
+        cwd=ROOT,
+        env=env(1),
+        stdout=subprocess.PIPE,
+        stderr=subprocess.PIPE,
+        text=True,
+    )
     return proc, out
 
 
 @pytest.mark.slow
-@pytest.mark.parametrize("phase, sig", [("compile", signal.SIGINT), ("decode", signal.SIGINT),
-                                        ("decode", signal.SIGTERM)])
+@pytest.mark.parametrize(
+    "phase, sig", [("compile", signal.SIGINT), ("decode", signal.SIGINT), ("decode", signal.SIGTERM)]
+)
 def test_sample_stops_cleanly_while_compiling_and_decoding(phase, sig, small_base, tmp_path):
     proc, out = start_sample(phase, small_base, tmp_path)
     marker = "compiling" if phase == "compile" else "decoding"
@@ -172,11 +214,21 @@ def test_sample_stops_cleanly_while_compiling_and_decoding(phase, sig, small_bas
 
 # ---- data preparation with curation ------------------------------------------------------------
 
-CURATED = ["--config.data.curate=true", "--config.data.tokenizer=byte", "--config.model.vocab_size=264",
-           "--config.data.workers=2", "--config.curate.tasks=4", "--config.curate.c4.enabled=false",
-           "--config.curate.fineweb.enabled=false", "--config.curate.gopher_quality.enabled=false",
-           "--config.curate.gopher_repetition.enabled=false", "--config.curate.language.threshold=0.2",
-           "--config.curate.on_bad_record=skip", "--config.train.steps=2", "--no-progress"]
+CURATED = [
+    "--config.data.curate=true",
+    "--config.data.tokenizer=byte",
+    "--config.model.vocab_size=264",
+    "--config.data.workers=2",
+    "--config.curate.tasks=4",
+    "--config.curate.c4.enabled=false",
+    "--config.curate.fineweb.enabled=false",
+    "--config.curate.gopher_quality.enabled=false",
+    "--config.curate.gopher_repetition.enabled=false",
+    "--config.curate.language.threshold=0.2",
+    "--config.curate.on_bad_record=skip",
+    "--config.train.steps=2",
+    "--no-progress",
+]
 
 
 def descendants(pid: int) -> set[int]:
@@ -208,6 +260,7 @@ def alive(pid: int) -> bool:
 def test_ctrl_c_during_curation_stops_quietly_and_never_hangs(inherited, tmp_path, corpus):
     """Ctrl-C reaches the whole process group (a terminal's, or a script's whose background jobs
     start with SIGINT ignored): the command stops with its one line, and no worker is left."""
+
     def start_new_group():
         os.setpgid(0, 0)
         if inherited == "ignored":
@@ -215,10 +268,15 @@ def test_ctrl_c_during_curation_stops_quietly_and_never_hangs(inherited, tmp_pat
 
     work = tmp_path / "w"
     cache = tmp_path / "cache"  # its own: the curation must run, not be reused
-    proc = subprocess.Popen([sys.executable, "-m", "lm.cli", "train", "--workdir", str(work),
-                             f"--config.data.corpus={corpus}", *CURATED], cwd=ROOT,
-                            env=env() | {"LM_CACHE_DIR": str(cache)}, stdout=subprocess.PIPE, stderr=subprocess.PIPE,
-                            text=True, preexec_fn=start_new_group)
+    proc = subprocess.Popen(
+        [sys.executable, "-m", "lm.cli", "train", "--workdir", str(work), f"--config.data.corpus={corpus}", *CURATED],
+        cwd=ROOT,
+        env=env() | {"LM_CACHE_DIR": str(cache)},
+        stdout=subprocess.PIPE,
+        stderr=subprocess.PIPE,
+        text=True,
+        preexec_fn=start_new_group,
+    )
     workers = set()
 
     def curating() -> bool:  # the worker process, its manager, forkserver and pool
@@ -229,9 +287,10 @@ def test_ctrl_c_during_curation_stops_quietly_and_never_hangs(inherited, tmp_pat
     os.killpg(proc.pid, signal.SIGINT)
     _, err = proc.communicate(timeout=GUARD)
     assert proc.returncode == 0, err[-3000:]
-    assert lines(err) == [f"lm: stopped by SIGINT during data preparation; nothing is lost; run again with the "
-                          f"same command: lm train --workdir {work} --config.data.corpus={corpus} "
-                          + " ".join(CURATED)], err[-3000:]
+    assert lines(err) == [
+        f"lm: stopped by SIGINT during data preparation; nothing is lost; run again with the "
+        f"same command: lm train --workdir {work} --config.data.corpus={corpus} " + " ".join(CURATED)
+    ], err[-3000:]
     deadline = time.monotonic() + GUARD
     while any(alive(p) for p in workers):
         assert time.monotonic() < deadline, "curation workers were left running"

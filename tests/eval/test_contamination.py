@@ -35,12 +35,14 @@ def write(path, rows):
 
 def eval_file(tmp_path, name="mc"):
     """Five examples of all shapes; example texts are distinct random words."""
-    rows = [{"context": sentence(1), "choices": [sentence(2, 5), sentence(3, 5)], "answer": 1},
-            {"prompt": sentence(4), "answer": sentence(5, 4)},
-            "",  # blank lines count for line numbers, not as examples
-            {"messages": [{"role": "user", "content": sentence(6)}, {"role": "assistant", "content": "Ok"}]},
-            {"text": sentence(7, 9)},  # short: checked whole
-            {"text": "Too short"}]
+    rows = [
+        {"context": sentence(1), "choices": [sentence(2, 5), sentence(3, 5)], "answer": 1},
+        {"prompt": sentence(4), "answer": sentence(5, 4)},
+        "",  # blank lines count for line numbers, not as examples
+        {"messages": [{"role": "user", "content": sentence(6)}, {"role": "assistant", "content": "Ok"}]},
+        {"text": sentence(7, 9)},  # short: checked whole
+        {"text": "Too short"},
+    ]
     return write(tmp_path / f"{name}.jsonl", rows), rows
 
 
@@ -56,8 +58,7 @@ def test_planted_ngram_found_in_corpus_dir(tmp_path):
     assert (t["examples"], t["checked"], t["too_short"], t["contaminated"], t["ids"]) == (5, 4, 1, 1, [2])
     assert t["samples"] == [{"id": 2, "ngram": " ".join(planted)}]  # lowercased, as matched
     assert t["fraction"] == pytest.approx(1 / 4)
-    assert r["train"]["documents"] == 2 and r["train"]["bytes"] == sum(
-        p.stat().st_size for p in corpus.iterdir())
+    assert r["train"]["documents"] == 2 and r["train"]["bytes"] == sum(p.stat().st_size for p in corpus.iterdir())
     assert "mc " in table(r) and 'line 2: "' + " ".join(planted) in table(r)
 
 
@@ -79,11 +80,15 @@ def test_short_example_matched_whole_and_jsonl_shapes(tmp_path):
     path, rows = eval_file(tmp_path)
     short = rows[4]["text"].split()  # 9 words
     answer = rows[0]["choices"][1].split()  # the answer's text counts: context end + answer
-    train = write(tmp_path / "train.jsonl", [
-        {"messages": [{"role": "user", "content": " ".join(short[:8])}]},  # 8 of 9 words: no match
-        {"prompt": "x", "chosen": " ".join(short), "rejected": "y"},  # all 9: a match
-        {"prompt": " ".join(rows[0]["context"].split()[-8:]), "answer": " ".join(answer)},
-        {"text": "too short"}])  # the too-short example is never checked
+    train = write(
+        tmp_path / "train.jsonl",
+        [
+            {"messages": [{"role": "user", "content": " ".join(short[:8])}]},  # 8 of 9 words: no match
+            {"prompt": "x", "chosen": " ".join(short), "rejected": "y"},  # all 9: a match
+            {"prompt": " ".join(rows[0]["context"].split()[-8:]), "answer": " ".join(answer)},
+            {"text": "too short"},
+        ],
+    )  # the too-short example is never checked
     t = check([train], [path], progress=False)["tasks"]["mc"]
     assert t["ids"] == [1, 5] and t["too_short"] == 1
     assert t["samples"][1] == {"id": 5, "ngram": " ".join(short)}
@@ -107,16 +112,22 @@ def test_planted_ngram_in_shard_set_train_split_only(tmp_path):
     tokenize_corpus(str(corpus), tmp_path / "shards", "byte", 0.3, workers=1, progress=False)
     r = check([str(tmp_path / "shards")], [path], progress=False)
     assert r["tasks"]["mc"]["ids"] == [2] and r["train"]["documents"] == len(train)
-    both = check([str(tmp_path / "shards" / "train"), str(tmp_path / "shards" / "heldout")], [path],
-                 tokenizer="byte", progress=False)  # split dirs named directly
+    both = check(
+        [str(tmp_path / "shards" / "train"), str(tmp_path / "shards" / "heldout")],
+        [path],
+        tokenizer="byte",
+        progress=False,
+    )  # split dirs named directly
     assert both["tasks"]["mc"]["ids"] == [2, 4]
 
 
 def test_hashes_are_stable_across_processes():
     text = "The quick brown fox, naïve café: jumps over 13 lazy dogs again and again and again!"
-    code = ("import json, sys, numpy as np; from lm.eval import ngrams; w = ngrams.words(sys.argv[1]); "
-            "h = ngrams.WordHashes().array(w); g = ngrams.ngram_hashes(h, np.zeros(len(h), int), [3, 13]); "
-            "print(json.dumps({k: v[0].tolist() for k, v in g.items()}))")
+    code = (
+        "import json, sys, numpy as np; from lm.eval import ngrams; w = ngrams.words(sys.argv[1]); "
+        "h = ngrams.WordHashes().array(w); g = ngrams.ngram_hashes(h, np.zeros(len(h), int), [3, 13]); "
+        "print(json.dumps({k: v[0].tolist() for k, v in g.items()}))"
+    )
     env = os.environ | {"PYTHONHASHSEED": "12345"}
     out = subprocess.run([sys.executable, "-c", code, text], env=env, capture_output=True, text=True, check=True)
     h = ngrams.WordHashes().array(ngrams.words(text))
@@ -131,13 +142,34 @@ def test_hashes_are_stable_across_processes():
 
 
 def fake_reports(path):
-    eval_report = {"model": "m", "tasks": {
-        "mc": {"kind": "choice", "path": path, "n": 4, "metrics": {"acc": 0.5}, "example_ids": [1, 2, 4, 5],
-               "per_example": {"acc": [1.0, 0.0, 1.0, 0.0], "p_answer": [0.9, 0.2, 0.6, 0.4]}},
-        "text": {"kind": "lm", "path": path, "n": 3, "metrics": {}, "example_ids": [1, 2, 5],
-                 "per_example": {"nats": [10.0, 20.0, 30.0], "bytes": [5, 10, 20], "tokens": [4, 8, 12]}},
-        "other": {"kind": "choice", "path": "elsewhere.jsonl", "n": 1, "example_ids": [1],
-                  "per_example": {"acc": [1.0]}}}}
+    eval_report = {
+        "model": "m",
+        "tasks": {
+            "mc": {
+                "kind": "choice",
+                "path": path,
+                "n": 4,
+                "metrics": {"acc": 0.5},
+                "example_ids": [1, 2, 4, 5],
+                "per_example": {"acc": [1.0, 0.0, 1.0, 0.0], "p_answer": [0.9, 0.2, 0.6, 0.4]},
+            },
+            "text": {
+                "kind": "lm",
+                "path": path,
+                "n": 3,
+                "metrics": {},
+                "example_ids": [1, 2, 5],
+                "per_example": {"nats": [10.0, 20.0, 30.0], "bytes": [5, 10, 20], "tokens": [4, 8, 12]},
+            },
+            "other": {
+                "kind": "choice",
+                "path": "elsewhere.jsonl",
+                "n": 1,
+                "example_ids": [1],
+                "per_example": {"acc": [1.0]},
+            },
+        },
+    }
     contamination = {"n": 13, "tasks": {"mc": {"path": path, "ids": [2, 5]}}}
     return eval_report, contamination
 
@@ -179,8 +211,24 @@ def test_cli_writes_report_and_clean_scores(tmp_path, capsys):
     eval_report, _ = fake_reports(path)
     (tmp_path / "eval.json").write_text(json.dumps(eval_report))
     out = tmp_path / "c.json"
-    assert run_cli(["--train", str(tmp_path / "train.txt"), "--eval", path, "--report", str(tmp_path / "eval.json"),
-                    "--out", str(out), "--no-progress", "--n", "10"]) == 0
+    assert (
+        run_cli(
+            [
+                "--train",
+                str(tmp_path / "train.txt"),
+                "--eval",
+                path,
+                "--report",
+                str(tmp_path / "eval.json"),
+                "--out",
+                str(out),
+                "--no-progress",
+                "--n",
+                "10",
+            ]
+        )
+        == 0
+    )
     report = json.loads(out.read_text())
     assert report["n"] == 10 and report["min_words"] == 8 and report["tasks"]["mc"]["ids"] == [1]
     assert report["clean"]["mc"]["n_contaminated"] == 1 and report["clean"]["mc"]["metrics_clean"]["acc"] == 1 / 3
@@ -188,16 +236,28 @@ def test_cli_writes_report_and_clean_scores(tmp_path, capsys):
     assert "mc: clean 3, contaminated 1" in printed and "acc" in printed
     (tmp_path / "unrelated.json").write_text(json.dumps({"tasks": {}}))
     with pytest.raises(UserError, match="no task of it was read from the --eval files"):
-        run_cli(["--train", str(tmp_path / "train.txt"), "--eval", path, "--report", str(tmp_path / "unrelated.json"),
-                 "--no-progress"])
+        run_cli(
+            [
+                "--train",
+                str(tmp_path / "train.txt"),
+                "--eval",
+                path,
+                "--report",
+                str(tmp_path / "unrelated.json"),
+                "--no-progress",
+            ]
+        )
 
 
-@pytest.mark.parametrize("rows, message", [
-    ([{"text": "fine words here"}, "{oops"], r"bad.jsonl:2: malformed JSON"),
-    (["", "  "], r"task file '.*bad.jsonl' holds no examples"),
-    ([{"text": "ok"}, {"question": "?"}], r"bad.jsonl:2: keys \['question'\]; expected \{\"context\""),
-    ([{"context": "a", "choices": ["x", "y"], "answer": 2}], r"bad.jsonl:1: 'answer' is 2"),
-])
+@pytest.mark.parametrize(
+    "rows, message",
+    [
+        ([{"text": "fine words here"}, "{oops"], r"bad.jsonl:2: malformed JSON"),
+        (["", "  "], r"task file '.*bad.jsonl' holds no examples"),
+        ([{"text": "ok"}, {"question": "?"}], r"bad.jsonl:2: keys \['question'\]; expected \{\"context\""),
+        ([{"context": "a", "choices": ["x", "y"], "answer": 2}], r"bad.jsonl:1: 'answer' is 2"),
+    ],
+)
 def test_bad_eval_files_are_one_line_errors(tmp_path, rows, message):
     bad = write(tmp_path / "bad.jsonl", rows)
     (tmp_path / "t.txt").write_text("some training text")
@@ -209,8 +269,12 @@ def test_bad_eval_files_are_one_line_errors(tmp_path, rows, message):
 def test_a_file_of_examples_all_too_short_to_check_is_not_reported_as_clean(tmp_path, capsys):
     path = write(tmp_path / "short.jsonl", [{"text": "two words"}, {"prompt": "sort 3 1", "answer": "1 3"}])
     (tmp_path / "t.txt").write_text(sentence(1, 200))
-    assert run_cli(["--train", str(tmp_path / "t.txt"), "--eval", path, "--no-progress",
-                    "--out", str(tmp_path / "c.json")]) == 0
+    assert (
+        run_cli(
+            ["--train", str(tmp_path / "t.txt"), "--eval", path, "--no-progress", "--out", str(tmp_path / "c.json")]
+        )
+        == 0
+    )
     lines = capsys.readouterr().out.splitlines()
     assert lines[2].split() == ["short", "2", "0", "0", "n/a"]
     assert lines[3].strip() == "n/a: all 2 examples are shorter than --min-words (8 words), too short to check"
@@ -218,11 +282,14 @@ def test_a_file_of_examples_all_too_short_to_check_is_not_reported_as_clean(tmp_
     assert (task["checked"], task["too_short"], task["fraction"]) == (0, 2, None)
 
 
-@pytest.mark.parametrize("content, problem", [
-    (b"text" + b"\0" * 3 + b"more", "a NUL byte at byte 5"),
-    ("caf\u00e9 ".encode() * 3 + b"\xff\xfe", "not UTF-8 at byte 19"),  # 3 x 6 bytes, then 0xff
-    (bytes(range(256)) * 40, "a NUL byte at byte 1"),
-])
+@pytest.mark.parametrize(
+    "content, problem",
+    [
+        (b"text" + b"\0" * 3 + b"more", "a NUL byte at byte 5"),
+        ("caf\u00e9 ".encode() * 3 + b"\xff\xfe", "not UTF-8 at byte 19"),  # 3 x 6 bytes, then 0xff
+        (bytes(range(256)) * 40, "a NUL byte at byte 1"),
+    ],
+)
 def test_a_binary_training_file_is_refused_naming_it(tmp_path, content, problem):
     path, _ = eval_file(tmp_path)
     (tmp_path / "random.bin").write_bytes(content)

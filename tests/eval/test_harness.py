@@ -10,23 +10,33 @@ import re
 import numpy as np
 import pytest
 
-ROWS = [{"q": "def add(a, b):", "choices": ["return a + b", "print(hello)"], "label": 0,
-         "text": "import os\nprint(os.getcwd())\n"},
-        {"q": "import", "choices": ["os", "zzqx"], "label": 1, "text": "def f(x):\n    return x * 2\n"},
-        {"q": "class Foo", "choices": ["(object):", "$$$", "Bar:"], "label": 0,
-         "text": "for i in range(300):\n    total = total + i * i  # a sum of squares\n" * 7},  # > 256 bytes
-        {"q": "for i in", "choices": ["range(10):", "x y z", "[]:", "in"], "label": 0, "text": "x = [1, 2, 3]\n"}]
+ROWS = [
+    {
+        "q": "def add(a, b):",
+        "choices": ["return a + b", "print(hello)"],
+        "label": 0,
+        "text": "import os\nprint(os.getcwd())\n",
+    },
+    {"q": "import", "choices": ["os", "zzqx"], "label": 1, "text": "def f(x):\n    return x * 2\n"},
+    {
+        "q": "class Foo",
+        "choices": ["(object):", "$$$", "Bar:"],
+        "label": 0,
+        "text": "for i in range(300):\n    total = total + i * i  # a sum of squares\n" * 7,
+    },  # > 256 bytes
+    {"q": "for i in", "choices": ["range(10):", "x y z", "[]:", "in"], "label": 0, "text": "x = [1, 2, 3]\n"},
+]
 
 TASKS = {
     "mc": "output_type: multiple_choice\ndoc_to_text: '{{q}}'\ndoc_to_choice: '{{choices}}'\ndoc_to_target: label\n"
-          "metric_list:\n  - metric: acc\n  - metric: acc_norm\n",
+    "metric_list:\n  - metric: acc\n  - metric: acc_norm\n",
     "rolling": "output_type: loglikelihood_rolling\ndoc_to_text: ''\ndoc_to_target: '{{text}}'\nmetric_list:\n"
-               "  - metric: word_perplexity\n  - metric: byte_perplexity\n  - metric: bits_per_byte\n",
+    "  - metric: word_perplexity\n  - metric: byte_perplexity\n  - metric: bits_per_byte\n",
     "gen": "output_type: generate_until\ndoc_to_text: '{{q}}'\ndoc_to_target: '{{choices[0]}}'\n"
-           "generation_kwargs:\n  until: [\"\\n\"]\n  max_gen_toks: 6\nmetric_list:\n  - metric: exact_match\n",
+    'generation_kwargs:\n  until: ["\\n"]\n  max_gen_toks: 6\nmetric_list:\n  - metric: exact_match\n',
     "sample": "output_type: generate_until\ndoc_to_text: '{{q}}'\ndoc_to_target: '{{choices[0]}}'\n"
-              "generation_kwargs:\n  do_sample: true\n  temperature: 2.0\n  max_gen_toks: 8\n"
-              "metric_list:\n  - metric: exact_match\n",
+    "generation_kwargs:\n  do_sample: true\n  temperature: 2.0\n  max_gen_toks: 8\n"
+    "metric_list:\n  - metric: exact_match\n",
 }
 
 
@@ -39,8 +49,9 @@ def local_tasks(tmp_path, monkeypatch):
     data = tmp_path / "data.jsonl"
     data.write_text("".join(json.dumps(r) + "\n" for r in ROWS))
     for name, body in TASKS.items():
-        (tmp_path / f"{name}.yaml").write_text(f"task: local_{name}\ndataset_path: json\ndataset_kwargs:\n"
-                                               f"  data_files: {data}\ntest_split: train\n{body}")
+        (tmp_path / f"{name}.yaml").write_text(
+            f"task: local_{name}\ndataset_path: json\ndataset_kwargs:\n  data_files: {data}\ntest_split: train\n{body}"
+        )
     return tmp_path
 
 
@@ -75,8 +86,9 @@ def test_harness_numbers_equal_the_scoring_core(small_base, local_tasks):
     from lm.eval.loglik import encode_pair
 
     model = recording_model(small_base)
-    got = run_harness(tasks=["local_mc", "local_rolling", "local_gen"], include_path=str(local_tasks),
-                      model=model)["results"]
+    got = run_harness(tasks=["local_mc", "local_rolling", "local_gen"], include_path=str(local_tasks), model=model)[
+        "results"
+    ]
     s, tok = model.scorer, model.tok
 
     # (a) multiple choice: context, then " " + choice (the target delimiter) per choice
@@ -110,8 +122,17 @@ def test_harness_numbers_equal_the_scoring_core(small_base, local_tasks):
     # (c) generation: the task's stop strings and length, greedy
     assert [a[0] for a in model.seen["generate_until"]] == [r["q"] for r in ROWS]
     assert all(a[1]["until"] == ["\n"] and a[1]["max_gen_toks"] == 6 for a in model.seen["generate_until"])
-    ours = completions(s.model, s.params, tok, [tok.encode(r["q"]) for r in ROWS], max_new_tokens=6, stop=("\n",),
-                       mesh=s.mesh, rules=s.rules, batch_size=8)
+    ours = completions(
+        s.model,
+        s.params,
+        tok,
+        [tok.encode(r["q"]) for r in ROWS],
+        max_new_tokens=6,
+        stop=("\n",),
+        mesh=s.mesh,
+        rules=s.rules,
+        batch_size=8,
+    )
     predictions = [o["text"] for o in ours]
     assert all("\n" not in p for p in predictions)
     out = run_harness(tasks=["local_gen"], include_path=str(local_tasks), model=model, log_samples=True)
@@ -122,15 +143,29 @@ def test_harness_numbers_equal_the_scoring_core(small_base, local_tasks):
     # sampled at the task's temperature, as completions samples (same batches, same seed)
     out = run_harness(tasks=["local_sample"], include_path=str(local_tasks), model=model, log_samples=True)
     samples = sorted(out["samples"]["local_sample"], key=lambda x: x["doc_id"])
-    ours = completions(s.model, s.params, tok, [tok.encode(r["q"]) for r in ROWS], max_new_tokens=8, temperature=2.0,
-                       mesh=s.mesh, rules=s.rules, batch_size=8)
+    ours = completions(
+        s.model,
+        s.params,
+        tok,
+        [tok.encode(r["q"]) for r in ROWS],
+        max_new_tokens=8,
+        temperature=2.0,
+        mesh=s.mesh,
+        rules=s.rules,
+        batch_size=8,
+    )
     assert [x["resps"][0][0] for x in samples] == [o["text"] for o in ours]
     assert len({o["text"] for o in ours}) > 1
 
     # chat: prompts in our template, scored and continued from its ids (role tokens included)
     model.seen["loglikelihood"].clear()
-    chat = run_harness(tasks=["local_mc", "local_rolling"], include_path=str(local_tasks), model=model,
-                       apply_chat_template=True, log_samples=True)
+    chat = run_harness(
+        tasks=["local_mc", "local_rolling"],
+        include_path=str(local_tasks),
+        model=model,
+        apply_chat_template=True,
+        log_samples=True,
+    )
     # a task without a prompt renders no chat turn (its empty user turn is left out)
     assert chat["results"]["local_rolling"]["bits_per_byte,none"] == rolling["bits_per_byte,none"]
     template = ChatTemplate.for_tokenizer(tok)
@@ -152,14 +187,34 @@ def test_harness_cli_and_errors(small_base, local_tasks, tmp_path, capsys):
     harness_cli.add_parser(sub)
     parse = sub.choices["harness"].parse_args
     out = tmp_path / "h.json"
-    assert harness_cli.run(parse(["--workdir", str(small_base), "--tasks", "local_mc", "--include-path",
-                                  str(local_tasks), "--limit", "2", "--batch-size", "8", "--out", str(out)])) == 0
+    assert (
+        harness_cli.run(
+            parse(
+                [
+                    "--workdir",
+                    str(small_base),
+                    "--tasks",
+                    "local_mc",
+                    "--include-path",
+                    str(local_tasks),
+                    "--limit",
+                    "2",
+                    "--batch-size",
+                    "8",
+                    "--out",
+                    str(out),
+                ]
+            )
+        )
+        == 0
+    )
     table = capsys.readouterr().out
     assert "acc_norm" in table and "local_mc" in table
     assert json.loads(out.read_text())["results"]["local_mc"]["alias"] == "local_mc"
     with pytest.raises(UserError, match="unknown task.*no_such_task"):
-        harness_cli.run(parse(["--workdir", str(small_base), "--tasks", "no_such_task", "--include-path",
-                               str(local_tasks)]))
+        harness_cli.run(
+            parse(["--workdir", str(small_base), "--tasks", "no_such_task", "--include-path", str(local_tasks)])
+        )
     with pytest.raises(UserError, match="unknown model argument.*workdr"):
         HarnessModel(workdr=str(small_base))
     from lm_eval.api.registry import get_model
@@ -173,14 +228,31 @@ def test_harness_equals_lm_eval_on_the_same_examples(small_base, local_tasks, tm
 
     model = recording_model(small_base)
     out = run_harness(tasks=["local_mc", "local_gen"], include_path=str(local_tasks), model=model, log_samples=True)
-    (tmp_path / "mc.jsonl").write_text("".join(json.dumps({"context": r["q"], "choices": r["choices"],
-                                                           "answer": r["label"]}) + "\n" for r in ROWS))
-    (tmp_path / "gen.jsonl").write_text("".join(json.dumps({"prompt": r["q"], "answer": r["choices"][0]}) + "\n"
-                                                for r in ROWS))
+    (tmp_path / "mc.jsonl").write_text(
+        "".join(json.dumps({"context": r["q"], "choices": r["choices"], "answer": r["label"]}) + "\n" for r in ROWS)
+    )
+    (tmp_path / "gen.jsonl").write_text(
+        "".join(json.dumps({"prompt": r["q"], "answer": r["choices"][0]}) + "\n" for r in ROWS)
+    )
     report = tmp_path / "r.json"
-    assert main(["eval", "--workdir", str(small_base), "--batch-size", "8", "--no-progress", "--out", str(report),
-                 "--tasks", f"mc={tmp_path / 'mc.jsonl'}",
-                 f"gen={tmp_path / 'gen.jsonl'}?chat=false&max_new_tokens=6&scorer=exact"]) == 0
+    assert (
+        main(
+            [
+                "eval",
+                "--workdir",
+                str(small_base),
+                "--batch-size",
+                "8",
+                "--no-progress",
+                "--out",
+                str(report),
+                "--tasks",
+                f"mc={tmp_path / 'mc.jsonl'}",
+                f"gen={tmp_path / 'gen.jsonl'}?chat=false&max_new_tokens=6&scorer=exact",
+            ]
+        )
+        == 0
+    )
     ours = json.loads(report.read_text())["tasks"]
     assert out["results"]["local_mc"]["acc,none"] == pytest.approx(ours["mc"]["metrics"]["acc"])
     assert out["results"]["local_mc"]["acc_norm,none"] == pytest.approx(ours["mc"]["metrics"]["acc_norm"])
@@ -198,12 +270,18 @@ def test_harness_task_without_its_dataset_is_one_line(local_tasks, tmp_path):
 
     model = HarnessModel(scorer=types.SimpleNamespace(tokenizer=None))  # never asked for a score
     body = TASKS["mc"]
-    (local_tasks / "hub.yaml").write_text(f"task: local_hub\ndataset_path: no_such_org/no_such_set\n"
-                                          f"test_split: test\n{body}")
-    (local_tasks / "gone.yaml").write_text(f"task: local_gone\ndataset_path: json\ndataset_kwargs:\n"
-                                           f"  data_files: {tmp_path / 'gone.jsonl'}\ntest_split: train\n{body}")
-    with pytest.raises(UserError, match=r"task 'local_hub': its dataset 'no_such_org/no_such_set' could not be "
-                                        r"loaded .*HF_DATASETS_OFFLINE.*--include-path") as e:
+    (local_tasks / "hub.yaml").write_text(
+        f"task: local_hub\ndataset_path: no_such_org/no_such_set\ntest_split: test\n{body}"
+    )
+    (local_tasks / "gone.yaml").write_text(
+        f"task: local_gone\ndataset_path: json\ndataset_kwargs:\n"
+        f"  data_files: {tmp_path / 'gone.jsonl'}\ntest_split: train\n{body}"
+    )
+    with pytest.raises(
+        UserError,
+        match=r"task 'local_hub': its dataset 'no_such_org/no_such_set' could not be "
+        r"loaded .*HF_DATASETS_OFFLINE.*--include-path",
+    ) as e:
         run_harness(tasks=["local_hub"], include_path=str(local_tasks), model=model)
     assert "\n" not in str(e.value)
     with pytest.raises(UserError, match=r"task 'local_gone': its dataset 'json' could not be loaded .*gone\.jsonl"):

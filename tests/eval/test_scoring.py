@@ -55,9 +55,10 @@ def test_bits_per_byte_matches_a_hand_computation(tmp_path):
     ids = np.concatenate([TOK.encode(text), [TOK.eos_id]]).astype(np.int32)
     nats, text_nats, start = 0.0, 0.0, 0
     while start < len(ids) - 1:  # windows of 64 predictions sharing one token
-        w = ids[start:start + 65]
-        logits = s.model.apply({"params": params}, w[None, :-1], np.ones((1, len(w) - 1), np.int32),
-                               np.arange(len(w) - 1)[None])
+        w = ids[start : start + 65]
+        logits = s.model.apply(
+            {"params": params}, w[None, :-1], np.ones((1, len(w) - 1), np.int32), np.arange(len(w) - 1)[None]
+        )
         logp = np.asarray(jax.nn.log_softmax(logits[0].astype(jnp.float32)))[np.arange(len(w) - 1), w[1:]]
         nats -= logp.sum()
         text_nats -= logp[w[1:] < 256].sum()
@@ -161,8 +162,14 @@ def spm_models(tmp_path_factory):
     return ours, SentencePieceTokenizer(prefixed)
 
 
-TEXTS = ["def f(x):\n    return x  # the end\n", "a \u2581 b\u2581\u2581c \u2581the", "h\u00e9llo w\u00f6rld \u65e5\u672c \U0001f642\t\r\n",
-         "\u2581", "  \n\n\t  x", "x\u2581" + "\ue000 \ue001"]
+TEXTS = [
+    "def f(x):\n    return x  # the end\n",
+    "a \u2581 b\u2581\u2581c \u2581the",
+    "h\u00e9llo w\u00f6rld \u65e5\u672c \U0001f642\t\r\n",
+    "\u2581",
+    "  \n\n\t  x",
+    "x\u2581" + "\ue000 \ue001",
+]
 
 
 def test_token_bytes_of_sentencepiece_pieces_by_hand(spm_models):

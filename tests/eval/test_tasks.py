@@ -22,7 +22,9 @@ def test_task_kind_follows_the_data(tmp_path):
     text = write(tmp_path / "text.jsonl", [{"text": "hello"}])
     assert tasks.parse_task(str(mc)).kind == "choice"
     assert tasks.parse_task(f"g={gen}?scorer=normalized&max_new_tokens=8").options == {
-        "scorer": "normalized", "max_new_tokens": 8}
+        "scorer": "normalized",
+        "max_new_tokens": 8,
+    }
     assert tasks.parse_task(str(text)).kind == "lm" and tasks.parse_task(str(text)).name == "text"
     assert tasks.parse_task(str(tmp_path)).kind == "lm"
     with pytest.raises(UserError, match="unknown option 'shot'"):
@@ -84,13 +86,25 @@ def test_compare_language_modelling_recomputes_bits_per_byte_per_resample():
 
 @pytest.mark.slow
 def test_lm_eval_cli_end_to_end(small_base, tmp_path, capsys):
-    mc = write(tmp_path / "mc.jsonl", [{"context": f"def f{i}(x):", "choices": ["\n    return x", "\n\n\n"],
-                                        "answer": 0} for i in range(6)])
+    mc = write(
+        tmp_path / "mc.jsonl",
+        [{"context": f"def f{i}(x):", "choices": ["\n    return x", "\n\n\n"], "answer": 0} for i in range(6)],
+    )
     gen = write(tmp_path / "gen.jsonl", [{"prompt": "import o", "answer": "s"}, {"prompt": "def", "answer": " f"}])
     text = write(tmp_path / "held.jsonl", [{"text": "def add(a, b):\n    return a + b\n"}] * 3)
     out = tmp_path / "r.json"
-    args = ["eval", "--workdir", str(small_base), "--no-progress", "--out", str(out), "--tasks",
-            f"held={text}", f"mc={mc}?shots=2", f"gen={gen}?chat=false&max_new_tokens=4&scorer=normalized"]
+    args = [
+        "eval",
+        "--workdir",
+        str(small_base),
+        "--no-progress",
+        "--out",
+        str(out),
+        "--tasks",
+        f"held={text}",
+        f"mc={mc}?shots=2",
+        f"gen={gen}?chat=false&max_new_tokens=4&scorer=normalized",
+    ]
     assert main(args) == 0
     r = json.loads(out.read_text())
     assert set(r["tasks"]) == {"held", "mc", "gen"}
@@ -98,18 +112,51 @@ def test_lm_eval_cli_end_to_end(small_base, tmp_path, capsys):
     assert r["tasks"]["mc"]["n"] == 6 and len(r["tasks"]["gen"]["per_example"]["normalized"]) == 2
     assert "bits_per_byte" in capsys.readouterr().out
     again = tmp_path / "r8.json"  # the same report on a (4,2,1) mesh of the simulated devices
-    assert main(["eval", "--workdir", str(small_base), "--no-progress", "--out", str(again), "--tasks",
-                 f"held={text}", "--config.mesh.data=4", "--config.mesh.fsdp=2"]) == 0
+    assert (
+        main(
+            [
+                "eval",
+                "--workdir",
+                str(small_base),
+                "--no-progress",
+                "--out",
+                str(again),
+                "--tasks",
+                f"held={text}",
+                "--config.mesh.data=4",
+                "--config.mesh.fsdp=2",
+            ]
+        )
+        == 0
+    )
     assert json.loads(again.read_text())["tasks"]["held"]["metrics"]["bits_per_byte"] == pytest.approx(
-        r["tasks"]["held"]["metrics"]["bits_per_byte"], rel=1e-5)
+        r["tasks"]["held"]["metrics"]["bits_per_byte"], rel=1e-5
+    )
     assert main(["eval", "--compare", str(out), str(out)]) == 0
     assert "B - A" in capsys.readouterr().out
     # example 1 of mc.jsonl planted in a training file: 5 words, checked whole with --min-words 3
     (tmp_path / "train").mkdir()
     (tmp_path / "train" / "a.py").write_text("x = 1\ndef f0(x):\n    return x\n")
     cont = tmp_path / "c.json"
-    assert main(["contamination", "--train", str(tmp_path / "train"), "--eval", str(mc), "--min-words", "3",
-                 "--report", str(out), "--out", str(cont), "--no-progress"]) == 0
+    assert (
+        main(
+            [
+                "contamination",
+                "--train",
+                str(tmp_path / "train"),
+                "--eval",
+                str(mc),
+                "--min-words",
+                "3",
+                "--report",
+                str(out),
+                "--out",
+                str(cont),
+                "--no-progress",
+            ]
+        )
+        == 0
+    )
     c = json.loads(cont.read_text())
     assert c["tasks"]["mc"]["ids"] == [1] and c["clean"]["mc"]["n_clean"] == 5
     clean_acc = np.mean(r["tasks"]["mc"]["per_example"]["acc"][1:])

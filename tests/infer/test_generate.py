@@ -20,8 +20,9 @@ from lm.model.transformer import Transformer
 from lm.sharding import make_mesh, param_shardings
 from tests.model.test_transformer import model_spec, random_params
 
-SPEC = model_spec(vocab_size=264, d_model=32, n_layers=2, n_heads=4, n_kv_heads=2, head_dim=8, d_ff=64,
-                  max_seq_len=40, init_std=0.3)
+SPEC = model_spec(
+    vocab_size=264, d_model=32, n_layers=2, n_heads=4, n_kv_heads=2, head_dim=8, d_ff=64, max_seq_len=40, init_std=0.3
+)
 PROMPTS = [[5, 9, 13, 2], [7], [40, 41, 42, 43, 44, 45, 46, 47, 48], [100, 3]]
 GREEDY = SamplingParams(max_new_tokens=12, temperature=0)
 
@@ -41,11 +42,11 @@ def recompute_greedy(prompt, n):
     seq, logps = list(prompt), []
     for _ in range(n):
         ids, seg = np.zeros((1, width), np.int32), np.zeros((1, width), np.int32)
-        ids[0, :len(seq)], seg[0, :len(seq)] = seq, 1
+        ids[0, : len(seq)], seg[0, : len(seq)] = seq, 1
         logits = fwd(params, jnp.asarray(ids), jnp.asarray(seg))[0, len(seq) - 1]
         seq.append(int(jnp.argmax(logits)))
         logps.append(float(jax.nn.log_softmax(logits)[seq[-1]]))
-    return seq[len(prompt):], logps
+    return seq[len(prompt) :], logps
 
 
 def test_greedy_with_the_cache_gives_the_tokens_of_recomputing_everything():
@@ -96,8 +97,9 @@ def test_stop_strings_and_streaming_cut_the_text():
     assert len(text) >= 6
     stop = text[3:5]
     pieces = []
-    cut = complete(Generator(model, params, sampling, eos_id=tok.eos_id), tok, prompts, stop=(stop,),
-                   stream=pieces.append)
+    cut = complete(
+        Generator(model, params, sampling, eos_id=tok.eos_id), tok, prompts, stop=(stop,), stream=pieces.append
+    )
     assert cut[0]["text"] == text[: text.find(stop)] and cut[0]["finish_reason"] == "stop"
     assert "".join(pieces) == cut[0]["text"]
     assert tok.decode(cut[0]["ids"]).startswith(cut[0]["text"]) and stop in tok.decode(cut[0]["ids"])

@@ -12,8 +12,23 @@ from tests.infer.test_sample_cli import export  # noqa: F401 (a fixture)
 
 
 def sample(capsys, params, *extra) -> str:
-    assert main(["sample", "--params", str(params), "--prompt", "def f(", "--max-new-tokens", "10",
-                 "--temperature", "0", *extra]) == 0
+    assert (
+        main(
+            [
+                "sample",
+                "--params",
+                str(params),
+                "--prompt",
+                "def f(",
+                "--max-new-tokens",
+                "10",
+                "--temperature",
+                "0",
+                *extra,
+            ]
+        )
+        == 0
+    )
     return capsys.readouterr().out
 
 
@@ -38,8 +53,23 @@ def test_eval_scores_the_quantized_model(export, tmp_path, capsys):  # noqa: F81
     bpb = {}
     for mode in ("none", "int8"):
         report = tmp_path / f"{mode}.json"
-        assert main(["eval", "--params", str(export), "--tasks", f"heldout={text}", "--quantize", mode,
-                     "--out", str(report), "--no-progress"]) == 0
+        assert (
+            main(
+                [
+                    "eval",
+                    "--params",
+                    str(export),
+                    "--tasks",
+                    f"heldout={text}",
+                    "--quantize",
+                    mode,
+                    "--out",
+                    str(report),
+                    "--no-progress",
+                ]
+            )
+            == 0
+        )
         data = json.loads(report.read_text())
         bpb[mode] = data["tasks"]["heldout"]["metrics"]["bits_per_byte"]
         assert data.get("quantize", "none") == mode

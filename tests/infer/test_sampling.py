@@ -46,7 +46,7 @@ def test_min_p_and_temperature():
     counts = draws(SamplingParams(min_p=0.3, seed=1))
     assert counts[[0, 2, 5]].sum() == 0
     cold = draws(SamplingParams(temperature=0.25, seed=2))  # p^4, renormalised: token 1 dominates
-    p4 = PROBS ** 4 / (PROBS ** 4).sum()
+    p4 = PROBS**4 / (PROBS**4).sum()
     np.testing.assert_allclose(cold / cold.sum(), p4, atol=0.02)
 
 
@@ -64,8 +64,15 @@ def test_top_k_one_is_greedy_and_logprobs_are_the_models():
     np.testing.assert_allclose(lp_1, expected, rtol=1e-6)
 
 
-@pytest.mark.parametrize("kw, key", [(dict(top_p=0.0), "top_p"), (dict(temperature=-1), "temperature"),
-                                     (dict(max_new_tokens=0), "max_new_tokens"), (dict(min_p=1.0), "min_p")])
+@pytest.mark.parametrize(
+    "kw, key",
+    [
+        (dict(top_p=0.0), "top_p"),
+        (dict(temperature=-1), "temperature"),
+        (dict(max_new_tokens=0), "max_new_tokens"),
+        (dict(min_p=1.0), "min_p"),
+    ],
+)
 def test_bad_settings_name_the_setting(kw, key):
     with pytest.raises(UserError, match=key):
         SamplingParams(**kw)

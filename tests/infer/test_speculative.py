@@ -22,8 +22,9 @@ from lm.model.transformer import Transformer
 from tests.infer.test_sample_cli import export  # noqa: F401  (a fixture: a tiny random export)
 from tests.model.test_transformer import model_spec, random_params
 
-TARGET = model_spec(vocab_size=64, d_model=32, n_layers=2, n_heads=4, n_kv_heads=2, head_dim=8, d_ff=64,
-                    max_seq_len=48, init_std=0.3)
+TARGET = model_spec(
+    vocab_size=64, d_model=32, n_layers=2, n_heads=4, n_kv_heads=2, head_dim=8, d_ff=64, max_seq_len=48, init_std=0.3
+)
 GREEDY = SamplingParams(max_new_tokens=16, temperature=0)
 # a repetitive prompt (n-gram matches), a one-token prompt, and one that fills the context (32 + 16 = 48)
 PROMPTS = [[5, 9, 13, 2], [7], [1, 2, 3, 4] * 4, list(range(3, 35))]
@@ -53,8 +54,7 @@ def plain(sampling):
 def test_greedy_speculation_gives_plain_greedy_tokens(kind):
     target, params, draft = models()
     ref = plain(GREEDY)
-    out = SpeculativeDecoder(target, params, GREEDY, draft=draft if kind == "model" else NGRAM, k=3,
-                             eos_id=-1)(PROMPTS)
+    out = SpeculativeDecoder(target, params, GREEDY, draft=draft if kind == "model" else NGRAM, k=3, eos_id=-1)(PROMPTS)
     for want, got, want_logp, got_logp in zip(ref.ids, out.ids, ref.logprobs, out.logprobs):
         assert got.tolist() == want.tolist()
         np.testing.assert_allclose(got_logp, want_logp, atol=1e-4)
@@ -95,8 +95,9 @@ def test_sampling_with_the_target_as_its_own_draft_keeps_its_drafts_and_is_seede
 # ---- the rejection sampler alone --------------------------------------------------------------
 
 V, K, DRAWS = 6, 2, 20_000
-P = jnp.asarray([[0.05, 0.40, 0.05, 0.20, 0.25, 0.05], [0.30, 0.10, 0.10, 0.10, 0.10, 0.30],
-                 [0.2, 0.2, 0.2, 0.2, 0.1, 0.1]])
+P = jnp.asarray(
+    [[0.05, 0.40, 0.05, 0.20, 0.25, 0.05], [0.30, 0.10, 0.10, 0.10, 0.10, 0.30], [0.2, 0.2, 0.2, 0.2, 0.1, 0.1]]
+)
 Q_MODEL = jnp.asarray([[0.30, 0.10, 0.30, 0.10, 0.10, 0.10], [0.05, 0.05, 0.30, 0.30, 0.25, 0.05]])
 Q_POINT = jax.nn.one_hot(jnp.asarray([1, 5]), V)  # an n-gram draft: a point mass
 
@@ -156,13 +157,17 @@ def test_no_valid_draft_samples_the_target_and_an_equal_draft_is_always_kept():
 
 # ---- prompt lookup ----------------------------------------------------------------------------
 
-@pytest.mark.parametrize("context, k, drafts", [
-    ([1, 2, 3, 9, 1, 2, 3, 7, 5, 1, 2, 3], 3, [7, 5, 1]),  # the most recent match of the last 3
-    ([4, 2, 3, 8, 6, 6, 2, 3], 2, [8, 6]),  # the last 2 tokens when the last 3 have no match
-    ([5, 8, 1, 5], 4, [8, 1, 5, 8]),  # the last token alone; at the end the text repeats: 8 1 5 again
-    ([7, 3, 3, 3, 3], 4, [3, 3, 3, 3]),  # a run of one token drafts more of it
-    ([1, 2, 3, 4], 2, None),  # no earlier occurrence: no drafts
-])
+
+@pytest.mark.parametrize(
+    "context, k, drafts",
+    [
+        ([1, 2, 3, 9, 1, 2, 3, 7, 5, 1, 2, 3], 3, [7, 5, 1]),  # the most recent match of the last 3
+        ([4, 2, 3, 8, 6, 6, 2, 3], 2, [8, 6]),  # the last 2 tokens when the last 3 have no match
+        ([5, 8, 1, 5], 4, [8, 1, 5, 8]),  # the last token alone; at the end the text repeats: 8 1 5 again
+        ([7, 3, 3, 3, 3], 4, [3, 3, 3, 3]),  # a run of one token drafts more of it
+        ([1, 2, 3, 4], 2, None),  # no earlier occurrence: no drafts
+    ],
+)
 def test_prompt_lookup_proposes_what_followed_the_latest_match(context, k, drafts):
     buffer = jnp.asarray(context + [9] * 6, jnp.int32)  # past the length: never drafted
     got, valid = jax.jit(ngram_drafts, static_argnums=2)(buffer, jnp.int32(len(context)), k)
@@ -172,6 +177,7 @@ def test_prompt_lookup_proposes_what_followed_the_latest_match(context, k, draft
 
 
 # ---- errors and the CLI -----------------------------------------------------------------------
+
 
 def test_a_draft_with_another_vocabulary_or_a_bad_k_is_one_line():
     target, params, _ = models()
@@ -186,8 +192,19 @@ def test_a_draft_with_another_vocabulary_or_a_bad_k_is_one_line():
 
 
 def test_lm_sample_streams_and_writes_the_greedy_tokens_with_a_draft(export, tmp_path, capsys):  # noqa: F811
-    args = ["sample", "--params", str(export), "--max-new-tokens", "10", "--temperature", "0",
-            "--draft", str(export), "--draft-k", "2"]  # the export as its own draft: every draft is kept
+    args = [
+        "sample",
+        "--params",
+        str(export),
+        "--max-new-tokens",
+        "10",
+        "--temperature",
+        "0",
+        "--draft",
+        str(export),
+        "--draft-k",
+        "2",
+    ]  # the export as its own draft: every draft is kept
     assert main([*args, "--prompt", "def f("]) == 0
     streamed = capsys.readouterr()
     assert "[length: 10 tokens; speculative: 6/6 drafts kept (100%), 2.50 tokens per target call]" in streamed.err
@@ -201,11 +218,14 @@ def test_lm_sample_streams_and_writes_the_greedy_tokens_with_a_draft(export, tmp
     assert "speculative: " in capsys.readouterr().err
 
 
-@pytest.mark.parametrize("extra, words", [
-    (["--draft-k", "2"], "--draft-k needs --draft"),
-    (["--draft", "ngram", "--draft-k", "0"], "k=0: expected an integer >= 1"),
-    (["--draft", "MISSING"], "MISSING"),
-])
+@pytest.mark.parametrize(
+    "extra, words",
+    [
+        (["--draft-k", "2"], "--draft-k needs --draft"),
+        (["--draft", "ngram", "--draft-k", "0"], "k=0: expected an integer >= 1"),
+        (["--draft", "MISSING"], "MISSING"),
+    ],
+)
 def test_bad_draft_flags_are_one_line(export, capsys, extra, words):  # noqa: F811
     assert main(["sample", "--params", str(export), "--prompt", "x", *extra]) == 2
     err = capsys.readouterr().err.strip()

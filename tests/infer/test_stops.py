@@ -35,7 +35,7 @@ def _pieces(text: str, sizes=(1, 3, 2, 5)):
     ids, out, i = TOK.encode(text), [], 0
     while i < len(ids):
         n = sizes[len(out) % len(sizes)]
-        out.append(ids[i: i + n])
+        out.append(ids[i : i + n])
         i += n
     return out
 
@@ -72,8 +72,9 @@ def _serve_stream(pieces, stop):
     return [d for d in deltas if d]
 
 
-@pytest.mark.parametrize("text", ["Sure <|en", "Sure <|end|> more", "a\nb\n\nc", "<|<|end|>", "x <|e|> y",
-                                  "naïve <|end"])
+@pytest.mark.parametrize(
+    "text", ["Sure <|en", "Sure <|end|> more", "a\nb\n\nc", "<|<|end|>", "x <|e|> y", "naïve <|end"]
+)
 def test_sample_and_serve_stream_hold_back_the_same_text(text):
     pieces = _pieces(text)
     shown, result = _sample_stream(pieces, STOP)

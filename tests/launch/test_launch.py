@@ -34,7 +34,8 @@ def fakes(tmp_path):
         # one task of the step: the second process
         "srun": 'SLURM_PROCID=1 "$@"',
         "kubectl": 'cat > "$FAKE_LOG/kubectl.stdin"',
-        "scontrol": "exit 1", "make": ":",
+        "scontrol": "exit 1",
+        "make": ":",
     }
     for name, body in bodies.items():
         _script(bin_ / name, record + body)
@@ -52,15 +53,17 @@ def _script(path: Path, body: str) -> None:
     path.chmod(0o755)
 
 
-def launch(script: str, *args: str, env: dict | None = None, dry: bool = True, root: Path = ROOT,
-           rc: int = 0) -> subprocess.CompletedProcess:
+def launch(
+    script: str, *args: str, env: dict | None = None, dry: bool = True, root: Path = ROOT, rc: int = 0
+) -> subprocess.CompletedProcess:
     """Runs launch/SCRIPT in a clean environment (no inherited SLURM_* or DRY_RUN)."""
     e = {k: v for k, v in os.environ.items() if not k.startswith("SLURM_") and k != "DRY_RUN"}
     e.update(env or {})
     if dry:
         e["DRY_RUN"] = "1"
-    p = subprocess.run(["bash", str(root / "launch" / script), *args], cwd=root, env=e,
-                       capture_output=True, text=True, timeout=30)
+    p = subprocess.run(
+        ["bash", str(root / "launch" / script), *args], cwd=root, env=e, capture_output=True, text=True, timeout=30
+    )
     assert p.returncode == rc, p.stdout + p.stderr
     return p
 
@@ -94,12 +97,12 @@ PRETRAIN_70B = ["--config", "configs/llama3_70b.py", "--workdir", "gs://my-bucke
 
 
 def test_tpu_v5p_64_pretraining_dry_run(fakes):
-    out = launch("tpu_pod.sh", "--type", "v5p-64", "my-tpu", "us-central2-b", *PRETRAIN_70B,
-                 env=fakes["env"]).stdout
+    out = launch("tpu_pod.sh", "--type", "v5p-64", "my-tpu", "us-central2-b", *PRETRAIN_70B, env=fakes["env"]).stdout
     assert commands(out) == [
         "+ gcloud compute tpus tpu-vm ssh my-tpu --zone us-central2-b --worker=all --command 'cd ~/lm && make "
         "install >/dev/null && .venv/bin/lm train --distributed --config configs/llama3_70b.py --workdir "
-        "gs://my-bucket/runs/70b'"]
+        "gs://my-bucket/runs/70b'"
+    ]
     procs = processes(out)
     assert [p["i"] for p in procs] == list(range(8))
     assert all(p["n"] == 8 and p["num_processes"] == "8" for p in procs)
@@ -119,10 +122,24 @@ def test_tpu_real_mode_runs_the_printed_command(fakes):
     assert "pass --type" in out and not processes(out)
 
 
-@pytest.mark.parametrize("tpu, hosts", [
-    ("v2-8", 1), ("v3-32", 4), ("v4-8", 1), ("v4-32", 4), ("v5p-8", 1), ("v5p-64", 8), ("v5p-128", 16),
-    ("v5litepod-8", 1), ("v5e-16", 4), ("v5litepod-256", 64), ("v6e-4", 1), ("v6e-8", 1), ("v6e-64", 16),
-])
+@pytest.mark.parametrize(
+    "tpu, hosts",
+    [
+        ("v2-8", 1),
+        ("v3-32", 4),
+        ("v4-8", 1),
+        ("v4-32", 4),
+        ("v5p-8", 1),
+        ("v5p-64", 8),
+        ("v5p-128", 16),
+        ("v5litepod-8", 1),
+        ("v5e-16", 4),
+        ("v5litepod-256", 64),
+        ("v6e-4", 1),
+        ("v6e-8", 1),
+        ("v6e-64", 16),
+    ],
+)
 def test_tpu_hosts_from_the_slice_name(tpu, hosts):
     out = launch("tpu_pod.sh", "--type", tpu, "t", "z", "eval", "--workdir", "gs://b/r").stdout
     assert [p["i"] for p in processes(out)] == list(range(hosts))
@@ -148,8 +165,13 @@ def test_tpu_missing_args_print_usage(args):
 
 # Slurm -------------------------------------------------------------------------------------------
 
-SLURM_2X8 = {"SLURM_JOB_NODELIST": "gpu[01-02]", "SLURM_NNODES": "2", "SLURM_NTASKS": "2",
-             "SLURM_GPUS_PER_NODE": "8", "SLURM_JOB_ID": "4242"}
+SLURM_2X8 = {
+    "SLURM_JOB_NODELIST": "gpu[01-02]",
+    "SLURM_NNODES": "2",
+    "SLURM_NTASKS": "2",
+    "SLURM_GPUS_PER_NODE": "8",
+    "SLURM_JOB_ID": "4242",
+}
 SFT = ["--init", "/shared/runs/base", "--data", "/shared/data/chat.jsonl", "--workdir", "/shared/runs/sft"]
 
 
@@ -158,11 +180,14 @@ def test_slurm_2_nodes_x_8_gpus_sft_dry_run(fakes):
     coordinator = f"gpu01:{61440 + 4242 % 4096}"
     assert commands(out) == [
         "+ export XLA_PYTHON_CLIENT_MEM_FRACTION=0.92",
-        "+ srun bash -c 'exec \"$@\" --process-id \"$SLURM_PROCID\"' _ .venv/bin/lm sft --distributed "
-        f"--coordinator {coordinator} --num-processes 2 " + " ".join(SFT)]
+        '+ srun bash -c \'exec "$@" --process-id "$SLURM_PROCID"\' _ .venv/bin/lm sft --distributed '
+        f"--coordinator {coordinator} --num-processes 2 " + " ".join(SFT),
+    ]
     procs = processes(out)
     assert [(p["i"], p["where"], p["process_id"], p["SLURM_PROCID"]) for p in procs] == [
-        (0, "gpu01", "0", "0"), (1, "gpu02", "1", "1")]
+        (0, "gpu01", "0", "0"),
+        (1, "gpu02", "1", "1"),
+    ]
     assert all(p["gpus"] == "8" and p["num_processes"] == "2" and p["coordinator"] == coordinator for p in procs)
     assert_no_tool_ran(fakes)
 
@@ -173,8 +198,17 @@ def test_slurm_real_mode_runs_the_printed_command(fakes):
     line = commands(out)[-1]
     assert ["srun", *recorded(fakes, "srun")] == shlex.split(line[2:])
     # the task the stand-in srun started is process 1: its index comes from SLURM_PROCID
-    assert recorded(fakes, "lm") == ["train", "--distributed", "--coordinator", "gpu01:61586",
-                                     "--num-processes", "2", *SFT, "--process-id", "1"]
+    assert recorded(fakes, "lm") == [
+        "train",
+        "--distributed",
+        "--coordinator",
+        "gpu01:61586",
+        "--num-processes",
+        "2",
+        *SFT,
+        "--process-id",
+        "1",
+    ]
     assert (fakes["log"] / "lm.env").read_text().strip() == "0.92"
 
 
@@ -187,17 +221,21 @@ def test_slurm_node_lists():
     assert len(processes(launch("gpu_slurm.sbatch", env={"SLURM_NNODES": "3"}).stdout)) == 3
 
 
-@pytest.mark.parametrize("env, message", [
-    ({}, "no SLURM_JOB_NODELIST"),
-    ({"SLURM_JOB_NODELIST": "gpu[01-"}, "cannot read SLURM_JOB_NODELIST 'gpu[01-'"),
-    ({"SLURM_JOB_NODELIST": "gpu[01-02]", "SLURM_NTASKS": "16"}, "expected --ntasks-per-node=1"),
-])
+@pytest.mark.parametrize(
+    "env, message",
+    [
+        ({}, "no SLURM_JOB_NODELIST"),
+        ({"SLURM_JOB_NODELIST": "gpu[01-"}, "cannot read SLURM_JOB_NODELIST 'gpu[01-'"),
+        ({"SLURM_JOB_NODELIST": "gpu[01-02]", "SLURM_NTASKS": "16"}, "expected --ntasks-per-node=1"),
+    ],
+)
 def test_slurm_bad_environment_is_one_line(env, message):
     p = launch("gpu_slurm.sbatch", "sft", *SFT, env=env, rc=2)
     assert p.stdout == "" and len(p.stderr.splitlines()) == 1 and message in p.stderr
 
 
 # Kubernetes --------------------------------------------------------------------------------------
+
 
 def render(*args: str, rc: int = 0) -> subprocess.CompletedProcess:
     return launch("k8s/render.sh", *args, dry=False, rc=rc)
@@ -219,7 +257,8 @@ def test_k8s_render_for_n_pods(pods):
     assert c["args"] == ["sft", "--distributed", "--coordinator", coordinator, "--num-processes", str(pods), *SFT]
     procs = processes(render("--plan", *args).stdout)
     assert [(p["i"], p["where"], p["process_id"], p["JOB_COMPLETION_INDEX"]) for p in procs] == [
-        (i, f"lm-train-{i}", str(i), str(i)) for i in range(pods)]
+        (i, f"lm-train-{i}", str(i), str(i)) for i in range(pods)
+    ]
     assert {p["coordinator"] for p in procs} == {coordinator} and {p["gpus"] for p in procs} == {"4"}
 
 
@@ -228,7 +267,14 @@ def test_k8s_render_keeps_odd_arguments():
     odd = ['a "quoted" & \\ $HOME', "it's", "--config.x=[1, 2]"]
     _, job = yaml.safe_load_all(render("--image", "i", "--name", "run-7", "rl", *odd).stdout)
     assert job["spec"]["template"]["spec"]["containers"][0]["args"] == [
-        "rl", "--distributed", "--coordinator", "run-7-0.run-7:1234", "--num-processes", "2", *odd]
+        "rl",
+        "--distributed",
+        "--coordinator",
+        "run-7-0.run-7:1234",
+        "--num-processes",
+        "2",
+        *odd,
+    ]
 
 
 def test_k8s_apply_dry_run_and_real_mode(fakes):
@@ -244,17 +290,21 @@ def test_k8s_apply_dry_run_and_real_mode(fakes):
     assert (fakes["log"] / "kubectl.stdin").read_text() == manifest
 
 
-@pytest.mark.parametrize("args, message", [
-    (["train"], "usage:"),
-    (["--image", "i", "--pods", "0"], "--pods takes a positive integer, not '0'"),
-    (["--image", "i", "--name", "Bad_Name"], "--name must be a DNS label"),
-])
+@pytest.mark.parametrize(
+    "args, message",
+    [
+        (["train"], "usage:"),
+        (["--image", "i", "--pods", "0"], "--pods takes a positive integer, not '0'"),
+        (["--image", "i", "--name", "Bad_Name"], "--name must be a DNS label"),
+    ],
+)
 def test_k8s_bad_input(args, message):
     p = render(*args, rc=2)
     assert p.stdout == "" and message in p.stderr and len(p.stderr.splitlines()) == 1
 
 
 # One machine -------------------------------------------------------------------------------------
+
 
 def test_local_dry_run_and_real_mode(fakes):
     out = launch("local.sh", "sample", "--workdir", "runs/x", "--prompt", "it's", env=fakes["env"]).stdout
@@ -265,6 +315,7 @@ def test_local_dry_run_and_real_mode(fakes):
 
 
 # Lint --------------------------------------------------------------------------------------------
+
 
 def test_shellcheck_clean():
     found = shutil.which("shellcheck", path=f"{Path(sys.executable).parent}{os.pathsep}{os.environ.get('PATH', '')}")

@@ -19,7 +19,7 @@ def inputs(b, t, n, k, h, seed=0, dtype=jnp.float32):
 def packed_segments(b, t):
     """Row 0: three documents then padding (segment 0); the other rows: one document each."""
     seg = np.ones((b, t), np.int32)
-    seg[0, t // 3: 2 * t // 3], seg[0, 2 * t // 3:], seg[0, t - 3:] = 2, 3, 0
+    seg[0, t // 3 : 2 * t // 3], seg[0, 2 * t // 3 :], seg[0, t - 3 :] = 2, 3, 0
     return jnp.asarray(seg)
 
 
@@ -36,8 +36,7 @@ def test_query_blocks_cover_the_sequence():
 
 # (b, t, n_heads, n_kv_heads, head_dim, query block): GQA groups of 1, 2 and 4 (MQA), one block,
 # a block that does not divide the length, single-position blocks.
-SHAPES = [(2, 16, 4, 4, 8, 4), (2, 24, 4, 2, 16, 8), (1, 20, 4, 1, 8, 6), (2, 12, 2, 1, 4, 32),
-          (1, 7, 2, 2, 4, 1)]
+SHAPES = [(2, 16, 4, 4, 8, 4), (2, 24, 4, 2, 16, 8), (1, 20, 4, 1, 8, 6), (2, 12, 2, 1, 4, 32), (1, 7, 2, 2, 4, 1)]
 
 
 def test_probabilities_are_kept_only_for_short_sequences():

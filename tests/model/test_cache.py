@@ -54,8 +54,13 @@ def test_prefill_then_decode_equals_full_forward_for_rows_of_different_lengths(m
     for _ in range(7):
         live = [cur[r] < len(seqs[r]) for r in range(b)]
         tok = np.array([[seqs[r][cur[r]] if live[r] else 0] for r in range(b)], np.int32)
-        logits, cache = step(params, cache, tok, np.array([[int(x)] for x in live], np.int32),
-                             np.array([[cur[r]] for r in range(b)], np.int32))
+        logits, cache = step(
+            params,
+            cache,
+            tok,
+            np.array([[int(x)] for x in live], np.int32),
+            np.array([[cur[r]] for r in range(b)], np.int32),
+        )
         for r in range(b):
             if live[r]:
                 np.testing.assert_allclose(logits[r, 0], refs[r][cur[r]], atol=2e-5, rtol=2e-5)
@@ -74,8 +79,9 @@ def test_positions_past_the_cache_change_nothing(model_params):
     model, params = model_params
     ids = np.array([[3, 4, 5]], np.int32)
     _, cache = decode_step(model, params, init_cache(model, 1, 4), ids, np.ones_like(ids), np.arange(3)[None])
-    _, after = decode_step(model, params, cache, np.array([[9, 9]], np.int32), np.ones((1, 2), np.int32),
-                           np.array([[4, 7]], np.int32))
+    _, after = decode_step(
+        model, params, cache, np.array([[9, 9]], np.int32), np.ones((1, 2), np.int32), np.array([[4, 7]], np.int32)
+    )
     for a, b in zip(jax.tree.leaves(cache), jax.tree.leaves(after)):
         np.testing.assert_array_equal(a, b)
 
@@ -110,8 +116,9 @@ def test_scalar_head_sits_on_the_lm_trunk():
     params = random_params(model, seed=1)  # an LM's params initialise the trunk as they are
     w = jnp.linspace(-1.0, 1.0, SPEC.d_model)
     args = (jnp.asarray([[5, 6, 7]], jnp.int32), jnp.ones((1, 3), jnp.int32), jnp.arange(3)[None])
-    values = with_head.apply({"params": params | {"scalar_head": {"kernel": w, "bias": jnp.asarray(0.5)}}}, *args,
-                             output="scalar")
+    values = with_head.apply(
+        {"params": params | {"scalar_head": {"kernel": w, "bias": jnp.asarray(0.5)}}}, *args, output="scalar"
+    )
     hidden = model.apply({"params": params}, *args, output="hidden")
     assert values.shape == (1, 3) and values.dtype == jnp.float32
     np.testing.assert_allclose(values, hidden @ w + 0.5, atol=1e-5)
@@ -119,10 +126,17 @@ def test_scalar_head_sits_on_the_lm_trunk():
 
 # Pinned: checkpoints of earlier runs load only if these paths and shapes never change.
 PINNED = {
-    "embedding": (64, 32), "final_norm/scale": (32,),
-    "blocks/attn/wq": (2, 32, 4, 8), "blocks/attn/wk": (2, 32, 2, 8), "blocks/attn/wv": (2, 32, 2, 8),
-    "blocks/attn/wo": (2, 4, 8, 32), "blocks/attn_norm/scale": (2, 32), "blocks/mlp_norm/scale": (2, 32),
-    "blocks/mlp/w_gate": (2, 32, 64), "blocks/mlp/w_up": (2, 32, 64), "blocks/mlp/w_down": (2, 64, 32),
+    "embedding": (64, 32),
+    "final_norm/scale": (32,),
+    "blocks/attn/wq": (2, 32, 4, 8),
+    "blocks/attn/wk": (2, 32, 2, 8),
+    "blocks/attn/wv": (2, 32, 2, 8),
+    "blocks/attn/wo": (2, 4, 8, 32),
+    "blocks/attn_norm/scale": (2, 32),
+    "blocks/mlp_norm/scale": (2, 32),
+    "blocks/mlp/w_gate": (2, 32, 64),
+    "blocks/mlp/w_up": (2, 32, 64),
+    "blocks/mlp/w_down": (2, 64, 32),
 }
 
 

@@ -10,24 +10,62 @@ from lm.plan import units
 
 
 def gpt2_124m():
-    return ml_collections.ConfigDict(dict(
-        vocab_size=50257, d_model=768, n_layers=12, n_heads=12, n_kv_heads=12,
-        head_dim=0, d_ff=3072, mlp="gelu", norm="layernorm", use_bias=True,
-        position="learned", max_seq_len=1024, tie_embeddings=True))
+    return ml_collections.ConfigDict(
+        dict(
+            vocab_size=50257,
+            d_model=768,
+            n_layers=12,
+            n_heads=12,
+            n_kv_heads=12,
+            head_dim=0,
+            d_ff=3072,
+            mlp="gelu",
+            norm="layernorm",
+            use_bias=True,
+            position="learned",
+            max_seq_len=1024,
+            tie_embeddings=True,
+        )
+    )
 
 
 def llama3(d_model, n_layers, n_heads, d_ff):
-    return ml_collections.ConfigDict(dict(
-        vocab_size=128256, d_model=d_model, n_layers=n_layers, n_heads=n_heads,
-        n_kv_heads=8, head_dim=0, d_ff=d_ff, mlp="swiglu", norm="rmsnorm",
-        use_bias=False, position="rope", max_seq_len=8192, tie_embeddings=False))
+    return ml_collections.ConfigDict(
+        dict(
+            vocab_size=128256,
+            d_model=d_model,
+            n_layers=n_layers,
+            n_heads=n_heads,
+            n_kv_heads=8,
+            head_dim=0,
+            d_ff=d_ff,
+            mlp="swiglu",
+            norm="rmsnorm",
+            use_bias=False,
+            position="rope",
+            max_seq_len=8192,
+            tie_embeddings=False,
+        )
+    )
 
 
 def tiny(**overrides):
     # d=4, 1 layer, 2 query heads sharing 1 kv head of width 2, vocab 10.
-    fields = dict(vocab_size=10, d_model=4, n_layers=1, n_heads=2, n_kv_heads=1,
-                  head_dim=0, d_ff=8, mlp="swiglu", norm="rmsnorm", use_bias=False,
-                  position="rope", max_seq_len=16, tie_embeddings=True)
+    fields = dict(
+        vocab_size=10,
+        d_model=4,
+        n_layers=1,
+        n_heads=2,
+        n_kv_heads=1,
+        head_dim=0,
+        d_ff=8,
+        mlp="swiglu",
+        norm="rmsnorm",
+        use_bias=False,
+        position="rope",
+        max_seq_len=16,
+        tie_embeddings=True,
+    )
     fields.update(overrides)
     return SimpleNamespace(**fields)
 
@@ -39,11 +77,11 @@ def test_gpt2_124m_matches_hf_count():
 
 def test_gpt2_124m_non_embedding_by_hand():
     d, ff, L = 768, 3072, 12
-    ln = 2 * d                                   # layernorm scale + bias
-    attn = (d * 3 * d + 3 * d) + (d * d + d)     # c_attn (qkv) + c_proj, with biases
-    mlp = (d * ff + ff) + (ff * d + d)           # c_fc + c_proj, with biases
-    block = 2 * ln + attn + mlp                  # = 7,087,872
-    expected = L * block + ln                    # blocks + ln_f = 85,056,000 (~85M)
+    ln = 2 * d  # layernorm scale + bias
+    attn = (d * 3 * d + 3 * d) + (d * d + d)  # c_attn (qkv) + c_proj, with biases
+    mlp = (d * ff + ff) + (ff * d + d)  # c_fc + c_proj, with biases
+    block = 2 * ln + attn + mlp  # = 7,087,872
+    expected = L * block + ln  # blocks + ln_f = 85,056,000 (~85M)
     assert expected == 85_056_000
     assert counts.non_embedding_params(gpt2_124m()) == expected
     b = counts.param_breakdown(gpt2_124m())
@@ -59,29 +97,30 @@ def test_llama3_8b_and_70b_published_counts():
 
 def test_gpt2_flops_per_token_formula():
     d, ff, L, H, hd, V, T = 768, 3072, 12, 12, 64, 50257, 1024
-    n_matmul = L * (4 * d * d + 2 * d * ff) + d * V   # blocks + (tied) output head
+    n_matmul = L * (4 * d * d + 2 * d * ff) + d * V  # blocks + (tied) output head
     assert n_matmul == 123_532_032
-    expected = 6 * n_matmul + 12 * L * H * hd * T     # 741,192,192 + 113,246,208
+    expected = 6 * n_matmul + 12 * L * H * hd * T  # 741,192,192 + 113,246,208
     assert counts.flops_per_token(gpt2_124m(), T) == expected == 854_438_400
 
 
 def test_tiny_flops_every_term():
     # q: 4x(2*2)=16, k: 4x(1*2)=8, v: 8, o: 16 -> 48; swiglu: 3*4*8=96; head 4*10=40.
-    n_matmul = 16 + 8 + 8 + 16 + 96 + 40             # = 184
-    attn = 12 * 1 * 2 * 2 * 3                        # L*H*hd*T at seq_len 3 -> 144
+    n_matmul = 16 + 8 + 8 + 16 + 96 + 40  # = 184
+    attn = 12 * 1 * 2 * 2 * 3  # L*H*hd*T at seq_len 3 -> 144
     assert counts.flops_per_token(tiny(), 3) == 6 * n_matmul + attn == 1248
     # Tying, biases, norms and position tables do not change matmul FLOPs.
-    assert counts.flops_per_token(tiny(tie_embeddings=False, use_bias=True,
-                                     position="learned", norm="layernorm"), 3) == 1248
+    assert (
+        counts.flops_per_token(tiny(tie_embeddings=False, use_bias=True, position="learned", norm="layernorm"), 3)
+        == 1248
+    )
 
 
 def test_tiny_param_count_every_term():
-    m = tiny(mlp="gelu", norm="layernorm", use_bias=True, position="learned",
-             tie_embeddings=False)
+    m = tiny(mlp="gelu", norm="layernorm", use_bias=True, position="learned", tie_embeddings=False)
     emb, pos = 10 * 4, 16 * 4
-    attn = (16 + 4) + (8 + 2) + (8 + 2) + (16 + 4)   # q, k, v, o with biases
-    mlp = (4 * 8 + 8) + (8 * 4 + 4)                  # fc + proj with biases
-    norms = 3 * (4 + 4)                              # 2 per block + final, scale+bias
+    attn = (16 + 4) + (8 + 2) + (8 + 2) + (16 + 4)  # q, k, v, o with biases
+    mlp = (4 * 8 + 8) + (8 * 4 + 4)  # fc + proj with biases
+    norms = 3 * (4 + 4)  # 2 per block + final, scale+bias
     head = 4 * 10
     assert counts.param_count(m) == emb + pos + attn + mlp + norms + head == 304  # 40+64+60+76+24+40
     assert counts.non_embedding_params(m) == 304 - emb - pos

@@ -14,8 +14,9 @@ from tests.model.test_transformer import TINY, random_params
 
 MODELS = {
     "llama": TINY,
-    "gpt2": dataclasses.replace(TINY, mlp="gelu", norm="layernorm", use_bias=True, position="learned",
-                                tie_embeddings=False),
+    "gpt2": dataclasses.replace(
+        TINY, mlp="gelu", norm="layernorm", use_bias=True, position="learned", tie_embeddings=False
+    ),
 }
 
 

@@ -11,8 +11,7 @@ import pytest
 from lm.model.layers import Mlp, Norm, Partitioning
 from tests.model.test_transformer import model_spec
 
-SPEC = model_spec(vocab_size=16, d_model=8, n_layers=2, n_heads=2, n_kv_heads=1, head_dim=4, d_ff=12,
-                  norm_eps=1e-5)
+SPEC = model_spec(vocab_size=16, d_model=8, n_layers=2, n_heads=2, n_kv_heads=1, head_dim=4, d_ff=12, norm_eps=1e-5)
 
 
 def apply(module, x, seed=0):
@@ -78,11 +77,14 @@ def test_gelu_mlp_with_bias(x):
     np.testing.assert_allclose(y, want, rtol=1e-4, atol=1e-4)
 
 
-@pytest.mark.parametrize("spec, a_shape, b_shape", [
-    ("btd,df->btf", (2, 3, 4), (4, 5)),
-    ("btd,dnh->btnh", (2, 3, 4), (4, 2, 3)),
-    ("btnh,nhd->btd", (2, 3, 2, 3), (2, 3, 4)),
-])
+@pytest.mark.parametrize(
+    "spec, a_shape, b_shape",
+    [
+        ("btd,df->btf", (2, 3, 4), (4, 5)),
+        ("btd,dnh->btnh", (2, 3, 4), (4, 2, 3)),
+        ("btnh,nhd->btd", (2, 3, 2, 3), (2, 3, 4)),
+    ],
+)
 def test_matmul_value_and_grads_match_einsum(spec, a_shape, b_shape):
     from lm.model.cpu_kernels import matmul
 
@@ -98,14 +100,19 @@ def test_matmul_value_and_grads_match_einsum(spec, a_shape, b_shape):
         return jnp.sum(jnp.einsum(spec, a, b) * w)
 
     # a sum of products: its rounding scales with the sum of their magnitudes, not with the sum
-    np.testing.assert_allclose(ours(a, b), reference(a, b), rtol=0,
-                               atol=1e-6 * float(jnp.sum(jnp.abs(jnp.einsum(spec, a, b) * w))))
+    np.testing.assert_allclose(
+        ours(a, b), reference(a, b), rtol=0, atol=1e-6 * float(jnp.sum(jnp.abs(jnp.einsum(spec, a, b) * w)))
+    )
     for g, r in zip(jax.grad(ours, (0, 1))(a, b), jax.grad(reference, (0, 1))(a, b)):
         np.testing.assert_allclose(g, r, rtol=1e-5, atol=1e-6)
     bf16 = matmul(spec, a.astype(jnp.bfloat16), b)  # a float32 weight is cast to the activation's dtype
     assert bf16.dtype == jnp.bfloat16
-    np.testing.assert_allclose(bf16.astype(jnp.float32), jnp.einsum(spec, a.astype(jnp.bfloat16),
-                               b.astype(jnp.bfloat16), preferred_element_type=jnp.float32), rtol=1e-2, atol=1e-2)
+    np.testing.assert_allclose(
+        bf16.astype(jnp.float32),
+        jnp.einsum(spec, a.astype(jnp.bfloat16), b.astype(jnp.bfloat16), preferred_element_type=jnp.float32),
+        rtol=1e-2,
+        atol=1e-2,
+    )
     assert matmul(spec, a.astype(jnp.bfloat16), b, out_dtype="float32").dtype == jnp.float32
 
 

@@ -1,7 +1,6 @@
 """LoRA: adapter shapes and counts, a zero B starts at the base, merging equals the adapted
 model, and training adapters leaves the base bit for bit with optimizer state for adapters only."""
 
-
 import flax.linen as nn
 import jax
 import jax.numpy as jnp
@@ -20,8 +19,18 @@ R = 4
 
 def config(rank=R, **model):
     c = base_config()
-    c.model.update(vocab_size=64, d_model=32, n_layers=2, n_heads=4, n_kv_heads=2, d_ff=48, max_seq_len=16,
-                   lora_rank=rank, lora_alpha=8.0, **model)
+    c.model.update(
+        vocab_size=64,
+        d_model=32,
+        n_layers=2,
+        n_heads=4,
+        n_kv_heads=2,
+        d_ff=48,
+        max_seq_len=16,
+        lora_rank=rank,
+        lora_alpha=8.0,
+        **model,
+    )
     c.optim.update(lr=1e-2, warmup_steps=0, weight_decay=0.1)
     c.train.update(batch_size=4, steps=10)
     c.data.seq_len = 16
@@ -49,13 +58,16 @@ def test_trainable_count_is_rank_times_in_plus_out_per_target_and_layer(mlp):
     p = shapes_of(c)
     d, h, n, kv, f, layers = 32, 8, 4, 2, 48, 2
     per_layer = {"wq": d + n * h, "wk": d + kv * h, "wv": d + kv * h, "wo": n * h + d}
-    per_layer |= {"w_gate": d + f, "w_up": d + f, "w_down": f + d} if mlp == "swiglu" else {"w_in": d + f, "w_down": f + d}
+    per_layer |= (
+        {"w_gate": d + f, "w_up": d + f, "w_down": f + d} if mlp == "swiglu" else {"w_in": d + f, "w_down": f + d}
+    )
     adapters = {path: x.size for path, x in zip(leaf_paths(p), jax.tree.leaves(p)) if "_lora_" in path}
     assert sum(adapters.values()) == R * layers * sum(per_layer.values())
     assert {path.split("/")[-1].rsplit("_lora_", 1)[0] for path in adapters} == set(per_layer)
     only_q = shapes_of(config(lora_targets=("wq",), mlp=mlp))
-    assert sum(x.size for path, x in zip(leaf_paths(only_q), jax.tree.leaves(only_q)) if "_lora_" in path) == \
-        R * layers * (d + n * h)
+    assert sum(
+        x.size for path, x in zip(leaf_paths(only_q), jax.tree.leaves(only_q)) if "_lora_" in path
+    ) == R * layers * (d + n * h)
 
 
 def test_zero_b_starts_at_the_base_and_merging_equals_the_adapted_model():
@@ -63,10 +75,12 @@ def test_zero_b_starts_at_the_base_and_merging_equals_the_adapted_model():
     base = params_of(base_c, seed=1)
     adapted = params_of(c, seed=2)
     # the adapted model with the base's weights and its fresh adapters (B = 0) is the base
-    with_base = jax.tree_util.tree_map_with_path(
-        lambda path, x: x if is_adapter(path) else _at(base, path), adapted)
+    with_base = jax.tree_util.tree_map_with_path(lambda path, x: x if is_adapter(path) else _at(base, path), adapted)
     ids, seg, pos = tokens()
-    base_model, lora_model = Transformer(ModelSpec.from_config(base_c.model)), Transformer(ModelSpec.from_config(c.model))
+    base_model, lora_model = (
+        Transformer(ModelSpec.from_config(base_c.model)),
+        Transformer(ModelSpec.from_config(c.model)),
+    )
     base_apply = jax.jit(lambda p: base_model.apply({"params": p}, ids, seg, pos))
     lora_apply = jax.jit(lambda p: lora_model.apply({"params": p}, ids, seg, pos))
     want = base_apply(base)
@@ -75,7 +89,8 @@ def test_zero_b_starts_at_the_base_and_merging_equals_the_adapted_model():
     # with trained-looking adapters (B != 0) the output moves, and the merged plain model equals it
     rng = np.random.default_rng(3)
     moved = jax.tree_util.tree_map_with_path(
-        lambda path, x: x + 0.05 * rng.standard_normal(x.shape).astype(x.dtype) if is_adapter(path) else x, with_base)
+        lambda path, x: x + 0.05 * rng.standard_normal(x.shape).astype(x.dtype) if is_adapter(path) else x, with_base
+    )
     got = lora_apply(moved)
     assert float(jnp.max(jnp.abs(got - want))) > 1e-3
     merged = merge_lora(moved, c.model.lora_alpha, R)
@@ -123,8 +138,9 @@ def test_adapter_step_equals_full_step_restricted_to_adapters():
     split = build_run(c, devices=jax.devices()[:1], trainable=is_adapter)
     state, frozen = split.init(base=base, seed=5)
     rng = np.random.default_rng(0)  # nonzero B, so A gets a gradient too
-    state = state.replace(params=jax.tree.map(lambda x: x + 0.05 * rng.standard_normal(x.shape).astype(x.dtype),
-                                              state.params))
+    state = state.replace(
+        params=jax.tree.map(lambda x: x + 0.05 * rng.standard_normal(x.shape).astype(x.dtype), state.params)
+    )
     batch = host_batch(split.signature(), vocab_size=64)
     loss = lambda p: split.loss_fn(p, split.placer().from_global(batch), {}, None)[0]
     full_params = merge_trees(jax.device_get(state.params), jax.device_get(frozen["base"]))

@@ -14,9 +14,8 @@ from lm.config import base_config, validate
 from lm.errors import UserError
 from lm.model.apply import forward
 from lm.model.build import build_model
-from lm.model.layers import ModelSpec
+from lm.model.layers import ModelSpec, Partitioning
 from lm.model.moe import aux_sums, capacity, dropless, layer_stats, route, with_capacity
-from lm.model.layers import Partitioning
 from lm.model.transformer import init_params
 from lm.train.setup import build_run
 
@@ -25,8 +24,18 @@ B, T, V, E, K, F, D = 8, 16, 128, 4, 2, 32, 64
 
 def config(**model_kw):
     c = base_config()
-    c.model.update(vocab_size=V, d_model=D, n_layers=2, n_heads=4, n_kv_heads=2, d_ff=128, max_seq_len=T,
-                   n_experts=E, experts_per_token=K, expert_d_ff=F)
+    c.model.update(
+        vocab_size=V,
+        d_model=D,
+        n_layers=2,
+        n_heads=4,
+        n_kv_heads=2,
+        d_ff=128,
+        max_seq_len=T,
+        n_experts=E,
+        experts_per_token=K,
+        expert_d_ff=F,
+    )
     c.model.update(model_kw)
     c.optim.update(lr=1e-3, warmup_steps=0, eps=1e-6)
     c.train.update(batch_size=B, micro_batches=1, steps=10)
@@ -69,7 +78,7 @@ def test_layer_stats_by_hand():
     lse = np.log(np.exp(logits[:4]).sum(-1))
     nz = share[share > 0]
     np.testing.assert_allclose(got["balance"], E * (share * mean_prob).sum(), rtol=1e-5)
-    np.testing.assert_allclose(got["router_z"], (lse ** 2).mean(), rtol=1e-5)
+    np.testing.assert_allclose(got["router_z"], (lse**2).mean(), rtol=1e-5)
     np.testing.assert_allclose(got["load_max"], share.max() * E, rtol=1e-6)
     np.testing.assert_allclose(got["load_min"], share.min() * E, rtol=1e-6)
     np.testing.assert_allclose(got["load_entropy"], -(nz * np.log(nz)).sum() / math.log(E), rtol=1e-5)
@@ -119,8 +128,17 @@ def test_capacity_drops_are_counted_and_the_rest_run():
     w, ex, _ = route(s, jnp.asarray(logits))
     real = np.ones((g, n), np.float32)
     real[1, -2:] = 0  # padding takes no capacity
-    y, dropped = with_capacity(s, Partitioning(), jnp.asarray(x).reshape(g, n, D), w.reshape(g, n, K),
-                               ex.reshape(g, n, K), jnp.asarray(real), wg, wu, wd)
+    y, dropped = with_capacity(
+        s,
+        Partitioning(),
+        jnp.asarray(x).reshape(g, n, D),
+        w.reshape(g, n, K),
+        ex.reshape(g, n, K),
+        jnp.asarray(real),
+        wg,
+        wu,
+        wd,
+    )
     c = capacity(s, n)
     assert c == math.ceil(0.5 * n * K / E)
     ex, w = np.asarray(ex).reshape(g, n, K), np.asarray(w).reshape(g, n, K)
@@ -165,9 +183,15 @@ def make_batch():
 
 def test_aux_losses_reach_the_objective_weighted_by_count():
     s = spec()
-    stats = {"balance": jnp.array([1.2, 1.4]), "router_z": jnp.array([2.0, 4.0]), "dropped": jnp.array([1.0, 3.0]),
-             "assigned": jnp.array([10.0, 10.0]), "load_min": jnp.array([0.5, 0.6]),
-             "load_max": jnp.array([1.5, 1.6]), "load_entropy": jnp.array([0.9, 0.8])}
+    stats = {
+        "balance": jnp.array([1.2, 1.4]),
+        "router_z": jnp.array([2.0, 4.0]),
+        "dropped": jnp.array([1.0, 3.0]),
+        "assigned": jnp.array([10.0, 10.0]),
+        "load_min": jnp.array([0.5, 0.6]),
+        "load_max": jnp.array([1.5, 1.6]),
+        "load_entropy": jnp.array([0.9, 0.8]),
+    }
     term, sums = aux_sums(s, stats, jnp.asarray(7.0))
     np.testing.assert_allclose(term, 7.0 * (s.moe_balance_coef * 1.3 + s.moe_z_coef * 3.0), rtol=1e-6)
     np.testing.assert_allclose(sums["moe_balance_sum"], 7.0 * 1.3, rtol=1e-6)
@@ -184,8 +208,9 @@ def step_on(mesh: tuple, micro: int = 1, **model_kw):
     c.train.micro_batches = micro
     n = int(np.prod([v for _, v in mesh]))
     r = build_run(c, None, devices=jax.devices()[:n])
-    init = r.init_state(0) if n == 1 else jax.device_put(step_on((("data", 1),), 1, **model_kw)["init"],
-                                                         r.state_shardings)
+    init = (
+        r.init_state(0) if n == 1 else jax.device_put(step_on((("data", 1),), 1, **model_kw)["init"], r.state_shardings)
+    )
     out = {"init": jax.device_get(init)}
     batch = make_batch()
     state, metrics = r.train_step()(init, r.placer(r.signature())(batch))
@@ -193,8 +218,11 @@ def step_on(mesh: tuple, micro: int = 1, **model_kw):
     return out
 
 
-MESHES = [(("data", 2), ("fsdp", 2), ("tensor", 2)), (("data", 2), ("expert", 4)),
-          (("expert", 2), ("fsdp", 2), ("tensor", 2))]
+MESHES = [
+    (("data", 2), ("fsdp", 2), ("tensor", 2)),
+    (("data", 2), ("expert", 4)),
+    (("expert", 2), ("fsdp", 2), ("tensor", 2)),
+]
 
 
 @pytest.mark.skipif(len(jax.devices()) < 8, reason="needs 8 devices")
@@ -204,11 +232,15 @@ def test_meshes_match_one_device(mesh, cf):
     ref, got = step_on((("data", 1),), 1, capacity_factor=cf), step_on(mesh, 1, capacity_factor=cf)
     for k in ("loss", "grad_norm", "moe_balance", "moe_router_z", "moe_dropped", "moe_load_max_l0"):
         np.testing.assert_allclose(got["metrics"][k], ref["metrics"][k], rtol=2e-5, err_msg=k)
-    for (path, r), g in zip(jax.tree_util.tree_leaves_with_path(ref["state"].params),
-                            jax.tree.leaves(got["state"].params)):
+    for (path, r), g in zip(
+        jax.tree_util.tree_leaves_with_path(ref["state"].params), jax.tree.leaves(got["state"].params)
+    ):
         np.testing.assert_allclose(g, r, rtol=1e-5, atol=1e-5, err_msg=jax.tree_util.keystr(path))
-    moved = jax.tree.map(lambda a, b: float(np.abs(a - b).max()), ref["state"].params["blocks"]["moe"],
-                         ref["init"].params["blocks"]["moe"])
+    moved = jax.tree.map(
+        lambda a, b: float(np.abs(a - b).max()),
+        ref["state"].params["blocks"]["moe"],
+        ref["init"].params["blocks"]["moe"],
+    )
     assert min(jax.tree.leaves(moved)) > 1e-5  # router and every expert weight trained
 
 
@@ -250,9 +282,9 @@ def test_kv_cache_generation_equals_recomputing():
         seq = list(prompt)
         for _ in range(n):
             x, seg = np.zeros((1, T), np.int32), np.zeros((1, T), np.int32)
-            x[0, :len(seq)], seg[0, :len(seq)] = seq, 1
+            x[0, : len(seq)], seg[0, : len(seq)] = seq, 1
             seq.append(int(jnp.argmax(fwd(params, x, seg)[0, len(seq) - 1])))
-        assert ids.tolist() == seq[len(prompt):]
+        assert ids.tolist() == seq[len(prompt) :]
 
 
 def test_int8_quantized_experts_stay_close():

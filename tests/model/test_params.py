@@ -28,10 +28,13 @@ def built_count(model_config) -> int:
     return sum(int(np.prod(x.shape)) for x in leaves)
 
 
-@pytest.mark.parametrize("path, published", [
-    ("configs/gpt2_124m.py", 124_439_808),
-    ("configs/llama3_8b.py", 8_030_261_248),
-])
+@pytest.mark.parametrize(
+    "path, published",
+    [
+        ("configs/gpt2_124m.py", 124_439_808),
+        ("configs/llama3_8b.py", 8_030_261_248),
+    ],
+)
 def test_param_count_matches_published_and_plan(path, published):
     m = load_config(path).model
     assert counts.param_count(m) == published
@@ -40,9 +43,21 @@ def test_param_count_matches_published_and_plan(path, published):
 
 def test_param_count_every_option_on():
     c = base_config()
-    c.model.update(vocab_size=50, d_model=32, n_layers=3, n_heads=4, n_kv_heads=2, head_dim=12, d_ff=48,
-                   mlp="gelu", norm="layernorm", use_bias=True, position="learned", max_seq_len=20,
-                   tie_embeddings=False)
+    c.model.update(
+        vocab_size=50,
+        d_model=32,
+        n_layers=3,
+        n_heads=4,
+        n_kv_heads=2,
+        head_dim=12,
+        d_ff=48,
+        mlp="gelu",
+        norm="layernorm",
+        use_bias=True,
+        position="learned",
+        max_seq_len=20,
+        tie_embeddings=False,
+    )
     assert built_count(c.model) == counts.param_count(c.model)
     c.model.update(mlp="swiglu", norm="rmsnorm", use_bias=False, position="rope", tie_embeddings=True)
     assert built_count(c.model) == counts.param_count(c.model)
@@ -50,25 +65,38 @@ def test_param_count_every_option_on():
 
 @pytest.fixture(scope="module")
 def specs():
-    spec = model_spec(vocab_size=50, d_model=32, n_layers=2, n_heads=4, n_kv_heads=2, head_dim=8, d_ff=48,
-                      position="learned", tie_embeddings=False, use_bias=True)
+    spec = model_spec(
+        vocab_size=50,
+        d_model=32,
+        n_layers=2,
+        n_heads=4,
+        n_kv_heads=2,
+        head_dim=8,
+        d_ff=48,
+        position="learned",
+        tie_embeddings=False,
+        use_bias=True,
+    )
     return nn.get_partition_spec(abstract_params(spec))
 
 
-@pytest.mark.parametrize("path, names", [
-    ("embedding", ("vocab", "embed")),
-    ("head", ("embed", "vocab")),
-    ("pos_embedding", ("position", "embed")),
-    ("blocks/attn/wq", ("layers", "embed", "q_heads", "head_dim")),
-    ("blocks/attn/wk", ("layers", "embed", "kv_heads", "head_dim")),
-    ("blocks/attn/wv", ("layers", "embed", "kv_heads", "head_dim")),
-    ("blocks/attn/wo", ("layers", "q_heads", "head_dim", "embed")),
-    ("blocks/attn/wq_bias", ("layers", "q_heads", "head_dim")),
-    ("blocks/mlp/w_gate", ("layers", "embed", "mlp")),
-    ("blocks/mlp/w_down", ("layers", "mlp", "embed")),
-    ("blocks/attn_norm/scale", ("layers", "norm")),
-    ("final_norm/scale", ("norm",)),
-])
+@pytest.mark.parametrize(
+    "path, names",
+    [
+        ("embedding", ("vocab", "embed")),
+        ("head", ("embed", "vocab")),
+        ("pos_embedding", ("position", "embed")),
+        ("blocks/attn/wq", ("layers", "embed", "q_heads", "head_dim")),
+        ("blocks/attn/wk", ("layers", "embed", "kv_heads", "head_dim")),
+        ("blocks/attn/wv", ("layers", "embed", "kv_heads", "head_dim")),
+        ("blocks/attn/wo", ("layers", "q_heads", "head_dim", "embed")),
+        ("blocks/attn/wq_bias", ("layers", "q_heads", "head_dim")),
+        ("blocks/mlp/w_gate", ("layers", "embed", "mlp")),
+        ("blocks/mlp/w_down", ("layers", "mlp", "embed")),
+        ("blocks/attn_norm/scale", ("layers", "norm")),
+        ("final_norm/scale", ("norm",)),
+    ],
+)
 def test_logical_partition_names(specs, path, names):
     node = specs
     for key in path.split("/"):

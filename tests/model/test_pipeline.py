@@ -33,7 +33,11 @@ LAYER_TYPES = ("local", "local", "global", "local", "global", "global", "local",
 CASES = {
     "gpipe-2stages": (dict(stage=2, fsdp=2, tensor=2), dict(remat="full"), 2),
     "gpipe-4stages": (dict(stage=4, data=2), dict(pipeline_microbatches=4, remat="dots_saveable"), 1),
-    "circular-2stages": (dict(stage=2, fsdp=2, tensor=2), dict(pipeline_repeats=2, pipeline_microbatches=4, remat="full"), 2),
+    "circular-2stages": (
+        dict(stage=2, fsdp=2, tensor=2),
+        dict(pipeline_repeats=2, pipeline_microbatches=4, remat="full"),
+        2,
+    ),
     "circular-4stages": (dict(stage=4, data=2), dict(pipeline_repeats=2), 2),
 }
 
@@ -127,7 +131,9 @@ def test_runtime_checks_name_the_keys():
 
 
 def test_config_checks_name_the_keys():
-    with pytest.raises(UserError, match=r"'model.n_layers' = 8: must split into mesh.stage=2 x model.pipeline_repeats=3"):
+    with pytest.raises(
+        UserError, match=r"'model.n_layers' = 8: must split into mesh.stage=2 x model.pipeline_repeats=3"
+    ):
         pipeline_config(dict(stage=2), pipeline_repeats=3)
     with pytest.raises(UserError, match=r"'model.pipeline_microbatches' = 2: a circular"):
         pipeline_config(dict(stage=4), pipeline_repeats=2, pipeline_microbatches=2)

@@ -16,14 +16,31 @@ from lm.infer.generate import Generator
 from lm.infer.sampling import SamplingParams
 from lm.model.build import build_model
 from lm.model.qtensor import QTensor, pack_int4, unpack_int4
-from lm.model.quant import (from_tensors, place_quantized, quantize, quantize_for_inference, quantize_params,
-                            quantized_tensors, weight_bytes)
+from lm.model.quant import (
+    from_tensors,
+    place_quantized,
+    quantize,
+    quantize_for_inference,
+    quantize_params,
+    quantized_tensors,
+    weight_bytes,
+)
 from lm.model.transformer import Transformer
 from tests.model.test_transformer import model_spec, random_params
 
 # d_ff = 256: w_down's inputs form two groups of 128; n_kv_heads = 4 so kv heads split 4 ways
-SPEC = model_spec(vocab_size=128, d_model=64, n_layers=2, n_heads=4, n_kv_heads=4, head_dim=16, d_ff=256,
-                  max_seq_len=24, init_std=0.08, tie_embeddings=False)
+SPEC = model_spec(
+    vocab_size=128,
+    d_model=64,
+    n_layers=2,
+    n_heads=4,
+    n_kv_heads=4,
+    head_dim=16,
+    d_ff=256,
+    max_seq_len=24,
+    init_std=0.08,
+    tie_embeddings=False,
+)
 IDS = np.random.default_rng(1).integers(0, 128, (4, 12)).astype(np.int32)
 
 
@@ -40,8 +57,9 @@ def forward(model, params):
 
 
 def dequantized(qparams):
-    return jax.tree.map(lambda x: x.dequantize() if isinstance(x, QTensor) else x, qparams,
-                        is_leaf=lambda x: isinstance(x, QTensor))
+    return jax.tree.map(
+        lambda x: x.dequantize() if isinstance(x, QTensor) else x, qparams, is_leaf=lambda x: isinstance(x, QTensor)
+    )
 
 
 def rel_err(a, b):
@@ -116,8 +134,11 @@ def test_greedy_decode_runs_on_quantized_weights_at_a_quarter_and_an_eighth_of_t
     model, params = model_params()
     prompts = [[5, 9, 13, 2], [7], [40, 41, 42, 43, 44, 45]]
     greedy = SamplingParams(max_new_tokens=8, temperature=0)
-    float_quantized = sum(x.nbytes for k, x in _named(params) if k in ("wq", "wk", "wv", "wo", "w_gate", "w_up",
-                                                                       "w_down", "head", "embedding"))
+    float_quantized = sum(
+        x.nbytes
+        for k, x in _named(params)
+        if k in ("wq", "wk", "wv", "wo", "w_gate", "w_up", "w_down", "head", "embedding")
+    )
     ratios = {}
     for mode in ("int8", "int4"):
         qparams = quantize_params(params, SPEC, mode)

@@ -23,8 +23,9 @@ def model_spec(**fields) -> ModelSpec:
 
 
 # init_std larger than the default so attention patterns (and any leak) are clearly visible.
-TINY = model_spec(vocab_size=64, d_model=32, n_layers=2, n_heads=4, n_kv_heads=2, head_dim=8, d_ff=64,
-                  max_seq_len=16, init_std=0.2)
+TINY = model_spec(
+    vocab_size=64, d_model=32, n_layers=2, n_heads=4, n_kv_heads=2, head_dim=8, d_ff=64, max_seq_len=16, init_std=0.2
+)
 
 
 def random_params(model: Transformer, seed: int):
@@ -33,8 +34,8 @@ def random_params(model: Transformer, seed: int):
     abstract = nn.unbox(jax.eval_shape(lambda k: init_params(model, k), jax.random.key(0)))
     rng, std = np.random.default_rng(seed), model.spec.init_std
     fill = lambda path, x: jnp.asarray(
-        (1 + 0.1 * rng.normal(size=x.shape)) if path[-1].key == "scale" else std * rng.normal(size=x.shape),
-        jnp.float32)
+        (1 + 0.1 * rng.normal(size=x.shape)) if path[-1].key == "scale" else std * rng.normal(size=x.shape), jnp.float32
+    )
     return jax.tree_util.tree_map_with_path(fill, abstract)
 
 

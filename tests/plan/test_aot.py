@@ -4,14 +4,23 @@ planner's state for Llama-3-8B is checked by hand in tests/plan/test_targets.py.
 
 import pytest
 
+from lm.config import load_config
 from lm.plan.aot import compile_step, target_devices
 from lm.plan.aot_steps import STEPS
-from lm.config import load_config
 from lm.plan.hardware import parse_target
 from lm.plan.memory import estimate
 
-SMALL = ["mesh.data=2", "mesh.fsdp=2", "mesh.tensor=2", "train.batch_size=8", "data.seq_len=64",
-         "model.max_seq_len=64", "eval.batch_size=8", "rl.prompts_per_step=4", "rl.group_size=2"]
+SMALL = [
+    "mesh.data=2",
+    "mesh.fsdp=2",
+    "mesh.tensor=2",
+    "train.batch_size=8",
+    "data.seq_len=64",
+    "model.max_seq_len=64",
+    "eval.batch_size=8",
+    "rl.prompts_per_step=4",
+    "rl.group_size=2",
+]
 
 
 @pytest.mark.parametrize("step", STEPS)

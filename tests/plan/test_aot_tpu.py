@@ -8,24 +8,40 @@ import jax
 import pytest
 from jax.sharding import PartitionSpec as P
 
-from lm.plan.aot import compile_step, target_devices
 from lm.config import load_config
-from lm.plan.hardware import parse_target
 from lm.model.apply import logits_of
 from lm.model.build import build_model
+from lm.plan.aot import compile_step, target_devices
+from lm.plan.hardware import parse_target
 from lm.plan.memory import estimate
 
-pytestmark = [pytest.mark.slow,
-              pytest.mark.skipif(importlib.util.find_spec("libtpu") is None, reason="needs lm[tpu] (libtpu)")]
+pytestmark = [
+    pytest.mark.slow,
+    pytest.mark.skipif(importlib.util.find_spec("libtpu") is None, reason="needs lm[tpu] (libtpu)"),
+]
 
 TARGET = parse_target("v5e-8")
 # big enough that the activations live in HBM, not in the chip's on-chip memory; one row per chip,
 # as in the large configs the planner is fitted to
 SEQ = 4096
-OVERRIDES = ["model.vocab_size=4096", "model.d_model=256", "model.n_layers=2", "model.n_heads=4", "model.n_kv_heads=2",
-             "model.d_ff=768", f"model.max_seq_len={SEQ}", "model.tie_embeddings=False",
-             "model.compute_dtype=bfloat16", "model.attention=xla", "model.remat=full", f"data.seq_len={SEQ}",
-             "train.batch_size=4", "mesh.data=1", "mesh.fsdp=4", "mesh.tensor=2"]
+OVERRIDES = [
+    "model.vocab_size=4096",
+    "model.d_model=256",
+    "model.n_layers=2",
+    "model.n_heads=4",
+    "model.n_kv_heads=2",
+    "model.d_ff=768",
+    f"model.max_seq_len={SEQ}",
+    "model.tie_embeddings=False",
+    "model.compute_dtype=bfloat16",
+    "model.attention=xla",
+    "model.remat=full",
+    f"data.seq_len={SEQ}",
+    "train.batch_size=4",
+    "mesh.data=1",
+    "mesh.fsdp=4",
+    "mesh.tensor=2",
+]
 
 # Where every param lives on the (data=1, fsdp=4, tensor=2) mesh: the default rule table, by hand (the
 # stacked layers' axis follows the `stage` rule: size 1 here, but the compiled spec names it).
@@ -81,8 +97,11 @@ def test_compiled_param_shardings_are_the_rule_tables(compiled):
 def test_compiled_logits_are_split_over_batch_and_vocab(config):
     devices = target_devices(TARGET)
     built = build_model(config, devices)
-    params = jax.tree.map(lambda x, sh: jax.ShapeDtypeStruct(x.shape, x.dtype, sharding=sh),
-                          built.abstract_params(), built.param_shardings)
+    params = jax.tree.map(
+        lambda x, sh: jax.ShapeDtypeStruct(x.shape, x.dtype, sharding=sh),
+        built.abstract_params(),
+        built.param_shardings,
+    )
     rows = (4, 64)  # the sharding is the point, not the size: a short sequence compiles fast
     sig = {k: rows for k in ("inputs", "segment_ids", "positions")}
     shardings = built.batch_shardings(sig)

@@ -2,29 +2,45 @@
 MoE and Mixtral-8x7B), FLOPs per token over the active params, the expert axis and the pipeline's
 stages in the per-device estimate, the bubble in the plan table."""
 
-from types import SimpleNamespace
-
 import dataclasses
+from types import SimpleNamespace
 
 import flax.linen as nn
 import jax
 import numpy as np
 import pytest
 
-from lm.model import counts
-from lm.plan import units
 from lm.config import load_config
 from lm.errors import UserError
+from lm.model import counts
 from lm.model.layers import ModelSpec
 from lm.model.transformer import Transformer, init_params
+from lm.plan import units
 from lm.plan.memory import estimate
 
 
 def tiny_moe(**overrides):
     # d=4, 1 layer, 2 query heads sharing 1 kv head of width 2, vocab 10; 4 experts of width 6, top-2
-    fields = dict(vocab_size=10, d_model=4, n_layers=1, n_heads=2, n_kv_heads=1, head_dim=0, d_ff=8, mlp="swiglu",
-                  norm="rmsnorm", use_bias=False, position="rope", max_seq_len=16, tie_embeddings=True,
-                  n_experts=4, experts_per_token=2, expert_d_ff=6, shared_d_ff=0, compute_dtype="float32")
+    fields = dict(
+        vocab_size=10,
+        d_model=4,
+        n_layers=1,
+        n_heads=2,
+        n_kv_heads=1,
+        head_dim=0,
+        d_ff=8,
+        mlp="swiglu",
+        norm="rmsnorm",
+        use_bias=False,
+        position="rope",
+        max_seq_len=16,
+        tie_embeddings=True,
+        n_experts=4,
+        experts_per_token=2,
+        expert_d_ff=6,
+        shared_d_ff=0,
+        compute_dtype="float32",
+    )
     fields.update(overrides)
     return SimpleNamespace(**fields)
 
@@ -75,8 +91,10 @@ def test_mixtral_8x7b_is_46_7b_total_12_9b_active():
 
 
 def test_built_moe_params_are_the_planners():
-    config = load_config("configs/tiny.py", ["model.n_experts=4", "model.experts_per_token=2",
-                                             "model.expert_d_ff=96", "model.shared_d_ff=64"])
+    config = load_config(
+        "configs/tiny.py",
+        ["model.n_experts=4", "model.experts_per_token=2", "model.expert_d_ff=96", "model.shared_d_ff=64"],
+    )
     spec = dataclasses.replace(ModelSpec.from_config(config.model), attention="xla")
     boxed = jax.eval_shape(lambda key: init_params(Transformer(spec), key), jax.random.key(0))
     assert sum(int(np.prod(x.shape)) for x in jax.tree.leaves(nn.unbox(boxed))) == counts.param_count(config.model)
@@ -109,8 +127,11 @@ def test_pipeline_stage_holds_its_share_of_the_layers():
 
 def test_pipeline_refusals_name_the_keys():
     with pytest.raises(UserError, match="model.pipeline_microbatches=4 micro-batches"):
-        estimate(tiny_config("mesh.stage=2", "mesh.data=4", "model.pipeline_microbatches=4", "train.batch_size=8"),
-                 "pretrain", 8)
+        estimate(
+            tiny_config("mesh.stage=2", "mesh.data=4", "model.pipeline_microbatches=4", "train.batch_size=8"),
+            "pretrain",
+            8,
+        )
     with pytest.raises(UserError, match="mixture-of-experts layers cannot be pipelined"):
         estimate(tiny_config("mesh.stage=2", "mesh.data=4", "model.n_experts=4", "train.batch_size=16"), "pretrain", 8)
 
@@ -118,8 +139,18 @@ def test_pipeline_refusals_name_the_keys():
 def test_plan_prints_the_bubble_and_active_params(capsys):
     from lm.cli import main
 
-    args = ["plan", "--config", "configs/tiny.py", "--target", "cpu:8", "--config.mesh.data=1", "--config.mesh.stage=4",
-            "--config.mesh.fsdp=2", "--config.train.batch_size=16", "--config.model.pipeline_microbatches=8"]
+    args = [
+        "plan",
+        "--config",
+        "configs/tiny.py",
+        "--target",
+        "cpu:8",
+        "--config.mesh.data=1",
+        "--config.mesh.stage=4",
+        "--config.mesh.fsdp=2",
+        "--config.train.batch_size=16",
+        "--config.model.pipeline_microbatches=8",
+    ]
     assert main(args) == 0
     out = capsys.readouterr().out
     assert "pretrain: mesh data=1 stage=4 fsdp=2 tensor=1" in out
@@ -128,10 +159,14 @@ def test_plan_prints_the_bubble_and_active_params(capsys):
     assert "(46.70B) total, 12,879,925,248 (12.88B) active" in capsys.readouterr().out
 
 
-@pytest.mark.parametrize("overrides", [
-    ["model.n_experts=4", "model.expert_d_ff=96", "mesh.data=2", "mesh.fsdp=2", "mesh.expert=2"],
-    ["mesh.data=1", "mesh.stage=2", "mesh.fsdp=2", "mesh.tensor=2", "model.pipeline_microbatches=4"],
-], ids=["experts", "stages"])
+@pytest.mark.parametrize(
+    "overrides",
+    [
+        ["model.n_experts=4", "model.expert_d_ff=96", "mesh.data=2", "mesh.fsdp=2", "mesh.expert=2"],
+        ["mesh.data=1", "mesh.stage=2", "mesh.fsdp=2", "mesh.tensor=2", "model.pipeline_microbatches=4"],
+    ],
+    ids=["experts", "stages"],
+)
 def test_compiled_arguments_are_the_planners_state(overrides):
     from lm.plan.aot import compile_step, target_devices
     from lm.plan.hardware import parse_target
@@ -147,7 +182,7 @@ def test_compiled_arguments_are_the_planners_state(overrides):
 
 def test_pipelined_70b_config_splits_its_layers_over_four_stages():
     from lm.plan.hardware import parse_target
-    from lm.plan.memory import pipeline_of, mesh_sizes
+    from lm.plan.memory import mesh_sizes, pipeline_of
 
     target = parse_target("v5p-128")
     config = load_config("configs/llama3_70b_pipeline.py")

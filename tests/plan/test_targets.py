@@ -5,18 +5,26 @@ import importlib.util
 
 import pytest
 
-from lm.model import counts
 from lm.config import load_config
 from lm.errors import UserError
-from lm.plan.hardware import GPUS, TPUS, chip_of_kind, parse_target
+from lm.model import counts
 from lm.plan.fit import candidates
+from lm.plan.hardware import GPUS, TPUS, chip_of_kind, parse_target
 from lm.plan.memory import estimate
 
 
-@pytest.mark.parametrize("name, chips, topology", [
-    ("v5p-8", 4, "v5p:2x2x1"), ("v5p-64", 32, "v5p:2x4x4"), ("v5p-512", 256, "v5p:4x8x8"),
-    ("v4-8", 4, "v4:2x2x1"), ("v5e-4", 4, "v5e:2x2"), ("v5e-16", 16, "v5e:4x4"), ("v6e-256", 256, "v6e:16x16"),
-])
+@pytest.mark.parametrize(
+    "name, chips, topology",
+    [
+        ("v5p-8", 4, "v5p:2x2x1"),
+        ("v5p-64", 32, "v5p:2x4x4"),
+        ("v5p-512", 256, "v5p:4x8x8"),
+        ("v4-8", 4, "v4:2x2x1"),
+        ("v5e-4", 4, "v5e:2x2"),
+        ("v5e-16", 16, "v5e:4x4"),
+        ("v6e-256", 256, "v6e:16x16"),
+    ],
+)
 def test_slice_names_map_to_chips_and_topologies(name, chips, topology):
     t = parse_target(name)
     assert (t.platform, t.chips, t.topology) == ("tpu", chips, topology)
@@ -25,8 +33,12 @@ def test_slice_names_map_to_chips_and_topologies(name, chips, topology):
 
 def test_cpu_target_and_refusals():
     assert (parse_target("cpu:8").platform, parse_target("cpu:8").chips) == ("cpu", 8)
-    for bad, says in [("v5p-6", "no v5p slice of that size"), ("v9-8", "expected cpu:N or a TPU slice"),
-                      ("cpu:0", "expected cpu:N"), ("v5e-12", "sizes: v5e-1, v5e-4")]:
+    for bad, says in [
+        ("v5p-6", "no v5p slice of that size"),
+        ("v9-8", "expected cpu:N or a TPU slice"),
+        ("cpu:0", "expected cpu:N"),
+        ("v5e-12", "sizes: v5e-1, v5e-4"),
+    ]:
         with pytest.raises(UserError, match=says):
             parse_target(bad)
 
@@ -83,8 +95,19 @@ def test_tpu_target_without_libtpu_says_what_to_install(monkeypatch):
 def test_plan_compiles_on_cpu_devices_and_prints_both_columns(capsys):
     from lm.cli import main
 
-    args = ["plan", "--config", "configs/tiny.py", "--target", "cpu:8", "--compile", "--steps", "pretrain,decode",
-            "--config.mesh.data=4", "--config.mesh.fsdp=2", "--config.train.batch_size=8"]
+    args = [
+        "plan",
+        "--config",
+        "configs/tiny.py",
+        "--target",
+        "cpu:8",
+        "--compile",
+        "--steps",
+        "pretrain,decode",
+        "--config.mesh.data=4",
+        "--config.mesh.fsdp=2",
+        "--config.train.batch_size=8",
+    ]
     assert main(args) == 0
     out = capsys.readouterr().out
     assert "pretrain: mesh data=4 fsdp=2 tensor=1" in out and "decode: mesh" in out

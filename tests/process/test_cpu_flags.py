@@ -8,8 +8,10 @@ YNN = "--xla_cpu_experimental_ynn_fusion_type"
 def test_float32_gets_the_eigen_matmul_path_next_to_user_flags():
     assert FLOAT32_DEFAULTS == (f"{YNN}=",)
     assert with_cpu_defaults("", "float32") == f"{YNN}="
-    assert with_cpu_defaults(" --xla_force_host_platform_device_count=8 ", "float32") == \
-        f"--xla_force_host_platform_device_count=8 {YNN}="
+    assert (
+        with_cpu_defaults(" --xla_force_host_platform_device_count=8 ", "float32")
+        == f"--xla_force_host_platform_device_count=8 {YNN}="
+    )
 
 
 def test_bfloat16_keeps_xla_defaults():

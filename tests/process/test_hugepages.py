@@ -39,16 +39,19 @@ def test_thp_mode_reads_the_bracketed_choice(tmp_path):
 applies = hugepage_environ({}, hugepages._glibc_version(), thp_mode()) is not None
 needs_thp = pytest.mark.skipif(not applies, reason="needs Linux, glibc >= 2.35 and THP madvise/always")
 
-REPORT = ("from lm.process.hugepages import reexec_with_hugepages; reexec_with_hugepages(); import os, sys; "
-          "print(os.environ.get('GLIBC_TUNABLES', ''), sys.argv[1:])")
+REPORT = (
+    "from lm.process.hugepages import reexec_with_hugepages; reexec_with_hugepages(); import os, sys; "
+    "print(os.environ.get('GLIBC_TUNABLES', ''), sys.argv[1:])"
+)
 
 
 def _run(code, *args, tunables=None):
     env = {k: v for k, v in os.environ.items() if k != "GLIBC_TUNABLES"}
     if tunables is not None:
         env["GLIBC_TUNABLES"] = tunables
-    return subprocess.run([sys.executable, "-c", code, *args], env=env, capture_output=True, text=True,
-                          check=True).stdout.strip()
+    return subprocess.run(
+        [sys.executable, "-c", code, *args], env=env, capture_output=True, text=True, check=True
+    ).stdout.strip()
 
 
 @needs_thp

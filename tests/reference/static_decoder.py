@@ -37,8 +37,17 @@ def _state_init(model, params, cache, ids, seg, pos, lengths, rng, sampling: Sam
     rng, key = jax.random.split(rng)
     tokens, logp = choose(key, logits[:, 0], sampling)
     b, n = ids.shape[0], sampling.max_new_tokens
-    return dict(cache=cache, tokens=tokens, logp=logp, pos=lengths, done=lengths == 0, i=jnp.zeros((), jnp.int32),
-                out=jnp.full((b, n), NO_TOKEN, jnp.int32), out_logp=jnp.zeros((b, n), jnp.float32), rng=rng)
+    return dict(
+        cache=cache,
+        tokens=tokens,
+        logp=logp,
+        pos=lengths,
+        done=lengths == 0,
+        i=jnp.zeros((), jnp.int32),
+        out=jnp.full((b, n), NO_TOKEN, jnp.int32),
+        out_logp=jnp.zeros((b, n), jnp.float32),
+        rng=rng,
+    )
 
 
 def _decode_until(model, params, state, limit, eos_id: tuple[int, ...], sampling: SamplingParams):
@@ -52,13 +61,24 @@ def _decode_until(model, params, state, limit, eos_id: tuple[int, ...], sampling
         live = ~s["done"]
         out = s["out"].at[:, s["i"]].set(jnp.where(live, s["tokens"], NO_TOKEN))
         out_logp = s["out_logp"].at[:, s["i"]].set(jnp.where(live, s["logp"], 0.0))
-        done = s["done"] | jnp.isin(s["tokens"], jnp.asarray(eos_id, jnp.int32)) | (s["i"] + 1 >= sampling.max_new_tokens)
+        done = (
+            s["done"] | jnp.isin(s["tokens"], jnp.asarray(eos_id, jnp.int32)) | (s["i"] + 1 >= sampling.max_new_tokens)
+        )
         feed = (~done).astype(jnp.int32)[:, None]  # finished rows write nothing
         logits, cache = decode_step(model, params, s["cache"], s["tokens"][:, None], feed, s["pos"][:, None])
         rng, key = jax.random.split(s["rng"])
         tokens, logp = choose(key, logits[:, 0], sampling)
-        return dict(cache=cache, tokens=tokens, logp=logp, pos=s["pos"] + 1, done=done, i=s["i"] + 1,
-                    out=out, out_logp=out_logp, rng=rng)
+        return dict(
+            cache=cache,
+            tokens=tokens,
+            logp=logp,
+            pos=s["pos"] + 1,
+            done=done,
+            i=s["i"] + 1,
+            out=out,
+            out_logp=out_logp,
+            rng=rng,
+        )
 
     return jax.lax.while_loop(cond, body, state)
 
@@ -92,8 +112,18 @@ class StaticGenerator:
     copy of the params per call.
     """
 
-    def __init__(self, model, params, sampling: SamplingParams, *, eos_id: int | tuple[int, ...],
-                 max_len: int | None = None, mesh=None, rules=(), unstack: bool | None = None):
+    def __init__(
+        self,
+        model,
+        params,
+        sampling: SamplingParams,
+        *,
+        eos_id: int | tuple[int, ...],
+        max_len: int | None = None,
+        mesh=None,
+        rules=(),
+        unstack: bool | None = None,
+    ):
         eos_id = tuple(int(i) for i in eos_id) if isinstance(eos_id, (tuple, list)) else (int(eos_id),)
         self.sampling, self.eos_id = sampling, eos_id
         self.unstack = model.spec.cpu_kernels if unstack is None else unstack
@@ -102,8 +132,9 @@ class StaticGenerator:
         self._prepare = jax.jit(unstack_layers) if self.unstack else (lambda p: p)
         self.max_len = max_len or generation_context(model.spec)
         if self.max_len > model.spec.max_seq_len:
-            raise UserError(f"generation: max_len {self.max_len} exceeds the model's context "
-                            f"({model.spec.max_seq_len} positions)")
+            raise UserError(
+                f"generation: max_len {self.max_len} exceeds the model's context ({model.spec.max_seq_len} positions)"
+            )
         self.mesh, self.rules = mesh, rules
         self.params = params
         self._init, self._run, self._whole = _compiled(model, sampling, eos_id)
@@ -122,13 +153,17 @@ class StaticGenerator:
             if len(p) == 0:
                 raise UserError(f"prompt {i}: empty; give at least one token of text")
             if len(p) >= self.max_len:
-                raise UserError(f"prompt {i}: {len(p)} tokens, longer than the model's context of {self.max_len} "
-                                "positions (no room for a new token); shorten it")
+                raise UserError(
+                    f"prompt {i}: {len(p)} tokens, longer than the model's context of {self.max_len} "
+                    "positions (no room for a new token); shorten it"
+                )
             if len(p) + self.sampling.max_new_tokens > self.max_len:
                 room = self.max_len - len(p)
-                raise UserError(f"prompt {i}: {len(p)} tokens + max_new_tokens={self.sampling.max_new_tokens} "
-                                f"exceed the context of {self.max_len} positions; at most {room} new tokens fit "
-                                "after it (--max-new-tokens)")
+                raise UserError(
+                    f"prompt {i}: {len(p)} tokens + max_new_tokens={self.sampling.max_new_tokens} "
+                    f"exceed the context of {self.max_len} positions; at most {room} new tokens fit "
+                    "after it (--max-new-tokens)"
+                )
 
     def _inputs(self, prompts: list, pad_to: int = 0):
         b, tp = self._rows(len(prompts)), max(max(len(p) for p in prompts), pad_to)
@@ -143,7 +178,9 @@ class StaticGenerator:
             return cache, [jnp.asarray(a) for a in arrays], jnp.asarray(lengths), lengths
         sh = batch_sharding(self.mesh, self.rules)
         rows = NamedSharding(self.mesh, PartitionSpec(sh.spec[0]))
-        cache = init_cache(self.model, b, self.max_len, cache_shardings(self.model, b, self.max_len, self.mesh, self.rules))
+        cache = init_cache(
+            self.model, b, self.max_len, cache_shardings(self.model, b, self.max_len, self.mesh, self.rules)
+        )
         return cache, [jax.device_put(a, sh) for a in arrays], jax.device_put(lengths, rows), lengths
 
     # ---- generation ------------------------------------------------------------------------

@@ -26,8 +26,9 @@ from lm.train.setup import build_run
 
 def config(d_model=64, remat="none"):
     c = base_config()
-    c.model.update(vocab_size=64, d_model=d_model, n_layers=2, n_heads=4, n_kv_heads=2, d_ff=128,
-                   max_seq_len=16, remat=remat)
+    c.model.update(
+        vocab_size=64, d_model=d_model, n_layers=2, n_heads=4, n_kv_heads=2, d_ff=128, max_seq_len=16, remat=remat
+    )
     return c
 
 
@@ -149,7 +150,7 @@ def _largest_file(step_dir: pathlib.Path, under: str = "state") -> pathlib.Path:
 def _flip_bytes(path: pathlib.Path):
     raw = bytearray(path.read_bytes())
     middle = len(raw) // 2
-    raw[middle:middle + 16] = bytes(b ^ 0x5A for b in raw[middle:middle + 16])
+    raw[middle : middle + 16] = bytes(b ^ 0x5A for b in raw[middle : middle + 16])
     path.write_bytes(bytes(raw))
 
 
@@ -173,6 +174,7 @@ def _shift_data_position(step_dir: pathlib.Path) -> None:
 
 def _unseal(step_dir: pathlib.Path, edit) -> None:
     """Changes the meta item and records a matching digest: only the item it describes can tell."""
+
     def resealed(meta):
         edit(meta)
         body = {k: v for k, v in meta.items() if k != "meta_checksum"}
@@ -184,24 +186,37 @@ def _unseal(step_dir: pathlib.Path, edit) -> None:
 # corruption -> what the warning must say
 CORRUPTIONS = {
     "deleted_file": (lambda d: _largest_file(d).unlink(), r"state array 'w': file '2/state/\S+' is missing"),
-    "truncated_file": (lambda d: _cut(_largest_file(d), _largest_file(d).stat().st_size // 2),
-                       r"state array 'w': file '2/state/ocdbt.process_0/d/\w+' is truncated \(\d+ of \d+ bytes\)"),
+    "truncated_file": (
+        lambda d: _cut(_largest_file(d), _largest_file(d).stat().st_size // 2),
+        r"state array 'w': file '2/state/ocdbt.process_0/d/\w+' is truncated \(\d+ of \d+ bytes\)",
+    ),
     "garbage_bytes": (lambda d: _flip_bytes(_largest_file(d)), "state array 'w'"),
     "missing_state_metadata": (lambda d: (d / "state" / "_METADATA").unlink(), "_METADATA"),
     "missing_meta": (lambda d: (d / "meta" / "metadata").unlink(), "meta '2/meta/metadata' is missing"),
-    "garbage_data_state": (lambda d: next((d / "data").glob("*.json")).write_text("{not json"),
-                           "data state '2/data/process_0-of-1.json' is not valid JSON"),
-    "changed_data_position": (_shift_data_position,
-                              r"data state '2/data/process_0-of-1.json' differs from what was saved \(sha256"),
-    "missing_data_state": (lambda d: (d / "data" / "process_0-of-1.json").unlink(),
-                           "data state '2/data/process_0-of-1.json' is missing"),
-    "changed_fault_counters": (lambda d: _edit_json(d / "meta" / "metadata",
-                                                    lambda m: m["health"].update(skipped_steps=0)),
-                               r"meta '2/meta/metadata' \(config, shapes, checksums, fault counters\) differs"),
-    "meta_of_another_step": (lambda d: _unseal(d, lambda m: m.update(step=1)),
-                             "meta '2/meta/metadata' belongs to step 1"),
-    "truncated_index": (lambda d: _cut(next((d / "state" / "d").iterdir()), 10),
-                        r"state index: file '2/state/d/\w+' is truncated \(10 of \d+ bytes\)"),
+    "garbage_data_state": (
+        lambda d: next((d / "data").glob("*.json")).write_text("{not json"),
+        "data state '2/data/process_0-of-1.json' is not valid JSON",
+    ),
+    "changed_data_position": (
+        _shift_data_position,
+        r"data state '2/data/process_0-of-1.json' differs from what was saved \(sha256",
+    ),
+    "missing_data_state": (
+        lambda d: (d / "data" / "process_0-of-1.json").unlink(),
+        "data state '2/data/process_0-of-1.json' is missing",
+    ),
+    "changed_fault_counters": (
+        lambda d: _edit_json(d / "meta" / "metadata", lambda m: m["health"].update(skipped_steps=0)),
+        r"meta '2/meta/metadata' \(config, shapes, checksums, fault counters\) differs",
+    ),
+    "meta_of_another_step": (
+        lambda d: _unseal(d, lambda m: m.update(step=1)),
+        "meta '2/meta/metadata' belongs to step 1",
+    ),
+    "truncated_index": (
+        lambda d: _cut(next((d / "state" / "d").iterdir()), 10),
+        r"state index: file '2/state/d/\w+' is truncated \(10 of \d+ bytes\)",
+    ),
 }
 
 
@@ -213,15 +228,21 @@ def test_damaged_latest_falls_back_to_previous(tmp_path, kind, capsys):
     for step in (1, 2):
         next(it)
         # big enough that the array data sit in their own file, not inline in the manifest
-        ckpt.save(step, {"w": jax.numpy.arange(4096.0) * step, "step": jax.numpy.int32(step)}, it,
-                  health={"skipped_steps": step})
+        ckpt.save(
+            step,
+            {"w": jax.numpy.arange(4096.0) * step, "step": jax.numpy.int32(step)},
+            it,
+            health={"skipped_steps": step},
+        )
     ckpt.close()
     damage, said = CORRUPTIONS[kind]
     damage(root / "2")
 
     dev = jax.sharding.SingleDeviceSharding(jax.devices()[0])
-    want = {"w": jax.ShapeDtypeStruct((4096,), np.float32, sharding=dev),
-            "step": jax.ShapeDtypeStruct((), np.int32, sharding=dev)}
+    want = {
+        "w": jax.ShapeDtypeStruct((4096,), np.float32, sharding=dev),
+        "step": jax.ShapeDtypeStruct((), np.int32, sharding=dev),
+    }
     fresh = Checkpointer(root, every_steps=1, keep=5)
     resumed_it = data_iter()
     state, step, meta = fresh.restore(want, resumed_it)
@@ -254,12 +275,16 @@ def test_an_array_that_fails_while_orbax_reads_it_is_named_with_its_file(tmp_pat
     big.write_bytes(big.read_bytes()[:100])
     try:
         try:
-            raise ValueError(f'OUT_OF_RANGE: Error reading "w/0" in OCDBT database at local file "{step_dir}/state/": '
-                             "Requested byte range [0, 10169) is not valid for value of size 100")
+            raise ValueError(
+                f'OUT_OF_RANGE: Error reading "w/0" in OCDBT database at local file "{step_dir}/state/": '
+                "Requested byte range [0, 10169) is not valid for value of size 100"
+            )
         except ValueError as inner:
-            raise Exception("Encountered error while reading array index: (slice(0, 4096, 1),). See full TensorStore "
-                            "details: <bound method pybind11_detail_function_record.spec of TensorStore({\n  'base': "
-                            "{") from inner
+            raise Exception(
+                "Encountered error while reading array index: (slice(0, 4096, 1),). See full TensorStore "
+                "details: <bound method pybind11_detail_function_record.spec of TensorStore({\n  'base': "
+                "{"
+            ) from inner
     except Exception as error:
         said = describe(error, step_dir)
     assert said == f"state array 'w': file '2/state/ocdbt.process_0/d/{big.name}' is truncated (100 of 10169 bytes)"
@@ -278,8 +303,7 @@ class Prompts:
 def prompt_stream():
     from lm.data.pipeline import Source, train_dataset
 
-    return iter(train_dataset([Source("prompts.jsonl", Prompts(), 1.0)], seq_len=8, global_batch=4, seed=3,
-                              pack=False))
+    return iter(train_dataset([Source("prompts.jsonl", Prompts(), 1.0)], seq_len=8, global_batch=4, seed=3, pack=False))
 
 
 def test_rl_prompt_stream_position_is_checked(tmp_path, capsys):
@@ -451,9 +475,15 @@ def test_a_failed_save_exits_with_one_line_and_no_thread_tracebacks(tmp_path):
     """orbax logs a failed background write with a traceback from each of its threads: the
     failure is said once, as one line, under the step that failed."""
     env = os.environ | {"JAX_PLATFORMS": "cpu"}
-    proc = subprocess.run([sys.executable, "-c", DISK_FULL, str(tmp_path / "checkpoints")], env=env,
-                          cwd=pathlib.Path(__file__).resolve().parents[2], capture_output=True, text=True, timeout=300,
-                          check=False)
+    proc = subprocess.run(
+        [sys.executable, "-c", DISK_FULL, str(tmp_path / "checkpoints")],
+        env=env,
+        cwd=pathlib.Path(__file__).resolve().parents[2],
+        capture_output=True,
+        text=True,
+        timeout=300,
+        check=False,
+    )
     assert proc.returncode == 2, proc.stderr[-3000:]
     lines = proc.stderr.strip().splitlines()
     assert len(lines) == 1 and "Traceback" not in proc.stderr, proc.stderr[-3000:]
@@ -461,6 +491,7 @@ def test_a_failed_save_exits_with_one_line_and_no_thread_tracebacks(tmp_path):
 
 
 # ---- end to end: `lm train` runs ------------------------------------------------------------
+
 
 @pytest.fixture(scope="module")
 def tiny_runs(tmp_path_factory, corpus):
@@ -510,10 +541,28 @@ def test_a_resume_that_rejects_every_checkpoint_exits_with_one_line(tiny_runs, c
     for step_dir in (work / "checkpoints").iterdir():
         _cut(_largest_file(step_dir), 100)
     env = os.environ | {"XLA_FLAGS": xla_flags(8), "JAX_PLATFORMS": "cpu"}
-    proc = subprocess.run([sys.executable, "-m", "lm.cli", "train", "--workdir", str(work),
-                           f"--config.data.corpus={corpus}", "--config.train.steps=6", "--config.checkpoint.every_steps=2",
-                           "--config.checkpoint.keep=3", *SMALL, "--resume"],
-                          env=env, cwd=proc_cwd(), capture_output=True, text=True, timeout=600, check=False)
+    proc = subprocess.run(
+        [
+            sys.executable,
+            "-m",
+            "lm.cli",
+            "train",
+            "--workdir",
+            str(work),
+            f"--config.data.corpus={corpus}",
+            "--config.train.steps=6",
+            "--config.checkpoint.every_steps=2",
+            "--config.checkpoint.keep=3",
+            *SMALL,
+            "--resume",
+        ],
+        env=env,
+        cwd=proc_cwd(),
+        capture_output=True,
+        text=True,
+        timeout=600,
+        check=False,
+    )
     assert proc.returncode == 2, proc.stderr[-3000:]
     for noise in ("Event loop is closed", "Traceback", "never retrieved", "Exception ignored"):
         assert noise not in proc.stderr, proc.stderr[-3000:]
@@ -527,8 +576,15 @@ def test_a_resume_that_rejects_every_checkpoint_exits_with_one_line(tiny_runs, c
     move = re.search(r"\(mv '([^']+)' '([^']+)'\) and run the same command without --resume", last)
     assert move, last
     pathlib.Path(move.group(1)).rename(move.group(2))
-    again = subprocess.run([a for a in proc.args if a != "--resume"], env=env, cwd=proc_cwd(), capture_output=True,
-                           text=True, timeout=600, check=False)
+    again = subprocess.run(
+        [a for a in proc.args if a != "--resume"],
+        env=env,
+        cwd=proc_cwd(),
+        capture_output=True,
+        text=True,
+        timeout=600,
+        check=False,
+    )
     assert again.returncode == 0, again.stderr[-3000:]
     assert saved_steps(work / "checkpoints") == [2, 4, 6]
 
@@ -542,17 +598,46 @@ def test_two_processes_check_each_others_data_position(tmp_path, corpus):
     from tests.e2e.test_distributed import free_port
 
     work = tmp_path / "w"
-    args = SMALL + ["--config.train.log_every=1", "--config.eval.every_steps=0", "--config.checkpoint.every_steps=2",
-                    "--config.checkpoint.keep=3", "--config.mesh.data=2", "--config.mesh.fsdp=4"]
+    args = SMALL + [
+        "--config.train.log_every=1",
+        "--config.eval.every_steps=0",
+        "--config.checkpoint.every_steps=2",
+        "--config.checkpoint.keep=3",
+        "--config.mesh.data=2",
+        "--config.mesh.fsdp=4",
+    ]
 
     def run(steps, *extra):
         port = free_port()
         env = os.environ | {"XLA_FLAGS": xla_flags(4), "JAX_PLATFORMS": "cpu"}
-        procs = [subprocess.Popen([sys.executable, "-m", "lm.cli", "train", "--workdir", str(work),
-                                   f"--config.data.corpus={corpus}", f"--config.train.steps={steps}", *args, *extra,
-                                   "--distributed", "--coordinator", f"127.0.0.1:{port}", "--num-processes", "2",
-                                   "--process-id", str(i)], env=env, stdout=subprocess.PIPE, stderr=subprocess.STDOUT,
-                                  text=True) for i in range(2)]
+        procs = [
+            subprocess.Popen(
+                [
+                    sys.executable,
+                    "-m",
+                    "lm.cli",
+                    "train",
+                    "--workdir",
+                    str(work),
+                    f"--config.data.corpus={corpus}",
+                    f"--config.train.steps={steps}",
+                    *args,
+                    *extra,
+                    "--distributed",
+                    "--coordinator",
+                    f"127.0.0.1:{port}",
+                    "--num-processes",
+                    "2",
+                    "--process-id",
+                    str(i),
+                ],
+                env=env,
+                stdout=subprocess.PIPE,
+                stderr=subprocess.STDOUT,
+                text=True,
+            )
+            for i in range(2)
+        ]
         outs = [p.communicate(timeout=600)[0] for p in procs]
         for p, out in zip(procs, outs):
             assert p.returncode == 0, out[-3000:]

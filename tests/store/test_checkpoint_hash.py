@@ -25,12 +25,17 @@ def test_the_hash_is_the_same_on_any_sharding_and_for_every_dtype():
     devices = np.array(jax.devices()[:8]).reshape(2, 4)
     mesh = Mesh(devices, ("a", "b"))
     rng = np.random.default_rng(1)
-    tree = {"f32": rng.normal(size=(8, 16)).astype(np.float32),
-            "bf16": rng.normal(size=(8, 16)).astype(jax.numpy.bfloat16),
-            "i32": rng.integers(0, 1000, size=(4, 8)).astype(np.int32), "u8": np.arange(16, dtype=np.uint8),
-            "scalar": np.int32(7)}
+    tree = {
+        "f32": rng.normal(size=(8, 16)).astype(np.float32),
+        "bf16": rng.normal(size=(8, 16)).astype(jax.numpy.bfloat16),
+        "i32": rng.integers(0, 1000, size=(4, 8)).astype(np.int32),
+        "u8": np.arange(16, dtype=np.uint8),
+        "scalar": np.int32(7),
+    }
     want = checksums(tree)
     for spec in (PartitionSpec("a", "b"), PartitionSpec("b", None), PartitionSpec(None, "a")):
-        placed = {k: jax.device_put(v, NamedSharding(mesh, spec if np.ndim(v) == 2 else PartitionSpec()))
-                  for k, v in tree.items()}
+        placed = {
+            k: jax.device_put(v, NamedSharding(mesh, spec if np.ndim(v) == 2 else PartitionSpec()))
+            for k, v in tree.items()
+        }
         assert checksums(placed) == want

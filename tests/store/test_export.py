@@ -64,8 +64,9 @@ def test_safetensors_layout(workdir, tmp_path):
     tensors = load_file(str(tmp_path / "p.safetensors"))
     assert tensors["blocks/attn/wq"].shape == (2, 32, 2, 16)  # [n_layers, d_model, n_heads, head_dim]
     assert tensors["embedding"].shape == (64, 32)
-    assert set(tensors) == {"/".join(str(k.key) for k in path)
-                            for path, _ in jax.tree_util.tree_flatten_with_path(params[6])[0]}
+    assert set(tensors) == {
+        "/".join(str(k.key) for k in path) for path, _ in jax.tree_util.tree_flatten_with_path(params[6])[0]
+    }
 
 
 def test_cli_export_and_errors(workdir, tmp_path, capsys, monkeypatch):

@@ -14,8 +14,22 @@ def test_exported_run_answers_as_lm_sample(small_base, tmp_path):
 
     task = write_sort_task(tmp_path / "task", n_train=200, n_heldout=8)
     work = tmp_path / "sft"
-    assert main(["sft", "--init", str(small_base), "--data", str(task["train"]), "--workdir", str(work),
-                 "--config.train.steps=20", *SFT]) == 0
+    assert (
+        main(
+            [
+                "sft",
+                "--init",
+                str(small_base),
+                "--data",
+                str(task["train"]),
+                "--workdir",
+                str(work),
+                "--config.train.steps=20",
+                *SFT,
+            ]
+        )
+        == 0
+    )
     out = export_and_reload(work, tmp_path / "hf", task["heldout"], n=8)
     assert out["architecture"] == "LlamaForCausalLM" and out["n"] == 8
     assert out["same_prompt_ids"] == 8  # the byte tokenizer: the rendered chat tokenizes as ours

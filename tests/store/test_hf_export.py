@@ -26,15 +26,19 @@ from lm.errors import UserError  # noqa: E402
 from lm.model.layers import ModelSpec  # noqa: E402
 from lm.model.lora import merge_lora  # noqa: E402
 from lm.model.transformer import Transformer, init_params  # noqa: E402
-from lm.store.hf.reader import load_hf  # noqa: E402
 from lm.store.hf.export import export_hf, export_peft  # noqa: E402
+from lm.store.hf.reader import load_hf  # noqa: E402
 from lm.store.load import load_trained  # noqa: E402
 from lm.store.loaded import Loaded  # noqa: E402
 from tests.hf_models import FAMILIES, VARIANTS, write_model, write_tokenizer  # noqa: E402
 
 STDLIB = pathlib.Path(sysconfig.get_paths()["stdlib"])
-CHAT = [{"role": "system", "content": "You answer briefly."}, {"role": "user", "content": "What is 2 + 2?"},
-        {"role": "assistant", "content": " 4, of course."}, {"role": "user", "content": " And 3 + 3?"}]
+CHAT = [
+    {"role": "system", "content": "You answer briefly."},
+    {"role": "user", "content": "What is 2 + 2?"},
+    {"role": "assistant", "content": " 4, of course."},
+    {"role": "user", "content": " And 3 + 3?"},
+]
 
 
 def stdlib_text(limit: int, skip: int) -> str:
@@ -55,8 +59,20 @@ def spm(tmp_path_factory):
 
 def tiny_config(vocab: int, **model):
     c = base_config()
-    c.model.update(dict(vocab_size=vocab, d_model=64, n_layers=2, n_heads=4, n_kv_heads=2, d_ff=96, max_seq_len=64,
-                        tie_embeddings=False, init_std=0.1) | model)
+    c.model.update(
+        dict(
+            vocab_size=vocab,
+            d_model=64,
+            n_layers=2,
+            n_heads=4,
+            n_kv_heads=2,
+            d_ff=96,
+            max_seq_len=64,
+            tie_embeddings=False,
+            init_std=0.1,
+        )
+        | model
+    )
     return c
 
 
@@ -64,8 +80,14 @@ def random_params(config, seed: int = 0) -> dict:
     """Our init, with norm scales and LoRA B away from their init (a mis-mapped one shows)."""
     params = nn.unbox(init_params(Transformer(ModelSpec.from_config(config.model)), jax.random.PRNGKey(seed)))
     rng = np.random.default_rng(seed)
-    bump = lambda path, x: np.asarray(x) + (rng.normal(0, 0.2, x.shape).astype(np.float32)
-                                            if ("scale" in str(path[-1]) or "lora_b" in str(path[-1])) else 0)
+    bump = lambda path, x: (
+        np.asarray(x)
+        + (
+            rng.normal(0, 0.2, x.shape).astype(np.float32)
+            if ("scale" in str(path[-1]) or "lora_b" in str(path[-1]))
+            else 0
+        )
+    )
     return jax.tree_util.tree_map_with_path(bump, params)
 
 
@@ -137,14 +159,18 @@ def test_chat_template_renders_our_format(trained, spm):
     out = trained[2]
     hf = transformers.AutoTokenizer.from_pretrained(out)
     text = hf.apply_chat_template(CHAT, tokenize=False, add_generation_prompt=True)
-    assert text == ("<s><|system|>\nYou answer briefly.<|end|>\n<|user|>\nWhat is 2 + 2?<|end|>\n"
-                    "<|assistant|>\n 4, of course.<|end|>\n<|user|>\n And 3 + 3?<|end|>\n<|assistant|>\n")
+    assert text == (
+        "<s><|system|>\nYou answer briefly.<|end|>\n<|user|>\nWhat is 2 + 2?<|end|>\n"
+        "<|assistant|>\n 4, of course.<|end|>\n<|user|>\n And 3 + 3?<|end|>\n<|assistant|>\n"
+    )
     ours = ChatTemplate.for_tokenizer(spm)
     ids = hf.apply_chat_template(CHAT, tokenize=True, add_generation_prompt=True, return_dict=False)
     assert ids == ours.prompt(CHAT).tolist()  # here no piece spans a role's newline and its content
     np.testing.assert_array_equal(hf.apply_chat_template(CHAT[:3], return_dict=False), ours.render(CHAT[:3])[0])
-    assert hf.decode(ids, skip_special_tokens=True) == "\nYou answer briefly.\n\nWhat is 2 + 2?\n\n 4, of course." \
+    assert (
+        hf.decode(ids, skip_special_tokens=True) == "\nYou answer briefly.\n\nWhat is 2 + 2?\n\n 4, of course."
         "\n\n And 3 + 3?\n\n"
+    )
 
 
 def test_sharded_export_reloads(spm, tmp_path):
@@ -172,8 +198,10 @@ def test_bfloat16_export(trained, tmp_path, spm):
     np.testing.assert_allclose(hf_logits(model, ids), want, atol=0.05 * np.abs(want).max())
 
 
-CHATML = ("{% for m in messages %}{{ '<|im_start|>' + m['role'] + '\\n' + m['content'] + '<|im_end|>\\n' }}"
-          "{% endfor %}{% if add_generation_prompt %}{{ '<|im_start|>assistant\\n' }}{% endif %}")
+CHATML = (
+    "{% for m in messages %}{{ '<|im_start|>' + m['role'] + '\\n' + m['content'] + '<|im_end|>\\n' }}"
+    "{% endfor %}{% if add_generation_prompt %}{{ '<|im_start|>assistant\\n' }}{% endif %}"
+)
 
 
 def imported(name: str, root: pathlib.Path):
@@ -185,9 +213,18 @@ def imported(name: str, root: pathlib.Path):
     tok_json = json.loads((path / "tokenizer.json").read_text())
     tok_json["model"]["vocab"] |= {"<|im_start|>": 298, "<|im_end|>": 299}
     del tok_json["model"]["vocab"]["w298"], tok_json["model"]["vocab"]["w299"]
-    tok_json["added_tokens"] += [{"id": i, "content": t, "single_word": False, "lstrip": False, "rstrip": False,
-                                  "normalized": False, "special": True}
-                                 for i, t in ((298, "<|im_start|>"), (299, "<|im_end|>"))]
+    tok_json["added_tokens"] += [
+        {
+            "id": i,
+            "content": t,
+            "single_word": False,
+            "lstrip": False,
+            "rstrip": False,
+            "normalized": False,
+            "special": True,
+        }
+        for i, t in ((298, "<|im_start|>"), (299, "<|im_end|>"))
+    ]
     (path / "tokenizer.json").write_text(json.dumps(tok_json))
     (path / "chat_template.jinja").write_text(CHATML)
     (path / "generation_config.json").write_text(json.dumps({"eos_token_id": 1, "temperature": 0.7}))
@@ -319,8 +356,10 @@ def test_export_verb_writes_peft_and_merged_from_params(lora, spm, tmp_path, cap
     assert run("--format", "hf", "--out", str(tmp_path / "refused")) == 2
     assert "holds LoRA adapters (model.lora_rank=4): add --merge" in capsys.readouterr().err
     assert run("--format", "peft", "--out", str(tmp_path / "adapter")) == 0
-    got, want = load_file(tmp_path / "adapter" / "adapter_model.safetensors"), load_file(
-        root / "adapter" / "adapter_model.safetensors")
+    got, want = (
+        load_file(tmp_path / "adapter" / "adapter_model.safetensors"),
+        load_file(root / "adapter" / "adapter_model.safetensors"),
+    )
     assert sorted(got) == sorted(want) and all(np.array_equal(got[k], want[k]) for k in want)
     assert run("--format", "hf", "--merge", "--shard-size", "100KB", "--out", str(tmp_path / "merged")) == 0
     assert (tmp_path / "merged" / "model.safetensors.index.json").is_file()

@@ -14,10 +14,10 @@ pytest.importorskip("transformers")
 
 from lm.errors import UserError  # noqa: E402
 from lm.model.build import build_model  # noqa: E402
-from lm.store import safetensors_files  # noqa: E402
-from lm.store.hf.reader import lazy_params  # noqa: E402
-from lm.store.hf.config import hf_config  # noqa: E402
 from lm.model.layers import ModelSpec  # noqa: E402
+from lm.store import safetensors_files  # noqa: E402
+from lm.store.hf.config import hf_config  # noqa: E402
+from lm.store.hf.reader import lazy_params  # noqa: E402
 from tests.hf_models import FAMILIES, VARIANTS, write_model  # noqa: E402
 
 IDS = np.array([[1, 5, 9, 33, 2, 7, 100, 200] * 4, [4, 8, 15, 16, 23, 42, 99, 250] * 4], np.int32)
@@ -67,13 +67,26 @@ def test_greedy_generation_equals_transformers(models, name):
     path, model, _ = models[name]
     built, params = ours(path)
     prompts = [IDS[0, :5].tolist(), IDS[1, :11].tolist()]
-    gen = Generator(built.module, params, SamplingParams(max_new_tokens=32, temperature=0), eos_id=-1, max_len=64,
-                    mesh=built.mesh, rules=built.rules)
+    gen = Generator(
+        built.module,
+        params,
+        SamplingParams(max_new_tokens=32, temperature=0),
+        eos_id=-1,
+        max_len=64,
+        mesh=built.mesh,
+        rules=built.rules,
+    )
     got = gen(prompts).ids
     for prompt, ids in zip(prompts, got):
         with torch.no_grad():
-            want = model.generate(torch.tensor([prompt]), max_new_tokens=32, do_sample=False, eos_token_id=None,
-                                  pad_token_id=0, min_new_tokens=32)[0, len(prompt):].tolist()
+            want = model.generate(
+                torch.tensor([prompt]),
+                max_new_tokens=32,
+                do_sample=False,
+                eos_token_id=None,
+                pad_token_id=0,
+                min_new_tokens=32,
+            )[0, len(prompt) :].tolist()
         assert ids.tolist() == want
 
 
@@ -110,8 +123,13 @@ def test_each_device_reads_only_the_rows_it_holds(models, monkeypatch):
     # head_dim] is split along its inputs there, so its rows are read whole
     assert [n for name, n in read if name == "model.layers.0.self_attn.q_proj.weight"] == [4 * 24 * 64 * 4 // 2] * 2
     assert [n for name, n in read if name == "model.layers.0.self_attn.o_proj.weight"] == [64 * 4 * 24 * 4] * 2
-    for leaf in (("blocks", "attn", "wq"), ("blocks", "attn", "wo"), ("embedding",), ("blocks", "mlp", "w_down"),
-                 ("blocks", "attn", "q_norm", "scale")):
+    for leaf in (
+        ("blocks", "attn", "wq"),
+        ("blocks", "attn", "wo"),
+        ("embedding",),
+        ("blocks", "mlp", "w_down"),
+        ("blocks", "attn", "q_norm", "scale"),
+    ):
         want, got = lazy, placed
         for k in leaf:
             want, got = want[k], got[k]
@@ -136,10 +154,12 @@ def test_unsupported_architectures_and_keys_are_one_line(tmp_path, models):
     bad = tmp_path / "bad"
     bad.mkdir()
     (bad / "model.safetensors").write_bytes((path / "model.safetensors").read_bytes())
-    for change, pattern in [({"model_type": "gpt2"}, "model_type 'gpt2' is not supported"),
-                            ({"hidden_act": "gelu"}, "'hidden_act' = 'gelu' is not supported"),
-                            ({"rope_scaling": {"rope_type": "dynamic", "factor": 2.0}}, "RoPE type 'dynamic'"),
-                            ({"attention_bias": True}, "'attention_bias' = True")]:
+    for change, pattern in [
+        ({"model_type": "gpt2"}, "model_type 'gpt2' is not supported"),
+        ({"hidden_act": "gelu"}, "'hidden_act' = 'gelu' is not supported"),
+        ({"rope_scaling": {"rope_type": "dynamic", "factor": 2.0}}, "RoPE type 'dynamic'"),
+        ({"attention_bias": True}, "'attention_bias' = True"),
+    ]:
         (bad / "config.json").write_text(json.dumps(config | change))
         with pytest.raises(UserError, match=pattern):
             hf_config(bad)
@@ -170,9 +190,13 @@ def test_five_lora_steps_on_an_imported_bf16_checkpoint(tmp_path, name):
     state, frozen = run.init(seed=0, base=lazy_params(tmp_path, run.spec, str(tmp_path)))
     assert frozen["base"]["blocks"]["attn"]["wq"].dtype == jnp.bfloat16
     assert state.params["blocks"]["attn"]["wq_lora_a"].dtype == jnp.float32
-    batch = {"inputs": IDS, "targets": np.roll(IDS, -1, axis=1), "segment_ids": np.ones_like(IDS),
-             "positions": np.broadcast_to(np.arange(IDS.shape[1], dtype=np.int32), IDS.shape).copy(),
-             "loss_mask": np.ones(IDS.shape, np.float32)}
+    batch = {
+        "inputs": IDS,
+        "targets": np.roll(IDS, -1, axis=1),
+        "segment_ids": np.ones_like(IDS),
+        "positions": np.broadcast_to(np.arange(IDS.shape[1], dtype=np.int32), IDS.shape).copy(),
+        "loss_mask": np.ones(IDS.shape, np.float32),
+    }
     signature = run.signature(2)
     step, placer = run.bind(run.train_step(signature), frozen), run.placer(signature)
     losses = []

@@ -22,9 +22,9 @@ from lm.errors import UserError  # noqa: E402
 from lm.model.build import build_model  # noqa: E402
 from lm.model.layers import ModelSpec  # noqa: E402
 from lm.model.transformer import Transformer, init_params  # noqa: E402
-from lm.store.hf.reader import lazy_params, load_hf  # noqa: E402
 from lm.store.hf.config import hf_config  # noqa: E402
 from lm.store.hf.export import export_hf  # noqa: E402
+from lm.store.hf.reader import lazy_params, load_hf  # noqa: E402
 from lm.store.loaded import Loaded  # noqa: E402
 from tests.hf_models import MOE_SHAPE, MOE_VARIANTS, write_model, write_tokenizer  # noqa: E402
 
@@ -32,13 +32,37 @@ VOCAB = MOE_SHAPE["vocab_size"]
 IDS = np.random.default_rng(0).integers(0, VOCAB, (2, 24)).astype(np.int32)
 # name -> what its config.json becomes in our model section
 EXPECTED = {
-    "mixtral": dict(family="mixtral", n_experts=4, experts_per_token=2, expert_d_ff=96, router_norm=True,
-                    qk_norm=False, sliding_window=8, layer_types=("local", "local")),
-    "qwen3_moe": dict(family="qwen3_moe", n_experts=4, experts_per_token=2, expert_d_ff=48, router_norm=True,
-                      qk_norm=True, head_dim=24, layer_types=()),
-    "qwen3_moe-unnormed": dict(family="qwen3_moe", n_experts=4, experts_per_token=2, expert_d_ff=48,
-                               router_norm=False, qk_norm=True, tie_embeddings=True, sliding_window=8,
-                               layer_types=("local", "local")),
+    "mixtral": dict(
+        family="mixtral",
+        n_experts=4,
+        experts_per_token=2,
+        expert_d_ff=96,
+        router_norm=True,
+        qk_norm=False,
+        sliding_window=8,
+        layer_types=("local", "local"),
+    ),
+    "qwen3_moe": dict(
+        family="qwen3_moe",
+        n_experts=4,
+        experts_per_token=2,
+        expert_d_ff=48,
+        router_norm=True,
+        qk_norm=True,
+        head_dim=24,
+        layer_types=(),
+    ),
+    "qwen3_moe-unnormed": dict(
+        family="qwen3_moe",
+        n_experts=4,
+        experts_per_token=2,
+        expert_d_ff=48,
+        router_norm=False,
+        qk_norm=True,
+        tie_embeddings=True,
+        sliding_window=8,
+        layer_types=("local", "local"),
+    ),
 }
 
 
@@ -144,10 +168,12 @@ def test_each_device_reads_only_its_experts(models, monkeypatch):
     lazy = lazy_params(path, built.spec, str(path))
     placed = built.place(lazy)
     for e in range(4):  # w1 [f, d]: the two devices holding expert e read half its rows each; w2 [d, f] whole rows
-        assert [n for name, n in read if name == f"model.layers.1.block_sparse_moe.experts.{e}.w1.weight"] == \
-            [48 * 64 * 4] * 2
-        assert [n for name, n in read if name == f"model.layers.1.block_sparse_moe.experts.{e}.w2.weight"] == \
-            [64 * 96 * 4] * 2
+        assert [n for name, n in read if name == f"model.layers.1.block_sparse_moe.experts.{e}.w1.weight"] == [
+            48 * 64 * 4
+        ] * 2
+        assert [n for name, n in read if name == f"model.layers.1.block_sparse_moe.experts.{e}.w2.weight"] == [
+            64 * 96 * 4
+        ] * 2
     for leaf in ("router", "w_gate", "w_up", "w_down"):
         got = placed["blocks"]["moe"][leaf]
         if leaf != "router":
@@ -171,8 +197,23 @@ def test_imported_model_goes_back_with_its_logits(models, name, tmp_path):
 
 def trained_here(**model):
     c = base_config()
-    c.model.update(dict(vocab_size=288, d_model=64, n_layers=2, n_heads=4, n_kv_heads=2, d_ff=96, max_seq_len=64,
-                        tie_embeddings=False, init_std=0.1, n_experts=4, experts_per_token=2, expert_d_ff=48) | model)
+    c.model.update(
+        dict(
+            vocab_size=288,
+            d_model=64,
+            n_layers=2,
+            n_heads=4,
+            n_kv_heads=2,
+            d_ff=96,
+            max_seq_len=64,
+            tie_embeddings=False,
+            init_std=0.1,
+            n_experts=4,
+            experts_per_token=2,
+            expert_d_ff=48,
+        )
+        | model
+    )
     return c
 
 
@@ -191,11 +232,14 @@ def test_trained_here_exports_as_mixtral(tmp_path):
     close(hf_logits(model), ours)
 
 
-@pytest.mark.parametrize("keys, pattern", [
-    (dict(router_norm=False), r"Mixtral checkpoint: model.router_norm=False \(Mixtral needs True\)"),
-    (dict(shared_d_ff=32), r"Mixtral checkpoint: model.shared_d_ff=32 \(Mixtral needs 0\)"),
-    (dict(router_score="sigmoid"), r"model.router_score='sigmoid' \(Mixtral needs 'softmax'\)"),
-])
+@pytest.mark.parametrize(
+    "keys, pattern",
+    [
+        (dict(router_norm=False), r"Mixtral checkpoint: model.router_norm=False \(Mixtral needs True\)"),
+        (dict(shared_d_ff=32), r"Mixtral checkpoint: model.shared_d_ff=32 \(Mixtral needs 0\)"),
+        (dict(router_score="sigmoid"), r"model.router_score='sigmoid' \(Mixtral needs 'softmax'\)"),
+    ],
+)
 def test_trained_here_refusals_name_the_key(tmp_path, keys, pattern):
     with pytest.raises(UserError, match=pattern):  # refused before any param is read
         export_hf(Loaded(trained_here(**keys), {}, ByteTokenizer(), "moe model"), tmp_path)
@@ -205,12 +249,13 @@ def test_import_refusals_name_the_key(models, tmp_path):
     bad = tmp_path / "bad"
     bad.mkdir()
     for name, change, pattern in [
-            ("qwen3_moe", {"mlp_only_layers": [1]}, r"'mlp_only_layers' = \[1\] is not supported"),
-            ("qwen3_moe", {"decoder_sparse_step": 2}, r"'decoder_sparse_step' = 2 is not supported"),
-            ("qwen3_moe", {"shared_expert_intermediate_size": 32}, r"'shared_expert_intermediate_size' = 32"),
-            ("qwen3_moe", {"hidden_act": "gelu"}, r"'hidden_act' = 'gelu' is not supported"),
-            ("qwen3_moe", {"num_experts_per_tok": None}, r"no positive 'num_experts_per_tok'"),
-            ("mixtral", {"num_local_experts": 0}, r"no positive 'num_local_experts'")]:
+        ("qwen3_moe", {"mlp_only_layers": [1]}, r"'mlp_only_layers' = \[1\] is not supported"),
+        ("qwen3_moe", {"decoder_sparse_step": 2}, r"'decoder_sparse_step' = 2 is not supported"),
+        ("qwen3_moe", {"shared_expert_intermediate_size": 32}, r"'shared_expert_intermediate_size' = 32"),
+        ("qwen3_moe", {"hidden_act": "gelu"}, r"'hidden_act' = 'gelu' is not supported"),
+        ("qwen3_moe", {"num_experts_per_tok": None}, r"no positive 'num_experts_per_tok'"),
+        ("mixtral", {"num_local_experts": 0}, r"no positive 'num_local_experts'"),
+    ]:
         config = json.loads((models[name][0] / "config.json").read_text())
         (bad / "config.json").write_text(json.dumps(config | change))
         with pytest.raises(UserError, match=pattern):

@@ -23,8 +23,12 @@ from lm.store.safetensors_files import TensorFiles, check_finite
 DOC = pathlib.Path(__file__).resolve().parents[2] / "docs" / "hf.md"
 FAMILIES = ("llama", "mistral", "qwen2", "qwen3", "gemma2", "gemma3_text", "mixtral", "qwen3_moe")
 MOE = ("mixtral", "qwen3_moe")
-SETTINGS = settings(max_examples=80, deadline=None, derandomize=True,
-                    suppress_health_check=[HealthCheck.function_scoped_fixture, HealthCheck.too_slow])
+SETTINGS = settings(
+    max_examples=80,
+    deadline=None,
+    derandomize=True,
+    suppress_health_check=[HealthCheck.function_scoped_fixture, HealthCheck.too_slow],
+)
 
 
 def one_line(e: UserError) -> str:
@@ -35,11 +39,21 @@ def one_line(e: UserError) -> str:
 
 # ---- config.json: the key table in docs/hf.md ---------------------------------------------------------------------
 
+
 def base(family: str) -> dict:
     """A small config.json of the family, with only the required keys (and the MoE sizes)."""
-    out = dict(model_type=family, vocab_size=64, hidden_size=32, intermediate_size=48, num_hidden_layers=4,
-               num_attention_heads=4, num_key_value_heads=2, head_dim=8, max_position_embeddings=256,
-               tie_word_embeddings=False)
+    out = dict(
+        model_type=family,
+        vocab_size=64,
+        hidden_size=32,
+        intermediate_size=48,
+        num_hidden_layers=4,
+        num_attention_heads=4,
+        num_key_value_heads=2,
+        head_dim=8,
+        max_position_embeddings=256,
+        tie_word_embeddings=False,
+    )
     if family in MOE:
         out |= dict(num_experts_per_tok=2, moe_intermediate_size=24)
     return out
@@ -53,8 +67,9 @@ def rope(family: str, params: dict) -> dict:
 
 
 YARN = dict(rope_type="yarn", factor=4.0, original_max_position_embeddings=64, mscale=1.0, mscale_all_dim=1.0)
-LLAMA3 = dict(rope_type="llama3", factor=8.0, low_freq_factor=1.0, high_freq_factor=4.0,
-              original_max_position_embeddings=64)
+LLAMA3 = dict(
+    rope_type="llama3", factor=8.0, low_freq_factor=1.0, high_freq_factor=4.0, original_max_position_embeddings=64
+)
 SLIDING = dict(use_sliding_window=True, sliding_window=8, max_window_layers=0)
 
 
@@ -65,9 +80,18 @@ def rope_probe(context: dict, key: str, value):
 # key -> family -> (context, change): config.json with `context` (over the family's base) against the same with
 # `change` as well. A plain value v means ({}, {key: v}).
 PROBES = {
-    "num_key_value_heads": 1, "head_dim": 16, "max_position_embeddings": 512, "rms_norm_eps": 1e-3,
-    "tie_word_embeddings": True, "rope_theta": 5e5, "intermediate_size": 96,
-    "hidden_act": "gelu", "hidden_activation": "gelu", "attention_bias": True, "mlp_bias": True, "pretraining_tp": 2,
+    "num_key_value_heads": 1,
+    "head_dim": 16,
+    "max_position_embeddings": 512,
+    "rms_norm_eps": 1e-3,
+    "tie_word_embeddings": True,
+    "rope_theta": 5e5,
+    "intermediate_size": 96,
+    "hidden_act": "gelu",
+    "hidden_activation": "gelu",
+    "attention_bias": True,
+    "mlp_bias": True,
+    "pretraining_tp": 2,
     "rope_parameters": lambda f: ({}, rope(f, {"rope_type": "linear", "factor": 2.0})),
     "rope_scaling": {"rope_type": "linear", "factor": 2.0},
     "rope_parameters.rope_type": lambda f: ({}, rope(f, {"rope_type": "dynamic", "factor": 2.0})),
@@ -83,27 +107,58 @@ PROBES = {
     "rope_parameters.mscale_all_dim": rope_probe(YARN, "mscale_all_dim", 2.0),
     "rope_parameters.truncate": rope_probe(YARN, "truncate", False),
     "partial_rotary_factor": 0.5,
-    "rope_parameters.partial_rotary_factor": lambda f: ({}, rope(f, {"rope_type": "default",
-                                                                     "partial_rotary_factor": 0.5})),
-    "rope_scaling.partial_rotary_factor": lambda f: ({}, {"rope_scaling": {"rope_type": "default",
-                                                                           "partial_rotary_factor": 0.5}}),
-    "rope_parameters.sliding_attention.rope_type": lambda f: ({}, {"rope_parameters": {
-        "full_attention": {"rope_type": "default"}, "sliding_attention": {"rope_type": "linear", "factor": 2.0}}}),
+    "rope_parameters.partial_rotary_factor": lambda f: (
+        {},
+        rope(f, {"rope_type": "default", "partial_rotary_factor": 0.5}),
+    ),
+    "rope_scaling.partial_rotary_factor": lambda f: (
+        {},
+        {"rope_scaling": {"rope_type": "default", "partial_rotary_factor": 0.5}},
+    ),
+    "rope_parameters.sliding_attention.rope_type": lambda f: (
+        {},
+        {
+            "rope_parameters": {
+                "full_attention": {"rope_type": "default"},
+                "sliding_attention": {"rope_type": "linear", "factor": 2.0},
+            }
+        },
+    ),
     "rope_local_base_freq": 5e4,
     "sliding_window": lambda f: (SLIDING if f.startswith("qwen") else {}, {"sliding_window": 6}),
     "use_sliding_window": lambda f: ({"sliding_window": 8, "max_window_layers": 0}, {"use_sliding_window": True}),
     "max_window_layers": lambda f: ({"use_sliding_window": True, "sliding_window": 8}, {"max_window_layers": 2}),
-    "layer_types": lambda f: (SLIDING if f.startswith("qwen") else {},
-                              {"layer_types": ["full_attention"] * 3 + ["sliding_attention"]}),
-    "sliding_window_pattern": 2, "_sliding_window_pattern": 2,
-    "query_pre_attn_scalar": 20, "attn_logit_softcapping": 10.0, "final_logit_softcapping": 10.0,
+    "layer_types": lambda f: (
+        SLIDING if f.startswith("qwen") else {},
+        {"layer_types": ["full_attention"] * 3 + ["sliding_attention"]},
+    ),
+    "sliding_window_pattern": 2,
+    "_sliding_window_pattern": 2,
+    "query_pre_attn_scalar": 20,
+    "attn_logit_softcapping": 10.0,
+    "final_logit_softcapping": 10.0,
     "use_bidirectional_attention": True,
-    "num_local_experts": 4, "num_experts": 4, "num_experts_per_tok": 1, "moe_intermediate_size": 16,
-    "norm_topk_prob": True, "router_aux_loss_coef": 0.5, "decoder_sparse_step": 2, "mlp_only_layers": [0],
-    "shared_expert_intermediate_size": 32, "router_jitter_noise": 0.5, "output_router_logits": True,
+    "num_local_experts": 4,
+    "num_experts": 4,
+    "num_experts_per_tok": 1,
+    "moe_intermediate_size": 16,
+    "norm_topk_prob": True,
+    "router_aux_loss_coef": 0.5,
+    "decoder_sparse_step": 2,
+    "mlp_only_layers": [0],
+    "shared_expert_intermediate_size": 32,
+    "router_jitter_noise": 0.5,
+    "output_router_logits": True,
     "quantization_config": {"quant_method": "gptq", "bits": 4},
-    "attention_dropout": 0.1, "initializer_range": 0.5, "use_cache": False, "pad_token_id": 7, "bos_token_id": 7,
-    "eos_token_id": 7, "torch_dtype": "bfloat16", "dtype": "bfloat16", "architectures": ["SomethingForCausalLM"],
+    "attention_dropout": 0.1,
+    "initializer_range": 0.5,
+    "use_cache": False,
+    "pad_token_id": 7,
+    "bos_token_id": 7,
+    "eos_token_id": 7,
+    "torch_dtype": "bfloat16",
+    "dtype": "bfloat16",
+    "architectures": ["SomethingForCausalLM"],
 }
 
 
@@ -131,9 +186,16 @@ def model_of(tmp: pathlib.Path, config: dict) -> dict:
 
 def test_the_table_covers_every_transformers_config_field():
     transformers = pytest.importorskip("transformers")
-    classes = dict(llama="LlamaConfig", mistral="MistralConfig", qwen2="Qwen2Config", qwen3="Qwen3Config",
-                   gemma2="Gemma2Config", gemma3_text="Gemma3TextConfig", mixtral="MixtralConfig",
-                   qwen3_moe="Qwen3MoeConfig")
+    classes = dict(
+        llama="LlamaConfig",
+        mistral="MistralConfig",
+        qwen2="Qwen2Config",
+        qwen3="Qwen3Config",
+        gemma2="Gemma2Config",
+        gemma3_text="Gemma3TextConfig",
+        mixtral="MixtralConfig",
+        qwen3_moe="Qwen3MoeConfig",
+    )
     documented = {(k, f) for k, f, _ in ROWS}
     assert len(documented) == len(ROWS), "a key is listed twice for one family"
     for family, name in classes.items():
@@ -180,10 +242,19 @@ def test_the_table_is_true(tmp_path, key, family, status):
 
 def test_defaults_are_transformers_own(tmp_path):
     """A key left out means what transformers makes of it, not lm's own default."""
-    cases = [("mistral", "n_kv_heads", 8), ("mistral", "sliding_window", 4096), ("mixtral", "rope_theta", 1e6),
-             ("mixtral", "norm_eps", 1e-5), ("qwen3", "head_dim", 128), ("qwen2", "n_kv_heads", 32),
-             ("gemma2", "attn_softcap", 50.0), ("gemma2", "tie_embeddings", True), ("gemma3_text", "rope_theta", 1e6),
-             ("gemma3_text", "rope_local_theta", 1e4), ("qwen3_moe", "n_experts", 128)]
+    cases = [
+        ("mistral", "n_kv_heads", 8),
+        ("mistral", "sliding_window", 4096),
+        ("mixtral", "rope_theta", 1e6),
+        ("mixtral", "norm_eps", 1e-5),
+        ("qwen3", "head_dim", 128),
+        ("qwen2", "n_kv_heads", 32),
+        ("gemma2", "attn_softcap", 50.0),
+        ("gemma2", "tie_embeddings", True),
+        ("gemma3_text", "rope_theta", 1e6),
+        ("gemma3_text", "rope_local_theta", 1e4),
+        ("qwen3_moe", "n_experts", 128),
+    ]
     for family, ours, want in cases:
         config = base(family)
         for key in ("num_key_value_heads", "head_dim", "tie_word_embeddings"):
@@ -193,29 +264,38 @@ def test_defaults_are_transformers_own(tmp_path):
 
 
 def test_rope_scaling_wins_over_rope_parameters(tmp_path):
-    config = base("llama") | {"rope_theta": 5e5, "rope_parameters": {"rope_type": "default", "rope_theta": 1e6},
-                              "rope_scaling": {"rope_type": "linear", "factor": 2.0}}
+    config = base("llama") | {
+        "rope_theta": 5e5,
+        "rope_parameters": {"rope_type": "default", "rope_theta": 1e6},
+        "rope_scaling": {"rope_type": "linear", "factor": 2.0},
+    }
     got = model_of(tmp_path, config)
     assert (got["rope_scaling"], got["rope_factor"], got["rope_theta"]) == ("linear", 2.0, 5e5)
 
 
-@pytest.mark.parametrize("change, words", [
-    ({"partial_rotary_factor": 0.5}, "'partial_rotary_factor' = 0.5"),
-    ({"num_attention_heads": 3, "head_dim": None}, "'num_attention_heads' = 3: expected a divisor of hidden_size=32"),
-    ({"num_hidden_layers": -2}, "'num_hidden_layers' = -2: expected a positive integer"),
-    ({"num_hidden_layers": 0}, "'num_hidden_layers' = 0: expected a positive integer"),
-    ({"num_key_value_heads": 3}, "'num_key_value_heads' = 3: expected a divisor of num_attention_heads=4"),
-    ({"vocab_size": 0}, "'vocab_size' = 0"),
-    ({"hidden_size": "32"}, "'hidden_size' = '32': expected a positive integer"),
-    ({"hidden_size": 32.0}, "'hidden_size' = 32.0: expected a positive integer"),
-    ({"rms_norm_eps": "small"}, "'rms_norm_eps' = 'small': expected a positive number"),
-    ({"rms_norm_eps": float("nan")}, "'rms_norm_eps' = nan"),
-    ({"model_type": 3}, "'model_type' = 3: expected a string"),
-    ({"tie_word_embeddings": "yes"}, "'tie_word_embeddings' = 'yes': expected true or false"),
-    ({"rope_scaling": [1, 2]}, "'rope_scaling' = [1, 2]: expected an object"),
-    ({"rope_scaling": {"rope_type": "linear", "factor": "2"}}, "'factor' = '2': expected a positive number"),
-    ({"layer_types": ["full_attention"]}, None),  # not read for Llama
-])
+@pytest.mark.parametrize(
+    "change, words",
+    [
+        ({"partial_rotary_factor": 0.5}, "'partial_rotary_factor' = 0.5"),
+        (
+            {"num_attention_heads": 3, "head_dim": None},
+            "'num_attention_heads' = 3: expected a divisor of hidden_size=32",
+        ),
+        ({"num_hidden_layers": -2}, "'num_hidden_layers' = -2: expected a positive integer"),
+        ({"num_hidden_layers": 0}, "'num_hidden_layers' = 0: expected a positive integer"),
+        ({"num_key_value_heads": 3}, "'num_key_value_heads' = 3: expected a divisor of num_attention_heads=4"),
+        ({"vocab_size": 0}, "'vocab_size' = 0"),
+        ({"hidden_size": "32"}, "'hidden_size' = '32': expected a positive integer"),
+        ({"hidden_size": 32.0}, "'hidden_size' = 32.0: expected a positive integer"),
+        ({"rms_norm_eps": "small"}, "'rms_norm_eps' = 'small': expected a positive number"),
+        ({"rms_norm_eps": float("nan")}, "'rms_norm_eps' = nan"),
+        ({"model_type": 3}, "'model_type' = 3: expected a string"),
+        ({"tie_word_embeddings": "yes"}, "'tie_word_embeddings' = 'yes': expected true or false"),
+        ({"rope_scaling": [1, 2]}, "'rope_scaling' = [1, 2]: expected an object"),
+        ({"rope_scaling": {"rope_type": "linear", "factor": "2"}}, "'factor' = '2': expected a positive number"),
+        ({"layer_types": ["full_attention"]}, None),  # not read for Llama
+    ],
+)
 def test_config_json_errors_are_one_line(tmp_path, change, words):
     config = base("llama") | change
     if words is None:
@@ -229,14 +309,19 @@ def test_config_json_errors_are_one_line(tmp_path, change, words):
 def test_lm_config_refuses_bad_heads_and_layers():
     from lm.config import load_config
 
-    for override, words in [("model.n_heads=3", "model.n_heads"), ("model.n_layers=-1", "model.n_layers"),
-                            ("model.n_layers=0", "model.n_layers"), ("model.head_dim=-8", "model.head_dim")]:
+    for override, words in [
+        ("model.n_heads=3", "model.n_heads"),
+        ("model.n_layers=-1", "model.n_layers"),
+        ("model.n_layers=0", "model.n_layers"),
+        ("model.head_dim=-8", "model.head_dim"),
+    ]:
         with pytest.raises(UserError, match=re.escape(words)) as e:
             load_config(None, [override])
         one_line(e.value)
 
 
 # ---- tensors: shapes and values -----------------------------------------------------------------------------------
+
 
 def tiny_llama(path: pathlib.Path, seed: int = 0, **change) -> dict:
     """A tiny Llama checkpoint written without transformers: config.json and model.safetensors."""
@@ -249,11 +334,17 @@ def tiny_llama(path: pathlib.Path, seed: int = 0, **change) -> dict:
     tensors = {"model.embed_tokens.weight": w(v, d), "model.norm.weight": w(d) + 1, "lm_head.weight": w(v, d)}
     for i in range(config["num_hidden_layers"]):
         p = f"model.layers.{i}."
-        tensors |= {p + "input_layernorm.weight": w(d) + 1, p + "post_attention_layernorm.weight": w(d) + 1,
-                    p + "self_attn.q_proj.weight": w(q, d), p + "self_attn.k_proj.weight": w(kv, d),
-                    p + "self_attn.v_proj.weight": w(kv, d), p + "self_attn.o_proj.weight": w(d, q),
-                    p + "mlp.gate_proj.weight": w(f, d), p + "mlp.up_proj.weight": w(f, d),
-                    p + "mlp.down_proj.weight": w(d, f)}
+        tensors |= {
+            p + "input_layernorm.weight": w(d) + 1,
+            p + "post_attention_layernorm.weight": w(d) + 1,
+            p + "self_attn.q_proj.weight": w(q, d),
+            p + "self_attn.k_proj.weight": w(kv, d),
+            p + "self_attn.v_proj.weight": w(kv, d),
+            p + "self_attn.o_proj.weight": w(d, q),
+            p + "mlp.gate_proj.weight": w(f, d),
+            p + "mlp.up_proj.weight": w(f, d),
+            p + "mlp.down_proj.weight": w(d, f),
+        }
     path.mkdir(parents=True, exist_ok=True)
     (path / "config.json").write_text(json.dumps(config))
     save_file(tensors, str(path / "model.safetensors"))
@@ -352,6 +443,7 @@ def test_exports_with_non_finite_params_are_refused(tmp_path):
 
 # ---- safetensors headers and indexes: malformed input, generated ----------------------------------------------------
 
+
 def write_raw(path: pathlib.Path, header: bytes, data: bytes = b"\0" * 64, length: int | None = None) -> None:
     path.write_bytes(struct.pack("<Q", len(header) if length is None else length) + header + data)
 
@@ -366,16 +458,28 @@ def read_dir(path: pathlib.Path) -> None:
         one_line(e)
 
 
-json_values = st.recursive(st.none() | st.booleans() | st.integers(-2**70, 2**70) | st.floats() | st.text(max_size=8),
-                           lambda inner: st.lists(inner, max_size=4) | st.dictionaries(st.text(max_size=6), inner,
-                                                                                       max_size=4), max_leaves=12)
-entries = st.fixed_dictionaries({}, optional={
-    "dtype": st.sampled_from(["F32", "BF16", "I8", "F8_E4M3", "f32", ""]) | json_values,
-    "shape": st.lists(st.integers(-2, 6), max_size=3) | json_values,
-    "data_offsets": st.lists(st.integers(-8, 80), min_size=0, max_size=3) | json_values,
-}) | json_values
-headers = st.dictionaries(st.sampled_from(["a", "b", "__metadata__", "model.norm.weight"]) | st.text(max_size=6),
-                          entries, max_size=4) | json_values
+json_values = st.recursive(
+    st.none() | st.booleans() | st.integers(-(2**70), 2**70) | st.floats() | st.text(max_size=8),
+    lambda inner: st.lists(inner, max_size=4) | st.dictionaries(st.text(max_size=6), inner, max_size=4),
+    max_leaves=12,
+)
+entries = (
+    st.fixed_dictionaries(
+        {},
+        optional={
+            "dtype": st.sampled_from(["F32", "BF16", "I8", "F8_E4M3", "f32", ""]) | json_values,
+            "shape": st.lists(st.integers(-2, 6), max_size=3) | json_values,
+            "data_offsets": st.lists(st.integers(-8, 80), min_size=0, max_size=3) | json_values,
+        },
+    )
+    | json_values
+)
+headers = (
+    st.dictionaries(
+        st.sampled_from(["a", "b", "__metadata__", "model.norm.weight"]) | st.text(max_size=6), entries, max_size=4
+    )
+    | json_values
+)
 
 
 @SETTINGS
@@ -395,9 +499,19 @@ def test_any_bytes_are_refused_in_one_line(tmp_path_factory, raw, length):
 
 
 @SETTINGS
-@given(index=json_values | st.fixed_dictionaries({"weight_map": json_values | st.dictionaries(
-    st.text(max_size=4), st.sampled_from(["model.safetensors", "none.safetensors", "..", "/", "sub/x"]) | json_values,
-    max_size=3)}))
+@given(
+    index=json_values
+    | st.fixed_dictionaries(
+        {
+            "weight_map": json_values
+            | st.dictionaries(
+                st.text(max_size=4),
+                st.sampled_from(["model.safetensors", "none.safetensors", "..", "/", "sub/x"]) | json_values,
+                max_size=3,
+            )
+        }
+    )
+)
 def test_any_index_is_read_or_refused_in_one_line(tmp_path_factory, index):
     path = tmp_path_factory.mktemp("st")
     header = {"a": {"dtype": "F32", "shape": [2], "data_offsets": [0, 8]}}
@@ -406,17 +520,28 @@ def test_any_index_is_read_or_refused_in_one_line(tmp_path_factory, index):
     read_dir(path)
 
 
-config_values = st.none() | st.booleans() | st.integers(-3, 70) | st.floats() | st.text(max_size=5) | \
-    st.lists(st.integers(-1, 3) | st.text(max_size=3), max_size=3) | \
-    st.dictionaries(st.sampled_from(["rope_type", "factor", "rope_theta", "type", "partial_rotary_factor",
-                                     "full_attention"]), st.none() | st.floats() | st.text(max_size=6) |
-                    st.sampled_from(["linear", "yarn", "llama3", "dynamic"]), max_size=3)
+config_values = (
+    st.none()
+    | st.booleans()
+    | st.integers(-3, 70)
+    | st.floats()
+    | st.text(max_size=5)
+    | st.lists(st.integers(-1, 3) | st.text(max_size=3), max_size=3)
+    | st.dictionaries(
+        st.sampled_from(["rope_type", "factor", "rope_theta", "type", "partial_rotary_factor", "full_attention"]),
+        st.none() | st.floats() | st.text(max_size=6) | st.sampled_from(["linear", "yarn", "llama3", "dynamic"]),
+        max_size=3,
+    )
+)
 config_keys = st.sampled_from(sorted({k.split(".")[0] for k, _, _ in ROWS}))
 
 
 @SETTINGS
-@given(family=st.sampled_from(FAMILIES), changes=st.dictionaries(config_keys, config_values, max_size=4),
-       dropped=st.lists(config_keys, max_size=2))
+@given(
+    family=st.sampled_from(FAMILIES),
+    changes=st.dictionaries(config_keys, config_values, max_size=4),
+    dropped=st.lists(config_keys, max_size=2),
+)
 def test_any_config_json_is_read_or_refused_in_one_line(tmp_path_factory, family, changes, dropped):
     config = base(family) | changes
     for key in dropped:
@@ -429,15 +554,18 @@ def test_any_config_json_is_read_or_refused_in_one_line(tmp_path_factory, family
         one_line(e)
 
 
-@pytest.mark.parametrize("header, words", [
-    ({"a": [1, 2]}, "tensor 'a': header entry is a list"),
-    ([1, 2], "safetensors header is a JSON list"),
-    ({"a": {"dtype": "F32", "shape": [2], "data_offsets": [0, 8]}, "__metadata__": {"k": 1}}, "'__metadata__'"),
-    ({"a": {"dtype": "F32", "shape": [3], "data_offsets": [0, 8]}}, "tensor 'a' is cut short or malformed"),
-    ({"a": {"dtype": "F32", "shape": [2.0], "data_offsets": [0, 8]}}, "tensor 'a': shape [2.0]"),
-    ({"a": {"dtype": "F32", "shape": [2], "data_offsets": [8, 0]}}, "tensor 'a': data_offsets [8, 0]"),
-    ({"a": {"dtype": "Q4", "shape": [2], "data_offsets": [0, 8]}}, "tensor 'a': dtype 'Q4'"),
-])
+@pytest.mark.parametrize(
+    "header, words",
+    [
+        ({"a": [1, 2]}, "tensor 'a': header entry is a list"),
+        ([1, 2], "safetensors header is a JSON list"),
+        ({"a": {"dtype": "F32", "shape": [2], "data_offsets": [0, 8]}, "__metadata__": {"k": 1}}, "'__metadata__'"),
+        ({"a": {"dtype": "F32", "shape": [3], "data_offsets": [0, 8]}}, "tensor 'a' is cut short or malformed"),
+        ({"a": {"dtype": "F32", "shape": [2.0], "data_offsets": [0, 8]}}, "tensor 'a': shape [2.0]"),
+        ({"a": {"dtype": "F32", "shape": [2], "data_offsets": [8, 0]}}, "tensor 'a': data_offsets [8, 0]"),
+        ({"a": {"dtype": "Q4", "shape": [2], "data_offsets": [0, 8]}}, "tensor 'a': dtype 'Q4'"),
+    ],
+)
 def test_header_errors_name_what_and_where(tmp_path, header, words):
     write_raw(tmp_path / "model.safetensors", json.dumps(header).encode(), b"\0" * 8)
     with pytest.raises(UserError) as e:
@@ -455,10 +583,12 @@ def test_index_errors_name_what_and_where(tmp_path):
     header = {"a": {"dtype": "F32", "shape": [2], "data_offsets": [0, 8]}}
     write_raw(tmp_path / "model-1.safetensors", json.dumps(header).encode(), b"\0" * 8)
     index = tmp_path / "model.safetensors.index.json"
-    for weight_map, words in [(["a"], "'weight_map' is list; expected an object"),
-                              ({"a": "gone.safetensors"}, "names 'gone.safetensors', which is not in"),
-                              ({"a": "../model-1.safetensors"}, "expected the name of a file in"),
-                              ({"b": "model-1.safetensors"}, "puts 'b' in 'model-1.safetensors', whose header")]:
+    for weight_map, words in [
+        (["a"], "'weight_map' is list; expected an object"),
+        ({"a": "gone.safetensors"}, "names 'gone.safetensors', which is not in"),
+        ({"a": "../model-1.safetensors"}, "expected the name of a file in"),
+        ({"b": "model-1.safetensors"}, "puts 'b' in 'model-1.safetensors', whose header"),
+    ]:
         index.write_text(json.dumps({"weight_map": weight_map}))
         with pytest.raises(UserError) as e:
             TensorFiles(tmp_path)

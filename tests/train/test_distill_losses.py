@@ -13,8 +13,15 @@ import pytest
 from lm.train.distill_losses import DIVERGENCES, check_divergence, masked_divergence, token_divergence, top1_agreement
 
 B, T, V = 2, 3, 7
-SETTINGS = [("forward_kl", 0.5), ("reverse_kl", 0.5), ("jsd", 0.1), ("jsd", 0.5), ("jsd", 0.9),
-            ("jsd", 0.0), ("jsd", 1.0)]
+SETTINGS = [
+    ("forward_kl", 0.5),
+    ("reverse_kl", 0.5),
+    ("jsd", 0.1),
+    ("jsd", 0.5),
+    ("jsd", 0.9),
+    ("jsd", 0.0),
+    ("jsd", 1.0),
+]
 
 
 def logits(seed, scale=3.0, shape=(B, T, V)):
@@ -49,6 +56,7 @@ def close(actual, expected, scale=1.0):
 
 
 # ---- the formulas ------------------------------------------------------------------------------------
+
 
 @pytest.mark.parametrize("temperature", [1.0, 0.7, 2.0])
 @pytest.mark.parametrize("kind,beta", SETTINGS)
@@ -164,6 +172,7 @@ def test_minus_inf_in_the_teacher_only(kind, beta):
 
 # ---- agreement and settings --------------------------------------------------------------------------
 
+
 def test_top1_agreement():
     eye = np.eye(3, dtype=np.float32)
     student = jnp.array(eye[[0, 1, 2, 0]][None] * 2.0)  # argmaxes 0 1 2 0
@@ -173,12 +182,20 @@ def test_top1_agreement():
     np.testing.assert_allclose([float(agree), float(count)], [1.0, 3.0], atol=1e-6)  # position 2 is out
 
 
-@pytest.mark.parametrize("kind,beta,temperature,word", [
-    ("kl", 0.5, 1.0, "'kl'"), ("JSD", 0.5, 1.0, "'JSD'"),
-    ("jsd", -0.1, 1.0, "-0.1"), ("jsd", 1.5, 1.0, "1.5"), ("jsd", math.nan, 1.0, "nan"),
-    ("forward_kl", 0.5, 0.0, "0.0"), ("forward_kl", 0.5, -1.0, "-1.0"),
-    ("forward_kl", 0.5, math.nan, "nan"), ("forward_kl", 0.5, math.inf, "inf"),
-])
+@pytest.mark.parametrize(
+    "kind,beta,temperature,word",
+    [
+        ("kl", 0.5, 1.0, "'kl'"),
+        ("JSD", 0.5, 1.0, "'JSD'"),
+        ("jsd", -0.1, 1.0, "-0.1"),
+        ("jsd", 1.5, 1.0, "1.5"),
+        ("jsd", math.nan, 1.0, "nan"),
+        ("forward_kl", 0.5, 0.0, "0.0"),
+        ("forward_kl", 0.5, -1.0, "-1.0"),
+        ("forward_kl", 0.5, math.nan, "nan"),
+        ("forward_kl", 0.5, math.inf, "inf"),
+    ],
+)
 def test_check_divergence_refuses_bad_settings(kind, beta, temperature, word):
     with pytest.raises(ValueError, match=word) as err:
         check_divergence(kind, beta, temperature)

@@ -16,8 +16,9 @@ T, V = 64, 96
 
 def config(d_model=16, n_layers=2, rows=4, **distill):
     c = base_config()
-    c.model.update(vocab_size=V, d_model=d_model, n_layers=n_layers, n_heads=4, n_kv_heads=2, d_ff=2 * d_model,
-                   max_seq_len=T)
+    c.model.update(
+        vocab_size=V, d_model=d_model, n_layers=n_layers, n_heads=4, n_kv_heads=2, d_ff=2 * d_model, max_seq_len=T
+    )
     c.optim.update(lr=1e-2, warmup_steps=0, weight_decay=0.0, eps=1.0)
     c.train.update(batch_size=rows, steps=10)
     c.data.seq_len = T
@@ -28,10 +29,14 @@ def batch(rows=4, seed=0):
     rng = np.random.default_rng(seed)
     ids = rng.integers(0, V, (rows, T + 1)).astype(np.int32)
     mask = np.zeros((rows, T), np.float32)
-    mask[:, T // 3:] = 1.0  # the "response": the prompt part is not distilled
-    return {"inputs": ids[:, :-1], "targets": ids[:, 1:], "loss_mask": mask,
-            "segment_ids": np.ones((rows, T), np.int32),
-            "positions": np.broadcast_to(np.arange(T, dtype=np.int32), (rows, T)).copy()}
+    mask[:, T // 3 :] = 1.0  # the "response": the prompt part is not distilled
+    return {
+        "inputs": ids[:, :-1],
+        "targets": ids[:, 1:],
+        "loss_mask": mask,
+        "segment_ids": np.ones((rows, T), np.int32),
+        "positions": np.broadcast_to(np.arange(T, dtype=np.int32), (rows, T)).copy(),
+    }
 
 
 def teacher_params(c, seed=7):
@@ -41,8 +46,9 @@ def teacher_params(c, seed=7):
 
 def distill_step(student, teacher_config, teacher, devices, kind="forward_kl", beta=0.5, temperature=1.0):
     slot = lambda mesh: FrozenSlot(build_model(teacher_config, mesh=mesh))  # noqa: E731
-    run = build_run(student, lambda m: distill_loss(m, kind, beta, temperature), devices=devices,
-                    frozen={"teacher": slot})
+    run = build_run(
+        student, lambda m: distill_loss(m, kind, beta, temperature), devices=devices, frozen={"teacher": slot}
+    )
     state, frozen = run.init(seed=3, sources={"teacher": teacher})
     assert set(frozen) == {"teacher"} and "teacher" not in state.params
     step = run.bind(run.train_step(), frozen)

@@ -21,9 +21,17 @@ from lm.data.tokenizer import ByteTokenizer
 from lm.train import dpo
 
 N_TRAIN, N_HELD, T = 6, 3, 96
-PAIRS = [("sort 312", "123", "132"), ("sort 90", "09", "90"), ("sort 5521", "1255", "1525"), ("sort 77", "77", "7"),
-         ("sort 41", "14", "41"), ("sort 862", "268", "286"), ("sort 3", "3", "33"), ("sort 20", "02", "20"),
-         ("sort 19", "19", "91")]
+PAIRS = [
+    ("sort 312", "123", "132"),
+    ("sort 90", "09", "90"),
+    ("sort 5521", "1255", "1525"),
+    ("sort 77", "77", "7"),
+    ("sort 41", "14", "41"),
+    ("sort 862", "268", "286"),
+    ("sort 3", "3", "33"),
+    ("sort 20", "02", "20"),
+    ("sort 19", "19", "91"),
+]
 
 
 def write_pairs(path, pairs, swapped=False):
@@ -59,9 +67,15 @@ def ctx(workdir, data, init, resume=True, heldout=True, scale=1.0, **model):
     config = base_config()
     config.pairs.init, config.eval.batch_size = str(init), 2
     config.model.update(model)
-    return types.SimpleNamespace(workdir=workdir, resume=resume, is_main=True, run=None, config=config,
-                                 data=(data[0], data[1] if heldout else None),
-                                 init=types.SimpleNamespace(params={"scale": np.float32(scale)}))
+    return types.SimpleNamespace(
+        workdir=workdir,
+        resume=resume,
+        is_main=True,
+        run=None,
+        config=config,
+        data=(data[0], data[1] if heldout else None),
+        init=types.SimpleNamespace(params={"scale": np.float32(scale)}),
+    )
 
 
 def stand_in(run, base, rows, batch_size):
@@ -137,8 +151,10 @@ def test_pairs_that_changed_but_are_as_many_are_computed_again(tmp_path, data, i
 def test_the_same_pairs_read_from_another_cache_entry_are_reused(tmp_path, data, init, passes):
     work = tmp_path / "w"
     dpo._precomputed(ctx(work, data["pairs"], init, resume=False))
-    copied = tuple(read_pairs(write_pairs(tmp_path / f"copy{i}.jsonl", part), tmp_path / "other-cache")
-                   for i, part in enumerate((PAIRS[:N_TRAIN], PAIRS[N_TRAIN:])))
+    copied = tuple(
+        read_pairs(write_pairs(tmp_path / f"copy{i}.jsonl", part), tmp_path / "other-cache")
+        for i, part in enumerate((PAIRS[:N_TRAIN], PAIRS[N_TRAIN:]))
+    )
     assert copied[0].path != data["pairs"][0].path
     passes.clear()
     dpo._precomputed(ctx(work, copied, init))
@@ -151,8 +167,19 @@ def test_swapped_pairs_get_the_real_reference_pass_anew(tmp_path, data, init, ca
     built = {}
 
     def real(pairs, resume):
-        c = ctx(tmp_path / "w", pairs, init, resume=resume, vocab_size=264, d_model=32, n_layers=2, n_heads=4,
-                n_kv_heads=2, d_ff=64, max_seq_len=T)
+        c = ctx(
+            tmp_path / "w",
+            pairs,
+            init,
+            resume=resume,
+            vocab_size=264,
+            d_model=32,
+            n_layers=2,
+            n_heads=4,
+            n_kv_heads=2,
+            d_ff=64,
+            max_seq_len=T,
+        )
         c.config.data.seq_len, c.config.dpo.reference = T, "precomputed"
         if not built:
             built["run"] = run = dpo.build_dpo_run(c.config, devices=jax.devices()[:1])
@@ -173,11 +200,19 @@ def test_another_init_model_or_compute_dtype_is_computed_again(tmp_path, data, i
     work = tmp_path / "w"
     dpo._precomputed(ctx(work, data["pairs"], init, resume=False))
     init.write_bytes(b"another model's weights")
-    line = recomputed_with_a_warning(ctx(work, data["pairs"], init, scale=2.0), passes, capsys,
-                                     "was computed from another reference model (pairs.init: ")
+    line = recomputed_with_a_warning(
+        ctx(work, data["pairs"], init, scale=2.0),
+        passes,
+        capsys,
+        "was computed from another reference model (pairs.init: ",
+    )
     assert "other data" not in line
-    recomputed_with_a_warning(ctx(work, data["pairs"], init, scale=2.0, compute_dtype="bfloat16"), passes, capsys,
-                              "model.compute_dtype: 'float32' (file) vs 'bfloat16' (now)")
+    recomputed_with_a_warning(
+        ctx(work, data["pairs"], init, scale=2.0, compute_dtype="bfloat16"),
+        passes,
+        capsys,
+        "model.compute_dtype: 'float32' (file) vs 'bfloat16' (now)",
+    )
     # adapters and remat do not change the reference (the plain init model): reused
     passes.clear()
     dpo._precomputed(ctx(work, data["pairs"], init, scale=2.0, compute_dtype="bfloat16", lora_rank=4, remat="full"))
@@ -197,18 +232,23 @@ def test_a_model_setting_the_file_does_not_know_keeps_it(tmp_path, data, init, p
 
 
 @pytest.mark.parametrize("older", ["other pairs", "another init model"])
-def test_well_formed_values_recorded_for_another_computation_are_computed_again(tmp_path, data, init, passes,
-                                                                                capsys, older):
+def test_well_formed_values_recorded_for_another_computation_are_computed_again(
+    tmp_path, data, init, passes, capsys, older
+):
     """A whole file with the record of an older computation but values of its own."""
     work, other = tmp_path / "w", tmp_path / "other.safetensors"
     other.write_bytes(b"another model's weights")
-    then = ctx(work, data["swapped"], init, resume=False) if older == "other pairs" else \
-        ctx(work, data["pairs"], other, resume=False)
+    then = (
+        ctx(work, data["swapped"], init, resume=False)
+        if older == "other pairs"
+        else ctx(work, data["pairs"], other, resume=False)
+    )
     dpo._precomputed(then)
     record = json.loads(str(np.load(work / dpo.REF_FILE)[dpo.RECORD]))
     rng = np.random.default_rng(0)
-    dpo.write_reference(work / dpo.REF_FILE, -rng.random((N_TRAIN, 2), np.float32),
-                        -rng.random((N_HELD, 2), np.float32), record)
+    dpo.write_reference(
+        work / dpo.REF_FILE, -rng.random((N_TRAIN, 2), np.float32), -rng.random((N_HELD, 2), np.float32), record
+    )
     said = "other data (" if older == "other pairs" else "another reference model (pairs.init: "
     recomputed_with_a_warning(ctx(work, data["pairs"], init), passes, capsys, f"was computed from {said}")
 
@@ -219,8 +259,9 @@ def test_a_file_without_its_record_is_computed_again(tmp_path, data, init, passe
     work.mkdir()
     train, held = fresh(c)
     np.savez(work / dpo.REF_FILE, train=train * 2, heldout=held * 2)  # as written before the record existed
-    recomputed_with_a_warning(c, passes, capsys, "records no fingerprint of the data and model it was computed "
-                                                 "from (an older file)")
+    recomputed_with_a_warning(
+        c, passes, capsys, "records no fingerprint of the data and model it was computed from (an older file)"
+    )
 
 
 def _truncate(path, record):
@@ -234,13 +275,19 @@ def _save(**arrays):
 DAMAGE = {
     "truncated": (_truncate, "unreadable: BadZipFile"),
     "garbage": (lambda p, r: p.write_bytes(b"not an npz file at all"), "unreadable"),
-    "wrong_shapes": (_save(train=np.zeros((N_TRAIN + 1, 2), np.float32), heldout=np.zeros((N_HELD, 2), np.float32)),
-                     f"'train' has shape [{N_TRAIN + 1}, 2], the data need [{N_TRAIN}, 2]"),
+    "wrong_shapes": (
+        _save(train=np.zeros((N_TRAIN + 1, 2), np.float32), heldout=np.zeros((N_HELD, 2), np.float32)),
+        f"'train' has shape [{N_TRAIN + 1}, 2], the data need [{N_TRAIN}, 2]",
+    ),
     "heldout_missing": (_save(train=np.zeros((N_TRAIN, 2), np.float32)), "no 'heldout' array"),
-    "not_finite": (_save(train=np.full((N_TRAIN, 2), np.nan, np.float32), heldout=np.zeros((N_HELD, 2), np.float32)),
-                   "'train' holds non-finite values"),
-    "integers": (_save(train=np.zeros((N_TRAIN, 2), np.int32), heldout=np.zeros((N_HELD, 2), np.int32)),
-                 "'train' has dtype int32, not float"),
+    "not_finite": (
+        _save(train=np.full((N_TRAIN, 2), np.nan, np.float32), heldout=np.zeros((N_HELD, 2), np.float32)),
+        "'train' holds non-finite values",
+    ),
+    "integers": (
+        _save(train=np.zeros((N_TRAIN, 2), np.int32), heldout=np.zeros((N_HELD, 2), np.int32)),
+        "'train' has dtype int32, not float",
+    ),
 }
 
 

@@ -1,8 +1,8 @@
 """Numerical faults: non-finite steps leave no trace, counters, spike detection, and the loop's
 rollback (restore the last good checkpoint, skip ahead in the data) or stop."""
 
-import sys
 import math
+import sys
 
 import grain
 import jax
@@ -26,8 +26,13 @@ def batch_for(i: int, poisoned: frozenset = frozenset()) -> dict:
     mask = np.ones((B, T), np.float32)
     if i in poisoned:
         mask[1, 3] = np.nan
-    return dict(inputs=tokens[:, :-1], targets=tokens[:, 1:], loss_mask=mask,
-                segment_ids=np.ones((B, T), np.int32), positions=np.tile(np.arange(T, dtype=np.int32), (B, 1)))
+    return dict(
+        inputs=tokens[:, :-1],
+        targets=tokens[:, 1:],
+        loss_mask=mask,
+        segment_ids=np.ones((B, T), np.int32),
+        positions=np.tile(np.arange(T, dtype=np.int32), (B, 1)),
+    )
 
 
 class Setup:
@@ -130,8 +135,17 @@ def run(setup, tmp_path, poisoned, policy, total=10):
     ckpt = Checkpointer(tmp_path / "checkpoints", every_steps=2, keep=3)
     rows = Rows()
     try:
-        state, last = run_loop(spec, setup.state(), setup.step_fn, stream(poisoned), setup.put, writer=rows,
-                               checkpointer=ckpt, faults=Faults(policy, None, setup.abstract), show_progress=False)
+        state, last = run_loop(
+            spec,
+            setup.state(),
+            setup.step_fn,
+            stream(poisoned),
+            setup.put,
+            writer=rows,
+            checkpointer=ckpt,
+            faults=Faults(policy, None, setup.abstract),
+            show_progress=False,
+        )
     finally:
         ckpt.close()
     return state, last, rows.rows, ckpt
@@ -169,12 +183,18 @@ def test_isolated_bad_steps_are_only_counted(setup, tmp_path):
     assert [r["skipped_steps"] for r in rows if "loss" in r] == [0, 0, 1, 1, 1, 1, 2, 2]
 
 
-@pytest.mark.parametrize("override,words", [
-    ("train.on_bad=retry", "train.on_bad"), ("train.max_bad_steps=0", "train.max_bad_steps"),
-    ("train.spike_window=3", "train.spike_window"), ("checkpoint.keep=0", "checkpoint.keep"),
-    ("checkpoint.every_minutes=-1", "checkpoint.every_minutes"), ("checkpoint.keep_period=-2", "checkpoint.keep_period"),
-    ("checkpoint.agree_every_steps=0", "checkpoint.agree_every_steps"),
-])
+@pytest.mark.parametrize(
+    "override,words",
+    [
+        ("train.on_bad=retry", "train.on_bad"),
+        ("train.max_bad_steps=0", "train.max_bad_steps"),
+        ("train.spike_window=3", "train.spike_window"),
+        ("checkpoint.keep=0", "checkpoint.keep"),
+        ("checkpoint.every_minutes=-1", "checkpoint.every_minutes"),
+        ("checkpoint.keep_period=-2", "checkpoint.keep_period"),
+        ("checkpoint.agree_every_steps=0", "checkpoint.agree_every_steps"),
+    ],
+)
 def test_fault_config_keys_are_validated(override, words):
     from lm.config import load_config
 

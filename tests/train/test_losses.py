@@ -7,10 +7,13 @@ import numpy as np
 from lm.train.losses import masked_cross_entropy, pretrain_loss
 
 # [B=2, T=3, V=4] hand-made logits: a large-magnitude row (stability), a uniform row, ties.
-LOGITS = np.array([
-    [[2.0, 1.0, 0.0, -1.0], [100.0, 99.0, 98.0, 0.0], [0.0, 0.0, 0.0, 0.0]],
-    [[-3.0, 4.0, 0.5, 0.5], [1.5, -2.0, 3.0, 0.0], [7.0, 7.0, -7.0, 1.0]],
-], np.float32)
+LOGITS = np.array(
+    [
+        [[2.0, 1.0, 0.0, -1.0], [100.0, 99.0, 98.0, 0.0], [0.0, 0.0, 0.0, 0.0]],
+        [[-3.0, 4.0, 0.5, 0.5], [1.5, -2.0, 3.0, 0.0], [7.0, 7.0, -7.0, 1.0]],
+    ],
+    np.float32,
+)
 TARGETS = np.array([[0, 2, 3], [1, 0, 2]], np.int32)
 MASK = np.array([[1, 1, 0], [1, 0, 1]], np.float32)
 
@@ -28,7 +31,7 @@ def np_reference(logits, targets, mask):
     log_z = m + np.log(np.exp(x - m[..., None]).sum(-1))
     logp = np_log_softmax(x)
     nll = -np.take_along_axis(logp, targets[..., None], -1)[..., 0]
-    return (nll * mask).sum(), mask.sum(), (log_z ** 2 * mask).sum()
+    return (nll * mask).sum(), mask.sum(), (log_z**2 * mask).sum()
 
 
 def test_hand_computed_single_position():
@@ -56,8 +59,8 @@ def test_matches_numpy_log_softmax():
 
 
 def test_gradient_is_softmax_minus_onehot_and_zero_where_masked():
-    grad = jax.grad(lambda l: masked_cross_entropy(l, jnp.asarray(TARGETS), jnp.asarray(MASK))[0])(
-        jnp.asarray(LOGITS))
+    loss = lambda lg: masked_cross_entropy(lg, jnp.asarray(TARGETS), jnp.asarray(MASK))[0]
+    grad = jax.grad(loss)(jnp.asarray(LOGITS))
     p = np.exp(np_log_softmax(LOGITS))
     onehot = np.eye(LOGITS.shape[-1])[TARGETS]
     np.testing.assert_allclose(np.asarray(grad), (p - onehot) * MASK[..., None], atol=1e-6)
@@ -73,7 +76,7 @@ def test_masked_positions_change_nothing_including_gradients():
     assert not np.array_equal(logits2, LOGITS) and not np.array_equal(targets2, TARGETS)
 
     def value_and_grads(logits, targets):
-        f = lambda l: sum(masked_cross_entropy(l, jnp.asarray(targets), jnp.asarray(MASK))[i] for i in (0, 2))
+        f = lambda lg: sum(masked_cross_entropy(lg, jnp.asarray(targets), jnp.asarray(MASK))[i] for i in (0, 2))
         return jax.value_and_grad(f)(jnp.asarray(logits))
 
     out1 = masked_cross_entropy(jnp.asarray(LOGITS), jnp.asarray(TARGETS), jnp.asarray(MASK))
@@ -99,8 +102,13 @@ class _LogitsModel:
 
 
 def test_pretrain_loss_objective_is_nll_plus_weighted_z_loss():
-    batch = dict(inputs=np.zeros_like(TARGETS), targets=TARGETS, loss_mask=MASK,
-                 segment_ids=np.ones_like(TARGETS), positions=np.zeros_like(TARGETS))
+    batch = dict(
+        inputs=np.zeros_like(TARGETS),
+        targets=TARGETS,
+        loss_mask=MASK,
+        segment_ids=np.ones_like(TARGETS),
+        positions=np.zeros_like(TARGETS),
+    )
     params = {"logits": jnp.asarray(LOGITS)}
     ref_nll, ref_count, ref_z = np_reference(LOGITS, TARGETS, MASK)
     for z_loss in (0.0, 1e-2):
@@ -118,7 +126,7 @@ def test_out_of_range_targets_under_mask_zero_are_ignored():
     out = masked_cross_entropy(jnp.asarray(LOGITS), jnp.asarray(targets), jnp.asarray(MASK))
     ref_nll, ref_count, ref_z = np_reference(LOGITS, TARGETS, MASK)
     np.testing.assert_allclose([float(x) for x in out], [ref_nll, ref_count, ref_z], rtol=1e-6)
-    grad = jax.grad(lambda l: masked_cross_entropy(l, jnp.asarray(targets), jnp.asarray(MASK))[0])(
-        jnp.asarray(LOGITS))
+    loss = lambda lg: masked_cross_entropy(lg, jnp.asarray(targets), jnp.asarray(MASK))[0]
+    grad = jax.grad(loss)(jnp.asarray(LOGITS))
     assert np.all(np.isfinite(np.asarray(grad)))
     assert not np.any(np.asarray(grad)[MASK == 0])

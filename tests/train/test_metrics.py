@@ -9,8 +9,19 @@ from types import SimpleNamespace
 
 from lm.train import loop, pairs
 from lm.train.loop import LoopSpec, run_loop
-from lm.train.metrics import (MetricsWriter, curves_figure, metrics_problem, moe_routing, plot_curves, plot_rl,
-                              plot_runs, read_metrics, rl_figure, runs_figure, truncate_after)
+from lm.train.metrics import (
+    MetricsWriter,
+    curves_figure,
+    metrics_problem,
+    moe_routing,
+    plot_curves,
+    plot_rl,
+    plot_runs,
+    read_metrics,
+    rl_figure,
+    runs_figure,
+    truncate_after,
+)
 
 
 def test_rows_carry_a_running_digest_that_finds_edits(tmp_path):
@@ -69,8 +80,19 @@ def test_disabled_writer_writes_nothing(tmp_path):
 
 
 def test_plot_labels_say_what_each_axis_holds(tmp_path, monkeypatch):
-    rows = [{"step": s, "loss": 1.0 / s, "eval_loss": 1.2 / s, "lr": 0.1, "reward": 0.1 * s, "eval_reward": 0.2,
-             "kl": 0.01 * s, "response_length": 12.0} for s in (1, 2, 3)]
+    rows = [
+        {
+            "step": s,
+            "loss": 1.0 / s,
+            "eval_loss": 1.2 / s,
+            "lr": 0.1,
+            "reward": 0.1 * s,
+            "eval_reward": 0.2,
+            "kl": 0.01 * s,
+            "response_length": 12.0,
+        }
+        for s in (1, 2, 3)
+    ]
     assert [ax.get_ylabel() for ax in curves_figure(rows).axes] == ["loss (nats/token)", "learning rate"]
     assert curves_figure(rows, loss_label="loss (mean per pair)").axes[0].get_ylabel() == "loss (mean per pair)"
     labels = [ax.get_ylabel() for ax in rl_figure(rows).axes]
@@ -87,9 +109,23 @@ def test_plot_labels_say_what_each_axis_holds(tmp_path, monkeypatch):
 
 def test_runs_plot_and_moe_routing(tmp_path):
     dense = [{"step": s, "loss": 2.0 / s, "eval_loss": 2.2 / s} for s in (1, 2, 3)]
-    moe = [{"step": s, "loss": 1.9 / s, "eval_loss": 2.1 / s, "moe_balance": 1.0 + 0.1 / s, "moe_router_z": 3.0,
-            "moe_dropped": 0.0, "moe_load_min_l0": 0.5, "moe_load_max_l0": 1.5, "moe_load_entropy_l0": 0.9,
-            "moe_load_min_l1": 0.25, "moe_load_max_l1": 2.0, "moe_load_entropy_l1": 0.8} for s in (1, 2, 3)]
+    moe = [
+        {
+            "step": s,
+            "loss": 1.9 / s,
+            "eval_loss": 2.1 / s,
+            "moe_balance": 1.0 + 0.1 / s,
+            "moe_router_z": 3.0,
+            "moe_dropped": 0.0,
+            "moe_load_min_l0": 0.5,
+            "moe_load_max_l0": 1.5,
+            "moe_load_entropy_l0": 0.9,
+            "moe_load_min_l1": 0.25,
+            "moe_load_max_l1": 2.0,
+            "moe_load_entropy_l1": 0.8,
+        }
+        for s in (1, 2, 3)
+    ]
     fig = runs_figure({"dense": dense, "moe": moe}, baseline=1.0)
     gap = fig.axes[1].lines[0]  # the second run's held-out loss minus the first's, at the steps both evaluated
     assert list(gap.get_xdata()) == [1, 2, 3]
@@ -97,8 +133,11 @@ def test_runs_plot_and_moe_routing(tmp_path):
     for name, rows in (("dense", dense), ("moe", moe)):
         (tmp_path / name).mkdir()
         (tmp_path / name / "metrics.jsonl").write_text("".join(json.dumps(r) + "\n" for r in rows))
-    plot_runs({"dense": tmp_path / "dense" / "metrics.jsonl", "moe": tmp_path / "moe" / "metrics.jsonl"},
-              tmp_path / "runs.png", until=2)
+    plot_runs(
+        {"dense": tmp_path / "dense" / "metrics.jsonl", "moe": tmp_path / "moe" / "metrics.jsonl"},
+        tmp_path / "runs.png",
+        until=2,
+    )
     assert (tmp_path / "runs.png").read_bytes()[:4] == b"\x89PNG"
     g = moe_routing(moe)
     assert (g["step"], g["load_min"], g["load_max"], g["dropped"]) == (3, 0.25, 2.0, 0.0)
@@ -138,8 +177,16 @@ def fake_loop(total=8, peak=1e30, measure=None, show=False):
     spec = LoopSpec(total, 2, 0, tokens_per_step=1000, flops_per_token=1e6, peak_flops=peak, measure_peak=measure)
     calls = Calls()
     step_fn = lambda state, batch: (FakeState(state.step + 1), {"loss": 2.0})  # noqa: E731
-    state, last = run_loop(spec, FakeState(0), step_fn, itertools.count(), lambda b: b, writer=calls,
-                           checkpointer=calls, show_progress=show)
+    state, last = run_loop(
+        spec,
+        FakeState(0),
+        step_fn,
+        itertools.count(),
+        lambda b: b,
+        writer=calls,
+        checkpointer=calls,
+        show_progress=show,
+    )
     return calls, last
 
 

@@ -39,8 +39,13 @@ def values(step: int, run: int = 0) -> dict:
 
 
 def killed_run(workdir, last: int, timed: int = -1) -> None:
-    proc = subprocess.run([sys.executable, "-c", CHILD, str(workdir), str(last), str(timed)], cwd=ROOT,
-                          capture_output=True, text=True, timeout=60)
+    proc = subprocess.run(
+        [sys.executable, "-c", CHILD, str(workdir), str(last), str(timed)],
+        cwd=ROOT,
+        capture_output=True,
+        text=True,
+        timeout=60,
+    )
     assert proc.returncode == -signal.SIGKILL, proc.stderr[-2000:]
 
 
@@ -50,8 +55,8 @@ def events(directory: pathlib.Path) -> dict:
     for path in sorted(directory.glob("events.out.tfevents.*")):
         data, i = path.read_bytes(), 0
         while i + 12 <= len(data):
-            (n,) = struct.unpack("<Q", data[i:i + 8])
-            body = data[i + 12:i + 12 + n]
+            (n,) = struct.unpack("<Q", data[i : i + 8])
+            body = data[i + 12 : i + 12 + n]
             i += 12 + n + 4
             if len(body) < n:
                 break  # a record cut short by the kill
@@ -181,8 +186,9 @@ def test_a_complete_last_line_without_newline_is_kept(tmp_path):
     assert [r["step"] for r in read_metrics(path)] == list(range(6))
 
 
-@pytest.mark.parametrize("bad, problem", [('{"step": 3, "lo\n', "malformed JSON"),
-                                          ('{"loss": 1.0}\n', "integer 'step'")])
+@pytest.mark.parametrize(
+    "bad, problem", [('{"step": 3, "lo\n', "malformed JSON"), ('{"loss": 1.0}\n', "integer 'step'")]
+)
 def test_a_bad_line_before_the_end_is_an_error_naming_file_and_line(tmp_path, bad, problem):
     path = tmp_path / "metrics.jsonl"
     text = write_rows(path, range(3)) + bad + json.dumps({"step": 4, "loss": 0.2}) + "\n"
@@ -191,7 +197,7 @@ def test_a_bad_line_before_the_end_is_an_error_naming_file_and_line(tmp_path, ba
         truncate_after(path, 10)
     assert path.read_text() == text
     if not bad.endswith("}\n"):  # the same line cut short at the very end is a kill, not an error
-        path.write_text(text[:-len(json.dumps({"step": 4, "loss": 0.2})) - 2])
+        path.write_text(text[: -len(json.dumps({"step": 4, "loss": 0.2})) - 2])
         truncate_after(path, 10)
         assert [r["step"] for r in read_metrics(path)] == [0, 1, 2]
 

@@ -17,8 +17,18 @@ from lm.train.optim import apply_update, decay_mask, make_optimizer, make_schedu
 # Every param name the model can produce, classified by hand (a new kind must be added here).
 MATRICES = {"wq", "wk", "wv", "wo", "w_gate", "w_up", "w_down", "w_in", "head"}
 EMBEDDINGS = {"embedding", "pos_embedding"}
-NORMS_AND_BIASES = {"scale", "bias", "wq_bias", "wk_bias", "wv_bias", "wo_bias",
-                    "w_gate_bias", "w_up_bias", "w_down_bias", "w_in_bias"}
+NORMS_AND_BIASES = {
+    "scale",
+    "bias",
+    "wq_bias",
+    "wk_bias",
+    "wv_bias",
+    "wo_bias",
+    "w_gate_bias",
+    "w_up_bias",
+    "w_down_bias",
+    "w_in_bias",
+}
 
 
 def optim_config(**kw):
@@ -87,6 +97,7 @@ def _lookup(tree, path):
 
 # ---- schedule -------------------------------------------------------------------------------
 
+
 def np_schedule(step, lr, warmup, total, min_ratio):
     """Linear warmup from 0, then cosine from lr to lr * min_ratio at `total`, flat afterwards."""
     if step < warmup:
@@ -105,7 +116,7 @@ def test_schedule_shape():
     np.testing.assert_allclose(values[5], lr / 2, rtol=1e-6)
     np.testing.assert_allclose(values[total:], lr * ratio, rtol=1e-5)
     assert np.all(np.diff(values[: warmup + 1]) > 0)  # warmup rises
-    assert np.all(np.diff(values[warmup: total + 1]) < 0)  # strictly decays after warmup
+    assert np.all(np.diff(values[warmup : total + 1]) < 0)  # strictly decays after warmup
     assert values.max() <= lr * (1 + 1e-6)
     ref = [np_schedule(i, lr, warmup, total, ratio) for i in range(total + 20)]
     np.testing.assert_allclose(values, ref, rtol=1e-5, atol=1e-9)
@@ -120,6 +131,7 @@ def test_schedule_decay_steps_overrides_total():
 
 
 # ---- AdamW + clipping against numpy ----------------------------------------------------------
+
 
 def np_adamw(params, grads_fn, steps, o, total, mask):
     """Hand-written AdamW in float64: clip by global norm, Adam with bias correction,
@@ -154,11 +166,14 @@ def quadratic_grads(p):
 
 @pytest.mark.parametrize("steps, warmup", [(1, 0), (4, 2)])
 def test_adamw_with_clipping_matches_numpy(steps, warmup):
-    o = optim_config(lr=0.1, warmup_steps=warmup, min_lr_ratio=0.1, b1=0.9, b2=0.95, eps=1e-8,
-                     weight_decay=0.3, grad_clip=0.5)
+    o = optim_config(
+        lr=0.1, warmup_steps=warmup, min_lr_ratio=0.1, b1=0.9, b2=0.95, eps=1e-8, weight_decay=0.3, grad_clip=0.5
+    )
     total = 10
-    params0 = {"kernel": np.array([[0.5, 0.1, -0.3], [0.2, -0.4, 0.6]], np.float32),
-               "scale": np.array([1.0, 1.0, 1.0], np.float32)}
+    params0 = {
+        "kernel": np.array([[0.5, 0.1, -0.3], [0.2, -0.4, 0.6]], np.float32),
+        "scale": np.array([1.0, 1.0, 1.0], np.float32),
+    }
     opt, schedule = make_optimizer(o, total)
     params = jax.tree.map(jnp.asarray, params0)
     state = opt.init(params)
@@ -168,16 +183,19 @@ def test_adamw_with_clipping_matches_numpy(steps, warmup):
         params = apply_update(params, direction, schedule(t))
 
     # "kernel" is a matrix (decayed), "scale" a norm (not decayed) by the default mask
-    ref_p, ref_m, ref_v, norms = np_adamw(params0, quadratic_grads, steps, o, total,
-                                          mask={"kernel": True, "scale": False})
+    ref_p, ref_m, ref_v, norms = np_adamw(
+        params0, quadratic_grads, steps, o, total, mask={"kernel": True, "scale": False}
+    )
     assert all(n > 2 * o.grad_clip for n in norms)  # clipping is active at every step
     for k in params0:
         np.testing.assert_allclose(np.asarray(params[k]), ref_p[k], rtol=1e-5, atol=1e-7, err_msg=k)
         # the moments see the *clipped* gradient (Adam's first step alone is scale-invariant)
-        np.testing.assert_allclose(np.asarray(optax.tree_utils.tree_get(state, "mu")[k]), ref_m[k],
-                                   rtol=1e-5, atol=1e-9, err_msg=k)
-        np.testing.assert_allclose(np.asarray(optax.tree_utils.tree_get(state, "nu")[k]), ref_v[k],
-                                   rtol=1e-5, atol=1e-12, err_msg=k)
+        np.testing.assert_allclose(
+            np.asarray(optax.tree_utils.tree_get(state, "mu")[k]), ref_m[k], rtol=1e-5, atol=1e-9, err_msg=k
+        )
+        np.testing.assert_allclose(
+            np.asarray(optax.tree_utils.tree_get(state, "nu")[k]), ref_v[k], rtol=1e-5, atol=1e-12, err_msg=k
+        )
     # the update moved the params (lr is not zero at the last step)
     assert not np.allclose(np.asarray(params["kernel"]), params0["kernel"])
 

@@ -136,10 +136,12 @@ def test_last_real_position():
 
 # ---- real steps ------------------------------------------------------------------------------------
 
+
 def config(pairs=4, micro=1, lora=0, **dpo):
     c = base_config()
-    c.model.update(vocab_size=V, d_model=32, n_layers=2, n_heads=4, n_kv_heads=2, d_ff=64, max_seq_len=T,
-                   lora_rank=lora)
+    c.model.update(
+        vocab_size=V, d_model=32, n_layers=2, n_heads=4, n_kv_heads=2, d_ff=64, max_seq_len=T, lora_rank=lora
+    )
     c.optim.update(lr=1e-2, warmup_steps=0, weight_decay=0.0, eps=1.0)
     c.train.update(batch_size=pairs, micro_batches=micro, steps=10)
     c.data.seq_len = T
@@ -186,7 +188,11 @@ def test_ln2_at_step_zero_live_and_precomputed_reference_give_the_same_update_pa
     assert float(m_live["loss"]) == pytest.approx(LN2, abs=1e-6)
     # 0 up to rounding: the policy and the reference are separate compiled passes over the same
     # params, so each reward is beta * (a difference of two sums of magnitude |logps|)
-    scale = 1e-6 * DpoSettings.from_config(config().dpo).loss_beta * (abs(float(m_live["logps/chosen"])) + abs(float(m_live["logps/rejected"])))
+    scale = (
+        1e-6
+        * DpoSettings.from_config(config().dpo).loss_beta
+        * (abs(float(m_live["logps/chosen"])) + abs(float(m_live["logps/rejected"])))
+    )
     for k in ("rewards/chosen", "rewards/rejected", "rewards/margins"):
         assert abs(float(m_live[k])) <= scale, (k, float(m_live[k]), scale)
     assert float(m_live["pairs"]) == len(PAIRS) and float(m_live["logps/chosen"]) < 0
@@ -194,8 +200,9 @@ def test_ln2_at_step_zero_live_and_precomputed_reference_give_the_same_update_pa
     ref = reference_logps(run, base, _Rows(batch), 2)
     padded = pair_batch(n_pad=4)
     padded["ref_logps"] = np.concatenate([ref, np.zeros((4, 2), np.float32)])
-    pre, m_pre, _ = dpo_step(config(pairs=8, reference="precomputed"), padded, base,
-                             extra={"ref_logps": ((2,), np.float32)})
+    pre, m_pre, _ = dpo_step(
+        config(pairs=8, reference="precomputed"), padded, base, extra={"ref_logps": ((2,), np.float32)}
+    )
     assert float(m_pre["pairs"]) == len(PAIRS)
     for k in ("loss", "rewards/chosen", "logps/rejected", "grad_norm"):
         assert float(m_pre[k]) == pytest.approx(float(m_live[k]), rel=1e-5, abs=1e-6), k
@@ -237,12 +244,16 @@ def test_rpo_nll_under_micro_batches_matches_numpy(mode):
     rng, v, t, beta, alpha = np.random.default_rng(0), 6, 8, 0.5, 0.7
     table = rng.normal(size=(v, v)).astype(np.float32)
     b = 6  # four real pairs, then two padding pairs (one in each micro-batch of two)
-    batch = {"inputs": rng.integers(0, v, (b, 2, t)).astype(np.int32),
-             "targets": rng.integers(0, v, (b, 2, t)).astype(np.int32),
-             "segment_ids": np.ones((b, 2, t), np.int32), "positions": np.tile(np.arange(t, dtype=np.int32), (b, 2, 1)),
-             "loss_mask": np.zeros((b, 2, t), np.float32), "ref_logps": rng.normal(-8, 1, (b, 2)).astype(np.float32)}
+    batch = {
+        "inputs": rng.integers(0, v, (b, 2, t)).astype(np.int32),
+        "targets": rng.integers(0, v, (b, 2, t)).astype(np.int32),
+        "segment_ids": np.ones((b, 2, t), np.int32),
+        "positions": np.tile(np.arange(t, dtype=np.int32), (b, 2, 1)),
+        "loss_mask": np.zeros((b, 2, t), np.float32),
+        "ref_logps": rng.normal(-8, 1, (b, 2)).astype(np.float32),
+    }
     for i, (c, r) in enumerate([(1, 3), (5, 2), (2, 2), (7, 4)]):
-        batch["loss_mask"][i, 0, t - c:], batch["loss_mask"][i, 1, t - r:] = 1.0, 1.0
+        batch["loss_mask"][i, 0, t - c :], batch["loss_mask"][i, 1, t - r :] = 1.0, 1.0
     x = table[batch["inputs"]].astype(np.float64)
     tok = np.take_along_axis(x, batch["targets"][..., None], -1)[..., 0] - np.log(np.exp(x).sum(-1))
     logp, n = (tok * batch["loss_mask"]).sum(-1)[:4], batch["loss_mask"].sum(-1)[:4]
@@ -258,8 +269,9 @@ def test_rpo_nll_under_micro_batches_matches_numpy(mode):
             want = dpo + alpha * nll.sum() / n[:, 0].sum()
         else:  # micro-batch k: real pairs k and k + 2
             want = dpo + alpha * np.mean([nll[k::2].sum() / n[k::2, 0].sum() for k in range(2)])
-        _, stats = jax.jit(lambda p, bt, m=micro: accumulate(lambda q, y, r: loss_fn(q, y, {}, r), p, bt,
-                                                             jax.random.PRNGKey(0), m))({"table": table}, batch)
+        _, stats = jax.jit(
+            lambda p, bt, m=micro: accumulate(lambda q, y, r: loss_fn(q, y, {}, r), p, bt, jax.random.PRNGKey(0), m)
+        )({"table": table}, batch)
         assert float(stats["count"]) == 4
         assert float(stats["loss_sum"] / stats["count"]) == pytest.approx(want, rel=1e-5), micro
     if mode == "per_token":  # the split matters here, as under TRL's gradient accumulation
@@ -292,9 +304,11 @@ def test_reward_model_starts_neutral_and_scores_the_last_real_token(base):
     assert float(m["loss"]) == pytest.approx(LN2, abs=1e-6) and float(m["accuracy"]) == 0.0
     params = jax.device_get(state.params)
     rows = {k: jnp.asarray(v[:, 0]) for k, v in pair_batch().items() if k != "margin"}
-    scores = run.model.apply({"params": params}, rows["inputs"], rows["segment_ids"], rows["positions"],
-                             output="scalar")
+    scores = run.model.apply(
+        {"params": params}, rows["inputs"], rows["segment_ids"], rows["positions"], output="scalar"
+    )
     last = np.asarray(rows["segment_ids"]).sum(-1) - 1
-    np.testing.assert_allclose(sequence_scores(run.model, params, rows), np.asarray(scores)[np.arange(len(PAIRS)), last],
-                               rtol=1e-6)
+    np.testing.assert_allclose(
+        sequence_scores(run.model, params, rows), np.asarray(scores)[np.arange(len(PAIRS)), last], rtol=1e-6
+    )
     assert np.ptp(np.asarray(scores)) > 0  # one step moved the head off zero

@@ -49,8 +49,14 @@ def compiled_step(config, devices, spec):
     return run, run.signature()
 
 
-TOY = StageEntry("toy", "pretrain with a label-smoothed loss", f"{__name__}:toy", "train", start="config",
-                 steps=(CompiledStep("toy", f"{__name__}:compiled_step"),))
+TOY = StageEntry(
+    "toy",
+    "pretrain with a label-smoothed loss",
+    f"{__name__}:toy",
+    "train",
+    start="config",
+    steps=(CompiledStep("toy", f"{__name__}:compiled_step"),),
+)
 
 
 @pytest.fixture
@@ -66,8 +72,21 @@ def test_the_toy_is_a_verb_that_trains(with_toy, tmp_path, corpus, capsys):
     _, reaches = cli._parser()
     assert reaches["toy"] in cli.training_verbs()  # SIGTERM stops it cleanly from start-up on
     work = tmp_path / "w"
-    assert cli.main(["toy", "--workdir", str(work), f"--config.data.corpus={corpus}", "--config.train.steps=3",
-                     "--config.train.log_every=1", "--config.eval.every_steps=3", *SMALL]) == 0
+    assert (
+        cli.main(
+            [
+                "toy",
+                "--workdir",
+                str(work),
+                f"--config.data.corpus={corpus}",
+                "--config.train.steps=3",
+                "--config.train.log_every=1",
+                "--config.eval.every_steps=3",
+                *SMALL,
+            ]
+        )
+        == 0
+    )
     assert json.loads((work / "summary.json").read_text())["step"] == 3
     assert json.loads((work / "run.json").read_text())["stage"] == "toy"
     assert "done: step 3, held-out loss" in capsys.readouterr().out
@@ -88,8 +107,17 @@ def test_the_toy_step_compiles_ahead_of_time(with_toy):
     from lm.plan.hardware import parse_target
     from lm.plan.memory import estimate
 
-    config = load_config("configs/tiny.py", ["mesh.data=2", "mesh.fsdp=2", "mesh.tensor=2", "train.batch_size=8",
-                                             "data.seq_len=64", "model.max_seq_len=64"])
+    config = load_config(
+        "configs/tiny.py",
+        [
+            "mesh.data=2",
+            "mesh.fsdp=2",
+            "mesh.tensor=2",
+            "train.batch_size=8",
+            "data.seq_len=64",
+            "model.max_seq_len=64",
+        ],
+    )
     c = compile_step("toy", config, target_devices(parse_target("cpu:8")))
     assert c.error is None and c.arguments > 0
     parts = estimate(config, "toy", 8).parts

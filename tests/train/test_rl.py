@@ -24,8 +24,17 @@ from lm.infer.sampling import SamplingParams
 from lm.model.apply import logits_of, token_logprobs
 from lm.train.rewards import RewardFn, Rewards, parse_rewards
 from lm.train.rl import build_rl_run
-from lm.train.rl_losses import (RlSettings, gae, group_advantages, importance_ratio, k3, policy_terms, rl_loss,
-                                value_terms, whiten)
+from lm.train.rl_losses import (
+    RlSettings,
+    gae,
+    group_advantages,
+    importance_ratio,
+    k3,
+    policy_terms,
+    rl_loss,
+    value_terms,
+    whiten,
+)
 from lm.train.rl_step import RlStep
 from lm.train.rollout import Sampler, Scorer
 from lm.train.steps import accumulate
@@ -39,6 +48,7 @@ def rl_settings(**changes) -> RlSettings:
 
 
 # ---- the formulas --------------------------------------------------------------------------------
+
 
 def test_group_advantages_by_hand():
     rewards = np.array([1.0, 0.0, 0.0, 1.0, 2.0, 2.0, 2.0, 2.0])
@@ -82,8 +92,9 @@ def test_clip_k3_and_value_terms_by_hand():
     np.testing.assert_allclose(ratio, [1.5, 0.5, 1.5, 1.0], rtol=1e-6)
     d = 0.3
     # exp(d) - d - 1 cancels: float32 rounding of exp(d) ~ 1.35 is absolute, a few 1e-7
-    np.testing.assert_allclose(k3(jnp.array([0.0, -1.0]), jnp.array([0.0, -1.0 + d])), [0.0, math.exp(d) - d - 1],
-                               rtol=1e-6, atol=1e-6)
+    np.testing.assert_allclose(
+        k3(jnp.array([0.0, -1.0]), jnp.array([0.0, -1.0 + d])), [0.0, math.exp(d) - d - 1], rtol=1e-6, atol=1e-6
+    )
     vloss, vclip = value_terms(jnp.array([1.0, 0.5]), jnp.array([0.0, 0.4]), jnp.array([0.0, 1.0]), 0.2)
     # row 0: (1 - 0)^2 = 1 vs (0.2 - 0)^2 = 0.04 -> 0.5; row 1: 0.25 vs (0.5 - 1)^2 = 0.25 -> 0.125
     np.testing.assert_allclose(vloss, [0.5, 0.125], rtol=1e-6)
@@ -91,6 +102,7 @@ def test_clip_k3_and_value_terms_by_hand():
 
 
 # ---- the loss types, GSPO and the temperature against numpy (float64) -----------------------------
+
 
 class TableModel:
     """A 'model' whose logits at a position are the row of a [V, V] table for its input token:
@@ -112,14 +124,18 @@ def hand_batch(temperature=1.0, noise=0.3, seed=0):
     targets = rng.integers(0, HV, (HB, HT)).astype(np.int32)
     mask = np.zeros((HB, HT), np.float32)
     for i, (start, n) in enumerate([(3, 1), (1, 2), (2, 4), (0, 6)]):
-        mask[i, start:start + n] = 1.0
+        mask[i, start : start + n] = 1.0
     logp = np_logp(table, inputs, targets, temperature)
-    batch = {"inputs": inputs, "targets": targets, "loss_mask": mask, "segment_ids": np.ones((HB, HT), np.int32),
-             "positions": np.tile(np.arange(HT, dtype=np.int32), (HB, 1)),
-             "old_logp": ((logp + noise * (rng.normal(size=logp.shape) + [[-1], [1], [0], [0]])) * mask
-                          ).astype(np.float32),
-             "ref_logp": ((logp + 0.2 * rng.normal(size=logp.shape)) * mask).astype(np.float32),
-             "advantages": (np.array([1.0, -0.5, 2.0, -1.5])[:, None] * mask).astype(np.float32)}
+    batch = {
+        "inputs": inputs,
+        "targets": targets,
+        "loss_mask": mask,
+        "segment_ids": np.ones((HB, HT), np.int32),
+        "positions": np.tile(np.arange(HT, dtype=np.int32), (HB, 1)),
+        "old_logp": ((logp + noise * (rng.normal(size=logp.shape) + [[-1], [1], [0], [0]])) * mask).astype(np.float32),
+        "ref_logp": ((logp + 0.2 * rng.normal(size=logp.shape)) * mask).astype(np.float32),
+        "advantages": (np.array([1.0, -0.5, 2.0, -1.5])[:, None] * mask).astype(np.float32),
+    }
     return {"table": table}, batch
 
 
@@ -160,19 +176,33 @@ def test_loss_types_and_sequence_ratio_match_numpy_whatever_the_micro_batch_spli
     tokens = batch["loss_mask"].sum()
     for n_micro in (1, 2):
         grads, stats = jax.jit(lambda p, b, n=n_micro: accumulate(micro_loss, p, b, jax.random.PRNGKey(0), n))(
-            params, batch)
+            params, batch
+        )
         expected = hand_loss(np, logp, batch, s, n_micro)
         assert float(stats["loss_sum"] / stats["count"]) == pytest.approx(expected, rel=1e-5), n_micro
         assert float(stats["tokens_total"]) == tokens  # the statistics stay per response token
         # the update's gradient: summed over micro-batches, divided once by the summed count
-        want = jax.grad(lambda p, n=n_micro: hand_loss(jnp, jax.nn.log_softmax(p["table"][batch["inputs"]])[
-            np.arange(HB)[:, None], np.arange(HT), batch["targets"]], batch, s, n))(params)
+        want = jax.grad(
+            lambda p, n=n_micro: hand_loss(
+                jnp,
+                jax.nn.log_softmax(p["table"][batch["inputs"]])[
+                    np.arange(HB)[:, None], np.arange(HT), batch["targets"]
+                ],
+                batch,
+                s,
+                n,
+            )
+        )(params)
         np.testing.assert_allclose(grads["table"] / stats["count"], want["table"], rtol=1e-4, atol=1e-7)
     clipped = float(stats["clip_fraction_total"]) / tokens
     assert 0 < clipped < 1  # the clip is exercised
     if level == "sequence":  # one ratio per response, on each of its tokens
-        ratio = np.exp([(batch["loss_mask"][i] * (logp[i] - batch["old_logp"][i])).sum() / batch["loss_mask"][i].sum()
-                        for i in range(HB)])
+        ratio = np.exp(
+            [
+                (batch["loss_mask"][i] * (logp[i] - batch["old_logp"][i])).sum() / batch["loss_mask"][i].sum()
+                for i in range(HB)
+            ]
+        )
         assert float(stats["ratio_total"]) == pytest.approx(float((ratio * batch["loss_mask"].sum(-1)).sum()), rel=1e-5)
 
 
@@ -183,8 +213,9 @@ def test_log_probs_are_taken_at_the_sampling_temperature():
     params, batch = hand_batch(temperature=t, noise=0.0)
     logp = np_logp(params["table"], batch["inputs"], batch["targets"], t)
     batch |= {"old_logp": logp.astype(np.float32), "ref_logp": logp.astype(np.float32)}
-    (objective, stats), grads = jax.jit(jax.value_and_grad(rl_loss(TableModel(), rl_settings(temperature=t)),
-                                                           has_aux=True))(params, batch, {}, None)
+    (objective, stats), grads = jax.jit(
+        jax.value_and_grad(rl_loss(TableModel(), rl_settings(temperature=t)), has_aux=True)
+    )(params, batch, {}, None)
     tokens, m = float(stats["tokens_total"]), batch["loss_mask"]
     assert float(stats["ratio_total"]) / tokens == pytest.approx(1.0, abs=1e-6)
     assert float(stats["clip_fraction_total"]) == 0.0 and abs(float(stats["kl_total"])) < 1e-6
@@ -201,10 +232,12 @@ def test_log_probs_are_taken_at_the_sampling_temperature():
 
 # ---- a tiny model ----------------------------------------------------------------------------------
 
+
 def config(algo="grpo", beta=0.1, lora=0, **rl):
     c = base_config()
-    c.model.update(vocab_size=V, d_model=32, n_layers=2, n_heads=4, n_kv_heads=2, d_ff=64, max_seq_len=T,
-                   lora_rank=lora)
+    c.model.update(
+        vocab_size=V, d_model=32, n_layers=2, n_heads=4, n_kv_heads=2, d_ff=64, max_seq_len=T, lora_rank=lora
+    )
     c.optim.update(lr=1e-2, warmup_steps=0, weight_decay=0.0, eps=1.0)  # eps: no amplified round-off
     c.train.update(steps=10)
     c.data.seq_len = T
@@ -218,8 +251,13 @@ def rows(seed=0, b=4):
     mask = np.zeros((b, T), np.float32)
     for i in range(b):
         mask[i, 5 + i : 15 + 2 * i] = 1.0  # responses of different lengths after a prompt
-    return {"inputs": ids[:, :-1], "targets": ids[:, 1:], "loss_mask": mask,
-            "segment_ids": np.ones((b, T), np.int32), "positions": np.tile(np.arange(T, dtype=np.int32), (b, 1))}
+    return {
+        "inputs": ids[:, :-1],
+        "targets": ids[:, 1:],
+        "loss_mask": mask,
+        "segment_ids": np.ones((b, T), np.int32),
+        "positions": np.tile(np.arange(T, dtype=np.int32), (b, 1)),
+    }
 
 
 @pytest.fixture(scope="module")
@@ -280,8 +318,9 @@ def test_the_scoring_pass_takes_old_and_reference_log_probs_at_the_temperature(t
         return logp * batch["loss_mask"]
 
     np.testing.assert_allclose(scored["old_logp"], expected(run.model, policy), rtol=1e-5, atol=1e-5)
-    np.testing.assert_allclose(scored["ref_logp"], expected(run.frozen["reference"].built.module, reference),
-                               rtol=1e-5, atol=1e-5)
+    np.testing.assert_allclose(
+        scored["ref_logp"], expected(run.frozen["reference"].built.module, reference), rtol=1e-5, atol=1e-5
+    )
 
 
 def digit_share(prompts, completions, **columns):
@@ -298,8 +337,9 @@ def prompt_set():
     padded = np.zeros((4, max(map(len, ids))), np.int32)
     for i, x in enumerate(ids):
         padded[i, : len(x)] = x
-    return PromptSet("test", padded, np.array([len(x) for x in ids], np.int32), texts, messages,
-                     [{} for _ in texts], {}), template
+    return PromptSet(
+        "test", padded, np.array([len(x) for x in ids], np.int32), texts, messages, [{} for _ in texts], {}
+    ), template
 
 
 def rl_step(c, devices):
@@ -358,14 +398,17 @@ class _Scorer:
 
 
 def test_rewards_weigh_functions_and_a_reward_model_and_penalise_truncation(tmp_path):
-    (tmp_path / "mine.py").write_text("def ones(prompts, completions, answer, **kw):\n"
-                                      "    return [float(c == a) for c, a in zip(completions, answer)]\n")
+    (tmp_path / "mine.py").write_text(
+        "def ones(prompts, completions, answer, **kw):\n"
+        "    return [float(c == a) for c, a in zip(completions, answer)]\n"
+    )
     fns = parse_rewards(f"lm.data.synthetic:sort_reward=0.5, {tmp_path / 'mine.py'}:ones")
     rewards = Rewards(fns, _Scorer(), scorer_weight=0.1, truncation_penalty=2.0)
     prompts = ["sort 312", [{"role": "user", "content": "sort 90"}]]
     messages = [[{"role": "user", "content": "sort 312"}], prompts[1]]
-    total, parts = rewards(prompts, messages, ["123", "9"], np.array([False, True]),
-                           [{"answer": "123"}, {"answer": "09"}])
+    total, parts = rewards(
+        prompts, messages, ["123", "9"], np.array([False, True]), [{"answer": "123"}, {"answer": "09"}]
+    )
     assert parts["sort_reward"].tolist() == [1.0, 0.0] and parts["ones"].tolist() == [1.0, 0.0]
     assert parts["reward_model"].tolist() == [3.0, 1.0]
     np.testing.assert_allclose(total, [0.5 + 1.0 + 0.3, 0.1 - 2.0], rtol=1e-6)

@@ -23,8 +23,20 @@ def _copy(small_base, tmp_path) -> pathlib.Path:
 
 
 def _resume(work, corpus, *extra, steps=12):
-    return main(["train", "--workdir", str(work), f"--config.data.corpus={corpus}", f"--config.train.steps={steps}",
-                 "--config.eval.every_steps=10", *SMALL, "--config.data.seq_len=64", "--resume", *extra])
+    return main(
+        [
+            "train",
+            "--workdir",
+            str(work),
+            f"--config.data.corpus={corpus}",
+            f"--config.train.steps={steps}",
+            "--config.eval.every_steps=10",
+            *SMALL,
+            "--config.data.seq_len=64",
+            "--resume",
+            *extra,
+        ]
+    )
 
 
 def _files(work) -> dict:
@@ -44,8 +56,12 @@ def test_another_stage_is_refused_before_any_data_work(small_base, tmp_path, cap
     data.write_text("")  # never read: the refusal comes first
     for verb, flag in (("sft", "--data"), ("dpo", "--data"), ("rl", "--data")):
         capsys.readouterr()
-        assert main([verb, "--workdir", str(work), "--init", str(small_base), flag, str(data), "--resume",
-                     "--no-progress"]) == 2
+        assert (
+            main(
+                [verb, "--workdir", str(work), "--init", str(small_base), flag, str(data), "--resume", "--no-progress"]
+            )
+            == 2
+        )
         line = _error(capsys)
         assert f"checkpoint step 10 in '{work / 'checkpoints'}' is not this run's to resume" in line, line
         assert f"stage: train (checkpoint) vs {verb} (now)" in line and "made by `lm train --workdir" in line, line
@@ -67,11 +83,21 @@ def test_other_trajectory_settings_are_refused_and_neutral_changes_resume(small_
     assert _files(work) == before
     assert _resume(work, corpus, "--config.optim.decay_steps=30") == 2  # past its warmup: other rates
     line = _error(capsys)
-    assert "the learning rate of the 10 updates made differs (train.steps=10 (checkpoint) vs 12 (now), " \
-           "optim.decay_steps=40 (checkpoint) vs 30 (now))" in line, line[:700]
+    assert (
+        "the learning rate of the 10 updates made differs (train.steps=10 (checkpoint) vs 12 (now), "
+        "optim.decay_steps=40 (checkpoint) vs 30 (now))" in line
+    ), line[:700]
     # Intervals, progress and the length of a run whose schedule is set apart (optim.decay_steps) may change.
-    assert _resume(work, corpus, "--config.train.log_every=1", "--config.eval.every_steps=2",
-                   "--config.checkpoint.every_steps=1") == 0
+    assert (
+        _resume(
+            work,
+            corpus,
+            "--config.train.log_every=1",
+            "--config.eval.every_steps=2",
+            "--config.checkpoint.every_steps=1",
+        )
+        == 0
+    )
     assert saved_steps(work / "checkpoints")[-1] == 12
     assert "resumed from step 10" in capsys.readouterr().out
 
@@ -194,4 +220,4 @@ def test_the_docs_list_exactly_the_keys_a_resume_may_change():
     block = page.split("<!-- neutral-keys -->")[1].split("<!-- /neutral-keys -->")[0]
     listed = set(re.findall(r"`([a-z_.*]+)`", block))
     want = {k + "*" if k.endswith(".") else k for k in NEUTRAL} | set(MODEL_KEYS) | {"*.eval_*"}
-    assert listed == want, (listed ^ want)
+    assert listed == want, listed ^ want

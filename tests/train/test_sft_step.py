@@ -16,8 +16,11 @@ from lm.train.setup import build_run
 T, V = 128, 264
 CHATS = [
     [{"role": "user", "content": "sort 312"}, {"role": "assistant", "content": "123"}],
-    [{"role": "system", "content": "be brief"}, {"role": "user", "content": "sort 90"},
-     {"role": "assistant", "content": "09"}],
+    [
+        {"role": "system", "content": "be brief"},
+        {"role": "user", "content": "sort 90"},
+        {"role": "assistant", "content": "09"},
+    ],
     [{"role": "user", "content": "hi"}, {"role": "assistant", "content": "yo"}],
     [{"role": "user", "content": "sort 5"}, {"role": "assistant", "content": "5"}],
 ]
@@ -25,8 +28,9 @@ CHATS = [
 
 def config(rows, micro=1, lora=0):
     c = base_config()
-    c.model.update(vocab_size=V, d_model=32, n_layers=2, n_heads=4, n_kv_heads=2, d_ff=64, max_seq_len=T,
-                   lora_rank=lora)
+    c.model.update(
+        vocab_size=V, d_model=32, n_layers=2, n_heads=4, n_kv_heads=2, d_ff=64, max_seq_len=T, lora_rank=lora
+    )
     # eps=1: Adam's first step is ~ the gradient, not its sign (which float noise flips near 0)
     c.optim.update(lr=1e-2, warmup_steps=0, weight_decay=0.0, eps=1.0)
     c.train.update(batch_size=rows, micro_batches=micro, steps=10)
@@ -53,9 +57,9 @@ def rows_of(groups):
         for s, i in enumerate(group, 1):
             n = len(ex[i]["inputs"])
             for k in ("inputs", "targets", "loss_mask"):
-                batch[k][r, at:at + n] = ex[i][k]
-            batch["segment_ids"][r, at:at + n] = s
-            batch["positions"][r, at:at + n] = np.arange(n)
+                batch[k][r, at : at + n] = ex[i][k]
+            batch["segment_ids"][r, at : at + n] = s
+            batch["positions"][r, at : at + n] = np.arange(n)
             at += n
         assert at <= T
     return batch

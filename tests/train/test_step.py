@@ -41,9 +41,13 @@ def make_batch(seed=0, mask=None, n_docs=1):
         for d, (a, b) in enumerate(zip(bounds[:-1], bounds[1:])):
             seg[:, a:b] = d + 1
             pos[:, a:b] = np.arange(b - a)
-    return dict(inputs=tokens[:, :-1], targets=tokens[:, 1:],
-                loss_mask=np.ones((B, T), np.float32) if mask is None else mask.astype(np.float32),
-                segment_ids=seg, positions=pos)
+    return dict(
+        inputs=tokens[:, :-1],
+        targets=tokens[:, 1:],
+        loss_mask=np.ones((B, T), np.float32) if mask is None else mask.astype(np.float32),
+        segment_ids=seg,
+        positions=pos,
+    )
 
 
 class Setup:
@@ -62,16 +66,24 @@ class Setup:
         # params compares gradients (Adam's first step is ~sign(g) and would hide scale errors).
         self.sgd = optax.identity()
         self.sgd_shardings = state_shardings(self.model, self.sgd, self.mesh, self.rules)[0]
-        self.sgd_steps = {n: make_train_step(self.loss_fn, self.sgd, optax.constant_schedule(1.0), self.mesh,
-                                             self.sgd_shardings, self.bs, n_micro=n) for n in (1, 4)}
+        self.sgd_steps = {
+            n: make_train_step(
+                self.loss_fn, self.sgd, optax.constant_schedule(1.0), self.mesh, self.sgd_shardings, self.bs, n_micro=n
+            )
+            for n in (1, 4)
+        }
 
     @property
     def params0(self):
         return self.host_state.params
 
     def sgd_state(self):
-        host = TrainState(step=self.host_state.step, params=self.params0,
-                          opt_state=self.sgd.init(self.params0), rng=self.host_state.rng)
+        host = TrainState(
+            step=self.host_state.step,
+            params=self.params0,
+            opt_state=self.sgd.init(self.params0),
+            rng=self.host_state.rng,
+        )
         return jax.device_put(host, self.sgd_shardings)
 
     def adamw_state(self):
@@ -108,16 +120,19 @@ def _mean_nll_grad(model):
 
 
 def max_abs_diff(a, b):
-    return max(float(np.max(np.abs(np.asarray(x) - np.asarray(y)))) for x, y in
-               zip(jax.tree.leaves(a), jax.tree.leaves(b)))
+    return max(
+        float(np.max(np.abs(np.asarray(x) - np.asarray(y)))) for x, y in zip(jax.tree.leaves(a), jax.tree.leaves(b))
+    )
 
 
 def max_rel_diff(a, b):
     """The largest difference of two trees, each leaf's relative to the largest magnitude in it:
     float32 sums taken in another order (micro-batches, another processor's kernels) differ by
     a few units in the last place of the values summed, whatever their size."""
-    return max(float(np.max(np.abs(np.asarray(x) - np.asarray(y)))) / max(float(np.max(np.abs(np.asarray(y)))), 1e-30)
-               for x, y in zip(jax.tree.leaves(a), jax.tree.leaves(b)))
+    return max(
+        float(np.max(np.abs(np.asarray(x) - np.asarray(y)))) / max(float(np.max(np.abs(np.asarray(y)))), 1e-30)
+        for x, y in zip(jax.tree.leaves(a), jax.tree.leaves(b))
+    )
 
 
 def uneven_mask():
@@ -126,11 +141,12 @@ def uneven_mask():
     counts = [16, 1, 3, 12, 16, 1, 4, 8]
     mask = np.zeros((B, T), np.float32)
     for r, n in enumerate(counts):
-        mask[r, T - n:] = 1.0
+        mask[r, T - n :] = 1.0
     return mask
 
 
 # ---- (a) initial loss --------------------------------------------------------------------------
+
 
 def test_untrained_loss_is_log_vocab(setup):
     _, metrics = setup.sgd_update(make_batch(seed=1), 1)
@@ -139,6 +155,7 @@ def test_untrained_loss_is_log_vocab(setup):
 
 
 # ---- (b) gradient accumulation ------------------------------------------------------------------
+
 
 @pytest.mark.parametrize("uneven", [False, True], ids=["full_mask", "uneven_mask"])
 def test_accumulation_matches_single_batch(setup, uneven):
@@ -166,6 +183,7 @@ def test_accumulation_matches_single_batch(setup, uneven):
 
 
 # ---- (c) masked tokens --------------------------------------------------------------------------
+
 
 def test_masked_tokens_do_not_affect_the_update(setup):
     mask = np.ones((B, T), np.float32)
@@ -196,6 +214,7 @@ def test_masked_tokens_do_not_affect_the_update(setup):
 
 # ---- (d, e) overfitting, metrics and the step counter --------------------------------------------
 
+
 @pytest.fixture(scope="module")
 def overfit_run(setup):
     batch = setup.put(make_batch(seed=4, n_docs=2))
@@ -224,7 +243,9 @@ def test_metrics_lr_follows_the_schedule_and_step_increments(setup, overfit_run)
     for i, h in enumerate(history):
         assert h["step"] == i + 1
         lr, w, end = o.lr, o.warmup_steps, o.lr * o.min_lr_ratio
-        expected = lr * i / w if i < w else end + (lr - end) * 0.5 * (1 + math.cos(math.pi * (i - w) / (OVERFIT_STEPS - w)))
+        expected = (
+            lr * i / w if i < w else end + (lr - end) * 0.5 * (1 + math.cos(math.pi * (i - w) / (OVERFIT_STEPS - w)))
+        )
         np.testing.assert_allclose(h["lr"], expected, rtol=1e-5, atol=1e-12)
     assert history[0]["lr"] == 0.0
     # the reported lr is the one applied: at step 0 it is 0, so the params did not move
@@ -246,8 +267,11 @@ def test_skipped_step_keeps_one_counter_for_applied_and_logged_lr(setup):
     after = jax.device_get(state.params)
     assert float(m2["update_skipped"]) == 0.0
     np.testing.assert_allclose(m2["lr"], schedule(2), rtol=1e-6)  # not schedule(1): the skip counted
-    g = jax.device_get(_mean_nll_grad(setup.plain_model)(jax.tree.map(jnp.asarray, before),
-                                                          {k: jnp.asarray(v) for k, v in good.items()}))
+    g = jax.device_get(
+        _mean_nll_grad(setup.plain_model)(
+            jax.tree.map(jnp.asarray, before), {k: jnp.asarray(v) for k, v in good.items()}
+        )
+    )
     applied = jax.tree.map(lambda b, a, gi: (b - a) / np.where(gi == 0, 1, gi), before, after, g)
     big = [(x, gi) for x, gi in zip(jax.tree.leaves(applied), jax.tree.leaves(g))]
     ratios = np.concatenate([x[np.abs(gi) > 1e-3].ravel() for x, gi in big])

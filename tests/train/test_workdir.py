@@ -40,8 +40,14 @@ permissions_apply = pytest.mark.skipif(not _permissions_apply(), reason="root ig
 
 
 def holder(workdir):
-    proc = subprocess.Popen([sys.executable, "-c", HOLD, str(workdir)], cwd=ROOT, stdin=subprocess.PIPE,
-                            stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True)
+    proc = subprocess.Popen(
+        [sys.executable, "-c", HOLD, str(workdir)],
+        cwd=ROOT,
+        stdin=subprocess.PIPE,
+        stdout=subprocess.PIPE,
+        stderr=subprocess.PIPE,
+        text=True,
+    )
     assert proc.stdout.readline().strip() == "locked", proc.stderr.read()
     return proc
 
@@ -88,16 +94,23 @@ def test_taking_over_a_stale_lock_file_says_whose_it_was(tmp_path, capsys):
 
 
 @permissions_apply
-@pytest.mark.parametrize("make,named", [
-    (lambda w: w.parent.chmod(0o555), ""),
-    (lambda w: (w.mkdir(), w.chmod(0o555)), "w"),
-    (lambda w: (w.mkdir(), (w / "metrics.jsonl").write_text(""), (w / "metrics.jsonl").chmod(0o444)),
-     "w/metrics.jsonl"),
-    (lambda w: ((w / "checkpoints").mkdir(parents=True), (w / "checkpoints").chmod(0o555)), "w/checkpoints"),
-    (lambda w: ((w / "checkpoints" / "4").mkdir(parents=True), (w / "checkpoints" / "4").chmod(0o555)),
-     "w/checkpoints/4"),
-    (lambda w: ((w / "tensorboard").mkdir(parents=True), (w / "tensorboard").chmod(0o555)), "w/tensorboard"),
-])
+@pytest.mark.parametrize(
+    "make,named",
+    [
+        (lambda w: w.parent.chmod(0o555), ""),
+        (lambda w: (w.mkdir(), w.chmod(0o555)), "w"),
+        (
+            lambda w: (w.mkdir(), (w / "metrics.jsonl").write_text(""), (w / "metrics.jsonl").chmod(0o444)),
+            "w/metrics.jsonl",
+        ),
+        (lambda w: ((w / "checkpoints").mkdir(parents=True), (w / "checkpoints").chmod(0o555)), "w/checkpoints"),
+        (
+            lambda w: ((w / "checkpoints" / "4").mkdir(parents=True), (w / "checkpoints" / "4").chmod(0o555)),
+            "w/checkpoints/4",
+        ),
+        (lambda w: ((w / "tensorboard").mkdir(parents=True), (w / "tensorboard").chmod(0o555)), "w/tensorboard"),
+    ],
+)
 def test_what_a_run_writes_must_be_writable(tmp_path, make, named):
     work = tmp_path / "parent" / "w"
     work.parent.mkdir()
@@ -109,7 +122,9 @@ def test_what_a_run_writes_must_be_writable(tmp_path, make, named):
         for p in [work.parent, *work.parent.rglob("*")]:
             p.chmod(0o755)
     message = str(refused.value)
-    assert f"'{pathlib.Path(tmp_path, 'parent', named)}'" in message and "not writable" in message and "\n" not in message
+    assert (
+        f"'{pathlib.Path(tmp_path, 'parent', named)}'" in message and "not writable" in message and "\n" not in message
+    )
     check_writable(work)
 
 

@@ -85,8 +85,9 @@ class InputReader(PipelineStep):
     type = "📖 - READER"
     name = "lm:read"
 
-    def __init__(self, files: list[InputFile], text_key: str, on_bad_record: str, progress: bool,
-                 bad_records: str | None = None):
+    def __init__(
+        self, files: list[InputFile], text_key: str, on_bad_record: str, progress: bool, bad_records: str | None = None
+    ):
         super().__init__()
         self.files, self.text_key = files, text_key
         self.on_bad_record, self.progress, self.bad_records = on_bad_record, progress, bad_records
@@ -99,16 +100,16 @@ class InputReader(PipelineStep):
                 self.stat_update("in_bytes", value=rec.nbytes)
                 if rec.problem:
                     if self.on_bad_record == "error":
-                        raise UserError(f"{rec.where}: {rec.problem} "
-                                        "(set curate.on_bad_record=skip to count and skip such records)")
+                        raise UserError(
+                            f"{rec.where}: {rec.problem} (set curate.on_bad_record=skip to count and skip such records)"
+                        )
                     _count(self, "drop", "bad_record", rec.nbytes)
                     if len(skipped) < LISTED_BAD_RECORDS:
                         skipped.append(f"{rec.where}: {rec.problem}")
                 elif not rec.text.strip():
                     _count(self, "drop", "empty", rec.nbytes)
                 else:
-                    yield Document(text=rec.text, id=rec.record_id,
-                                   metadata={"source": f.path, BYTES_IN: rec.nbytes})
+                    yield Document(text=rec.text, id=rec.record_id, metadata={"source": f.path, BYTES_IN: rec.nbytes})
         if skipped and self.bad_records:
             folder = Path(self.bad_records)
             folder.mkdir(parents=True, exist_ok=True)
@@ -290,11 +291,13 @@ class WordList(BaseFilter):
 # code ((555) 123-4567) or the 3-3-4 form with one separator throughout (555-123-4567). Runs of
 # space-separated numbers without these marks (hex dumps, tables: common in code) are left alone,
 # and the look-arounds keep it from matching inside longer dotted or dashed numbers.
-PHONE_REGEX = (r"(?<![\w.+-])(?:"
-               r"\+\d{1,3}[ .-]?(?:\(\d{1,4}\)|\d{1,4})[ .-]\d{3,4}[ .-]\d{3,4}"
-               r"|\(\d{3}\)[ .-]?\d{3}[ .-]\d{4}"
-               r"|\d{3}([.-])\d{3}\1\d{4}"
-               r")(?![\w-]|\.\d)")
+PHONE_REGEX = (
+    r"(?<![\w.+-])(?:"
+    r"\+\d{1,3}[ .-]?(?:\(\d{1,4}\)|\d{1,4})[ .-]\d{3,4}[ .-]\d{3,4}"
+    r"|\(\d{3}\)[ .-]?\d{3}[ .-]\d{4}"
+    r"|\d{3}([.-])\d{3}\1\d{4}"
+    r")(?![\w-]|\.\d)"
+)
 
 
 class PIIRedactor(PIIFormatter):

@@ -50,10 +50,13 @@ def filter_blocks(cfg) -> list:
         out.append(blocks.LanguageId(list(cfg.language.keep), cfg.language.threshold))
     if cfg.gopher_repetition.enabled:
         g = cfg.gopher_repetition
-        out.append(blocks.GopherRepetition(
-            **_options(g, ("enabled", "top_n_grams", "dup_n_grams")),
-            top_n_grams=n_gram_fracs("top_n_grams", g.top_n_grams),
-            dup_n_grams=n_gram_fracs("dup_n_grams", g.dup_n_grams)))
+        out.append(
+            blocks.GopherRepetition(
+                **_options(g, ("enabled", "top_n_grams", "dup_n_grams")),
+                top_n_grams=n_gram_fracs("top_n_grams", g.top_n_grams),
+                dup_n_grams=n_gram_fracs("dup_n_grams", g.dup_n_grams),
+            )
+        )
     if cfg.gopher_quality.enabled:
         out.append(blocks.GopherQuality(**_options(cfg.gopher_quality)))
     if cfg.c4.enabled:
@@ -70,8 +73,9 @@ def _final_tail(cfg, final_dir: Path) -> list:
     if cfg.pii.enabled:
         tail.append(blocks.PIIRedactor(cfg.pii.emails, cfg.pii.ips, cfg.pii.phones))
     tail.append(blocks.Tally("kept"))
-    tail.append(JsonlWriter(str(final_dir), output_filename=SHARD_PATTERN, compression="gzip",
-                            adapter=blocks.final_record))
+    tail.append(
+        JsonlWriter(str(final_dir), output_filename=SHARD_PATTERN, compression="gzip", adapter=blocks.final_record)
+    )
     return tail
 
 
@@ -103,7 +107,9 @@ def _exact_passes(cfg, source: Path, work: Path, tasks: int):
     config = ExactDedupConfig(content_getter=blocks.text_of)
     sigs, dups = work / "exact_sigs", work / "exact_dups"
     return [
-        Pass("exact_dedup: hash", [blocks.ShardReader(str(source)), ExactDedupSignature(str(sigs), config=config)], tasks),
+        Pass(
+            "exact_dedup: hash", [blocks.ShardReader(str(source)), ExactDedupSignature(str(sigs), config=config)], tasks
+        ),
         Pass("exact_dedup: find", [ExactFindDedups(str(sigs), str(dups), config=config)], 1),
     ], blocks.ExactDuplicates(str(dups), config=config)
 

@@ -123,13 +123,19 @@ def _jsonl_record(f: InputFile, lineno: int, raw: bytes, text_key: str) -> Recor
     except UnicodeDecodeError as e:
         return Record(where, len(raw), problem=_utf8_problem(raw, e, lineno)[1])
     except json.JSONDecodeError as e:
-        return Record(where, len(raw), problem=f"not valid JSON ({e.msg} at column {e.colno}); expected one JSON object per line")
+        return Record(
+            where, len(raw), problem=f"not valid JSON ({e.msg} at column {e.colno}); expected one JSON object per line"
+        )
     if not isinstance(obj, dict) or not isinstance(obj.get(text_key), str):
         found = f"keys {sorted(obj)[:8]}" if isinstance(obj, dict) else type(obj).__name__
-        return Record(where, len(raw), problem=f"no string field '{text_key}' (found {found}); expected {{\"{text_key}\": \"...\"}}")
+        return Record(
+            where, len(raw), problem=f'no string field \'{text_key}\' (found {found}); expected {{"{text_key}": "..."}}'
+        )
     text = obj[text_key]
     record_id = obj.get("id")
-    return Record(where, len(text.encode("utf-8")), text, str(record_id) if record_id is not None else f"{f.rel}:{lineno}")
+    return Record(
+        where, len(text.encode("utf-8")), text, str(record_id) if record_id is not None else f"{f.rel}:{lineno}"
+    )
 
 
 def read_jsonl(f: InputFile, text_key: str) -> Iterator[Record]:
@@ -152,8 +158,11 @@ def read_parquet(f: InputFile, text_key: str) -> Iterator[Record]:
         yield Record(f.path, Path(f.path).stat().st_size, problem=f"not a readable Parquet file ({e})")
         return
     if text_key not in pf.schema_arrow.names:
-        yield Record(f.path, Path(f.path).stat().st_size,
-                     problem=f"no column '{text_key}' (columns: {pf.schema_arrow.names}); expected a string column")
+        yield Record(
+            f.path,
+            Path(f.path).stat().st_size,
+            problem=f"no column '{text_key}' (columns: {pf.schema_arrow.names}); expected a string column",
+        )
         return
     row = 0
     for batch in pf.iter_batches(columns=[text_key]):

@@ -35,7 +35,7 @@ REASONS = {
     "curly_bracket": "C4: contains '{' (any code with braces)",
     "lorem_ipsum": "C4: contains 'lorem ipsum'",
     "too_few_sentences": "C4: fewer than min_num_sentences sentences left after dropping lines "
-                         "without terminal punctuation (most code)",
+    "without terminal punctuation (most code)",
     "line_punct_ratio": "FineWeb: too few lines end in punctuation (most code)",
     "short_line_ratio": "FineWeb: too many short lines",
     "char_dup_ratio": "FineWeb: too many characters in duplicated lines",
@@ -67,8 +67,16 @@ def _stage(totals: dict) -> dict:
     }
 
 
-def build(stats: dict, cfg, inputs: list[str], n_files: int, skipped_binary: list[str], tasks: int,
-          seconds: float, bad_records: list[str] = ()) -> dict:
+def build(
+    stats: dict,
+    cfg,
+    inputs: list[str],
+    n_files: int,
+    skipped_binary: list[str],
+    tasks: int,
+    seconds: float,
+    bad_records: list[str] = (),
+) -> dict:
     """The report; `bad_records`: the first records skipped by on_bad_record=skip ("FILE:LINE: problem")."""
     read = stats.get("read", {})
     kept = stats.get("tally:kept", {})
@@ -79,11 +87,13 @@ def build(stats: dict, cfg, inputs: list[str], n_files: int, skipped_binary: lis
         "bad_records": list(bad_records),
         "tasks": tasks,
         "in": {"docs": int(read.get("in_docs", 0)), "bytes": int(read.get("in_bytes", 0))},
-        "kept": {"docs": int(kept.get("docs", 0)), "bytes": int(kept.get("bytes_in", 0)),
-                 "bytes_out": int(kept.get("bytes_out", 0))},
+        "kept": {
+            "docs": int(kept.get("docs", 0)),
+            "bytes": int(kept.get("bytes_in", 0)),
+            "bytes_out": int(kept.get("bytes_out", 0)),
+        },
         "stages": {},
-        "redacted": {k.split("/", 1)[1]: int(v) for k, v in stats.get("pii", {}).items()
-                     if k.startswith("redacted/")},
+        "redacted": {k.split("/", 1)[1]: int(v) for k, v in stats.get("pii", {}).items() if k.startswith("redacted/")},
         "seconds": round(seconds, 2),
         "config": cfg.to_dict(),
     }
@@ -100,8 +110,10 @@ def build(stats: dict, cfg, inputs: list[str], n_files: int, skipped_binary: lis
     report["reasons_explained"] = {r: _reason_text(r) for r in sorted(seen)}
     for k in ("docs", "bytes"):  # every document is kept or dropped for a reason: a mismatch is a bug
         if report["in"][k] != report["kept"][k] + dropped[k]:
-            raise RuntimeError(f"curation accounting mismatch in {k}: in {report['in'][k]} != kept "
-                               f"{report['kept'][k]} + dropped {dropped[k]}")
+            raise RuntimeError(
+                f"curation accounting mismatch in {k}: in {report['in'][k]} != kept "
+                f"{report['kept'][k]} + dropped {dropped[k]}"
+            )
     report["mb_per_s"] = round(report["in"]["bytes"] / 1e6 / max(seconds, 1e-9), 3)
     return report
 
@@ -133,16 +145,20 @@ def table(report: dict) -> str:
         reasons = ", ".join(f"{r} {v['docs']:,}" for r, v in s["reasons"].items()) or "-"
         rows.append(f"{name:<18} {s['docs_in']:>9,} {s['dropped_docs']:>9,} {_mb(s['dropped_bytes']):>14}  {reasons}")
     i, k, d = report["in"], report["kept"], report["dropped"]
-    rows.append(f"in {i['docs']:,} docs ({_mb(i['bytes'])}) = kept {k['docs']:,} ({_mb(k['bytes'])}, "
-                f"{_mb(k['bytes_out'])} written) + dropped {d['docs']:,} ({_mb(d['bytes'])}); "
-                f"{report['seconds']:.1f} s, {report['mb_per_s']:.2f} MB/s")
+    rows.append(
+        f"in {i['docs']:,} docs ({_mb(i['bytes'])}) = kept {k['docs']:,} ({_mb(k['bytes'])}, "
+        f"{_mb(k['bytes_out'])} written) + dropped {d['docs']:,} ({_mb(d['bytes'])}); "
+        f"{report['seconds']:.1f} s, {report['mb_per_s']:.2f} MB/s"
+    )
     if report["redacted"]:
         rows.append("redacted: " + ", ".join(f"{n:,} {kind}" for kind, n in report["redacted"].items()))
     bad = report["stages"].get("read", {}).get("reasons", {}).get("bad_record", {}).get("docs", 0)
     if bad:
         listed = report.get("bad_records", [])
-        rows.append(f"skipped {bad:,} unreadable record(s) (curate.on_bad_record=skip; =error stops at the first)"
-                    + (f", the first {len(listed)} in report.json:" if len(listed) < bad else ":"))
+        rows.append(
+            f"skipped {bad:,} unreadable record(s) (curate.on_bad_record=skip; =error stops at the first)"
+            + (f", the first {len(listed)} in report.json:" if len(listed) < bad else ":")
+        )
         rows += [f"  {line}" for line in listed[:SHOWN_BAD_RECORDS]]
         if len(listed) > SHOWN_BAD_RECORDS:
             rows.append(f"  ... ({len(listed) - SHOWN_BAD_RECORDS} more in report.json)")

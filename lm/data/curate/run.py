@@ -41,8 +41,12 @@ def _datatrove_version() -> str | None:
 
 def _fingerprint(files, cfg, tasks: int) -> str:
     """Same inputs (path, size, mtime), config (and word-list file) and task count: same output."""
-    h = hashlib.sha256(json.dumps({"version": _VERSION, "datatrove": _datatrove_version(), "config": cfg.to_dict(),
-                                   "tasks": tasks}, sort_keys=True).encode())
+    h = hashlib.sha256(
+        json.dumps(
+            {"version": _VERSION, "datatrove": _datatrove_version(), "config": cfg.to_dict(), "tasks": tasks},
+            sort_keys=True,
+        ).encode()
+    )
     paths = [(f.path, f.rel) for f in files] + ([(cfg.word_list.path, "")] if cfg.word_list.enabled else [])
     for path, rel in paths:
         st = os.stat(path)
@@ -86,8 +90,10 @@ def _load_report(out_dir: Path) -> dict | None:
 
 def _is_complete(out_dir: Path, fingerprint: str) -> dict | None:
     report = _load_report(out_dir)
-    if report and report.get("fingerprint") == fingerprint and all(
-        (out_dir / name).is_file() for name in report["shards"]
+    if (
+        report
+        and report.get("fingerprint") == fingerprint
+        and all((out_dir / name).is_file() for name in report["shards"])
     ):
         return report
     return None
@@ -118,8 +124,9 @@ def run_passes(passes, work: Path, workers: int, progress: bool) -> list[Path]:
     try:
         for i, p in enumerate(tqdm(passes, desc="curate", unit="pass", disable=not shown.bars(progress))):
             log_dir = work / "logs" / f"{i:02d}-{p.name.replace(': ', '-')}"
-            QuietLocalExecutor(p.steps, tasks=p.tasks, workers=max(1, min(workers, p.tasks)),
-                               logging_dir=str(log_dir)).run()
+            QuietLocalExecutor(
+                p.steps, tasks=p.tasks, workers=max(1, min(workers, p.tasks)), logging_dir=str(log_dir)
+            ).run()
             log_dirs.append(log_dir)
             lines.finished(f"pass '{p.name}'")
     finally:
@@ -265,8 +272,15 @@ def _publish(work: Path, out_dir: Path) -> list[str]:
     return names
 
 
-def curate(inputs: list[str] | str, out_dir: Path, cfg, workers: int = 1, progress: bool = True,
-           show_report: bool = True, labels: list[str] | None = None) -> dict:
+def curate(
+    inputs: list[str] | str,
+    out_dir: Path,
+    cfg,
+    workers: int = 1,
+    progress: bool = True,
+    show_report: bool = True,
+    labels: list[str] | None = None,
+) -> dict:
     """Curates `inputs` into `out_dir` (shards + report.json) and returns the report.
 
     `progress` shows work under way; `show_report` prints the report table (a result, so
@@ -289,8 +303,16 @@ def curate(inputs: list[str] | str, out_dir: Path, cfg, workers: int = 1, progre
     _clear_previous(out_dir, work)
     start = time.perf_counter()
     stats = collect_stats(_run_local(cfg, files, tasks, work, workers, progress))
-    report = reports.build(stats, cfg, inputs, len(files), skipped_binary, tasks, time.perf_counter() - start,
-                           bad_records=skipped_records(work))
+    report = reports.build(
+        stats,
+        cfg,
+        inputs,
+        len(files),
+        skipped_binary,
+        tasks,
+        time.perf_counter() - start,
+        bad_records=skipped_records(work),
+    )
     report["fingerprint"] = fingerprint
     report["shards"] = _publish(work, out_dir)
     write_json(out_dir / REPORT, report)

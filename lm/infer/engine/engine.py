@@ -92,11 +92,20 @@ class Engine:
     iteration; `run(params, requests)` runs until those requests end (offline use);
     lm.infer.engine.service runs steps on a thread for a server."""
 
-    def __init__(self, model, *, max_len: int, config: EngineConfig = EngineConfig(), mesh=None, rules=(),
-                 unstack: bool | None = None):
+    def __init__(
+        self,
+        model,
+        *,
+        max_len: int,
+        config: EngineConfig = EngineConfig(),
+        mesh=None,
+        rules=(),
+        unstack: bool | None = None,
+    ):
         if max_len > model.spec.max_seq_len:
-            raise UserError(f"generation: max_len {max_len} exceeds the model's context "
-                            f"({model.spec.max_seq_len} positions)")
+            raise UserError(
+                f"generation: max_len {max_len} exceeds the model's context ({model.spec.max_seq_len} positions)"
+            )
         self.config, self.max_len = config, max_len
         self.place = Placement(mesh, rules)
         self.slots = self.place.rows(config.slots)
@@ -124,9 +133,16 @@ class Engine:
         s = self.slots
         self.table = np.zeros((s, self.table_width), np.int32)
         self._device, self._tables = None, {}  # the rows as last sent (None: send them again)
-        self.state = dict(tokens=np.zeros(s, np.int32), logp=np.zeros(s, np.float32), pos=np.zeros(s, np.int32),
-                          live=np.zeros(s, bool), count=np.zeros(s, np.int32), left=np.zeros(s, np.int32),
-                          keys=np.zeros((s, 2), np.uint32), eos=np.full((s, MAX_EOS), -1, np.int32))
+        self.state = dict(
+            tokens=np.zeros(s, np.int32),
+            logp=np.zeros(s, np.float32),
+            pos=np.zeros(s, np.int32),
+            live=np.zeros(s, bool),
+            count=np.zeros(s, np.int32),
+            left=np.zeros(s, np.int32),
+            keys=np.zeros((s, 2), np.uint32),
+            eos=np.full((s, MAX_EOS), -1, np.int32),
+        )
         self.settings = RowSettings.empty(s)
 
     # ---- requests ----------------------------------------------------------------------------
@@ -136,8 +152,9 @@ class Engine:
         check_prompt(self.max_len, prompt, sampling, label)
         need = self.allocator.pages_for(len(prompt) + sampling.max_new_tokens)
         if need > self.allocator.total:
-            raise UserError(f"{label}: needs {need} pages of {self.config.page_size} tokens; the pool has "
-                            f"{self.allocator.total}")
+            raise UserError(
+                f"{label}: needs {need} pages of {self.config.page_size} tokens; the pool has {self.allocator.total}"
+            )
 
     def add(self, request: Request) -> None:
         self.check(request.prompt, request.sampling)
@@ -211,14 +228,23 @@ class Engine:
         keys, counts = np.zeros((n_rows, 2), np.uint32), np.zeros(n_rows, np.int32)
         settings = RowSettings.empty(n_rows)
         for i, (r, n) in enumerate(zip(rows, lens)):
-            ids[i, :n], seg[i, :n] = r.prompt[r.written: r.written + n], 1
+            ids[i, :n], seg[i, :n] = r.prompt[r.written : r.written + n], 1
             pos[i] = r.written + np.arange(width)
             table[i], last[i], keys[i] = self.table[r.slot, :table_w], n - 1, r.key
             settings.set(i, r.sampling)
         put = self.place.put
-        self.pool, tokens, logp = self._prefill(params, self.pool, put(ids), put(seg), put(pos), put(table),
-                                                put(last), put(keys), put(counts),
-                                                jax.tree.map(put, settings.arrays()))
+        self.pool, tokens, logp = self._prefill(
+            params,
+            self.pool,
+            put(ids),
+            put(seg),
+            put(pos),
+            put(table),
+            put(last),
+            put(keys),
+            put(counts),
+            jax.tree.map(put, settings.arrays()),
+        )
         tokens, logp = self.place.host((tokens, logp))
         for i, (r, n) in enumerate(zip(rows, lens)):
             r.written += n
@@ -238,17 +264,18 @@ class Engine:
         steps = cfg.decode_block if self.waiting else max(cfg.decode_block, cfg.idle_block)
         steps = min(steps, int(self.state["left"][live].max()))
         reach = int((self.state["pos"][live] + steps).max())
-        table_w = bucket(-(-min(reach, self.max_len) // cfg.page_size), max(1, self.table_width // 8),
-                         self.table_width)
+        table_w = bucket(-(-min(reach, self.max_len) // cfg.page_size), max(1, self.table_width // 8), self.table_width)
         table_w, decode = self.decode_program(table_w)
         put = self.place.put
         if self._device is None:  # rows changed on the host: send them; else the last call's output goes back in
             self._device = {k: put(v) for k, v in self.state.items()} | {
-                "settings": jax.tree.map(put, self.settings.arrays())}
+                "settings": jax.tree.map(put, self.settings.arrays())
+            }
         if table_w not in self._tables:
             self._tables[table_w] = put(self.table[:, :table_w])
-        self.pool, self._device, out, out_logp = decode(params, self.pool, self._device, self._tables[table_w],
-                                                        np.int32(steps))
+        self.pool, self._device, out, out_logp = decode(
+            params, self.pool, self._device, self._tables[table_w], np.int32(steps)
+        )
         rows = {k: v for k, v in self._device.items() if k != "settings"}
         new, out, out_logp = self.place.host((rows, out, out_logp))
         was_live = live.copy()
@@ -261,8 +288,13 @@ class Engine:
             r.logps += logps.tolist()
             stop = bool(r.on_tokens(ids, logps)) if r.on_tokens is not None and len(ids) else False
             if r.cancelled or stop or not self.state["live"][s]:
-                reason = "cancelled" if r.cancelled else "stop" if stop else (
-                    "eos" if r.ids and r.ids[-1] in r.eos else "length")
+                reason = (
+                    "cancelled"
+                    if r.cancelled
+                    else "stop"
+                    if stop
+                    else ("eos" if r.ids and r.ids[-1] in r.eos else "length")
+                )
                 self._release(r, reason)
 
     def decode_program(self, table_w: int):
@@ -277,7 +309,8 @@ class Engine:
         width, decode = self.decode_program(self.table_width)
         put = self.place.abstract
         state = {k: put(v) for k, v in self.state.items()} | {
-            "settings": {k: put(v) for k, v in self.settings.arrays().items()}}
+            "settings": {k: put(v) for k, v in self.settings.arrays().items()}
+        }
         limit = jax.ShapeDtypeStruct((), np.int32, sharding=self.place.sharding(()))
         return decode, (params, abstract_pool(self.model, self.place), state, put(self.table[:, :width]), limit)
 
@@ -303,8 +336,12 @@ def check_prompt(max_len: int, prompt, sampling: SamplingParams, label: str = "p
     if n == 0:
         raise UserError(f"{label}: empty; give at least one token of text")
     if n >= max_len:
-        raise UserError(f"{label}: {n} tokens, longer than the model's context of {max_len} positions "
-                        "(no room for a new token); shorten it")
+        raise UserError(
+            f"{label}: {n} tokens, longer than the model's context of {max_len} positions "
+            "(no room for a new token); shorten it"
+        )
     if n + sampling.max_new_tokens > max_len:
-        raise UserError(f"{label}: {n} tokens + max_new_tokens={sampling.max_new_tokens} exceed the context of "
-                        f"{max_len} positions; at most {room} new tokens fit after it (--max-new-tokens)")
+        raise UserError(
+            f"{label}: {n} tokens + max_new_tokens={sampling.max_new_tokens} exceed the context of "
+            f"{max_len} positions; at most {room} new tokens fit after it (--max-new-tokens)"
+        )

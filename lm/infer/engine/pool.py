@@ -57,8 +57,9 @@ class Placement:
 @functools.lru_cache(maxsize=16)
 def _abstract_pool(model):
     ids = jnp.zeros((1, 1), jnp.int32)
-    return jax.eval_shape(lambda rng: model.init(rng, ids, ids, ids, decode=True, page_table=ids)["cache"],
-                          jax.random.PRNGKey(0))
+    return jax.eval_shape(
+        lambda rng: model.init(rng, ids, ids, ids, decode=True, page_table=ids)["cache"], jax.random.PRNGKey(0)
+    )
 
 
 def init_pool(model, place: Placement):
@@ -78,16 +79,19 @@ def _pool_shardings(model, mesh, rules):
     if mesh is None:
         return None
     specs = nn.get_partition_spec(_abstract_pool(model))
-    return jax.tree.map(lambda spec: logical_sharding(mesh, rules, tuple(spec)), specs,
-                        is_leaf=lambda x: isinstance(x, PartitionSpec))
+    return jax.tree.map(
+        lambda spec: logical_sharding(mesh, rules, tuple(spec)), specs, is_leaf=lambda x: isinstance(x, PartitionSpec)
+    )
 
 
 @functools.lru_cache(maxsize=16)
 def _zeros(model, mesh, rules):
     """The jitted zeros of one model's pool on one mesh (compiled once, however many engines)."""
     shapes = nn.unbox(_abstract_pool(model))
-    return jax.jit(lambda: jax.tree.map(lambda a: jnp.zeros(a.shape, a.dtype), shapes),
-                   out_shardings=_pool_shardings(model, mesh, rules))
+    return jax.jit(
+        lambda: jax.tree.map(lambda a: jnp.zeros(a.shape, a.dtype), shapes),
+        out_shardings=_pool_shardings(model, mesh, rules),
+    )
 
 
 def pool_bytes(pool) -> int:

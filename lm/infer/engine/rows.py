@@ -28,8 +28,9 @@ class RowSettings:
 
     @classmethod
     def empty(cls, rows: int) -> "RowSettings":
-        return cls(np.zeros(rows, np.float32), np.zeros(rows, np.int32), np.ones(rows, np.float32),
-                   np.zeros(rows, np.float32))
+        return cls(
+            np.zeros(rows, np.float32), np.zeros(rows, np.int32), np.ones(rows, np.float32), np.zeros(rows, np.float32)
+        )
 
     def set(self, row: int, p: SamplingParams) -> None:
         self.temperature[row] = 0.0 if p.greedy else p.temperature

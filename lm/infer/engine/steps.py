@@ -25,8 +25,16 @@ def forward(model, params, cache, ids, seg, pos, table, logits_at=None):
     the sequences whose pages are `table` [R, pages] into the pool -> (float32 logits [R, W, V], or
     [R, 1, V] at index `logits_at` [R] of each row; the pool). Every step of the engine runs it, and
     speculative decoding scores its drafts with it (lm.infer.speculative)."""
-    logits, updated = model.apply({"params": params, "cache": cache}, ids, seg, pos, decode=True,
-                                  logits_at=logits_at, page_table=table, mutable=["cache"])
+    logits, updated = model.apply(
+        {"params": params, "cache": cache},
+        ids,
+        seg,
+        pos,
+        decode=True,
+        logits_at=logits_at,
+        page_table=table,
+        mutable=["cache"],
+    )
     return logits, updated["cache"]
 
 
@@ -39,9 +47,10 @@ def prefill(model, params, cache, ids, seg, pos, table, last, keys, counts, sett
 
 
 def decode_block(model, n: int, params, cache, state, table, limit):
-    """Up to `limit` (at most `n`, the outputs' width) decode steps for all rows; state holds [S] arrays: tokens (pending), logp (its
-    log-prob), pos (where it goes), live, count (tokens chosen so far), left (tokens it may still
-    emit), keys [S,2], eos [S,E] (-1 = none), settings. Returns (cache, state, out [S,n], out_logp)."""
+    """Up to `limit` (at most `n`, the outputs' width) decode steps for all rows; state holds [S] arrays:
+    tokens (pending), logp (its log-prob), pos (where it goes), live, count (tokens chosen so far),
+    left (tokens it may still emit), keys [S,2], eos [S,E] (-1 = none), settings. Returns (cache, state,
+    out [S,n], out_logp)."""
     rows = state["tokens"].shape[0]
 
     def cond(c):
@@ -54,15 +63,27 @@ def decode_block(model, n: int, params, cache, state, table, limit):
         out_logp = c["out_logp"].at[:, i].set(jnp.where(live, s["logp"], 0.0))
         ended = jnp.any(s["tokens"][:, None] == s["eos"], axis=-1) | (s["left"] <= 1)
         feed = live & ~ended
-        logits, cache = forward(model, params, c["cache"], s["tokens"][:, None], feed.astype(jnp.int32)[:, None],
-                                s["pos"][:, None], table)
+        logits, cache = forward(
+            model, params, c["cache"], s["tokens"][:, None], feed.astype(jnp.int32)[:, None], s["pos"][:, None], table
+        )
         tokens, logp = choose_rows(row_keys(s["keys"], s["count"]), logits[:, 0], s["settings"])
-        s = s | dict(tokens=jnp.where(feed, tokens, s["tokens"]), logp=jnp.where(feed, logp, s["logp"]),
-                     pos=s["pos"] + feed, live=feed, count=s["count"] + feed, left=s["left"] - live)
+        s = s | dict(
+            tokens=jnp.where(feed, tokens, s["tokens"]),
+            logp=jnp.where(feed, logp, s["logp"]),
+            pos=s["pos"] + feed,
+            live=feed,
+            count=s["count"] + feed,
+            left=s["left"] - live,
+        )
         return dict(cache=cache, s=s, i=i + 1, out=out, out_logp=out_logp)
 
-    start = dict(cache=cache, s=state, i=jnp.zeros((), jnp.int32),
-                 out=jnp.full((rows, n), NO_TOKEN, jnp.int32), out_logp=jnp.zeros((rows, n), jnp.float32))
+    start = dict(
+        cache=cache,
+        s=state,
+        i=jnp.zeros((), jnp.int32),
+        out=jnp.full((rows, n), NO_TOKEN, jnp.int32),
+        out_logp=jnp.zeros((rows, n), jnp.float32),
+    )
     end = jax.lax.while_loop(cond, body, start)
     return end["cache"], end["s"], end["out"], end["out_logp"]
 

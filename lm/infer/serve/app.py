@@ -26,8 +26,18 @@ from lm.errors import UserError
 from lm.infer.sampling import SamplingParams
 from lm.infer.serve.backend import Backend, Delta, Stream
 from lm.infer.serve.guard import Guard, shutting_down
-from lm.infer.serve.protocol import (MAX_BODY, RequestError, check_content_type, chunk_body, completion_body,
-                                     error_body, new_id, now, parse_request, usage)
+from lm.infer.serve.protocol import (
+    MAX_BODY,
+    RequestError,
+    check_content_type,
+    chunk_body,
+    completion_body,
+    error_body,
+    new_id,
+    now,
+    parse_request,
+    usage,
+)
 
 POLL_S = 0.25  # how often a plain request checks that its client is still there
 _END, _ABORT = object(), object()
@@ -69,8 +79,9 @@ def make_app(backend: Backend, max_body: int = MAX_BODY) -> FastAPI:
 
     @app.exception_handler(HTTPException)
     async def http_error(request, e: HTTPException):  # unknown paths and methods, in OpenAI's shape
-        return JSONResponse(error_body(f"{request.method} {request.url.path}: {e.detail}"), status_code=e.status_code,
-                            headers=e.headers)  # a 405's Allow
+        return JSONResponse(
+            error_body(f"{request.method} {request.url.path}: {e.detail}"), status_code=e.status_code, headers=e.headers
+        )  # a 405's Allow
 
     @app.get("/health")
     async def health():
@@ -78,8 +89,18 @@ def make_app(backend: Backend, max_body: int = MAX_BODY) -> FastAPI:
 
     @app.get("/v1/models")
     async def models():
-        return {"object": "list", "data": [{"id": backend.model_name, "object": "model", "created": started,
-                                            "owned_by": "lm", "max_model_len": backend.context}]}
+        return {
+            "object": "list",
+            "data": [
+                {
+                    "id": backend.model_name,
+                    "object": "model",
+                    "created": started,
+                    "owned_by": "lm",
+                    "max_model_len": backend.context,
+                }
+            ],
+        }
 
     @app.post("/v1/completions")
     async def completions(request: Request):
@@ -95,8 +116,12 @@ def make_app(backend: Backend, max_body: int = MAX_BODY) -> FastAPI:
 def _submit(backend: Backend, req) -> Stream:
     """The request's Stream, after the checks that need the tokenizer (prompt, context)."""
     if req.model != backend.model_name:
-        raise RequestError(f"model '{req.model}' does not exist; this server serves '{backend.model_name}'",
-                           "model", status=404, code="model_not_found")
+        raise RequestError(
+            f"model '{req.model}' does not exist; this server serves '{backend.model_name}'",
+            "model",
+            status=404,
+            code="model_not_found",
+        )
     param = "prompt" if req.kind == "completion" else "messages"
     try:
         ids, template_stop = backend.prompt_ids(prompt=req.prompt, messages=req.messages)
@@ -106,16 +131,29 @@ def _submit(backend: Backend, req) -> Stream:
         raise RequestError(f"'{param}' has no tokens", param)
     room = backend.context - len(ids)
     if room < 1:
-        raise RequestError(f"the prompt has {len(ids)} tokens and the model's context is {backend.context} "
-                           "positions: no room for a new token; shorten it", param, code="context_length_exceeded")
+        raise RequestError(
+            f"the prompt has {len(ids)} tokens and the model's context is {backend.context} "
+            "positions: no room for a new token; shorten it",
+            param,
+            code="context_length_exceeded",
+        )
     max_tokens = room if req.max_tokens is None else req.max_tokens
     if max_tokens > room:
-        raise RequestError(f"the prompt's {len(ids)} tokens + max_tokens={max_tokens} exceed the model's context "
-                           f"of {backend.context}; at most {room} new tokens fit", "max_tokens",
-                           code="context_length_exceeded")
+        raise RequestError(
+            f"the prompt's {len(ids)} tokens + max_tokens={max_tokens} exceed the model's context "
+            f"of {backend.context}; at most {room} new tokens fit",
+            "max_tokens",
+            code="context_length_exceeded",
+        )
     try:
-        sampling = SamplingParams(max_new_tokens=max_tokens, temperature=req.temperature, top_k=req.top_k,
-                                  top_p=req.top_p, min_p=req.min_p, seed=_seed(req.seed))
+        sampling = SamplingParams(
+            max_new_tokens=max_tokens,
+            temperature=req.temperature,
+            top_k=req.top_k,
+            top_p=req.top_p,
+            min_p=req.min_p,
+            seed=_seed(req.seed),
+        )
     except UserError as e:
         raise RequestError(str(e)) from None
     try:
@@ -154,12 +192,12 @@ async def _answer(backend: Backend, inflight: Inflight, request: Request, kind: 
         watcher.cancel()
     if finish == "cancelled" and await request.is_disconnected():  # nobody reads this
         return JSONResponse(error_body("the client disconnected"), status_code=499)
-    return completion_body(kind, rid, created, backend.model_name, "".join(texts), finish,
-                           usage(stream.prompt_tokens, tokens))
+    return completion_body(
+        kind, rid, created, backend.model_name, "".join(texts), finish, usage(stream.prompt_tokens, tokens)
+    )
 
 
-async def _events(stream: Stream, inflight: Inflight, req, rid: str, created: int,
-                  model: str) -> AsyncIterator[str]:
+async def _events(stream: Stream, inflight: Inflight, req, rid: str, created: int, model: str) -> AsyncIterator[str]:
     """Server-sent events: (chat: the assistant role first) a chunk per piece of text, one with the
     finish reason, the usage chunk if asked for, then [DONE]. An aborted stream ends with the
     error event and [DONE]: OpenAI's SDKs raise on it, so a cut text never passes for a whole one."""

@@ -30,8 +30,9 @@ class Backend(Protocol):
     model_name: str  # what /v1/models lists and a request's `model` must equal
     context: int  # positions a prompt and its new tokens may take
 
-    def prompt_ids(self, prompt: str | None = None,
-                   messages: list[dict] | None = None) -> tuple[list[int], tuple[str, ...]]:
+    def prompt_ids(
+        self, prompt: str | None = None, messages: list[dict] | None = None
+    ) -> tuple[list[int], tuple[str, ...]]:
         """Token ids of a plain prompt, or of a conversation rendered with the model's chat template
         (then also the template's stop strings, to add to the request's). Bad messages: ValueError."""
 
@@ -41,4 +42,3 @@ class Backend(Protocol):
 
 
 FINISH = {"eos": "stop", "stop": "stop", "length": "length", "cancelled": "cancelled"}  # -> OpenAI's reasons
-

@@ -12,10 +12,12 @@ GRACE_S = 30.0  # after SIGTERM/SIGINT: how long running requests may take befor
 
 def add_parser(sub) -> None:
     p = sub.add_parser(
-        "serve", help="serve a model over an OpenAI-compatible HTTP API",
+        "serve",
+        help="serve a model over an OpenAI-compatible HTTP API",
         description="Serve `lm train`'s newest checkpoint (--workdir), an `lm export` or a Hugging Face model "
-                    "directory (--params) at /v1/completions, /v1/chat/completions, /v1/models and /health. "
-                    "SIGTERM or Ctrl-C stops taking requests, lets running ones finish (--grace) and exits 0.")
+        "directory (--params) at /v1/completions, /v1/chat/completions, /v1/models and /health. "
+        "SIGTERM or Ctrl-C stops taking requests, lets running ones finish (--grace) and exits 0.",
+    )
     src = p.add_mutually_exclusive_group(required=True)
     src.add_argument("--workdir", help="an `lm train` workdir (its newest checkpoint)")
     src.add_argument("--params", help="an `lm export` output or a Hugging Face model directory")
@@ -26,15 +28,25 @@ def add_parser(sub) -> None:
     p.add_argument("--quantize", choices=("none", "int8", "int4"), default="none", help="weight quantization")
     p.add_argument("--slots", type=int, default=16, help="requests decoded together")
     p.add_argument("--page-size", type=int, default=16, help="positions per KV-cache page")
-    p.add_argument("--kv-int8", action="store_true", help="keep the KV cache's pages as int8 (a scale per token and "
-                                                           "kv head)")
-    p.add_argument("--max-model-len", type=int, help="positions a prompt and its new tokens may take "
-                                                     "(default: the model's context, at most 4096)")
-    p.add_argument("--grace", type=float, default=GRACE_S, help="seconds running requests may take after a stop; "
-                                                                 "then each ends with a 503 error (a stream: an error "
-                                                                 "event and [DONE])")
-    p.add_argument("--max-body-mib", type=float, default=MAX_BODY / 2**20, help="largest request body taken, in MiB "
-                                                                             "(larger: 413)")
+    p.add_argument(
+        "--kv-int8", action="store_true", help="keep the KV cache's pages as int8 (a scale per token and kv head)"
+    )
+    p.add_argument(
+        "--max-model-len",
+        type=int,
+        help="positions a prompt and its new tokens may take (default: the model's context, at most 4096)",
+    )
+    p.add_argument(
+        "--grace",
+        type=float,
+        default=GRACE_S,
+        help="seconds running requests may take after a stop; "
+        "then each ends with a 503 error (a stream: an error "
+        "event and [DONE])",
+    )
+    p.add_argument(
+        "--max-body-mib", type=float, default=MAX_BODY / 2**20, help="largest request body taken, in MiB (larger: 413)"
+    )
     p.add_argument("--access-log", action="store_true", help="log every request")
 
 
@@ -43,8 +55,9 @@ def _check_extra() -> None:
         import fastapi  # noqa: F401
         import uvicorn  # noqa: F401
     except ImportError as e:
-        raise UserError(f"lm serve needs {e.name or 'fastapi and uvicorn'}, which is not installed: "
-                        "pip install 'lm[serve]'") from None
+        raise UserError(
+            f"lm serve needs {e.name or 'fastapi and uvicorn'}, which is not installed: pip install 'lm[serve]'"
+        ) from None
 
 
 def _check_flags(args) -> None:

@@ -24,14 +24,16 @@ class EngineStream:
     """One request's Deltas: text that can no longer change (never a stop string or the start of
     one, never half a character), then a last Delta with the finish reason."""
 
-    def __init__(self, tokenizer, prompt_ids: list[int], sampling: SamplingParams, stop: tuple[str, ...],
-                 eos: tuple[int, ...]):
+    def __init__(
+        self, tokenizer, prompt_ids: list[int], sampling: SamplingParams, stop: tuple[str, ...], eos: tuple[int, ...]
+    ):
         self.watch, self.prompt_tokens = StopWatch(tokenizer, stop), len(prompt_ids)
         self.deltas: queue.Queue = queue.Queue()
         # the key `lm sample --seed` gives its first prompt: the same seed draws the same tokens
         key = np.asarray(jax.random.fold_in(jax.random.PRNGKey(sampling.seed), 0), np.uint32)
-        self.request = Request(list(prompt_ids), sampling, eos, key=key, on_tokens=self._on_tokens,
-                               on_done=self._on_done)
+        self.request = Request(
+            list(prompt_ids), sampling, eos, key=key, on_tokens=self._on_tokens, on_done=self._on_done
+        )
 
     def _on_tokens(self, ids, logps) -> bool:
         self.deltas.put(Delta(self.watch.add(ids), [int(t) for t in ids], None))
@@ -86,6 +88,7 @@ def make_backend(loaded, args) -> EngineBackend:
     from lm.infer.session import Session
 
     # a request arriving mid-call waits for the call to end: every call is a short block
-    config = EngineConfig(slots=args.slots, page_size=args.page_size, idle_block=16,
-                          kv_int8=getattr(args, "kv_int8", False))
+    config = EngineConfig(
+        slots=args.slots, page_size=args.page_size, idle_block=16, kv_int8=getattr(args, "kv_int8", False)
+    )
     return EngineBackend(Session(loaded, quantize=args.quantize), args.model_name, args.max_model_len, config)

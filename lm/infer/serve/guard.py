@@ -21,16 +21,21 @@ log = logging.getLogger("lm.serve")
 class TooLarge(RequestError):
     def __init__(self, limit: int, size: int | None = None):
         said = f"has {size} bytes" if size is not None else "is longer"
-        super().__init__(f"the request body {said}; this server takes at most {limit} bytes", status=413,
-                         code="request_too_large")
+        super().__init__(
+            f"the request body {said}; this server takes at most {limit} bytes", status=413, code="request_too_large"
+        )
 
 
 def shutting_down() -> RequestError:
     # 503, not a 200 with a partial text: OpenAI's SDKs retry a 503 (another replica may answer)
     # and raise when retries run out, where a cut text with an unknown finish_reason would pass
     # for a whole answer
-    return RequestError("the server is shutting down and its grace period ran out before this request finished; "
-                        "retry it", status=503, code="server_shutting_down", kind="server_error")
+    return RequestError(
+        "the server is shutting down and its grace period ran out before this request finished; retry it",
+        status=503,
+        code="server_shutting_down",
+        kind="server_error",
+    )
 
 
 class Guard:
@@ -63,8 +68,7 @@ class Guard:
         except Exception as e:  # noqa: BLE001 (a bug: its traceback goes to the log once, the client gets JSON)
             log.error("lm serve: %s %s failed", scope.get("method"), scope.get("path"), exc_info=e)
             if not started:
-                await _send_json(send, 500, error_body(f"internal error: {type(e).__name__}: {e}",
-                                                       kind="server_error"))
+                await _send_json(send, 500, error_body(f"internal error: {type(e).__name__}: {e}", kind="server_error"))
         except asyncio.CancelledError:
             if not self.stopping():
                 raise
@@ -100,6 +104,11 @@ def _content_length(scope) -> int | None:
 
 async def _send_json(send, status: int, body: dict) -> None:
     data = json.dumps(body).encode()
-    await send({"type": "http.response.start", "status": status,
-                "headers": [(b"content-type", b"application/json"), (b"content-length", str(len(data)).encode())]})
+    await send(
+        {
+            "type": "http.response.start",
+            "status": status,
+            "headers": [(b"content-type", b"application/json"), (b"content-length", str(len(data)).encode())],
+        }
+    )
     await send({"type": "http.response.body", "body": data})

@@ -25,27 +25,62 @@ MAX_DEPTH = 64
 _OPEN, _CLOSE = np.frombuffer(b"[{", np.uint8), np.frombuffer(b"]}", np.uint8)
 _CHUNK = 1 << 20
 
-_SAMPLING = ("model", "max_tokens", "temperature", "top_p", "n", "stop", "stream", "stream_options", "seed",
-             "user", "top_k", "min_p")
+_SAMPLING = (
+    "model",
+    "max_tokens",
+    "temperature",
+    "top_p",
+    "n",
+    "stop",
+    "stream",
+    "stream_options",
+    "seed",
+    "user",
+    "top_k",
+    "min_p",
+)
 KNOWN = {
     "completion": frozenset(_SAMPLING + ("prompt",)),
     "chat": frozenset(_SAMPLING + ("messages", "max_completion_tokens")),
 }
 # OpenAI fields not implemented: accepted only at a value that asks for nothing
 NEUTRAL = {
-    "completion": {"echo": (False,), "logprobs": (0,), "best_of": (1,), "presence_penalty": (0,),
-                   "frequency_penalty": (0,), "logit_bias": ({},), "suffix": ("",)},
-    "chat": {"logprobs": (False,), "top_logprobs": (0,), "presence_penalty": (0,), "frequency_penalty": (0,),
-             "logit_bias": ({},), "tools": ([],), "tool_choice": ("none",), "response_format": ({"type": "text"},),
-             "parallel_tool_calls": (True, False), "store": (False,), "metadata": ({},)},
+    "completion": {
+        "echo": (False,),
+        "logprobs": (0,),
+        "best_of": (1,),
+        "presence_penalty": (0,),
+        "frequency_penalty": (0,),
+        "logit_bias": ({},),
+        "suffix": ("",),
+    },
+    "chat": {
+        "logprobs": (False,),
+        "top_logprobs": (0,),
+        "presence_penalty": (0,),
+        "frequency_penalty": (0,),
+        "logit_bias": ({},),
+        "tools": ([],),
+        "tool_choice": ("none",),
+        "response_format": ({"type": "text"},),
+        "parallel_tool_calls": (True, False),
+        "store": (False,),
+        "metadata": ({},),
+    },
 }
 
 
 class RequestError(Exception):
     """A request the server refuses: its HTTP status and OpenAI's error object."""
 
-    def __init__(self, message: str, param: str | None = None, status: int = 400, code: str | None = None,
-                 kind: str = "invalid_request_error"):
+    def __init__(
+        self,
+        message: str,
+        param: str | None = None,
+        status: int = 400,
+        code: str | None = None,
+        kind: str = "invalid_request_error",
+    ):
         super().__init__(message)
         self.message, self.param, self.status, self.code, self.kind = message, param, status, code, kind
 
@@ -53,8 +88,9 @@ class RequestError(Exception):
         return error_body(self.message, self.param, self.code, self.kind)
 
 
-def error_body(message: str, param: str | None = None, code: str | None = None,
-               kind: str = "invalid_request_error") -> dict:
+def error_body(
+    message: str, param: str | None = None, code: str | None = None, kind: str = "invalid_request_error"
+) -> dict:
     return {"error": {"message": message, "type": kind, "param": param, "code": code}}
 
 
@@ -77,7 +113,8 @@ class Request:
 
 def _type_name(value) -> str:
     return {dict: "an object", list: "an array", str: "a string", bool: "a boolean", type(None): "null"}.get(
-        type(value), "a number")
+        type(value), "a number"
+    )
 
 
 def _get(body: dict, name: str, expected: str, ok, default):
@@ -122,8 +159,11 @@ def _prompt(body: dict) -> str:
     if prompt is None:
         raise RequestError("missing required field 'prompt'", "prompt")
     if not isinstance(prompt, str):
-        raise RequestError("'prompt' must be a string or an array of one string (token arrays and batches of "
-                           "prompts are not supported)", "prompt")
+        raise RequestError(
+            "'prompt' must be a string or an array of one string (token arrays and batches of "
+            "prompts are not supported)",
+            "prompt",
+        )
     if not prompt:
         raise RequestError("'prompt' is empty; give at least one character of text", "prompt")
     return prompt
@@ -136,8 +176,9 @@ def _content(value, i: int):
     texts = []
     for part in value:
         if not (isinstance(part, dict) and part.get("type") == "text" and isinstance(part.get("text"), str)):
-            raise RequestError(f"messages[{i}].content: only text parts ({{\"type\": \"text\", \"text\": ...}}) are "
-                               "supported", "messages")
+            raise RequestError(
+                f'messages[{i}].content: only text parts ({{"type": "text", "text": ...}}) are supported', "messages"
+            )
         texts.append(part["text"])
     return "".join(texts)
 
@@ -147,12 +188,13 @@ def _messages(body: dict) -> list[dict]:
     if messages is None:
         raise RequestError("missing required field 'messages'", "messages")
     if not isinstance(messages, list) or not messages:
-        raise RequestError("'messages' must be a non-empty array of {\"role\", \"content\"} objects", "messages")
+        raise RequestError('\'messages\' must be a non-empty array of {"role", "content"} objects', "messages")
     out = []
     for i, m in enumerate(messages):
         if not isinstance(m, dict):
-            raise RequestError(f"messages[{i}] is {_type_name(m)}; expected an object with 'role' and 'content'",
-                               "messages")
+            raise RequestError(
+                f"messages[{i}] is {_type_name(m)}; expected an object with 'role' and 'content'", "messages"
+            )
         role = "system" if m.get("role") == "developer" else m.get("role")  # OpenAI's newer name for system
         out.append({"role": role, "content": _content(m.get("content"), i)})
     return out
@@ -165,8 +207,9 @@ def _check_fields(body: dict, kind: str) -> None:
         if name not in NEUTRAL[kind]:
             raise RequestError(f"unrecognized request field '{name}'", name, code="unknown_field")
         if value is not None and value not in NEUTRAL[kind][name]:
-            raise RequestError(f"'{name}' is not supported by this server (leave it out)", name,
-                               code="unsupported_field")
+            raise RequestError(
+                f"'{name}' is not supported by this server (leave it out)", name, code="unsupported_field"
+            )
 
 
 def nesting(raw: bytes) -> int:
@@ -175,7 +218,7 @@ def nesting(raw: bytes) -> int:
     text = np.frombuffer(raw.replace(b"\\\\", b"").replace(b'\\"', b""), np.uint8)  # now '"' starts or ends a string
     depth = deepest = quotes = 0
     for i in range(0, text.size, _CHUNK):
-        part = text[i:i + _CHUNK]
+        part = text[i : i + _CHUNK]
         seen = quotes + np.cumsum(part == ord('"'))
         step = np.isin(part, _OPEN).astype(np.int64) - np.isin(part, _CLOSE)
         running = depth + np.cumsum(np.where(seen % 2 == 0, step, 0))
@@ -188,20 +231,24 @@ def check_content_type(value: str | None) -> None:
     (forms, text/plain), which need no preflight, away from a server on localhost."""
     media = (value or "application/json").split(";")[0].strip().lower()
     if media != "application/json" and not (media.startswith("application/") and media.endswith("+json")):
-        raise RequestError(f"Content-Type '{value}': expected application/json (curl: -H 'Content-Type: "
-                           "application/json')", status=415, code="unsupported_media_type")
+        raise RequestError(
+            f"Content-Type '{value}': expected application/json (curl: -H 'Content-Type: application/json')",
+            status=415,
+            code="unsupported_media_type",
+        )
 
 
 def _load(raw: bytes):
     depth = nesting(raw)
     if depth > MAX_DEPTH:
-        raise RequestError(f"the request body nests arrays and objects {depth} levels deep; at most {MAX_DEPTH} "
-                           "are allowed", code="too_deeply_nested")
+        raise RequestError(
+            f"the request body nests arrays and objects {depth} levels deep; at most {MAX_DEPTH} are allowed",
+            code="too_deeply_nested",
+        )
     try:
         return json.loads(raw)
     except RecursionError:  # a deep body that the scan misread (it is not JSON then)
-        raise RequestError(f"the request body nests deeper than {MAX_DEPTH} levels", code="too_deeply_nested") \
-            from None
+        raise RequestError(f"the request body nests deeper than {MAX_DEPTH} levels", code="too_deeply_nested") from None
     except (UnicodeDecodeError, ValueError) as e:  # ValueError: also an integer of over 4,300 digits
         raise RequestError(f"the request body is not valid JSON ({e})", code="invalid_json") from None
 
@@ -235,20 +282,36 @@ def parse_request(raw: bytes, kind: str) -> Request:
     options = _get(body, "stream_options", "an object", lambda v: isinstance(v, dict), {})
     include_usage = _get(options, "include_usage", "a boolean", lambda v: isinstance(v, bool), False)
     _get(body, "user", "a string", lambda v: isinstance(v, str), None)
-    return Request(kind, model, _prompt(body) if kind == "completion" else None,
-                   _messages(body) if kind == "chat" else None, max_tokens, float(temperature), float(top_p),
-                   top_k, float(min_p), seed, _stop(body), stream, include_usage)
+    return Request(
+        kind,
+        model,
+        _prompt(body) if kind == "completion" else None,
+        _messages(body) if kind == "chat" else None,
+        max_tokens,
+        float(temperature),
+        float(top_p),
+        top_k,
+        float(min_p),
+        seed,
+        _stop(body),
+        stream,
+        include_usage,
+    )
 
 
 # ---- responses ---------------------------------------------------------------------------------
+
 
 def new_id(kind: str) -> str:
     return ("cmpl-" if kind == "completion" else "chatcmpl-") + uuid.uuid4().hex
 
 
 def usage(prompt_tokens: int, completion_tokens: int) -> dict:
-    return {"prompt_tokens": prompt_tokens, "completion_tokens": completion_tokens,
-            "total_tokens": prompt_tokens + completion_tokens}
+    return {
+        "prompt_tokens": prompt_tokens,
+        "completion_tokens": completion_tokens,
+        "total_tokens": prompt_tokens + completion_tokens,
+    }
 
 
 def _envelope(kind: str, rid: str, created: int, model: str, chunk: bool) -> dict:
@@ -260,13 +323,25 @@ def completion_body(kind: str, rid: str, created: int, model: str, text: str, fi
     if kind == "completion":
         choice = {"index": 0, "text": text, "logprobs": None, "finish_reason": finish}
     else:
-        choice = {"index": 0, "message": {"role": "assistant", "content": text}, "logprobs": None,
-                  "finish_reason": finish}
+        choice = {
+            "index": 0,
+            "message": {"role": "assistant", "content": text},
+            "logprobs": None,
+            "finish_reason": finish,
+        }
     return _envelope(kind, rid, created, model, False) | {"choices": [choice], "usage": used}
 
 
-def chunk_body(kind: str, rid: str, created: int, model: str, text: str | None, finish: str | None,
-               include_usage: bool, role: bool = False) -> dict:
+def chunk_body(
+    kind: str,
+    rid: str,
+    created: int,
+    model: str,
+    text: str | None,
+    finish: str | None,
+    include_usage: bool,
+    role: bool = False,
+) -> dict:
     """A streamed piece: new text, or "" with the finish reason. text=None: the closing usage chunk
     (no choices; the caller adds the usage). role: chat's opening chunk."""
     body = _envelope(kind, rid, created, model, True)

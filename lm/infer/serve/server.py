@@ -60,10 +60,16 @@ class JsonH11(H11Protocol):
             self.transport.close()
             return
         body = json.dumps(error_body(f"malformed HTTP request ({msg.rstrip('.')})", code="bad_http")).encode()
-        headers = [(b"content-type", b"application/json"), (b"content-length", str(len(body)).encode()),
-                   (b"connection", b"close")]
-        for event in (h11.Response(status_code=400, headers=headers, reason=b"Bad Request"), h11.Data(data=body),
-                      h11.EndOfMessage()):
+        headers = [
+            (b"content-type", b"application/json"),
+            (b"content-length", str(len(body)).encode()),
+            (b"connection", b"close"),
+        ]
+        for event in (
+            h11.Response(status_code=400, headers=headers, reason=b"Bad Request"),
+            h11.Data(data=body),
+            h11.EndOfMessage(),
+        ):
             self.transport.write(self.conn.send(event))
         self.transport.close()
 
@@ -119,9 +125,16 @@ def make_server(app, grace: float, access_log: bool = False) -> Server:
         log = logging.getLogger("uvicorn.access")
         if not log.handlers:
             log.addHandler(logging.StreamHandler())
-    config = uvicorn.Config(app, lifespan="off", log_level="info" if access_log else "warning", http=JsonH11,
-                            access_log=access_log, timeout_graceful_shutdown=grace + LAST_WORDS_S, ws="none",
-                            log_config=None)
+    config = uvicorn.Config(
+        app,
+        lifespan="off",
+        log_level="info" if access_log else "warning",
+        http=JsonH11,
+        access_log=access_log,
+        timeout_graceful_shutdown=grace + LAST_WORDS_S,
+        ws="none",
+        log_config=None,
+    )
     return Server(config, grace, app.state.inflight.abort)
 
 

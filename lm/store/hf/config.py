@@ -29,13 +29,16 @@ def read_hf_config(path) -> dict:
     try:
         config = json.loads(p.read_text())
     except (OSError, ValueError, RecursionError) as e:
-        raise UserError(f"{p}: not a readable config.json: {str(e).splitlines()[0] if str(e) else type(e).__name__}") \
-            from None
+        raise UserError(
+            f"{p}: not a readable config.json: {str(e).splitlines()[0] if str(e) else type(e).__name__}"
+        ) from None
     if not isinstance(config, dict):
         raise UserError(f"{p}: expected a JSON object, found {type(config).__name__}")
     if not isinstance(config.get("model_type"), str):
-        raise UserError(f"{p}: key 'model_type' = {config.get('model_type')!r:.60}: expected a string (the "
-                        "architecture, e.g. 'llama')")
+        raise UserError(
+            f"{p}: key 'model_type' = {config.get('model_type')!r:.60}: expected a string (the "
+            "architecture, e.g. 'llama')"
+        )
     return config
 
 

@@ -52,8 +52,9 @@ def hf_family(m, source: str = "the model"):
     return family
 
 
-def export_hf(model: Loaded, out, *, merge: bool = False, dtype: str | None = None,
-              max_bytes: int = SHARD_BYTES) -> dict:
+def export_hf(
+    model: Loaded, out, *, merge: bool = False, dtype: str | None = None, max_bytes: int = SHARD_BYTES
+) -> dict:
     """Writes `model` as a Hugging Face model directory `out`; returns a short summary.
 
     A LoRA model (config.model.lora_rank > 0) is written only with merge=True: its adapters
@@ -68,12 +69,22 @@ def export_hf(model: Loaded, out, *, merge: bool = False, dtype: str | None = No
     out = _directory(out)
     ids = write_tokenizer(model.tokenizer, out, m.max_seq_len)
     name = np.dtype(np_dtype).name
-    hf = family.hf_config(m) | {"torch_dtype": name, "dtype": name, "bos_token_id": ids.bos,
-                                "eos_token_id": ids.eos[0], "pad_token_id": ids.pad}
+    hf = family.hf_config(m) | {
+        "torch_dtype": name,
+        "dtype": name,
+        "bos_token_id": ids.bos,
+        "eos_token_id": ids.eos[0],
+        "pad_token_id": ids.pad,
+    }
     write_text(out / "config.json", json.dumps(hf, indent=2) + "\n")
     files = write_sharded(out, hf_tensors(maps, m.n_layers, params, np_dtype), max_bytes, metadata={"format": "pt"})
-    return {"out": str(out), "architecture": hf["architectures"][0], "dtype": name, "files": files,
-            "params": sum(int(np.prod(x.shape)) for x in _leaves(params).values())}
+    return {
+        "out": str(out),
+        "architecture": hf["architectures"][0],
+        "dtype": name,
+        "files": files,
+        "params": sum(int(np.prod(x.shape)) for x in _leaves(params).values()),
+    }
 
 
 def hf_tensors(maps, n_layers: int, params: dict, dtype):
@@ -106,11 +117,23 @@ def export_peft(model: Loaded, out, *, base: str | None = None, dtype: str | Non
     if base is None and init and is_hf_dir(init):
         base = str(pathlib.Path(init).resolve())
     alpha = int(m.lora_alpha) if float(m.lora_alpha).is_integer() else float(m.lora_alpha)
-    adapter = {"peft_type": "LORA", "task_type": "CAUSAL_LM", "base_model_name_or_path": base, "r": m.lora_rank,
-               "lora_alpha": alpha, "lora_dropout": m.lora_dropout, "target_modules": sorted(targets),
-               "bias": "none", "fan_in_fan_out": False, "use_rslora": False, "use_dora": False,
-               "inference_mode": True, "modules_to_save": None, "init_lora_weights": True,
-               "layers_to_transform": None}
+    adapter = {
+        "peft_type": "LORA",
+        "task_type": "CAUSAL_LM",
+        "base_model_name_or_path": base,
+        "r": m.lora_rank,
+        "lora_alpha": alpha,
+        "lora_dropout": m.lora_dropout,
+        "target_modules": sorted(targets),
+        "bias": "none",
+        "fan_in_fan_out": False,
+        "use_rslora": False,
+        "use_dora": False,
+        "inference_mode": True,
+        "modules_to_save": None,
+        "init_lora_weights": True,
+        "layers_to_transform": None,
+    }
     from safetensors.numpy import save_file
 
     out = _directory(out)
@@ -118,8 +141,13 @@ def export_peft(model: Loaded, out, *, base: str | None = None, dtype: str | Non
         save_file({k: np.ascontiguousarray(v) for k, v in tensors.items()}, str(tmp), metadata={"format": "pt"})
     write_text(out / PEFT_CONFIG, json.dumps(adapter, indent=2) + "\n")
     write_tokenizer(model.tokenizer, out, m.max_seq_len)
-    return {"out": str(out), "targets": sorted(targets), "rank": m.lora_rank, "base": base,
-            "params": sum(int(v.size) for v in tensors.values())}
+    return {
+        "out": str(out),
+        "targets": sorted(targets),
+        "rank": m.lora_rank,
+        "base": base,
+        "params": sum(int(v.size) for v in tensors.values()),
+    }
 
 
 def peft_tensors(family, m, params: dict, dtype, source: str) -> tuple[dict, set]:
@@ -134,8 +162,9 @@ def peft_tensors(family, m, params: dict, dtype, source: str) -> tuple[dict, set
     tensors, targets, r = {}, set(), m.lora_rank
     for path in adapted:
         if path not in modules or not modules[path].hf.endswith(".weight") or modules[path].experts:
-            raise UserError(f"{source}: adapters on '{path}', which has no Hugging Face "
-                            f"{family.__name__.rsplit('.', 1)[-1]} module")
+            raise UserError(
+                f"{source}: adapters on '{path}', which has no Hugging Face {family.__name__.rsplit('.', 1)[-1]} module"
+            )
         module = modules[path].hf.removesuffix(".weight")
         targets.add(module.rsplit(".", 1)[-1])
         a, b = leaves[path + SUFFIX_A], leaves[path + SUFFIX_B]
@@ -153,8 +182,10 @@ def _plain(model: Loaded, merge: bool) -> tuple:
     if not config.model.lora_rank:
         return config, params
     if not merge:
-        raise UserError(f"{model.source} holds LoRA adapters (model.lora_rank={config.model.lora_rank}): add --merge "
-                        "to fold them into the base, or write them alone with --format peft")
+        raise UserError(
+            f"{model.source} holds LoRA adapters (model.lora_rank={config.model.lora_rank}): add --merge "
+            "to fold them into the base, or write them alone with --format peft"
+        )
     return with_base(config, params, model.source)
 
 
@@ -184,7 +215,7 @@ def _cast(x: np.ndarray, dtype) -> np.ndarray:
 
 def _layer(leaf, i: int) -> np.ndarray:
     """Layer i of a stacked leaf (numpy, jax or lazy: a slice reads only that layer)."""
-    return np.asarray(leaf[i:i + 1])[0]
+    return np.asarray(leaf[i : i + 1])[0]
 
 
 def _leaves(params: dict) -> dict:

@@ -89,7 +89,7 @@ class LazyTensor:
             return
         # A transposing copy, in blocks of ~64 stored rows: twice as fast as one strided copy.
         axis = 1 if self.kind == "T1" else out.ndim - 1
-        inner = math.prod(out.shape[axis + 1:]) if self.kind == "T1" else 1
+        inner = math.prod(out.shape[axis + 1 :]) if self.kind == "T1" else 1
         step = max(1, TRANSPOSE_ROWS // inner)
         for start in range(0, out.shape[axis], step):
             block = (slice(None),) * axis + (slice(start, start + step),)
@@ -108,8 +108,9 @@ class LazyTensor:
         output axes, flattened (a linear weight [out, in]: "T1" our axes 1.., "T2" our last axis),
         or our first axis (the embedding, as stored; the experts of a fused "E" tensor)."""
         everything = (None, per_layer, index)
-        if (self.kind == "id" and len(per_layer) >= 2 and self.files.shape(name) == per_layer) or \
-                self.kind.startswith("E"):
+        if (self.kind == "id" and len(per_layer) >= 2 and self.files.shape(name) == per_layer) or self.kind.startswith(
+            "E"
+        ):
             out_axes = [0]
         elif self.kind in ("T1", "T2"):
             out_axes = list(range(1, len(per_layer))) if self.kind == "T1" else [len(per_layer) - 1]
@@ -120,8 +121,8 @@ class LazyTensor:
         if step != 1 or any(index[a].indices(per_layer[a]) != (0, per_layer[a], 1) for a in out_axes[1:]):
             return everything
         inner = math.prod(per_layer[a] for a in out_axes[1:])
-        shape = per_layer[:first] + (stop - start,) + per_layer[first + 1:]
-        return slice(start * inner, stop * inner), shape, index[:first] + (slice(None),) + index[first + 1:]
+        shape = per_layer[:first] + (stop - start,) + per_layer[first + 1 :]
+        return slice(start * inner, stop * inner), shape, index[:first] + (slice(None),) + index[first + 1 :]
 
     def __array__(self, dtype=None, copy=None):
         x = self[()]
@@ -146,17 +147,21 @@ def lazy_params(path, spec: ModelSpec, source: str) -> dict:
         shape = shapes[m.lm]
         m = m.as_stored(files)
         names = m.names(spec.n_layers, spec.n_experts)
-        per_layer = shape[m.lead:]
+        per_layer = shape[m.lead :]
         expected = stored_shapes(m.kind, per_layer)
         for name in names:
             if name not in files:
                 raise UserError(f"{source}: tensor '{name}' is missing from the checkpoint")
             if files.shape(name) not in expected:
-                raise UserError(f"{source}: tensor '{name}' has shape {files.shape(name)}; config.json implies "
-                                f"{' or '.join(map(str, expected))}")
+                raise UserError(
+                    f"{source}: tensor '{name}' has shape {files.shape(name)}; config.json implies "
+                    f"{' or '.join(map(str, expected))}"
+                )
             if NAMES[files.dtype(name)] not in FLOATS:
-                raise UserError(f"{source}: tensor '{name}' has dtype {NAMES[files.dtype(name)]}; expected a "
-                                f"floating dtype ({', '.join(sorted(FLOATS))})")
+                raise UserError(
+                    f"{source}: tensor '{name}' has dtype {NAMES[files.dtype(name)]}; expected a "
+                    f"floating dtype ({', '.join(sorted(FLOATS))})"
+                )
         dtype = np.float32 if m.kind == "id+1" else files.dtype(names[0])
         node = tree
         *parents, leaf = m.lm.split("/")
@@ -175,6 +180,8 @@ def load_hf(path, tokenizer: str | None = None):
     params = lazy_params(path, spec, source)
     tok = load_tokenizer(tokenizer or str(path))
     if tok.vocab_size > config.model.vocab_size:
-        raise UserError(f"the tokenizer has {tok.vocab_size} ids but {source} has vocab_size="
-                        f"{config.model.vocab_size}: it is not the model's tokenizer")
+        raise UserError(
+            f"the tokenizer has {tok.vocab_size} ids but {source} has vocab_size="
+            f"{config.model.vocab_size}: it is not the model's tokenizer"
+        )
     return Loaded(config, params, tok, source)

@@ -52,8 +52,17 @@ CHAT_TEMPLATE = (
     "{%- endif -%}"
 )
 # What a Hugging Face tokenizer directory may hold (generation_config.json is written, not copied).
-TOKENIZER_FILES = ("tokenizer.json", "tokenizer_config.json", "special_tokens_map.json", "added_tokens.json",
-                   "chat_template.jinja", "chat_template.json", "tokenizer.model", "vocab.json", "merges.txt")
+TOKENIZER_FILES = (
+    "tokenizer.json",
+    "tokenizer_config.json",
+    "special_tokens_map.json",
+    "added_tokens.json",
+    "chat_template.jinja",
+    "chat_template.json",
+    "tokenizer.model",
+    "vocab.json",
+    "merges.txt",
+)
 
 
 @dataclasses.dataclass(frozen=True)
@@ -81,11 +90,14 @@ def write_tokenizer(tok, out, max_len: int | None = None) -> SpecialIds:
     else:
         raise UserError(f"tokenizer {tok!r}: only Hugging Face, sentencepiece and byte tokenizers can be exported")
     stops = ChatTemplate.for_tokenizer(tok).stop_ids
-    ids = SpecialIds(bos=tok.bos_id if tok.bos_id >= 0 else None,
-                     eos=tuple(dict.fromkeys([int(tok.eos_id), *map(int, stops)])),
-                     pad=tok.pad_id if tok.pad_id >= 0 else None)
-    generation.update(bos_token_id=ids.bos, pad_token_id=ids.pad,
-                      eos_token_id=list(ids.eos) if len(ids.eos) > 1 else ids.eos[0])
+    ids = SpecialIds(
+        bos=tok.bos_id if tok.bos_id >= 0 else None,
+        eos=tuple(dict.fromkeys([int(tok.eos_id), *map(int, stops)])),
+        pad=tok.pad_id if tok.pad_id >= 0 else None,
+    )
+    generation.update(
+        bos_token_id=ids.bos, pad_token_id=ids.pad, eos_token_id=list(ids.eos) if len(ids.eos) > 1 else ids.eos[0]
+    )
     (out / "generation_config.json").write_text(json.dumps(generation, indent=2) + "\n")
     return ids
 
@@ -115,8 +127,14 @@ def _write_built(hf_tok, tok, out: pathlib.Path, max_len: int | None) -> dict:
     if hf_tok.token_to_id("<unk>") is not None:
         named["unk_token"] = "<unk>"
     named = {k: v for k, v in named.items() if v is not None}
-    config = {"tokenizer_class": "PreTrainedTokenizerFast", **named, "add_bos_token": False, "add_eos_token": False,
-              "clean_up_tokenization_spaces": False, "chat_template": CHAT_TEMPLATE}
+    config = {
+        "tokenizer_class": "PreTrainedTokenizerFast",
+        **named,
+        "add_bos_token": False,
+        "add_eos_token": False,
+        "clean_up_tokenization_spaces": False,
+        "chat_template": CHAT_TEMPLATE,
+    }
     if max_len:
         config["model_max_length"] = int(max_len)
     (out / "tokenizer_config.json").write_text(json.dumps(config, indent=2, ensure_ascii=False) + "\n")
@@ -140,31 +158,42 @@ def spm_tokenizer(model: bytes, source: str = "sentencepiece model"):
     merges = []
     for _, piece, _ in sorted(normal, key=lambda t: (-t[2], t[0])):  # sentencepiece merges by score
         splits = [(piece[:k], piece[k:]) for k in range(1, len(piece))]
-        merges += sorted(((a, b) for a, b in splits if a in mergeable and b in mergeable),
-                         key=lambda ab: (vocab[ab[0]], vocab[ab[1]]))
+        merges += sorted(
+            ((a, b) for a, b in splits if a in mergeable and b in mergeable),
+            key=lambda ab: (vocab[ab[0]], vocab[ab[1]]),
+        )
     unk = next((p.piece for p in proto.pieces if p.type == kinds.UNKNOWN), None)
     tok = Tokenizer(models.BPE(vocab=vocab, merges=merges, unk_token=unk, byte_fallback=True, fuse_unk=False))
     tok.normalizer = normalizers.Replace(" ", SPACE_MARK)
     tok.decoder = decoders.Sequence([decoders.Replace(SPACE_MARK, " "), decoders.ByteFallback(), decoders.Fuse()])
-    tok.add_special_tokens([AddedToken(p.piece, special=True, normalized=False) for p in proto.pieces
-                            if p.type in (kinds.CONTROL, kinds.UNKNOWN)])
+    tok.add_special_tokens(
+        [
+            AddedToken(p.piece, special=True, normalized=False)
+            for p in proto.pieces
+            if p.type in (kinds.CONTROL, kinds.UNKNOWN)
+        ]
+    )
     return tok
 
 
 def _check_spm(proto, source: str) -> None:
     """The sentencepiece settings the built tokenizer reproduces (lm.data.spm trains with them)."""
     norm, trainer = proto.normalizer_spec, proto.trainer_spec
-    wanted = [("trainer_spec.model_type", trainer.model_type, 2, "BPE"),
-              ("trainer_spec.byte_fallback", trainer.byte_fallback, True, "True"),
-              ("trainer_spec.treat_whitespace_as_suffix", trainer.treat_whitespace_as_suffix, False, "False"),
-              ("normalizer_spec.name", norm.name, "identity", "'identity'"),
-              ("normalizer_spec.add_dummy_prefix", norm.add_dummy_prefix, False, "False"),
-              ("normalizer_spec.remove_extra_whitespaces", norm.remove_extra_whitespaces, False, "False"),
-              ("normalizer_spec.escape_whitespaces", norm.escape_whitespaces, True, "True")]
+    wanted = [
+        ("trainer_spec.model_type", trainer.model_type, 2, "BPE"),
+        ("trainer_spec.byte_fallback", trainer.byte_fallback, True, "True"),
+        ("trainer_spec.treat_whitespace_as_suffix", trainer.treat_whitespace_as_suffix, False, "False"),
+        ("normalizer_spec.name", norm.name, "identity", "'identity'"),
+        ("normalizer_spec.add_dummy_prefix", norm.add_dummy_prefix, False, "False"),
+        ("normalizer_spec.remove_extra_whitespaces", norm.remove_extra_whitespaces, False, "False"),
+        ("normalizer_spec.escape_whitespaces", norm.escape_whitespaces, True, "True"),
+    ]
     for key, value, expected, shown in wanted:
         if value != expected:
-            raise UserError(f"{source}: {key}={value!r}; a tokenizer.json is written only for sentencepiece "
-                            f"models trained as lm trains them ({key}={shown})")
+            raise UserError(
+                f"{source}: {key}={value!r}; a tokenizer.json is written only for sentencepiece "
+                f"models trained as lm trains them ({key}={shown})"
+            )
     if any(p.type == p.USER_DEFINED for p in proto.pieces):
         raise UserError(f"{source}: user-defined pieces are not supported in a tokenizer.json export")
 

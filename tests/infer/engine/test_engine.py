@@ -15,7 +15,14 @@ from tests.reference.static_decoder import StaticGenerator
 
 GREEDY = SamplingParams(max_new_tokens=10, temperature=0)
 HOT = SamplingParams(max_new_tokens=10, temperature=1.0, top_k=20, top_p=0.9, seed=3)
-PROMPTS = [[5, 9, 13, 2], [7], [40, 41, 42, 43, 44, 45, 46, 47, 48, 49, 50, 51, 52], [100, 3], [8, 8, 8], [1, 2, 3, 4, 5]]
+PROMPTS = [
+    [5, 9, 13, 2],
+    [7],
+    [40, 41, 42, 43, 44, 45, 46, 47, 48, 49, 50, 51, 52],
+    [100, 3],
+    [8, 8, 8],
+    [1, 2, 3, 4, 5],
+]
 
 
 def static_greedy(prompts, n=GREEDY.max_new_tokens):
@@ -73,7 +80,8 @@ def test_sampled_tokens_do_not_depend_on_the_batch():
     np.testing.assert_allclose(mixed[1].logps, alone.logps, atol=1e-5)
     assert mixed[2].ids != alone.ids  # another prompt, another stream
     other_seed = Engine(model, max_len=40, config=EngineConfig(slots=1)).run(
-        params, requests([dataclasses.replace(HOT, seed=4)], PROMPTS[:1]))[0]
+        params, requests([dataclasses.replace(HOT, seed=4)], PROMPTS[:1])
+    )[0]
     assert other_seed.ids != alone.ids
 
 

@@ -5,6 +5,7 @@ import argparse
 import json
 import logging
 import os
+import pathlib
 import signal
 import socket
 import subprocess
@@ -23,9 +24,9 @@ from lm.cli import main
 from lm.config import base_config
 from lm.data.tokenizer import ByteTokenizer
 from lm.errors import UserError
+from lm.infer.engine.engine import EngineConfig
 from lm.infer.sampling import SamplingParams
 from lm.infer.serve.app import make_app
-from lm.infer.engine.engine import EngineConfig
 from lm.infer.serve.backend import Delta
 from lm.infer.serve.engine_backend import EngineBackend
 from lm.infer.serve.server import InThread
@@ -44,8 +45,9 @@ MESSAGES = [{"role": "system", "content": "Be brief."}, {"role": "user", "conten
 
 def tiny_config():
     c = base_config()
-    c.model.update(vocab_size=264, d_model=32, n_layers=2, n_heads=2, n_kv_heads=1, d_ff=64, max_seq_len=128,
-                   init_std=0.3)
+    c.model.update(
+        vocab_size=264, d_model=32, n_layers=2, n_heads=2, n_kv_heads=1, d_ff=64, max_seq_len=128, init_std=0.3
+    )
     c.data.update(tokenizer="byte", seq_len=128)
     return c
 
@@ -82,11 +84,12 @@ def expected(session, prompt: str, max_tokens: int, stop=()) -> dict:
 
 def sse(response) -> list:
     """The `data:` payloads of a server-sent-events response, [DONE] as the string."""
-    events = [line[len("data: "):] for line in response.iter_lines() if line.startswith("data: ")]
+    events = [line[len("data: ") :] for line in response.iter_lines() if line.startswith("data: ")]
     return [e if e == "[DONE]" else json.loads(e) for e in events]
 
 
 # ---- answers -----------------------------------------------------------------------------------
+
 
 def test_plain_completion_is_session_completes_text(client, session):
     reply = client.completions.create(model="tiny", prompt="Hello", max_tokens=12, **GREEDY)
@@ -95,14 +98,18 @@ def test_plain_completion_is_session_completes_text(client, session):
     assert reply.choices[0].finish_reason == "length" and reply.object == "text_completion"
     assert reply.id.startswith("cmpl-") and reply.model == "tiny"
     assert (reply.usage.prompt_tokens, reply.usage.completion_tokens, reply.usage.total_tokens) == (5, 12, 17)
-    assert client.completions.create(model="tiny", prompt=["Hello"], max_tokens=12, **GREEDY).choices[0].text \
-        == want["text"]  # a list of one prompt is the prompt
+    assert (
+        client.completions.create(model="tiny", prompt=["Hello"], max_tokens=12, **GREEDY).choices[0].text
+        == want["text"]
+    )  # a list of one prompt is the prompt
 
 
 def test_a_seed_draws_what_session_complete_draws_with_it(client, session):
     want = session.complete(["Hello"], SamplingParams(max_new_tokens=12, temperature=0.8, seed=7))[0]["text"]
-    got = [client.completions.create(model="tiny", prompt="Hello", max_tokens=12, temperature=0.8, seed=7)
-           .choices[0].text for _ in range(2)]
+    got = [
+        client.completions.create(model="tiny", prompt="Hello", max_tokens=12, temperature=0.8, seed=7).choices[0].text
+        for _ in range(2)
+    ]
     assert got == [want, want] and want != expected(session, "Hello", 12)["text"]
 
 
@@ -117,8 +124,11 @@ def test_chat_completion_is_session_chats_reply(client, session):
 
 def test_streamed_pieces_make_the_whole_text(client, server):
     whole = client.completions.create(model="tiny", prompt="def f(", max_tokens=20, **GREEDY).choices[0].text
-    chunks = list(client.completions.create(model="tiny", prompt="def f(", max_tokens=20, stream=True,
-                                            stream_options={"include_usage": True}, **GREEDY))
+    chunks = list(
+        client.completions.create(
+            model="tiny", prompt="def f(", max_tokens=20, stream=True, stream_options={"include_usage": True}, **GREEDY
+        )
+    )
     assert "".join(c.choices[0].text for c in chunks if c.choices) == whole
     assert [c.choices[0].finish_reason for c in chunks if c.choices][-1] == "length"
     assert chunks[-1].choices == [] and chunks[-1].usage.completion_tokens == 20  # the usage chunk
@@ -151,13 +161,17 @@ def test_sixteen_concurrent_clients_each_get_their_own_answer(client, session):
 
 def test_stop_strings_end_the_text_before_them_streamed_or_not(client, session):
     full = expected(session, "The quick", 16)["text"]
-    i = next(i for i in range(1, len(full) - 1) if full[i:i + 2].isascii() and full[i:i + 2].isprintable()
-             and full.find(full[i:i + 2]) == i)
-    stop = [full[i:i + 2], "never in it"]
+    i = next(
+        i
+        for i in range(1, len(full) - 1)
+        if full[i : i + 2].isascii() and full[i : i + 2].isprintable() and full.find(full[i : i + 2]) == i
+    )
+    stop = [full[i : i + 2], "never in it"]
     reply = client.completions.create(model="tiny", prompt="The quick", max_tokens=16, stop=stop, **GREEDY)
     assert reply.choices[0].text == full[:i] and reply.choices[0].finish_reason == "stop"
-    streamed = client.completions.create(model="tiny", prompt="The quick", max_tokens=16, stop=stop, stream=True,
-                                         **GREEDY)
+    streamed = client.completions.create(
+        model="tiny", prompt="The quick", max_tokens=16, stop=stop, stream=True, **GREEDY
+    )
     assert "".join(c.choices[0].text for c in streamed) == full[:i]
 
 
@@ -187,35 +201,49 @@ OK = {"model": "tiny", "prompt": "x", "max_tokens": 2}
 CHAT = {"model": "tiny", "messages": [{"role": "user", "content": "hi"}]}
 
 
-@pytest.mark.parametrize("path, body, status, param, words", [
-    ("completions", b"{not json", 400, None, "not valid JSON"),
-    ("completions", b"[1, 2]", 400, None, "expected a JSON object"),
-    ("completions", b"[" * 100_000, 400, None, "100000 levels deep; at most 64"),
-    ("completions", {**OK, "model": "gpt-4"}, 404, "model", "'gpt-4' does not exist"),
-    ("completions", {"prompt": "x"}, 400, "model", "missing required field 'model'"),
-    ("completions", {**OK, "max_tokens": "5"}, 400, "max_tokens", "expected an integer"),
-    ("completions", {**OK, "temperature": "hot"}, 400, "temperature", "expected a number"),
-    ("completions", {**OK, "stream": "yes"}, 400, "stream", "expected a boolean"),
-    ("completions", {**OK, "max_tokens": 200}, 400, "max_tokens", "1 tokens + max_tokens=200 exceed the model's "
-                                                                  "context of 128"),
-    ("completions", {**OK, "prompt": "y" * 130}, 400, "prompt", "130 tokens"),
-    ("completions", {**OK, "n": 2}, 400, "n", "'n' is 2"),
-    ("completions", {**OK, "prompt": ""}, 400, "prompt", "empty"),
-    ("completions", {**OK, "prompt": ["a", "b"]}, 400, "prompt", "array of one string"),
-    ("completions", {**OK, "stop": ["a", "b", "c", "d", "e"]}, 400, "stop", "at most 4"),
-    ("completions", {**OK, "top_p": 0}, 400, "top_p", "in (0, 1]"),
-    ("completions", {**OK, "top_k": 2**40}, 400, "top_k", "0 to 2147483647"),
-    ("completions", {**OK, "frobnicate": 1}, 400, "frobnicate", "unrecognized request field"),
-    ("completions", {**OK, "logprobs": 3}, 400, "logprobs", "not supported"),
-    ("chat/completions", {**CHAT, "messages": [{"role": "robot", "content": "hi"}]}, 400, "messages", "robot"),
-    ("chat/completions", {**CHAT, "messages": [{"role": "assistant", "content": "hi"}]}, 400, "messages",
-     "user turn"),
-    ("chat/completions", {"model": "tiny"}, 400, "messages", "missing required field 'messages'"),
-])
+@pytest.mark.parametrize(
+    "path, body, status, param, words",
+    [
+        ("completions", b"{not json", 400, None, "not valid JSON"),
+        ("completions", b"[1, 2]", 400, None, "expected a JSON object"),
+        ("completions", b"[" * 100_000, 400, None, "100000 levels deep; at most 64"),
+        ("completions", {**OK, "model": "gpt-4"}, 404, "model", "'gpt-4' does not exist"),
+        ("completions", {"prompt": "x"}, 400, "model", "missing required field 'model'"),
+        ("completions", {**OK, "max_tokens": "5"}, 400, "max_tokens", "expected an integer"),
+        ("completions", {**OK, "temperature": "hot"}, 400, "temperature", "expected a number"),
+        ("completions", {**OK, "stream": "yes"}, 400, "stream", "expected a boolean"),
+        (
+            "completions",
+            {**OK, "max_tokens": 200},
+            400,
+            "max_tokens",
+            "1 tokens + max_tokens=200 exceed the model's context of 128",
+        ),
+        ("completions", {**OK, "prompt": "y" * 130}, 400, "prompt", "130 tokens"),
+        ("completions", {**OK, "n": 2}, 400, "n", "'n' is 2"),
+        ("completions", {**OK, "prompt": ""}, 400, "prompt", "empty"),
+        ("completions", {**OK, "prompt": ["a", "b"]}, 400, "prompt", "array of one string"),
+        ("completions", {**OK, "stop": ["a", "b", "c", "d", "e"]}, 400, "stop", "at most 4"),
+        ("completions", {**OK, "top_p": 0}, 400, "top_p", "in (0, 1]"),
+        ("completions", {**OK, "top_k": 2**40}, 400, "top_k", "0 to 2147483647"),
+        ("completions", {**OK, "frobnicate": 1}, 400, "frobnicate", "unrecognized request field"),
+        ("completions", {**OK, "logprobs": 3}, 400, "logprobs", "not supported"),
+        ("chat/completions", {**CHAT, "messages": [{"role": "robot", "content": "hi"}]}, 400, "messages", "robot"),
+        (
+            "chat/completions",
+            {**CHAT, "messages": [{"role": "assistant", "content": "hi"}]},
+            400,
+            "messages",
+            "user turn",
+        ),
+        ("chat/completions", {"model": "tiny"}, 400, "messages", "missing required field 'messages'"),
+    ],
+)
 def test_a_bad_request_gets_its_error_and_the_server_goes_on(server, client, path, body, status, param, words):
     content = body if isinstance(body, bytes) else json.dumps(body).encode()
-    r = httpx.post(f"{server.url}/v1/{path}", content=content, headers={"content-type": "application/json"},
-                   timeout=WAIT)
+    r = httpx.post(
+        f"{server.url}/v1/{path}", content=content, headers={"content-type": "application/json"}, timeout=WAIT
+    )
     error = r.json()["error"]
     assert r.status_code == status and error["param"] == param and words in error["message"], error
     assert set(error) == {"message", "type", "param", "code"}
@@ -223,8 +251,10 @@ def test_a_bad_request_gets_its_error_and_the_server_goes_on(server, client, pat
 
 
 def test_after_the_bad_requests_completions_go_on(client, session):
-    assert client.completions.create(model="tiny", prompt="Hello", max_tokens=12, **GREEDY).choices[0].text == \
-        expected(session, "Hello", 12)["text"]
+    assert (
+        client.completions.create(model="tiny", prompt="Hello", max_tokens=12, **GREEDY).choices[0].text
+        == expected(session, "Hello", 12)["text"]
+    )
 
 
 def test_unknown_paths_get_an_openai_error(server):
@@ -233,6 +263,7 @@ def test_unknown_paths_get_an_openai_error(server):
 
 
 # ---- disconnects and stopping (a scripted backend: a slow, deterministic stream) -----------------
+
 
 class Scripted:
     """Writes "x" every `delay` seconds, max_tokens times; records the streams it saw cancelled."""
@@ -285,8 +316,7 @@ def test_a_client_that_leaves_cancels_its_request():
         with pytest.raises(httpx.ReadTimeout):
             httpx.post(running.url + "/v1/completions", json={**body, "stream": False}, timeout=0.3)
         assert wait_for(lambda: len(backend.cancelled) == 2), "a plain request's client left: not cancelled"
-        r = httpx.post(running.url + "/v1/completions", json={**body, "stream": False, "max_tokens": 3},
-                       timeout=WAIT)
+        r = httpx.post(running.url + "/v1/completions", json={**body, "stream": False, "max_tokens": 3}, timeout=WAIT)
         assert r.json()["choices"][0]["text"] == "xxx" and len(backend.cancelled) == 2
 
 
@@ -347,7 +377,8 @@ def _healthy(url: str) -> bool:
 def test_lm_serve_answers_and_sigterm_exits_0(export, session, capsys):
     def work(url, seen):
         reply = openai.OpenAI(base_url=url + "/v1", api_key="unused", max_retries=0).completions.create(
-            model="tiny", prompt="Hello", max_tokens=12, **GREEDY)
+            model="tiny", prompt="Hello", max_tokens=12, **GREEDY
+        )
         seen["text"] = reply.choices[0].text
 
     code, seen = serve_until_sigterm(["--params", str(export), "--model-name", "tiny"], work)
@@ -379,12 +410,15 @@ def test_sigterm_lets_running_requests_finish_within_the_grace(export, monkeypat
         texts = [json.loads(e[6:])["choices"][0]["text"] for e in seen["events"][:-1]]
         assert "".join(texts) == "x" * 49  # the first chunk was read before the signal
     else:  # the grace ran out: the stream ends with the error event, then [DONE]
-        assert len(backend.cancelled) == 1 and json.loads(seen["events"][-2][6:])["error"]["code"] == \
-            "server_shutting_down"
+        assert (
+            len(backend.cancelled) == 1
+            and json.loads(seen["events"][-2][6:])["error"]["code"] == "server_shutting_down"
+        )
         assert said == ["lm serve: grace period over, 1 request aborted"]
 
 
 # ---- the verb ------------------------------------------------------------------------------------
+
 
 def test_a_missing_extra_and_bad_flags_are_one_line_errors(export, monkeypatch, capsys):
     monkeypatch.setitem(sys.modules, "fastapi", None)
@@ -403,8 +437,9 @@ def test_the_served_engine_takes_quantized_weights_and_int8_pages(export):
     from lm.model.qtensor import QTensor
     from lm.store.load import load_trained
 
-    args = argparse.Namespace(quantize="int8", kv_int8=True, slots=2, page_size=8, max_model_len=None,
-                              model_name="tiny")
+    args = argparse.Namespace(
+        quantize="int8", kv_int8=True, slots=2, page_size=8, max_model_len=None, model_name="tiny"
+    )
     backend = make_backend(load_trained(params=str(export)), args)
     try:
         engine = backend.service.engine
@@ -418,7 +453,8 @@ def test_the_served_engine_takes_quantized_weights_and_int8_pages(export):
 
 
 def test_the_parser_imports_neither_jax_nor_the_server():
-    code = ("import sys; from lm.cli import _parser; _parser(); "
-            "assert not {'jax', 'fastapi', 'uvicorn'} & set(sys.modules), 'imported'")
-    subprocess.run([sys.executable, "-c", code], check=True, cwd=os.path.dirname(os.path.dirname(os.path.dirname(
-        os.path.abspath(__file__)))))
+    code = (
+        "import sys; from lm.cli import _parser; _parser(); "
+        "assert not {'jax', 'fastapi', 'uvicorn'} & set(sys.modules), 'imported'"
+    )
+    subprocess.run([sys.executable, "-c", code], check=True, cwd=pathlib.Path(__file__).resolve().parents[3])

@@ -40,8 +40,7 @@ def still_serving(url: str) -> None:
 
 def test_a_body_nested_100000_levels_deep_gets_400_and_no_traceback(server, caplog, capfd):
     for body in (b"[" * 100_000, b'{"model": ' * 100_000, b"[" * 100_000 + b"]" * 100_000):
-        error = error_of(httpx.post(server.url + "/v1/chat/completions", content=body, headers=JSON,
-                                    timeout=WAIT), 400)
+        error = error_of(httpx.post(server.url + "/v1/chat/completions", content=body, headers=JSON, timeout=WAIT), 400)
         assert "100000 levels deep" in error["message"] and f"at most {MAX_DEPTH}" in error["message"]
         assert error["code"] == "too_deeply_nested"
     still_serving(server.url)
@@ -54,8 +53,9 @@ def test_nesting_counts_brackets_outside_strings_only():
 
 
 def test_a_body_over_the_limit_gets_413_unread(server):
-    error = error_of(httpx.post(server.url + "/v1/completions", content=b" " * (MAX_BODY + 1), headers=JSON,
-                                timeout=WAIT), 413)
+    error = error_of(
+        httpx.post(server.url + "/v1/completions", content=b" " * (MAX_BODY + 1), headers=JSON, timeout=WAIT), 413
+    )
     assert error["code"] == "request_too_large" and f"at most {MAX_BODY} bytes" in error["message"]
     still_serving(server.url)
 
@@ -63,24 +63,26 @@ def test_a_body_over_the_limit_gets_413_unread(server):
 def test_a_chunked_body_over_the_limit_gets_413():
     with InThread(make_app(Scripted(delay=0.001), max_body=1000)) as running:
         chunks = iter([b"{" + b" " * 600, b" " * 600 + b"}"])  # no Content-Length: counted as it arrives
-        error = error_of(httpx.post(running.url + "/v1/completions", content=chunks, headers=JSON,
-                                    timeout=WAIT), 413)
+        error = error_of(httpx.post(running.url + "/v1/completions", content=chunks, headers=JSON, timeout=WAIT), 413)
         assert "at most 1000 bytes" in error["message"]
         still_serving(running.url)
 
 
-@pytest.mark.parametrize("method, path, headers, body, status, words", [
-    ("GET", "/v1/completions", {}, None, 405, "Method Not Allowed"),
-    ("DELETE", "/health", {}, None, 405, "Method Not Allowed"),
-    ("POST", "/v1/models", JSON, b"{}", 405, "Method Not Allowed"),
-    ("GET", "/v2/nowhere", {}, None, 404, "Not Found"),
-    ("POST", "/v1/completions", {"content-type": "text/plain"}, json.dumps(OK).encode(), 415, "application/json"),
-    ("POST", "/v1/completions", {"content-type": "application/x-www-form-urlencoded"}, b"a=1", 415, "-H"),
-    ("POST", "/v1/completions", JSON, b"", 400, "not valid JSON"),
-    ("POST", "/v1/completions", JSON, b"\xff\xfe\x00garbage", 400, "not valid JSON"),
-    ("POST", "/v1/completions", JSON, b'{"model": "scripted", "seed": ' + b"9" * 5000 + b"}", 400, "digits"),
-    ("POST", "/v1/chat/completions", JSON, b'{"a": ' * 65 + b"1" + b"}" * 65, 400, "65 levels deep"),
-])
+@pytest.mark.parametrize(
+    "method, path, headers, body, status, words",
+    [
+        ("GET", "/v1/completions", {}, None, 405, "Method Not Allowed"),
+        ("DELETE", "/health", {}, None, 405, "Method Not Allowed"),
+        ("POST", "/v1/models", JSON, b"{}", 405, "Method Not Allowed"),
+        ("GET", "/v2/nowhere", {}, None, 404, "Not Found"),
+        ("POST", "/v1/completions", {"content-type": "text/plain"}, json.dumps(OK).encode(), 415, "application/json"),
+        ("POST", "/v1/completions", {"content-type": "application/x-www-form-urlencoded"}, b"a=1", 415, "-H"),
+        ("POST", "/v1/completions", JSON, b"", 400, "not valid JSON"),
+        ("POST", "/v1/completions", JSON, b"\xff\xfe\x00garbage", 400, "not valid JSON"),
+        ("POST", "/v1/completions", JSON, b'{"model": "scripted", "seed": ' + b"9" * 5000 + b"}", 400, "digits"),
+        ("POST", "/v1/chat/completions", JSON, b'{"a": ' * 65 + b"1" + b"}" * 65, 400, "65 levels deep"),
+    ],
+)
 def test_every_refusal_is_an_error_object(server, method, path, headers, body, status, words):
     r = httpx.request(method, server.url + path, content=body, headers=headers, timeout=WAIT)
     assert words in error_of(r, status)["message"]
@@ -100,8 +102,10 @@ def test_a_request_http_cannot_parse_gets_an_error_object(server):
 def test_a_client_that_leaves_mid_body_leaves_no_trace(server, caplog, capfd):
     host, port = server.url.removeprefix("http://").split(":")
     with socket.create_connection((host, int(port)), timeout=WAIT) as s:
-        s.sendall(b"POST /v1/completions HTTP/1.1\r\nHost: x\r\nContent-Type: application/json\r\n"
-                  b"Content-Length: 1000\r\n\r\n{\"model\": ")
+        s.sendall(
+            b"POST /v1/completions HTTP/1.1\r\nHost: x\r\nContent-Type: application/json\r\n"
+            b'Content-Length: 1000\r\n\r\n{"model": '
+        )
     assert wait_for(lambda: not server.server.server_state.tasks)  # its request has ended
     still_serving(server.url)
     assert not [r for r in caplog.records if r.levelno >= logging.WARNING] and "Traceback" not in capfd.readouterr().err
@@ -114,14 +118,16 @@ class Broken(Scripted):
 
 def test_a_bug_gets_a_json_500_and_the_server_goes_on(caplog):
     with InThread(make_app(Broken())) as running:
-        error = error_of(httpx.post(running.url + "/v1/completions", json={**OK, "model": "scripted"},
-                                    timeout=WAIT), 500)
+        error = error_of(
+            httpx.post(running.url + "/v1/completions", json={**OK, "model": "scripted"}, timeout=WAIT), 500
+        )
         assert "KeyError" in error["message"]
         assert httpx.get(running.url + "/health", timeout=WAIT).json() == {"status": "ok"}
     assert [r.getMessage() for r in caplog.records if r.name == "lm.serve"] == ["lm serve: POST /v1/completions failed"]
 
 
 # ---- the end of the grace period ---------------------------------------------------------------------
+
 
 def test_when_the_grace_ends_a_stream_gets_its_last_events_and_a_plain_request_a_503(caplog, capfd):
     backend = Scripted(delay=0.02)
@@ -136,8 +142,7 @@ def test_when_the_grace_ends_a_stream_gets_its_last_events_and_a_plain_request_a
             seen["events"] = [line[6:] for line in r.iter_lines() if line.startswith("data: ")]
 
     def plain():
-        seen["plain"] = httpx.post(running.url + "/v1/completions", json={**OK, "max_tokens": 100_000},
-                                   timeout=WAIT)
+        seen["plain"] = httpx.post(running.url + "/v1/completions", json={**OK, "max_tokens": 100_000}, timeout=WAIT)
 
     threads = [threading.Thread(target=f) for f in (stream, plain)]
     for t in threads:
@@ -152,6 +157,7 @@ def test_when_the_grace_ends_a_stream_gets_its_last_events_and_a_plain_request_a
     error = error_of(seen["plain"], 503)
     assert error["code"] == "server_shutting_down" and "grace period" in error["message"]
     assert len(backend.cancelled) == 2  # both generations stopped
-    assert [r.getMessage() for r in caplog.records if r.levelno >= logging.WARNING] == \
-        ["lm serve: grace period over, 2 requests aborted"]
+    assert [r.getMessage() for r in caplog.records if r.levelno >= logging.WARNING] == [
+        "lm serve: grace period over, 2 requests aborted"
+    ]
     assert not [r for r in caplog.records if r.exc_info] and "Traceback" not in capfd.readouterr().err

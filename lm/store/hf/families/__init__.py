@@ -13,6 +13,7 @@ def family_of(model_type: str, source: str = "config.json"):
     """The module of a model_type; a clear error naming the supported ones otherwise."""
     if model_type not in FAMILIES:
         hint = " (a multimodal Gemma 3: import its language model, Gemma3ForCausalLM)" if model_type == "gemma3" else ""
-        raise UserError(f"{source}: model_type '{model_type}' is not supported{hint}; supported: "
-                        f"{', '.join(sorted(FAMILIES))}")
+        raise UserError(
+            f"{source}: model_type '{model_type}' is not supported{hint}; supported: {', '.join(sorted(FAMILIES))}"
+        )
     return FAMILIES[model_type]

@@ -71,7 +71,7 @@ def layout_view(kind: str, x: np.ndarray, shape: tuple) -> np.ndarray:
         if kind in ("E/0", "E/1"):  # one half of the outputs
             half = x.shape[1] // 2
             start = half * int(kind[-1])
-            x = x[:, start:start + half]
+            x = x[:, start : start + half]
         return x.transpose(0, 2, 1).reshape(shape)
     return (x.T if kind in ("T1", "T2") else x).reshape(shape)
 
@@ -101,25 +101,32 @@ def to_hf(kind: str, x: np.ndarray, like_2d: bool = False) -> np.ndarray:
     return x if like_2d else x.reshape(-1)
 
 
-def llama_like(spec, norm_kind: str = "id", bias: bool = False, qk_norm: bool = False,
-               post_norms: bool = False) -> list[TensorMap]:
+def llama_like(
+    spec, norm_kind: str = "id", bias: bool = False, qk_norm: bool = False, post_norms: bool = False
+) -> list[TensorMap]:
     """The decoder's tensors under the names Llama, Mistral, Qwen and Gemma share."""
     layer = "model.layers.{i}."
-    maps = [TensorMap("embedding", "model.embed_tokens.weight"),
-            TensorMap("final_norm/scale", "model.norm.weight", norm_kind),
-            TensorMap("blocks/attn_norm/scale", layer + "input_layernorm.weight", norm_kind)]
+    maps = [
+        TensorMap("embedding", "model.embed_tokens.weight"),
+        TensorMap("final_norm/scale", "model.norm.weight", norm_kind),
+        TensorMap("blocks/attn_norm/scale", layer + "input_layernorm.weight", norm_kind),
+    ]
     for ours, theirs in (("wq", "q_proj"), ("wk", "k_proj"), ("wv", "v_proj")):
         maps.append(TensorMap(f"blocks/attn/{ours}", layer + f"self_attn.{theirs}.weight", "T1"))
         if bias:
             maps.append(TensorMap(f"blocks/attn/{ours}_bias", layer + f"self_attn.{theirs}.bias"))
     maps.append(TensorMap("blocks/attn/wo", layer + "self_attn.o_proj.weight", "T2"))
     if qk_norm:
-        maps += [TensorMap("blocks/attn/q_norm/scale", layer + "self_attn.q_norm.weight", norm_kind),
-                 TensorMap("blocks/attn/k_norm/scale", layer + "self_attn.k_norm.weight", norm_kind)]
+        maps += [
+            TensorMap("blocks/attn/q_norm/scale", layer + "self_attn.q_norm.weight", norm_kind),
+            TensorMap("blocks/attn/k_norm/scale", layer + "self_attn.k_norm.weight", norm_kind),
+        ]
     if post_norms:
-        maps += [TensorMap("blocks/attn_post_norm/scale", layer + "post_attention_layernorm.weight", norm_kind),
-                 TensorMap("blocks/mlp_norm/scale", layer + "pre_feedforward_layernorm.weight", norm_kind),
-                 TensorMap("blocks/mlp_post_norm/scale", layer + "post_feedforward_layernorm.weight", norm_kind)]
+        maps += [
+            TensorMap("blocks/attn_post_norm/scale", layer + "post_attention_layernorm.weight", norm_kind),
+            TensorMap("blocks/mlp_norm/scale", layer + "pre_feedforward_layernorm.weight", norm_kind),
+            TensorMap("blocks/mlp_post_norm/scale", layer + "post_feedforward_layernorm.weight", norm_kind),
+        ]
     else:
         maps.append(TensorMap("blocks/mlp_norm/scale", layer + "post_attention_layernorm.weight", norm_kind))
     if not spec.n_experts:  # an MoE block's experts: `expert_maps`
@@ -134,15 +141,21 @@ MISSING = object()  # a required config.json key: no default
 KINDS = {  # kind -> (test, what is expected)
     "int+": (lambda v: isinstance(v, int) and not isinstance(v, bool) and v > 0, "a positive integer"),
     "int0": (lambda v: isinstance(v, int) and not isinstance(v, bool) and v >= 0, "an integer >= 0"),
-    "float": (lambda v: isinstance(v, (int, float)) and not isinstance(v, bool) and math.isfinite(v),
-              "a finite number"),
-    "float+": (lambda v: isinstance(v, (int, float)) and not isinstance(v, bool) and math.isfinite(v) and v > 0,
-               "a positive number"),
+    "float": (
+        lambda v: isinstance(v, (int, float)) and not isinstance(v, bool) and math.isfinite(v),
+        "a finite number",
+    ),
+    "float+": (
+        lambda v: isinstance(v, (int, float)) and not isinstance(v, bool) and math.isfinite(v) and v > 0,
+        "a positive number",
+    ),
     "bool": (lambda v: isinstance(v, bool), "true or false"),
     "str": (lambda v: isinstance(v, str), "a string"),
     "strs": (lambda v: isinstance(v, list) and all(isinstance(x, str) for x in v), "a list of strings"),
-    "ints": (lambda v: isinstance(v, list) and all(isinstance(x, int) and not isinstance(x, bool) for x in v),
-             "a list of integers"),
+    "ints": (
+        lambda v: isinstance(v, list) and all(isinstance(x, int) and not isinstance(x, bool) for x in v),
+        "a list of integers",
+    ),
     "dict": (lambda v: isinstance(v, dict), "an object"),
 }
 
@@ -177,8 +190,10 @@ def refuse(hf: dict, source: str, **unsupported) -> None:
     unsupported = {key: predicate(value) -> True when the value is unsupported}."""
     for key, bad in unsupported.items():
         if key in hf and hf[key] is not None and bad(hf[key]):
-            raise UserError(f"{source}: config.json key '{key}' = {shown(hf[key])} is not supported for "
-                            f"model_type '{hf.get('model_type')}' (the model would compute something else)")
+            raise UserError(
+                f"{source}: config.json key '{key}' = {shown(hf[key])} is not supported for "
+                f"model_type '{hf.get('model_type')}' (the model would compute something else)"
+            )
 
 
 # Keys every family refuses: a quantized checkpoint holds other tensors than the weights.
@@ -197,8 +212,9 @@ def rope_parameters(hf: dict, source: str, layer_type: str | None = None, theta:
     if layer_type is not None and layer_type in given:
         given = given[layer_type]
         if not isinstance(given, dict):
-            raise UserError(f"{source}: config.json key 'rope_parameters.{layer_type}' = {shown(given)}: "
-                            "expected an object")
+            raise UserError(
+                f"{source}: config.json key 'rope_parameters.{layer_type}' = {shown(given)}: expected an object"
+            )
     out = {k: v for k, v in given.items() if not isinstance(v, dict)}
     if "rope_theta" not in out or out["rope_theta"] is None:
         out["rope_theta"] = hf["rope_theta"] if hf.get("rope_theta") is not None else theta
@@ -208,10 +224,21 @@ def rope_parameters(hf: dict, source: str, layer_type: str | None = None, theta:
     return out
 
 
-ROPE_KINDS = dict(rope_theta="float+", partial_rotary_factor="float+", factor="float+", rope_type="str",
-                  original_max_position_embeddings="int+", low_freq_factor="float+", high_freq_factor="float+",
-                  beta_fast="float", beta_slow="float", attention_factor="float", mscale="float",
-                  mscale_all_dim="float", truncate="bool")
+ROPE_KINDS = dict(
+    rope_theta="float+",
+    partial_rotary_factor="float+",
+    factor="float+",
+    rope_type="str",
+    original_max_position_embeddings="int+",
+    low_freq_factor="float+",
+    high_freq_factor="float+",
+    beta_fast="float",
+    beta_slow="float",
+    attention_factor="float",
+    mscale="float",
+    mscale_all_dim="float",
+    truncate="bool",
+)
 
 
 def rope_config(rope: dict, hf: dict, source: str) -> dict:
@@ -222,8 +249,10 @@ def rope_config(rope: dict, hf: dict, source: str) -> dict:
     kind = rope["rope_type"]
     out = dict(rope_theta=float(rope["rope_theta"]))
     if rope.get("partial_rotary_factor", 1.0) != 1.0:
-        raise UserError(f"{source}: config.json key 'partial_rotary_factor' = {rope['partial_rotary_factor']!r} "
-                        "is not supported (RoPE on part of each head; lm rotates whole heads)")
+        raise UserError(
+            f"{source}: config.json key 'partial_rotary_factor' = {rope['partial_rotary_factor']!r} "
+            "is not supported (RoPE on part of each head; lm rotates whole heads)"
+        )
     if kind == "default":
         return out | dict(rope_scaling="none")
     factor = float(rope.get("factor") or 1.0)
@@ -231,9 +260,13 @@ def rope_config(rope: dict, hf: dict, source: str) -> dict:
         return out | dict(rope_scaling="linear", rope_factor=factor)
     original = int(rope.get("original_max_position_embeddings") or hf.get("max_position_embeddings") or 8192)
     if kind == "llama3":
-        return out | dict(rope_scaling="llama3", rope_factor=factor, rope_original_max_len=original,
-                          rope_low_freq_factor=float(rope.get("low_freq_factor", 1.0)),
-                          rope_high_freq_factor=float(rope.get("high_freq_factor", 4.0)))
+        return out | dict(
+            rope_scaling="llama3",
+            rope_factor=factor,
+            rope_original_max_len=original,
+            rope_low_freq_factor=float(rope.get("low_freq_factor", 1.0)),
+            rope_high_freq_factor=float(rope.get("high_freq_factor", 4.0)),
+        )
     if kind == "yarn":
         if not rope.get("factor"):
             factor = hf["max_position_embeddings"] / original
@@ -242,11 +275,19 @@ def rope_config(rope: dict, hf: dict, source: str) -> dict:
         if attention is None and mscale and mscale_all:
             m = lambda s: 1.0 if factor <= 1 else 0.1 * s * math.log(factor) + 1.0
             attention = m(mscale) / m(mscale_all)
-        return out | dict(rope_scaling="yarn", rope_factor=factor, rope_original_max_len=original,
-                          rope_beta_fast=float(rope.get("beta_fast") or 32), rope_beta_slow=float(rope.get("beta_slow") or 1),
-                          rope_attention_factor=float(attention or 0.0), rope_truncate=bool(rope.get("truncate", True)))
-    raise UserError(f"{source}: RoPE type {shown(kind)} (config.json key 'rope_type') is not supported (supported: "
-                    "default, linear, llama3, yarn)")
+        return out | dict(
+            rope_scaling="yarn",
+            rope_factor=factor,
+            rope_original_max_len=original,
+            rope_beta_fast=float(rope.get("beta_fast") or 32),
+            rope_beta_slow=float(rope.get("beta_slow") or 1),
+            rope_attention_factor=float(attention or 0.0),
+            rope_truncate=bool(rope.get("truncate", True)),
+        )
+    raise UserError(
+        f"{source}: RoPE type {shown(kind)} (config.json key 'rope_type') is not supported (supported: "
+        "default, linear, llama3, yarn)"
+    )
 
 
 def rope_to_hf(m) -> dict:
@@ -256,11 +297,18 @@ def rope_to_hf(m) -> dict:
         return out | {"rope_type": "default"}
     out |= {"rope_type": m.rope_scaling, "factor": m.rope_factor}
     if m.rope_scaling == "llama3":
-        out |= {"low_freq_factor": m.rope_low_freq_factor, "high_freq_factor": m.rope_high_freq_factor,
-                "original_max_position_embeddings": m.rope_original_max_len}
+        out |= {
+            "low_freq_factor": m.rope_low_freq_factor,
+            "high_freq_factor": m.rope_high_freq_factor,
+            "original_max_position_embeddings": m.rope_original_max_len,
+        }
     if m.rope_scaling == "yarn":
-        out |= {"original_max_position_embeddings": m.rope_original_max_len, "beta_fast": m.rope_beta_fast,
-                "beta_slow": m.rope_beta_slow, "truncate": m.rope_truncate}
+        out |= {
+            "original_max_position_embeddings": m.rope_original_max_len,
+            "beta_fast": m.rope_beta_fast,
+            "beta_slow": m.rope_beta_slow,
+            "truncate": m.rope_truncate,
+        }
         if m.rope_attention_factor:
             out["attention_factor"] = m.rope_attention_factor
     return out
@@ -275,16 +323,30 @@ def shared_keys(hf: dict, source: str) -> dict:
     n_kv_heads = get("num_key_value_heads", "int+", n_heads)
     head_dim = get("head_dim", "int+", 0)
     if not head_dim and d_model % n_heads:
-        raise UserError(f"{source}: config.json key 'num_attention_heads' = {n_heads}: expected a divisor of "
-                        f"hidden_size={d_model} (or a head_dim)")
+        raise UserError(
+            f"{source}: config.json key 'num_attention_heads' = {n_heads}: expected a divisor of "
+            f"hidden_size={d_model} (or a head_dim)"
+        )
     if n_heads % n_kv_heads:
-        raise UserError(f"{source}: config.json key 'num_key_value_heads' = {n_kv_heads}: expected a divisor of "
-                        f"num_attention_heads={n_heads}")
-    return dict(vocab_size=get("vocab_size", "int+"), d_model=d_model, n_layers=get("num_hidden_layers", "int+"),
-                n_heads=n_heads, n_kv_heads=n_kv_heads, head_dim=head_dim or d_model // n_heads,
-                d_ff=get("intermediate_size", "int+"), max_seq_len=get("max_position_embeddings", "int+", 2048),
-                norm_eps=float(get("rms_norm_eps", "float+", 1e-6)), norm="rmsnorm", position="rope",
-                tie_embeddings=get("tie_word_embeddings", "bool", False), family=hf["model_type"])
+        raise UserError(
+            f"{source}: config.json key 'num_key_value_heads' = {n_kv_heads}: expected a divisor of "
+            f"num_attention_heads={n_heads}"
+        )
+    return dict(
+        vocab_size=get("vocab_size", "int+"),
+        d_model=d_model,
+        n_layers=get("num_hidden_layers", "int+"),
+        n_heads=n_heads,
+        n_kv_heads=n_kv_heads,
+        head_dim=head_dim or d_model // n_heads,
+        d_ff=get("intermediate_size", "int+"),
+        max_seq_len=get("max_position_embeddings", "int+", 2048),
+        norm_eps=float(get("rms_norm_eps", "float+", 1e-6)),
+        norm="rmsnorm",
+        position="rope",
+        tie_embeddings=get("tie_word_embeddings", "bool", False),
+        family=hf["model_type"],
+    )
 
 
 def layer_types(hf: dict, n_layers: int, default, source: str = "config.json") -> tuple:
@@ -292,8 +354,10 @@ def layer_types(hf: dict, n_layers: int, default, source: str = "config.json") -
     given = typed(hf, "layer_types", "strs", source, None)
     if given:
         if len(given) != n_layers or not set(given) <= {"full_attention", "sliding_attention"}:
-            raise UserError(f"{source}: config.json key 'layer_types' = {shown(given)}: expected {n_layers} names "
-                            "among 'full_attention', 'sliding_attention'")
+            raise UserError(
+                f"{source}: config.json key 'layer_types' = {shown(given)}: expected {n_layers} names "
+                "among 'full_attention', 'sliding_attention'"
+            )
         return tuple("local" if t == "sliding_attention" else "global" for t in given)
     return tuple("local" if default(i) else "global" for i in range(n_layers))
 
@@ -307,11 +371,20 @@ def window(hf: dict, types: tuple, source: str) -> dict:
 
 def hf_base(m, architecture: str) -> dict:
     """The config.json keys every family writes the same way, from our model section."""
-    return {"architectures": [architecture], "model_type": m.family, "vocab_size": m.vocab_size,
-            "hidden_size": m.d_model, "intermediate_size": m.d_ff, "num_hidden_layers": m.n_layers,
-            "num_attention_heads": m.n_heads, "num_key_value_heads": m.n_kv_heads, "head_dim": m.head_dim or
-            m.d_model // m.n_heads, "max_position_embeddings": m.max_seq_len, "rms_norm_eps": m.norm_eps,
-            "tie_word_embeddings": m.tie_embeddings}
+    return {
+        "architectures": [architecture],
+        "model_type": m.family,
+        "vocab_size": m.vocab_size,
+        "hidden_size": m.d_model,
+        "intermediate_size": m.d_ff,
+        "num_hidden_layers": m.n_layers,
+        "num_attention_heads": m.n_heads,
+        "num_key_value_heads": m.n_kv_heads,
+        "head_dim": m.head_dim or m.d_model // m.n_heads,
+        "max_position_embeddings": m.max_seq_len,
+        "rms_norm_eps": m.norm_eps,
+        "tie_word_embeddings": m.tie_embeddings,
+    }
 
 
 def expert_maps(prefixes: tuple[str, ...], names: tuple[str, str, str]) -> list[TensorMap]:
@@ -321,11 +394,17 @@ def expert_maps(prefixes: tuple[str, ...], names: tuple[str, str, str]) -> list[
     fused as transformers holds them in memory: experts.gate_up_proj [E, 2 * f, d] (the gate rows,
     then the up rows) and experts.down_proj [E, d, f]."""
     ours = ("w_gate", "w_up", "w_down")
-    per_expert = [[TensorMap(f"blocks/moe/{o}", f"{p}experts.{{e}}.{t}.weight", "T1") for o, t in zip(ours, names)]
-                  for p in prefixes]
-    fused = [[TensorMap(f"blocks/moe/{o}", p + f"experts.{t}", k)
-              for o, t, k in zip(ours, ("gate_up_proj", "gate_up_proj", "down_proj"), ("E/0", "E/1", "E"))]
-             for p in prefixes]
+    per_expert = [
+        [TensorMap(f"blocks/moe/{o}", f"{p}experts.{{e}}.{t}.weight", "T1") for o, t in zip(ours, names)]
+        for p in prefixes
+    ]
+    fused = [
+        [
+            TensorMap(f"blocks/moe/{o}", p + f"experts.{t}", k)
+            for o, t, k in zip(ours, ("gate_up_proj", "gate_up_proj", "down_proj"), ("E/0", "E/1", "E"))
+        ]
+        for p in prefixes
+    ]
     routers = [TensorMap("blocks/moe/router", p + "gate.weight", "T1") for p in prefixes]
     maps = [dataclasses.replace(routers[0], alt=tuple(routers[1:]))]
     for first, *others in zip(*per_expert, *fused):
@@ -340,21 +419,36 @@ def moe_keys(hf: dict, source: str, experts: int, width_key: str, router_norm: b
     router_aux_loss_coef weighs the balance loss."""
     spelled = {k: hf[k] for k in ("num_local_experts", "num_experts") if hf.get(k) is not None}
     if len(set(map(repr, spelled.values()))) > 1:
-        raise UserError(f"{source}: config.json keys 'num_local_experts' = {spelled['num_local_experts']!r:.20} and "
-                        f"'num_experts' = {spelled['num_experts']!r:.20} differ (transformers reads them as one)")
+        raise UserError(
+            f"{source}: config.json keys 'num_local_experts' = {spelled['num_local_experts']!r:.20} and "
+            f"'num_experts' = {spelled['num_experts']!r:.20} differ (transformers reads them as one)"
+        )
     experts_key = next(iter(spelled), "num_local_experts" if "num_local_experts" in hf else "num_experts")
-    given = {experts_key: next(iter(spelled.values()), None if experts_key in hf else experts),
-             "num_experts_per_tok": hf.get("num_experts_per_tok"), width_key: hf.get(width_key)}
+    given = {
+        experts_key: next(iter(spelled.values()), None if experts_key in hf else experts),
+        "num_experts_per_tok": hf.get("num_experts_per_tok"),
+        width_key: hf.get(width_key),
+    }
     for key, value in given.items():
         if not KINDS["int+"][0](value):
-            raise UserError(f"{source}: config.json has no positive '{key}' (model_type '{hf.get('model_type')}'; "
-                            f"found {shown(value)})")
+            raise UserError(
+                f"{source}: config.json has no positive '{key}' (model_type '{hf.get('model_type')}'; "
+                f"found {shown(value)})"
+            )
     if given["num_experts_per_tok"] > given[experts_key]:
-        raise UserError(f"{source}: config.json key 'num_experts_per_tok' = {given['num_experts_per_tok']}: expected "
-                        f"at most {experts_key}={given[experts_key]}")
-    out = dict(n_experts=given[experts_key], experts_per_token=given["num_experts_per_tok"],
-               expert_d_ff=given[width_key], shared_d_ff=0, router_score="softmax", router_norm=bool(router_norm),
-               capacity_factor=0.0)
+        raise UserError(
+            f"{source}: config.json key 'num_experts_per_tok' = {given['num_experts_per_tok']}: expected "
+            f"at most {experts_key}={given[experts_key]}"
+        )
+    out = dict(
+        n_experts=given[experts_key],
+        experts_per_token=given["num_experts_per_tok"],
+        expert_d_ff=given[width_key],
+        shared_d_ff=0,
+        router_score="softmax",
+        router_norm=bool(router_norm),
+        capacity_factor=0.0,
+    )
     coef = typed(hf, "router_aux_loss_coef", "float", source, None)
     if coef is not None:
         if coef < 0:

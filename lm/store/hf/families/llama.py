@@ -3,15 +3,32 @@ trained here have this shape and export as Llama."""
 
 from __future__ import annotations
 
-from lm.store.hf.families.common import (REFUSED, hf_base, llama_like, refuse, rope_config, rope_parameters, rope_to_hf,
-                                      shared_keys, window, with_defaults)
+from lm.store.hf.families.common import (
+    REFUSED,
+    hf_base,
+    llama_like,
+    refuse,
+    rope_config,
+    rope_parameters,
+    rope_to_hf,
+    shared_keys,
+    window,
+    with_defaults,
+)
 
 MODEL_TYPES = ("llama", "mistral")
 # transformers' defaults for the keys a config.json may leave out (LlamaConfig, MistralConfig)
-DEFAULTS = {"llama": dict(hidden_act="silu", max_position_embeddings=2048, rms_norm_eps=1e-6,
-                          tie_word_embeddings=False),
-            "mistral": dict(hidden_act="silu", num_key_value_heads=8, max_position_embeddings=131072, rms_norm_eps=1e-6,
-                            tie_word_embeddings=False, sliding_window=4096)}
+DEFAULTS = {
+    "llama": dict(hidden_act="silu", max_position_embeddings=2048, rms_norm_eps=1e-6, tie_word_embeddings=False),
+    "mistral": dict(
+        hidden_act="silu",
+        num_key_value_heads=8,
+        max_position_embeddings=131072,
+        rms_norm_eps=1e-6,
+        tie_word_embeddings=False,
+        sliding_window=4096,
+    ),
+}
 
 
 def model_config(hf: dict, source: str) -> dict:
@@ -33,8 +50,13 @@ def tensors(spec):
 def hf_config(m) -> dict:
     family = m.family or "llama"
     out = hf_base(m, "MistralForCausalLM" if family == "mistral" else "LlamaForCausalLM")
-    out |= {"model_type": family, "hidden_act": "silu", "rope_parameters": rope_to_hf(m),
-            "rope_theta": m.rope_theta, "attention_bias": False}
+    out |= {
+        "model_type": family,
+        "hidden_act": "silu",
+        "rope_parameters": rope_to_hf(m),
+        "rope_theta": m.rope_theta,
+        "attention_bias": False,
+    }
     if family == "llama":
         out["mlp_bias"] = False
     if family == "mistral":
@@ -43,9 +65,20 @@ def hf_config(m) -> dict:
 
 
 # What a model trained here must look like to be a Llama checkpoint.
-LLAMA_SHAPE = dict(mlp="swiglu", norm="rmsnorm", use_bias=False, position="rope", qkv_bias=False, qk_norm=False,
-                   post_norms=False, embed_scale=False, attn_scale=0.0, attn_softcap=0.0, final_softcap=0.0,
-                   layer_types=())
+LLAMA_SHAPE = dict(
+    mlp="swiglu",
+    norm="rmsnorm",
+    use_bias=False,
+    position="rope",
+    qkv_bias=False,
+    qk_norm=False,
+    post_norms=False,
+    embed_scale=False,
+    attn_scale=0.0,
+    attn_softcap=0.0,
+    final_softcap=0.0,
+    layer_types=(),
+)
 
 
 def unsupported(m, shape: dict = LLAMA_SHAPE, name: str = "Llama") -> list[str]:

@@ -11,15 +11,35 @@ with model.capacity_factor=0.
 
 from __future__ import annotations
 
-from lm.store.hf.families.common import (REFUSED, expert_maps, hf_base, llama_like, moe_keys, refuse, rope_config,
-                                      rope_parameters, rope_to_hf, shared_keys, window, with_defaults)
-from lm.store.hf.families.llama import LLAMA_SHAPE, unsupported as llama_unsupported
+from lm.store.hf.families.common import (
+    REFUSED,
+    expert_maps,
+    hf_base,
+    llama_like,
+    moe_keys,
+    refuse,
+    rope_config,
+    rope_parameters,
+    rope_to_hf,
+    shared_keys,
+    window,
+    with_defaults,
+)
+from lm.store.hf.families.llama import LLAMA_SHAPE
+from lm.store.hf.families.llama import unsupported as llama_unsupported
 
 MODEL_TYPES = ("mixtral",)
 LAYER = "model.layers.{i}."
 # transformers' defaults for the keys a config.json may leave out (MixtralConfig; RoPE base 1e6)
-DEFAULTS = dict(hidden_act="silu", num_key_value_heads=8, max_position_embeddings=131072, rms_norm_eps=1e-5,
-                tie_word_embeddings=False, num_experts_per_tok=2, router_aux_loss_coef=0.001)
+DEFAULTS = dict(
+    hidden_act="silu",
+    num_key_value_heads=8,
+    max_position_embeddings=131072,
+    rms_norm_eps=1e-5,
+    tie_word_embeddings=False,
+    num_experts_per_tok=2,
+    router_aux_loss_coef=0.001,
+)
 ROPE_THETA = 1e6
 
 
@@ -41,11 +61,18 @@ def tensors(spec):
 
 def hf_config(m) -> dict:
     out = hf_base(m, "MixtralForCausalLM")
-    out |= {"model_type": "mixtral", "hidden_act": "silu", "rope_parameters": rope_to_hf(m),
-            "rope_theta": m.rope_theta, "intermediate_size": m.expert_d_ff or m.d_ff,
-            "num_local_experts": m.n_experts, "num_experts_per_tok": m.experts_per_token,
-            "router_aux_loss_coef": m.moe_balance_coef, "router_jitter_noise": 0.0,
-            "sliding_window": m.sliding_window if "local" in m.layer_types else None}
+    out |= {
+        "model_type": "mixtral",
+        "hidden_act": "silu",
+        "rope_parameters": rope_to_hf(m),
+        "rope_theta": m.rope_theta,
+        "intermediate_size": m.expert_d_ff or m.d_ff,
+        "num_local_experts": m.n_experts,
+        "num_experts_per_tok": m.experts_per_token,
+        "router_aux_loss_coef": m.moe_balance_coef,
+        "router_jitter_noise": 0.0,
+        "sliding_window": m.sliding_window if "local" in m.layer_types else None,
+    }
     return out
 
 

@@ -3,13 +3,33 @@
 
 from __future__ import annotations
 
-from lm.store.hf.families.common import (REFUSED, hf_base, layer_types, llama_like, refuse, rope_config, rope_parameters,
-                                      rope_to_hf, shared_keys, typed, window, with_defaults)
+from lm.store.hf.families.common import (
+    REFUSED,
+    hf_base,
+    layer_types,
+    llama_like,
+    refuse,
+    rope_config,
+    rope_parameters,
+    rope_to_hf,
+    shared_keys,
+    typed,
+    window,
+    with_defaults,
+)
 
 MODEL_TYPES = ("qwen2", "qwen3")
 # transformers' defaults for the keys a config.json may leave out (Qwen2Config, Qwen3Config)
-QWEN2 = dict(hidden_act="silu", num_key_value_heads=32, max_position_embeddings=32768, rms_norm_eps=1e-6,
-             tie_word_embeddings=False, use_sliding_window=False, sliding_window=4096, max_window_layers=28)
+QWEN2 = dict(
+    hidden_act="silu",
+    num_key_value_heads=32,
+    max_position_embeddings=32768,
+    rms_norm_eps=1e-6,
+    tie_word_embeddings=False,
+    use_sliding_window=False,
+    sliding_window=4096,
+    max_window_layers=28,
+)
 DEFAULTS = {"qwen2": QWEN2, "qwen3": QWEN2 | dict(head_dim=128, attention_bias=False)}
 
 
@@ -33,8 +53,13 @@ def tensors(spec):
 def hf_config(m) -> dict:
     qwen3 = m.family == "qwen3"
     out = hf_base(m, "Qwen3ForCausalLM" if qwen3 else "Qwen2ForCausalLM")
-    out |= {"hidden_act": "silu", "rope_parameters": rope_to_hf(m), "rope_theta": m.rope_theta,
-            "use_sliding_window": False, "sliding_window": None}
+    out |= {
+        "hidden_act": "silu",
+        "rope_parameters": rope_to_hf(m),
+        "rope_theta": m.rope_theta,
+        "use_sliding_window": False,
+        "sliding_window": None,
+    }
     if qwen3:
         out["attention_bias"] = False
     return out

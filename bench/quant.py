@@ -106,7 +106,7 @@ def decode_speed(built, params: dict, prompts: list, batch: int, new: int, round
 
 def demo(args) -> tuple[dict, dict, dict, list]:
     """(built, params variants, quality, prompts) of a trained model."""
-    from lm.data.chat import ChatTemplate
+    from lm.data.chat import ChatTemplate, prompt_ids
     from lm.eval.answers import read_conversations
     from lm.eval.suite import HELDOUT_TOKENS, pretraining_shards
     from lm.store.load import load_trained
@@ -125,7 +125,7 @@ def demo(args) -> tuple[dict, dict, dict, list]:
         loaded.config.eval.batch_size,
     )
     template = ChatTemplate.for_tokenizer(loaded.tokenizer)
-    prompts = [[int(t) for t in template.prompt(c[:-1])] for c in read_conversations(args.task, 64)]
+    prompts = [prompt_ids(template, c[:-1]) for c in read_conversations(args.task, 64)]
     return built, params, scores, prompts
 
 

@@ -42,7 +42,7 @@ import jax.numpy as jnp  # noqa: E402
 import numpy as np  # noqa: E402
 
 from lm.config import base_config  # noqa: E402
-from lm.data.chat import ChatTemplate  # noqa: E402
+from lm.data.chat import ChatTemplate, prompt_ids  # noqa: E402
 from lm.infer.generate import Generation, Generator, generation_context  # noqa: E402
 from lm.infer.sampling import SamplingParams, choose  # noqa: E402
 from lm.infer.speculative import NGRAM, DraftModel, SpeculativeDecoder, _decoding, on_one_device  # noqa: E402
@@ -102,7 +102,7 @@ class DensePlain:
 
 def chat_prompts(path: str, n: int, template) -> list[list[int]]:
     rows = [json.loads(line) for line in pathlib.Path(path).read_text().splitlines() if line.strip()][:n]
-    return [[int(t) for t in template.prompt(r["messages"][:-1])] for r in rows]  # up to the last user turn
+    return [prompt_ids(template, r["messages"][:-1]) for r in rows]  # up to the last user turn
 
 
 class Method:

@@ -37,6 +37,19 @@ def with_overrides(sub, name: str, **kw) -> argparse.ArgumentParser:
     return sub.add_parser(name, epilog=OVERRIDES_HELP, formatter_class=argparse.RawDescriptionHelpFormatter, **kw)
 
 
+RUN_HELP = "a run's workdir (`lm train`, `lm sft`, `lm dpo`, `lm rl`, ...): its newest checkpoint"
+MODEL_HELP = "an `lm export` (a directory or a .safetensors file) or a Hugging Face model directory"
+
+
+def add_model_source(p, required: bool = True, run: str = RUN_HELP, params: str = MODEL_HELP):
+    """The model a verb reads: --workdir RUN or --params EXPORT_OR_HF_DIR (lm.store.load.load_trained
+    takes either). Returns the group, for verbs that add a third choice."""
+    src = p.add_mutually_exclusive_group(required=required)
+    src.add_argument("--workdir", help=run)
+    src.add_argument("--params", help=params)
+    return src
+
+
 def add_distributed(p: argparse.ArgumentParser) -> None:
     """The multi-host flags every verb that runs a model takes (`start_distributed` acts on them)."""
     g = p.add_argument_group(

@@ -4,7 +4,7 @@ A line is either {"prompt": str | chat messages, ...} or a chat record {"message
 whose trailing assistant turn is taken as the reference answer (the column `answer`), so an
 `lm sft` file doubles as an RL prompt set. Every other key of the line is a column that reward
 functions receive (e.g. "answer"). Prompts are rendered with the chat template and an open
-assistant turn (lm.data.chat.ChatTemplate.prompt).
+assistant turn (lm.data.chat.prompt_ids).
 
 Bad lines (malformed JSON, no prompt) and prompts leaving no room for `max_new_tokens` in
 `seq_len` are errors naming file and line, or skipped and counted with on_bad_record=skip;
@@ -19,7 +19,7 @@ import pathlib
 import numpy as np
 
 from lm.data import provenance
-from lm.data.chat import ChatTemplate
+from lm.data.chat import ChatTemplate, prompt_ids
 from lm.data.jsonl import ONE_OBJECT, iter_jsonl
 from lm.data.preference import prompt_messages
 from lm.errors import UserError
@@ -99,7 +99,7 @@ def read_prompts(
     def parse(record):  # a UserError on the way counts as a bad line too
         try:
             prompt, messages, cols = parse_prompt(record)
-            return prompt, messages, cols, template.prompt(messages)
+            return prompt, messages, cols, prompt_ids(template, messages)
         except UserError as e:
             raise ValueError(str(e)) from None
 

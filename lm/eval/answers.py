@@ -1,7 +1,7 @@
 """Exact-match accuracy of greedy answers to held-out conversations, with the chat template.
 
 Each conversation's last turn is the reference answer (an assistant turn); the turns before it
-are rendered as the prompt (`ChatTemplate.prompt`) and the model answers with the KV-cache
+are rendered as the prompt (`lm.data.chat.prompt_ids`) and the model answers with the KV-cache
 sampler, greedily, until the end-of-turn marker. Answers and references are compared after
 trimming surrounding whitespace.
 """
@@ -12,7 +12,7 @@ import dataclasses
 
 import jax
 
-from lm.data.chat import ChatTemplate
+from lm.data.chat import ChatTemplate, prompt_ids
 from lm.data.jsonl import ONE_OBJECT, iter_jsonl
 from lm.data.sft import parse_record
 from lm.errors import UserError
@@ -50,7 +50,7 @@ def exact_match(
 ) -> dict:
     """{'exact_match', 'n', 'examples': the first `keep` (prompt, reference, answer)}."""
     template = ChatTemplate.for_tokenizer(tokenizer)
-    prompts = [template.prompt(c[:-1]) for c in conversations]
+    prompts = [prompt_ids(template, c[:-1]) for c in conversations]
     room = generation_context(model.spec) - max(len(p) for p in prompts)
     if room < 1:
         raise UserError("exact match: a held-out prompt fills the model's whole context")

@@ -6,7 +6,7 @@ import json
 
 from lm.errors import UserError
 from lm.outputs import check_out, write_text
-from lm.verb import add_distributed, is_main, start_distributed
+from lm.verb import add_distributed, add_model_source, is_main, start_distributed
 
 
 def add_parser(sub) -> None:
@@ -18,9 +18,7 @@ def add_parser(sub) -> None:
         description="Scores a run or an export on tasks given as [NAME=]PATH[?key=value&...] "
         "(lm/eval/tasks.py lists the kinds and options), or compares two reports.",
     )
-    src = p.add_mutually_exclusive_group()
-    src.add_argument("--workdir", help="an `lm train`/`sft`/`dpo`/`rl` workdir (its newest checkpoint)")
-    src.add_argument("--params", help="an `lm export` (directory or .safetensors)")
+    src = add_model_source(p, required=False)
     src.add_argument("--compare", nargs=2, metavar=("A.json", "B.json"), help="two reports side by side")
     p.add_argument("--tasks", nargs="+", default=[], help="task specs, e.g. heldout=data.jsonl mmlu=mc.jsonl?shots=5")
     p.add_argument("--out", help="write the JSON report here")

@@ -139,7 +139,9 @@ class HarnessModel(LM):
         try:
             if opening and opening[0].get("role") != "assistant":
                 raise ValueError(f"the last message has role '{opening[0].get('role')}'; expected an assistant opening")
-            ids = _ints(self._template().prompt(history))
+            from lm.data.chat import prompt_ids
+
+            ids = prompt_ids(self._template(), history)
             ids += [t for m in opening for t in _ints(self.tok.encode(m["content"]))]
         except ValueError as e:
             raise UserError(f"lm harness: chat template: {e}") from None

@@ -6,7 +6,7 @@ import json
 import os
 
 from lm.outputs import check_out, write_text
-from lm.verb import add_distributed, is_main, start_distributed
+from lm.verb import add_distributed, add_model_source, is_main, start_distributed
 
 
 def add_parser(sub) -> None:
@@ -17,9 +17,7 @@ def add_parser(sub) -> None:
         "loglikelihood_rolling, generate_until) over `lm eval`'s scoring. Local tasks: "
         "YAML files in --include-path. Needs pip install 'lm[harness]'.",
     )
-    src = p.add_mutually_exclusive_group(required=True)
-    src.add_argument("--workdir", help="a run (its newest checkpoint)")
-    src.add_argument("--params", help="an `lm export`")
+    add_model_source(p)
     p.add_argument("--tasks", required=True, help="comma-separated task names")
     p.add_argument("--include-path", help="a directory of task YAML files")
     p.add_argument("--limit", type=int, help="the first N examples of each task")

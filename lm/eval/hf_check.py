@@ -7,7 +7,7 @@ import pathlib
 
 import numpy as np
 
-from lm.data.chat import ChatTemplate
+from lm.data.chat import ChatTemplate, prompt_ids
 from lm.errors import UserError
 from lm.eval.answers import read_conversations
 from lm.infer.sampling import SamplingParams
@@ -36,7 +36,7 @@ def compare_with_transformers(workdir, export_dir, conversations_path, n: int = 
     for messages, mine in zip(conversations, ours):
         ids = tok.apply_chat_template(messages, add_generation_prompt=True, tokenize=True, return_dict=False)
         ids = list(ids["input_ids"] if isinstance(ids, dict) else ids)
-        same_ids += ids == [int(t) for t in template.prompt(messages)]
+        same_ids += ids == prompt_ids(template, messages)
         with torch.no_grad():
             out = model.generate(
                 torch.tensor([ids]),

@@ -12,7 +12,7 @@ import sys
 from lm.data.jsonl import read_jsonl
 from lm.errors import UserError
 from lm.outputs import atomic_open, check_out
-from lm.verb import add_distributed, is_main, start_distributed
+from lm.verb import add_distributed, add_model_source, is_main, start_distributed
 
 BATCH = 16  # prompts decoded together from a --prompts file
 DRAFT_K = 4  # tokens drafted per speculative step
@@ -26,9 +26,7 @@ def add_parser(sub) -> None:
         "(--params). One --prompt streams its completion to stdout; --prompts reads "
         'JSONL lines {"prompt": TEXT, ...} and writes each line back with its completion.',
     )
-    src = p.add_mutually_exclusive_group(required=True)
-    src.add_argument("--workdir", help="an `lm train` workdir (its newest checkpoint)")
-    src.add_argument("--params", help="an `lm export` output: a directory or a .safetensors file")
+    add_model_source(p)
     what = p.add_mutually_exclusive_group(required=True)
     what.add_argument("--prompt", help="one prompt; the completion streams as it is generated")
     what.add_argument("--prompts", help='a JSONL file of {"prompt": ...} objects')

@@ -9,6 +9,7 @@ import sys
 
 from lm.errors import UserError
 from lm.outputs import atomic_open, check_out
+from lm.verb import add_model_source
 
 
 def add_parser(sub) -> None:
@@ -20,9 +21,7 @@ def add_parser(sub) -> None:
         '{"prompt", "response"} or chat {"messages": [..., assistant turn]}; --pairs: '
         "preference pairs, scored on both sides, with the share ranked correctly.",
     )
-    src = p.add_mutually_exclusive_group(required=True)
-    src.add_argument("--workdir", help="an `lm reward` workdir (its newest checkpoint)")
-    src.add_argument("--params", help="an `lm export` of a reward model")
+    add_model_source(p, run="an `lm reward` workdir (its newest checkpoint)", params="an `lm export` of a reward model")
     what = p.add_mutually_exclusive_group(required=True)
     what.add_argument("--texts", help="JSONL of responses to score")
     what.add_argument("--pairs", help='JSONL preference pairs {"prompt", "chosen", "rejected"}')

@@ -7,6 +7,7 @@ from __future__ import annotations
 import re
 
 from lm.errors import UserError
+from lm.verb import add_model_source
 
 FORMATS = ("orbax", "safetensors", "hf", "peft")
 OVERWRITE_HELP = (
@@ -30,9 +31,7 @@ class Export:
     @staticmethod
     def add_parser(sub) -> None:
         ex = sub.add_parser("export", help="write a model: orbax dir, .safetensors, Hugging Face dir or PEFT adapter")
-        source = ex.add_mutually_exclusive_group(required=True)
-        source.add_argument("--workdir", help="the `lm train` workdir holding checkpoints/")
-        source.add_argument("--params", help="an `lm export` (dir or .safetensors) or a Hugging Face model directory")
+        add_model_source(ex)
         ex.add_argument("--step", type=int, help="which checkpoint of --workdir (default: the newest)")
         ex.add_argument("--out", required=True, help="a directory (orbax, hf, peft) or a file ending in .safetensors")
         ex.add_argument(

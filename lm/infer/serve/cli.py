@@ -6,6 +6,7 @@ import sys
 
 from lm.errors import UserError
 from lm.infer.serve.protocol import MAX_BODY
+from lm.verb import add_model_source
 
 GRACE_S = 30.0  # after SIGTERM/SIGINT: how long running requests may take before they are aborted
 
@@ -18,9 +19,7 @@ def add_parser(sub) -> None:
         "directory (--params) at /v1/completions, /v1/chat/completions, /v1/models and /health. "
         "SIGTERM or Ctrl-C stops taking requests, lets running ones finish (--grace) and exits 0.",
     )
-    src = p.add_mutually_exclusive_group(required=True)
-    src.add_argument("--workdir", help="an `lm train` workdir (its newest checkpoint)")
-    src.add_argument("--params", help="an `lm export` output or a Hugging Face model directory")
+    add_model_source(p)
     p.add_argument("--tokenizer", help="a tokenizer to use instead of the model's own")
     p.add_argument("--host", default="127.0.0.1", help="address to listen on (0.0.0.0: every interface)")
     p.add_argument("--port", type=int, default=8000, help="port to listen on (0: a free one)")

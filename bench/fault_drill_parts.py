@@ -157,7 +157,7 @@ def lock_holder(workdir: pathlib.Path) -> int | None:
 
 
 def final_params(workdir: pathlib.Path, step: int) -> dict:
-    from lm.store.checkpoint import read_checkpoint_params
+    from lm.store.checkpoint_read import read_checkpoint_params
 
     return read_checkpoint_params(workdir, step)[0]
 

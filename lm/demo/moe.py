@@ -15,7 +15,7 @@ import pathlib
 
 from lm.config import ConfigDict, apply_overrides, validate
 from lm.model import counts
-from lm.store.checkpoint import saved_steps
+from lm.store.checkpoint_read import saved_steps
 from lm.store.meta import init_config
 from lm.train.metrics import moe_routing, plot_runs, read_metrics
 from lm.train.pretrain import train

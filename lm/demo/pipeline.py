@@ -20,7 +20,7 @@
    held-out loss against the dense pretraining's at step 50, and its routing balance;
 11. one table: held-out response loss and exact-match accuracy of greedy answers, base vs SFT
    vs SFT-LoRA vs DPO vs GRPO vs the half-width students, then the preference evidence on held-out pairs and the RL
-   reward and KL; written to WORKDIR/demo_summary.json as well.
+   reward and KL (lm.demo.evidence); written to WORKDIR/demo_summary.json as well.
 """
 
 from __future__ import annotations
@@ -30,8 +30,9 @@ import pathlib
 
 from lm.config import load_config
 from lm.data.synthetic import write_sort_pairs, write_sort_task
-from lm.demo.moe import moe_lines, moe_pretraining
-from lm.demo.serve import serving, serving_lines
+from lm.demo.evidence import evidence
+from lm.demo.moe import moe_pretraining
+from lm.demo.serve import serving
 from lm.store.meta import init_config
 from lm.train.finetune import finetune_config
 
@@ -64,7 +65,7 @@ class _Stages:
 
     def train(self, fn, config, workdir) -> dict:
         """`fn(config, workdir, ...)`, a training stage; a stop in its loop stops the demo."""
-        from lm.store.checkpoint import saved_steps
+        from lm.store.checkpoint_read import saved_steps
         from lm.verb import Stopped
 
         workdir = pathlib.Path(workdir)
@@ -358,92 +359,3 @@ def _row(r: dict) -> dict:
         "steps": r.get("step"),
         "tokens_per_s": r.get("run_tokens_per_s"),
     }
-
-
-def evidence(summary: dict, n_heldout: int) -> str:
-    p = summary["pretrain"]
-    lines = [
-        "=== evidence ===",
-        f"pretraining: held-out loss {p['eval_loss']:.3f} nats/token vs {p['unigram_baseline']:.3f} for the "
-        "unigram baseline",
-        f"sort task, {n_heldout} held-out prompts, greedy answers with the chat template:",
-        f"  {'model':<10} {'response loss':>14} {'exact match':>12}",
-    ]
-    for name, row in summary["sft"].items():
-        loss = f"{row['response_loss']:.4f}" if row["response_loss"] is not None else "-"
-        acc = f"{row['exact_match']:.1%}" if row["exact_match"] is not None else "-"
-        lines.append(f"  {name:<10} {loss:>14} {acc:>12}")
-    if "preference" in summary:
-        lines += _preference_lines(summary["preference"], n_heldout)
-    if "rl" in summary:
-        lines += _rl_lines(summary["rl"], n_heldout)
-    if "eval" in summary:
-        from lm.eval.suite import table
-
-        lines.append(table(summary["eval"]))
-    if "distill" in summary:
-        lines += _distill_lines(summary["distill"], (summary.get("eval") or {}).get("distilled_vs_sft_half"))
-    if summary.get("tpu"):
-        t = summary["tpu"]
-        lines.append(
-            f"TPU {t['slice']} (compiled here by the TPU compiler, no TPU): the pretraining step needs "
-            f"{t['compiled_bytes'] / 2**20:.1f} MiB a chip; the planner said {t['planned_bytes'] / 2**20:.1f} MiB"
-        )
-    if "hf" in summary:
-        h = summary["hf"]
-        lines.append(
-            f"Hugging Face export (GRPO model as {h['architecture']}): transformers' greedy answers equal "
-            f"lm sample's on {h['same_answers']} of {h['n']} held-out prompts (prompt ids from "
-            f"apply_chat_template equal ours on {h['same_prompt_ids']})"
-        )
-    if "serve" in summary:
-        lines += serving_lines(summary["serve"])
-    if summary.get("moe"):
-        lines += moe_lines(summary["moe"])
-    return "\n".join(lines)
-
-
-def _rl_lines(r: dict, n: int) -> list[str]:
-    before, after = (r.get("eval_init") or {}), (r.get("eval") or {})
-    nan = float("nan")
-    return [
-        f"GRPO, {n} held-out prompts, greedy: reward (exact answer) {before.get('eval_reward', nan):.1%} -> "
-        f"{after.get('eval_reward', nan):.1%}; last step: rollout reward {r.get('reward') or nan:.3f}, "
-        f"KL to the SFT model {r.get('kl') or nan:.4f}, sampling {r.get('sampling_share') or nan:.0%} of the "
-        f"step; curves: {r.get('plot')}"
-    ]
-
-
-def _preference_lines(pref: dict, n: int) -> list[str]:
-    d, r = pref["dpo"], pref["reward"]
-    get = lambda row, key: (row or {}).get(f"eval_{key}", float("nan"))
-    return [
-        f"preference, {n} held-out pairs (answer vs a plausible wrong one):",
-        f"  {'':<32} {'SFT model':>10} {'after DPO':>10}",
-        f"  {'log p(chosen) > log p(rejected)':<32} {get(d['init'], 'logps/accuracies'):>10.1%} "
-        f"{get(d['tuned'], 'logps/accuracies'):>10.1%}",
-        f"  {'mean log p(chosen)':<32} {get(d['init'], 'logps/chosen'):>10.3f} "
-        f"{get(d['tuned'], 'logps/chosen'):>10.3f}",
-        f"  {'mean log p(rejected)':<32} {get(d['init'], 'logps/rejected'):>10.3f} "
-        f"{get(d['tuned'], 'logps/rejected'):>10.3f}",
-        f"  {'implicit reward accuracy':<32} {'-':>10} {get(d['tuned'], 'rewards/accuracies'):>10.1%}",
-        f"  {'implicit reward margin':<32} {get(d['init'], 'rewards/margins'):>10.3f} "
-        f"{get(d['tuned'], 'rewards/margins'):>10.3f}",
-        f"reward model (Bradley-Terry, from the SFT model): held-out accuracy {get(r['tuned'], 'accuracy'):.1%}, "
-        f"mean margin {get(r['tuned'], 'margin'):.3f} (untrained head: {get(r['init'], 'accuracy'):.1%})",
-    ]
-
-
-def _distill_lines(d: dict, vs: dict | None) -> list[str]:
-    nan = float("nan")
-    line = (
-        f"distillation (student d_model 64, teacher: the GRPO model, d_model 128; {d.get('steps')} steps, as "
-        f"SFT alone): held-out top-1 agreement with the teacher {d.get('top1_agreement') or nan:.1%}, "
-        f"response loss {d.get('response_loss') or nan:.4f}"
-    )
-    if vs:
-        line += (
-            f"; exact match distilled - SFT alone: {100 * vs['diff']:+.1f} pts "
-            f"[{100 * vs['ci95'][0]:+.1f}, {100 * vs['ci95'][1]:+.1f}]"
-        )
-    return [line]

@@ -40,7 +40,7 @@ from lm.model.build import build_model
 from lm.model.params import leaf_paths
 from lm.model.quant import quantize_params, quantized_tensors
 from lm.outputs import replacing, write_text
-from lm.store.checkpoint import read_checkpoint_params
+from lm.store.checkpoint_read import read_checkpoint_params
 from lm.store.load import with_base
 from lm.store.loaded import Loaded
 from lm.store.meta import copy_tokenizer, tokenizer_beside

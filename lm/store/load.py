@@ -19,8 +19,8 @@ from lm.model.build import build_model
 from lm.model.lora import merge_lora
 from lm.model.params import leaf_paths, merge_trees
 from lm.model.quant import SUFFIXES, from_tensors
-from lm.store.checkpoint import read_checkpoint_params, saved_steps
 from lm.store.checkpoint_checks import quiet_background_threads
+from lm.store.checkpoint_read import read_checkpoint_params, saved_steps
 from lm.store.hf.reader import is_hf_dir, load_hf
 from lm.store.loaded import Loaded
 from lm.store.meta import check_given, config_from, saved_config, tokenizer_beside, tokenizer_for

@@ -18,7 +18,8 @@ import jax
 from lm.errors import UserError
 from lm.model import counts
 from lm.model.params import leaf_paths
-from lm.store.checkpoint import Checkpointer, IncompatibleCheckpoint, read_meta, saved_steps
+from lm.store.checkpoint import Checkpointer, IncompatibleCheckpoint
+from lm.store.checkpoint_read import read_meta, saved_steps
 from lm.train.faults import FaultPolicy, StopSignal, agree_any
 from lm.train.identity import check_identity, flat_keys
 from lm.train.loop import Faults, LoopSpec, run_loop

@@ -5,8 +5,8 @@ import math
 
 
 def test_moe_stage_trains_beside_the_dense_run(small_base, tmp_path):
+    from lm.demo.evidence import evidence
     from lm.demo.moe import moe_pretraining
-    from lm.demo.pipeline import evidence
 
     out = moe_pretraining(tmp_path, small_base, steps=10, show_progress=False)
     config = json.loads((tmp_path / "pretrain-moe" / "config.json").read_text())

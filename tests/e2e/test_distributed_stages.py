@@ -12,7 +12,7 @@ import numpy as np
 import pytest
 
 from lm.data.synthetic import write_sort_task
-from lm.store.checkpoint import read_checkpoint_params
+from lm.store.checkpoint_read import read_checkpoint_params
 from tests.conftest import xla_flags
 from tests.e2e.test_cli_rl import COMMON
 from tests.e2e.test_distributed import free_port

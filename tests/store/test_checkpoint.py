@@ -19,8 +19,9 @@ import pytest
 
 from lm.config import base_config
 from lm.errors import UserError
-from lm.store.checkpoint import Checkpointer, IncompatibleCheckpoint, saved_steps
+from lm.store.checkpoint import Checkpointer, IncompatibleCheckpoint
 from lm.store.checkpoint_checks import seal
+from lm.store.checkpoint_read import saved_steps
 from lm.train.setup import build_run
 
 

@@ -10,8 +10,9 @@ import shutil
 import pytest
 
 from lm.cli import main
-from lm.store.checkpoint import Checkpointer, saved_steps
+from lm.store.checkpoint import Checkpointer
 from lm.store.checkpoint_checks import seal
+from lm.store.checkpoint_read import saved_steps
 from lm.train.workdir import lock_workdir
 from tests.e2e.test_cli_train import SMALL
 

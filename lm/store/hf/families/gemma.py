@@ -6,11 +6,11 @@ beside global ones, each kind with its own RoPE base (Gemma 3)."""
 from __future__ import annotations
 
 from lm.errors import UserError
-from lm.store.hf.families.common import (
+from lm.store.hf.families.common import llama_like
+from lm.store.hf.families.config_keys import (
     REFUSED,
     hf_base,
     layer_types,
-    llama_like,
     refuse,
     rope_config,
     rope_parameters,

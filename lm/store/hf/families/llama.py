@@ -3,10 +3,10 @@ trained here have this shape and export as Llama."""
 
 from __future__ import annotations
 
-from lm.store.hf.families.common import (
+from lm.store.hf.families.common import llama_like
+from lm.store.hf.families.config_keys import (
     REFUSED,
     hf_base,
-    llama_like,
     refuse,
     rope_config,
     rope_parameters,

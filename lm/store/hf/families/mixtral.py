@@ -11,11 +11,10 @@ with model.capacity_factor=0.
 
 from __future__ import annotations
 
-from lm.store.hf.families.common import (
+from lm.store.hf.families.common import expert_maps, llama_like
+from lm.store.hf.families.config_keys import (
     REFUSED,
-    expert_maps,
     hf_base,
-    llama_like,
     moe_keys,
     refuse,
     rope_config,

@@ -3,11 +3,11 @@
 
 from __future__ import annotations
 
-from lm.store.hf.families.common import (
+from lm.store.hf.families.common import llama_like
+from lm.store.hf.families.config_keys import (
     REFUSED,
     hf_base,
     layer_types,
-    llama_like,
     refuse,
     rope_config,
     rope_parameters,

@@ -10,11 +10,10 @@ computes it (it reads no `max_window_layers` for this family).
 from __future__ import annotations
 
 from lm.errors import UserError
-from lm.store.hf.families.common import (
+from lm.store.hf.families.common import expert_maps, llama_like
+from lm.store.hf.families.config_keys import (
     REFUSED,
-    expert_maps,
     hf_base,
-    llama_like,
     moe_keys,
     refuse,
     rope_config,

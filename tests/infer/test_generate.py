@@ -120,6 +120,7 @@ def test_bad_prompts_are_one_clear_line():
         Generator(model, params, GREEDY, eos_id=-1, max_len=41)
 
 
+@pytest.mark.skipif(len(jax.devices()) < 8, reason="needs 8 devices")
 def test_decoding_on_a_2x2x2_mesh_equals_one_device():
     model, params = model_params()
     one = Generator(model, params, GREEDY, eos_id=-1)(PROMPTS)

@@ -77,6 +77,11 @@ def two_steps(case):
     return init, jax.device_get(state), jax.device_get((m1, m2)), blocks_bytes
 
 
+# meshes of up to 8 devices: the simulated CPU devices of the suite (one accelerator has one)
+needs_8_devices = pytest.mark.skipif(len(jax.devices()) < 8, reason="needs 8 devices")
+
+
+@needs_8_devices
 @pytest.mark.parametrize("case", list(CASES))
 def test_pipelined_steps_match_single_device(case):
     init, ref, ref_metrics, ref_bytes = two_steps("reference")
@@ -142,6 +147,7 @@ def test_config_checks_name_the_keys():
     pipeline_config(dict(stage=4), pipeline_repeats=2)  # 8 layers, 4 micro-batches: fine
 
 
+@needs_8_devices
 def test_the_batch_is_checked_when_it_runs():
     c = pipeline_config(dict(stage=2, data=4))
     mesh = make_mesh(c.mesh)
@@ -152,6 +158,7 @@ def test_the_batch_is_checked_when_it_runs():
         jax.eval_shape(lambda p: model.apply({"params": p}, ids, ids + 1, ids), params)
 
 
+@needs_8_devices
 def test_decoding_is_never_pipelined():
     mesh = make_mesh(dict(stage=2, data=4))
     part = Partitioning(mesh, rules_table(pipeline_config()))
@@ -160,6 +167,7 @@ def test_decoding_is_never_pipelined():
     assert not is_pipelined(Partitioning(make_mesh(dict(data=8)), part.rules), decode=False)
 
 
+@needs_8_devices
 def test_decoding_on_a_stage_mesh_runs_the_plain_scan():
     """3 rows: no pipeline takes them (2 micro-batches), a prefill does."""
     c = pipeline_config(dict(stage=2, fsdp=2, tensor=2))

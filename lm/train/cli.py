@@ -35,7 +35,6 @@ class Pretrain:
 
     def run(self, args, overrides) -> int:
         from lm.config import load_config
-        from lm.process.cpu_flags import apply_cpu_defaults
 
         config = load_config(args.config, [*_option_keys(self.entry, args), *overrides])
         if args.init:
@@ -47,11 +46,7 @@ class Pretrain:
             init = str(Path(args.init).absolute())
             start = init_config(init)
             config = continued_config(config, start, init, tokenizer_source(init, start))
-        apply_cpu_defaults(config.model.compute_dtype)  # before anything imports jax
-        start_distributed(args)
-        summary = load(self.entry.stage)(config, args.workdir, resume=args.resume, show_progress=not args.no_progress)
-        if summary.get("stopped_by"):
-            raise Stopped(summary["stopped_by"], summary["step"])
+        summary = _run_stage(self.entry, config, args)
         if summary.get("nothing_to_do"):
             print(
                 f"lm: {args.workdir} already finished at step {summary['step']} (train.steps="
@@ -66,6 +61,19 @@ class Pretrain:
                 f"(unigram baseline {summary['unigram_baseline']:.4f}); see {args.workdir}/{self.entry.plot}"
             )
         return 0
+
+
+def _run_stage(entry: StageEntry, config, args) -> dict:
+    """Runs the stage on `config` (CPU flags first, then the multi-host start); a stop by signal
+    leaves as `Stopped`, which the CLI reports with the command to continue."""
+    from lm.process.cpu_flags import apply_cpu_defaults
+
+    apply_cpu_defaults(config.model.compute_dtype)  # before anything imports jax
+    start_distributed(args)
+    summary = load(entry.stage)(config, args.workdir, resume=args.resume, show_progress=not args.no_progress)
+    if summary.get("stopped_by"):
+        raise Stopped(summary["stopped_by"], summary["step"])
+    return summary
 
 
 def _option_keys(entry: StageEntry, args) -> list[str]:
@@ -116,7 +124,6 @@ class FineTune:
     def run(self, args, overrides) -> int:
         from pathlib import Path
 
-        from lm.process.cpu_flags import apply_cpu_defaults
         from lm.store.meta import init_config
         from lm.train.finetune import finetune_config
 
@@ -135,11 +142,7 @@ class FineTune:
             elif value:
                 keys[dest] = value
         config = finetune_config(init_config(init), args.config, [*elsewhere, *overrides], self.entry.section, **keys)
-        apply_cpu_defaults(config.model.compute_dtype)  # before anything imports jax
-        start_distributed(args)
-        summary = load(self.entry.stage)(config, args.workdir, resume=args.resume, show_progress=not args.no_progress)
-        if summary.get("stopped_by"):
-            raise Stopped(summary["stopped_by"], summary["step"])
+        summary = _run_stage(self.entry, config, args)
         if summary.get("nothing_to_do"):
             print(f"lm: {args.workdir} already finished at step {summary['step']}; nothing left to do", file=sys.stderr)
             return 0

@@ -14,7 +14,6 @@ ROWS is a JSON-lines file of rows {check, result (pass, FAIL or skip), figure, t
 from __future__ import annotations
 
 import argparse
-import dataclasses
 import functools
 import json
 import math
@@ -30,7 +29,7 @@ import numpy as np
 from lm.config import base_config
 from lm.model.apply import target_logprobs
 from lm.model.attention import attend, reference_attention, segment_causal_mask
-from lm.model.layers import ModelSpec
+from lm.model.spec import ModelSpec
 from lm.model.transformer import Transformer, init_params
 from lm.plan.hardware import chip_of_kind
 from lm.train.perf import measure_matmul_peak
@@ -127,8 +126,8 @@ def model_errors(attention: str, dtype: str, segment_ids, seed: int = 0) -> dict
     1's tokens change (`_leak`)."""
     b, t = segment_ids.shape
     # init_std 1/sqrt(d_model), not 0.02: attention must matter in the logits, or a leak would hide in them
-    spec = dataclasses.replace(
-        ModelSpec.from_config(base_config().model),
+    m = base_config().model
+    m.update(
         d_model=256,
         n_heads=4,
         n_kv_heads=2,
@@ -139,6 +138,7 @@ def model_errors(attention: str, dtype: str, segment_ids, seed: int = 0) -> dict
         compute_dtype=dtype,
         init_std=256**-0.5,
     )
+    spec = ModelSpec.from_config(m)
     rng = np.random.default_rng(seed)
     inputs, targets = (jnp.asarray(rng.integers(1, spec.vocab_size, (b, t)), jnp.int32) for _ in range(2))
     seg, positions = jnp.asarray(segment_ids), jnp.asarray(document_positions(segment_ids))
@@ -147,7 +147,7 @@ def model_errors(attention: str, dtype: str, segment_ids, seed: int = 0) -> dict
     changed = jnp.where(seg == 1, (inputs + 1) % spec.vocab_size, inputs)  # document 1's tokens, changed
 
     def run(impl):  # logits and grads in one program; the leak from one forward program run on both inputs
-        model = Transformer(dataclasses.replace(spec, attention=impl))
+        model = Transformer(spec.replace(attention=dict(kernel=impl)))
         logits_of = lambda p, x: model.apply({"params": p}, x, seg, positions)
 
         def loss(p):

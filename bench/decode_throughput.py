@@ -43,7 +43,7 @@ import numpy as np  # noqa: E402
 from lm.config import base_config  # noqa: E402
 from lm.infer.generate import Generator  # noqa: E402
 from lm.infer.sampling import SamplingParams  # noqa: E402
-from lm.model.layers import ModelSpec  # noqa: E402
+from lm.model.spec import ModelSpec  # noqa: E402
 from lm.model.transformer import Transformer, init_params  # noqa: E402
 from tests.reference.static_decoder import StaticGenerator  # noqa: E402
 

@@ -40,8 +40,8 @@ COMMON = [
     "--config.checkpoint.keep=3",
     "--no-progress",
 ]
-SFT = ["--config.sft.epochs=0", "--config.sft.eval_examples=4", "--config.sft.eval_max_new_tokens=6"]
-PAIRS = ["--config.pairs.epochs=0", "--config.pairs.eval_pairs=8", "--config.optim.lr=1e-3"]
+SFT = ["--config.finetune.epochs=0", "--config.finetune.eval_examples=4", "--config.finetune.eval_max_new_tokens=6"]
+PAIRS = ["--config.finetune.epochs=0", "--config.pairs.eval_pairs=8", "--config.optim.lr=1e-3"]
 RL = [
     "--config.rl.prompts_per_step=2",
     "--config.rl.group_size=4",

@@ -286,6 +286,7 @@ def check_lm(params, ckpt: pathlib.Path, n_layers: int) -> dict:
 
 def child_lm(ckpt: pathlib.Path, devices: int, sampler: Sampler, trace: bool) -> dict:
     jax = import_lm()
+    from lm.config import rules_table
     from lm.model.build import build_model
     from lm.store.hf.reader import load_hf
 
@@ -297,7 +298,7 @@ def child_lm(ckpt: pathlib.Path, devices: int, sampler: Sampler, trace: bool) ->
     config = loaded.config
     config.mesh.data, config.mesh.fsdp, config.mesh.tensor = 1, devices, 1
     sampler.mark("build_model")
-    built = build_model(config)
+    built = build_model(config, rules=rules_table(config))
     sampler.mark("place")
     if trace:
         params, out["trace"] = place_traced(built, loaded.params)

@@ -32,7 +32,7 @@ import jax  # noqa: E402
 import jax.numpy as jnp  # noqa: E402
 import numpy as np  # noqa: E402
 
-from lm.config import base_config  # noqa: E402
+from lm.config import base_config, rules_table  # noqa: E402
 from lm.infer.generate import Generator  # noqa: E402
 from lm.infer.sampling import SamplingParams  # noqa: E402
 from lm.model.build import build_model  # noqa: E402
@@ -112,7 +112,7 @@ def demo(args) -> tuple[dict, dict, dict, list]:
     from lm.store.load import load_trained
 
     loaded = load_trained(args.run, None, None)
-    built = build_model(loaded.config)
+    built = build_model(loaded.config, rules=rules_table(loaded.config))
     print(f"model {loaded.source}")
     heldout = args.heldout or pretraining_shards(pathlib.Path(args.run).parent / "pretrain")[1][0]
     params = variants(built, loaded.params, {"float": built.place(loaded.params)})
@@ -136,7 +136,7 @@ def random_model(args) -> tuple[dict, dict, dict, list]:
     for key, value in (kv.split("=") for kv in args.random.split(",")):
         old = config.model[key]
         config.model[key] = value.lower() == "true" if isinstance(old, bool) else type(old)(value)
-    built = build_model(config)
+    built = build_model(config, rules=rules_table(config))
     print(f"model random {dict(config.model.items())}")
     init = jax.jit(lambda k: nn.unbox(init_params(built.module, k)), out_shardings=built.param_shardings)
     params = init(jax.random.PRNGKey(0))

@@ -50,7 +50,7 @@ def random_model():
 
     from lm.config import base_config
     from lm.data.tokenizer import ByteTokenizer
-    from lm.model.layers import ModelSpec
+    from lm.model.spec import ModelSpec
     from lm.model.transformer import Transformer, init_params
     from lm.store.loaded import Loaded
 

@@ -47,7 +47,7 @@ from lm.infer.generate import Generation, Generator, generation_context  # noqa:
 from lm.infer.sampling import SamplingParams, choose  # noqa: E402
 from lm.infer.speculative import NGRAM, DraftModel, SpeculativeDecoder, _decoding, on_one_device  # noqa: E402
 from lm.model.cache import decode_step, init_cache  # noqa: E402
-from lm.model.layers import ModelSpec  # noqa: E402
+from lm.model.spec import ModelSpec  # noqa: E402
 from lm.model.transformer import Transformer, init_params  # noqa: E402
 from lm.store.load import load_trained  # noqa: E402
 

@@ -77,7 +77,7 @@ def make_config(dtype: str, n_layers: int = 6):
 
 def compile_seconds(dtype: str, n_layers: int) -> float:
     """Ahead-of-time compile of the full train step on abstract inputs (nothing is allocated)."""
-    return compile_train_step(make_config(dtype, n_layers), jax.devices()[:1])["compile_s"]
+    return compile_train_step("pretrain", make_config(dtype, n_layers), jax.devices()[:1])["compile_s"]
 
 
 def measure_ours(dtype: str, steps: int, warmup: int, peak: float) -> dict:

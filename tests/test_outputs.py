@@ -193,7 +193,7 @@ def test_hf_and_peft_files_get_the_umask_mode_and_keep_the_rest(tmp_path, umask0
 
     from lm.config import base_config
     from lm.data.tokenizer import load_tokenizer
-    from lm.model.layers import ModelSpec
+    from lm.model.spec import ModelSpec
     from lm.model.transformer import Transformer, init_params
     from lm.store.hf.export import export_hf, export_peft
     from lm.store.loaded import Loaded

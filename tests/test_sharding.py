@@ -17,7 +17,8 @@ import pytest
 from lm.config import base_config, rules_table
 from lm.errors import UserError
 from lm.model.apply import logits_of
-from lm.model.layers import ModelSpec, Partitioning
+from lm.model.layers import Partitioning
+from lm.model.spec import ModelSpec
 from lm.model.transformer import Transformer, init_params
 from lm.sharding import make_mesh, param_shardings, per_device_bytes
 from lm.train.losses import masked_cross_entropy

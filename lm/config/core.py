@@ -13,6 +13,7 @@ import pathlib
 
 import ml_collections
 
+from lm.config.moved import moved_message
 from lm.errors import UserError
 
 ConfigDict = ml_collections.ConfigDict
@@ -34,6 +35,11 @@ def check_choices(name: str, section, choices: dict) -> None:
 def from_section(cls, section, **given):
     """A frozen dataclass with every field read from the config section (`given` ones excepted)."""
     return cls(**given, **{f.name: section[f.name] for f in dataclasses.fields(cls) if f.name not in given})
+
+
+def _unknown(dotted: str, key: str, options, value=None) -> UserError:
+    """The error for a key the schema lacks: where it moved, else the closest known key."""
+    return UserError(moved_message(dotted, value) or f"unknown config key '{dotted}'{_suggest(key, options)}")
 
 
 def _suggest(key: str, options) -> str:
@@ -69,7 +75,7 @@ def merge(base: ConfigDict, user, prefix: str = "") -> None:
             if prefix == "mesh.rules.":  # the rule table accepts new logical names
                 base[key] = _check_type(dotted, value, ())
                 continue
-            raise UserError(f"unknown config key '{dotted}'{_suggest(key, base.keys())}")
+            raise _unknown(dotted, key, base.keys(), value)
         default = base[key]
         if isinstance(default, ConfigDict):
             if not isinstance(value, (ConfigDict, dict)):
@@ -102,6 +108,8 @@ def apply_overrides(config: ConfigDict, overrides: list[str]) -> None:
         key, sep, text = item.partition("=")
         if not sep:
             raise UserError(f"override '{item}': expected key=value, e.g. optim.lr=1e-3")
+        if message := moved_message(key):  # before the walk: a section may be gone whole
+            raise UserError(message)
         node, parts = config, key.split(".")
         for i, part in enumerate(parts):
             dotted = ".".join(parts[: i + 1])
@@ -110,7 +118,7 @@ def apply_overrides(config: ConfigDict, overrides: list[str]) -> None:
                 if last and dotted.startswith("mesh.rules."):
                     node[part] = ()
                 else:
-                    raise UserError(f"unknown config key '{dotted}'{_suggest(part, node.keys())}")
+                    raise _unknown(dotted, part, node.keys())
             if last:
                 if isinstance(node[part], ConfigDict):
                     raise UserError(f"config key '{dotted}' is a section; set one of its keys")

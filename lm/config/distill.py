@@ -1,5 +1,5 @@
 """The `distill` section (`lm distill`): a student matches a teacher's next-token distributions
-(lm.train.distill_losses). The student starts from sft.init."""
+(lm.train.distill_losses). The student starts from finetune.init."""
 
 from __future__ import annotations
 

@@ -1,6 +1,6 @@
 """The `model` section: the architecture and how it runs. Defaults are the tiny CPU model.
 
-Its frozen form is lm.model.layers.ModelSpec (the model knows no config), built by
+Its frozen form is lm.model.spec.ModelSpec (the model knows no config), built by
 `ModelSpec.from_config`; derived values such as `head_dim` are computed here, once.
 """
 

@@ -1,4 +1,4 @@
-"""The `reward` section (`lm reward`): a Bradley-Terry reward model on the pairs section's data."""
+"""The `reward` section (`lm reward`): a Bradley-Terry reward model on preference pairs (finetune.data)."""
 
 from __future__ import annotations
 

@@ -4,10 +4,10 @@ from __future__ import annotations
 
 import dataclasses
 
-from lm.config.core import ON_BAD_RECORD, from_section, require
+from lm.config.core import from_section, require
 
-# GRPO or PPO from a trained model (init) on prompts (data, eval_data: JSONL {"prompt"}
-# or chat {"messages"} lines, lm.data.prompts). A step samples group_size responses to each of
+# GRPO or PPO from a trained model (finetune.init) on prompts (finetune.data, finetune.eval_data:
+# JSONL {"prompt"} or chat {"messages"} lines, lm.data.prompts). A step samples group_size responses to each of
 # prompts_per_step prompts (max_new_tokens, temperature, top_p), scores them (rewards:
 # "module:function[=weight], file.py:function"; reward_model: an `lm reward` run or export,
 # times reward_model_weight; truncation_penalty off responses cut at max_new_tokens), then makes
@@ -21,11 +21,8 @@ from lm.config.core import ON_BAD_RECORD, from_section, require
 # (each response's mean, then the mean over responses) | dr_grpo (over responses x
 # max_new_tokens) | bnpo (over each micro-batch's tokens); importance_sampling_level: token |
 # sequence (GSPO: one ratio per response, exp of the mean log-ratio). eval_prompts held-out
-# prompts are answered greedily at every eval; eval_answers as for pairs.
+# prompts are answered greedily at every eval.
 DEFAULTS = dict(
-    init="",
-    data="",
-    eval_data="",
     algo="grpo",
     prompts_per_step=8,
     group_size=8,
@@ -50,12 +47,7 @@ DEFAULTS = dict(
     vf_coef=0.1,
     value_clip=0.2,
     whiten=True,
-    on_bad_record="error",
-    max_skipped_fraction=0.01,
     eval_prompts=256,
-    eval_answers="",
-    eval_examples=256,
-    eval_max_new_tokens=64,
 )
 
 LOSS_TYPES = ("dapo", "grpo", "dr_grpo", "bnpo")
@@ -63,7 +55,6 @@ CHOICES = dict(
     algo=("grpo", "ppo"),
     loss_type=LOSS_TYPES,
     importance_sampling_level=("token", "sequence"),
-    on_bad_record=ON_BAD_RECORD,
 )
 
 
@@ -105,8 +96,6 @@ def check(c) -> None:
         "epochs",
         "minibatches",
         "eval_prompts",
-        "eval_examples",
-        "eval_max_new_tokens",
     ):
         require(r[key] >= 1, f"rl.{key}", r[key], "expected a positive integer")
     require(
@@ -131,9 +120,3 @@ def check(c) -> None:
     )
     require(0 < r.top_p <= 1, "rl.top_p", r.top_p, "expected a fraction in (0, 1]")
     require(0 <= r.gamma <= 1 and 0 <= r.lam <= 1, "rl.gamma/rl.lam", (r.gamma, r.lam), "expected values in [0, 1]")
-    require(
-        0.0 <= r.max_skipped_fraction <= 1.0,
-        "rl.max_skipped_fraction",
-        r.max_skipped_fraction,
-        "expected a fraction in [0, 1]",
-    )

@@ -5,7 +5,7 @@ from __future__ import annotations
 
 import copy
 
-from lm.config import checkpoint, curate, data, distill, dpo, mesh, model, optim, pairs, reward, rl, sft, train
+from lm.config import checkpoint, curate, data, distill, dpo, finetune, mesh, model, optim, pairs, reward, rl, train
 from lm.config import eval as eval_
 from lm.config.core import ConfigDict, apply_overrides, check_choices, load_file, merge
 
@@ -17,7 +17,7 @@ SECTIONS = {
     "eval": eval_,
     "checkpoint": checkpoint,
     "mesh": mesh,
-    "sft": sft,
+    "finetune": finetune,
     "pairs": pairs,
     "dpo": dpo,
     "reward": reward,
@@ -60,4 +60,4 @@ def load_config(path: str | None, overrides: list[str] = ()) -> ConfigDict:
 
 def init_of(config) -> str:
     """The model a run started from (its base, for LoRA adapters): '' for pretraining from scratch."""
-    return config.sft.init or config.pairs.init or config.rl.init or config.train.init
+    return config.finetune.init or config.train.init

@@ -218,8 +218,8 @@ def check_stats(path: Path, stats: dict, settings: SftSettings) -> None:
     if read and empty / read > settings.max_skipped_fraction:
         raise UserError(
             f"{path}: {empty} of {read} pairs ({empty / read:.1%}) have a side with no response token left after "
-            f"truncation='{settings.truncation}' at seq_len={settings.seq_len} (limit pairs.max_skipped_fraction="
-            f"{settings.max_skipped_fraction}); raise data.seq_len or change pairs.truncation"
+            f"truncation='{settings.truncation}' at seq_len={settings.seq_len} (limit finetune.max_skipped_fraction="
+            f"{settings.max_skipped_fraction}); raise data.seq_len or change finetune.truncation"
         )
     if stats["pairs_kept"] == 0:
         raise UserError(

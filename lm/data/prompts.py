@@ -127,7 +127,7 @@ def read_prompts(
     if skipped > max_skipped_fraction * stats["prompts_read"]:
         raise UserError(
             f"{path}: {skipped} of {stats['prompts_read']} prompts skipped ({describe(stats)}), more "
-            f"than rl.max_skipped_fraction={max_skipped_fraction}; fix the file or raise data.seq_len"
+            f"than finetune.max_skipped_fraction={max_skipped_fraction}; fix the file or raise data.seq_len"
         )
     width = max(len(t) for t in ids)
     padded = np.zeros((len(ids), width), np.int32)
@@ -139,7 +139,7 @@ def read_prompts(
 
 def _bad(message: str, on_bad_record: str, stats: dict, key: str) -> None:
     if on_bad_record != "skip":
-        raise UserError(message + " (rl.on_bad_record=skip skips and counts such lines)")
+        raise UserError(message + " (finetune.on_bad_record=skip skips and counts such lines)")
     stats[key] += 1
 
 

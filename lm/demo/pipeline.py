@@ -39,7 +39,7 @@ from lm.train.finetune import finetune_config
 PRETRAIN_CONFIG, SFT_CONFIG, PAIRS_CONFIG = "configs/tiny.py", "configs/sft_tiny.py", "configs/pairs_tiny.py"
 RL_CONFIG = "configs/rl_tiny.py"
 REWARD = ["optim.lr=1e-3"]
-LORA = ["model.lora_rank=8", "model.lora_alpha=16.0", "optim.lr=1e-2", "sft.epochs=1.5"]
+LORA = ["model.lora_rank=8", "model.lora_alpha=16.0", "optim.lr=1e-2", "finetune.epochs=1.5"]
 HALF = ["model.d_model=64", "model.d_ff=192"]  # the distillation student: half the tiny model's width
 DISTILL = ["distill.divergence=forward_kl", "distill.temperature=1.0"]
 PRETRAIN_EVAL = ["eval.every_steps=50"]  # the held-out loss at step 50 too: the MoE stage's comparison
@@ -171,11 +171,11 @@ def _run_stages(
     keys = dict(init=sft_dir, data=str(pair_paths["train"]), eval_data=str(pair_paths["heldout"]))
     stages.start(5, "dpo", "DPO from the SFT model")
     config = finetune_config(
-        init_config(sft_dir), PAIRS_CONFIG, list(pair_overrides), "pairs", eval_answers=str(paths["heldout"]), **keys
+        init_config(sft_dir), PAIRS_CONFIG, list(pair_overrides), "dpo", eval_answers=str(paths["heldout"]), **keys
     )
     preference = {"dpo": stages.train(dpo, config, root / "dpo")}
     stages.start(6, "reward", "a reward model from the SFT model")
-    config = finetune_config(init_config(sft_dir), PAIRS_CONFIG, [*REWARD, *pair_overrides], "pairs", **keys)
+    config = finetune_config(init_config(sft_dir), PAIRS_CONFIG, [*REWARD, *pair_overrides], "reward", **keys)
     preference["reward"] = stages.train(reward, config, root / "reward")
     stages.start(7, "grpo", "GRPO from the SFT model: reward 1 for the exact answer")
     config = finetune_config(
@@ -197,7 +197,11 @@ def _run_stages(
         sft, finetune_config(init_config(half_dir), SFT_CONFIG, list(sft_overrides), **student), root / "sft-half"
     )
     config = finetune_config(
-        init_config(half_dir), SFT_CONFIG, [*DISTILL, f"distill.teacher={grpo_dir}", *sft_overrides], **student
+        init_config(half_dir),
+        SFT_CONFIG,
+        [*DISTILL, f"distill.teacher={grpo_dir}", *sft_overrides],
+        "distill",
+        **student,
     )
     distilled = stages.train(distill, config, root / "distilled")
     summary = _summary(base, runs, preference, grpo, root)

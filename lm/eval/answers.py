@@ -8,10 +8,9 @@ trimming surrounding whitespace.
 
 from __future__ import annotations
 
-import dataclasses
-
 import jax
 
+from lm.config import rules_table
 from lm.data.chat import ChatTemplate, prompt_ids
 from lm.data.jsonl import ONE_OBJECT, iter_jsonl
 from lm.data.sft import parse_record
@@ -19,8 +18,8 @@ from lm.errors import UserError
 from lm.eval.complete import completions
 from lm.infer.generate import generation_context
 from lm.model.build import build_model
-from lm.model.layers import ModelSpec
 from lm.model.lora import merge_lora
+from lm.model.spec import ModelSpec
 
 
 def read_conversations(path, limit: int = 0) -> list[list[dict]]:
@@ -75,10 +74,11 @@ def exact_match(
 def plain_model(config, params):
     """(the model of `config` without adapters on its mesh, params with any adapters folded in)."""
     m = config.model
-    built = build_model(config, spec=dataclasses.replace(ModelSpec.from_config(m), lora_rank=0))
+    built = build_model(config, rules=rules_table(config), spec=ModelSpec.from_config(m).without_lora())
     if m.lora_rank == 0:
         return built, built.place(params)
-    params = build_model(config, mesh=built.mesh).place(params)  # host or lazy leaves, shard by shard
+    # host or lazy leaves, shard by shard
+    params = build_model(config, rules=built.rules, mesh=built.mesh).place(params)
     merged = jax.jit(lambda p: merge_lora(p, m.lora_alpha, m.lora_rank), out_shardings=built.param_shardings)(params)
     return built, merged
 

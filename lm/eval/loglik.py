@@ -19,6 +19,7 @@ import jax.numpy as jnp
 import numpy as np
 from jax.sharding import NamedSharding, PartitionSpec
 
+from lm.config import rules_table
 from lm.data.pipeline import BATCH_DTYPES
 from lm.errors import UserError
 from lm.infer.session import place_params
@@ -76,7 +77,7 @@ class Scorer:
         """A trained model (lm.store.load.Loaded) on the mesh of `config` (default: its own),
         weight-quantized when asked (int8, int4)."""
         config = config or loaded.config
-        built = build_model(config)
+        built = build_model(config, rules=rules_table(config))
         batch_size = batch_size or config.eval.batch_size
         if batch_size % built.batch_shards():
             raise UserError(

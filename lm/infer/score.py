@@ -14,6 +14,7 @@ import jax.numpy as jnp
 import numpy as np
 from jax.sharding import NamedSharding, PartitionSpec
 
+from lm.config import rules_table
 from lm.data.chat import ChatTemplate
 from lm.data.jsonl import ONE_OBJECT, read_jsonl
 from lm.data.preference import prompt_messages
@@ -34,7 +35,9 @@ class RewardScorer:
                 f"{loaded.source} has no scalar head: it is not a reward model (train one with `lm reward`)"
             )
         self.loaded, self.template = loaded, ChatTemplate.for_tokenizer(loaded.tokenizer)
-        self.built = build_model(loaded.config, devices, model_fn=reward_model, mesh=mesh)
+        self.built = build_model(
+            loaded.config, devices, rules=rules_table(loaded.config), model_fn=reward_model, mesh=mesh
+        )
         self.built.check(loaded.params, loaded.source)
         self.params = self.built.place(loaded.params)
         shardings = self.built.batch_shardings({k: (1, 1) for k in ("inputs", "segment_ids", "positions")})

@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+from lm.config import rules_table
 from lm.data.chat import chat_prompts
 from lm.infer.engine.engine import EngineConfig
 from lm.infer.generate import Generator, generation_context
@@ -23,7 +24,7 @@ class Session:
     ):
         self.loaded, self.tokenizer = loaded, loaded.tokenizer
         self.config = EngineConfig(slots=slots or 16, kv_int8=kv_int8) if slots or kv_int8 else None
-        self.built = build_model(loaded.config, devices)
+        self.built = build_model(loaded.config, devices, rules=rules_table(loaded.config))
         self.built.check(loaded.params, loaded.source)
         self.params = place_params(self.built, loaded.params, quantize)
         self._generators: dict = {}

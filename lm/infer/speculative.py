@@ -38,9 +38,9 @@ from lm.infer.generate import Generation, generation_context
 from lm.infer.sampling import SamplingParams, choose
 from lm.infer.spec_verify import accept_drafts, draw, ngram_drafts, probs_of
 from lm.model.cache import decode_step, init_cache
-from lm.model.layers import ModelSpec
 from lm.model.paged import Paging
 from lm.model.params import check_fits
+from lm.model.spec import ModelSpec
 from lm.model.transformer import Transformer, init_params, unstack_layers
 from lm.sharding import place_leaf
 

@@ -20,12 +20,12 @@ def forward(model, params, batch, rng=None, output: str = "logits"):
     mixture-of-experts layers' routing statistics ({name: [n_layers]}; empty for a dense model).
     A trained model's loss adds them with `add_aux`."""
     spec = getattr(model, "spec", None)
-    dropout = rng is not None and getattr(spec, "lora_dropout", 0) > 0
+    dropout = rng is not None and spec is not None and spec.lora.dropout > 0
     kw = {"rngs": {"dropout": rng}} if dropout else {}
     if output != "logits":
         kw["output"] = output
     args = ({"params": params}, batch["inputs"], batch["segment_ids"], batch["positions"])
-    if not getattr(spec, "n_experts", 0):
+    if spec is None or not spec.moe.n_experts:
         return model.apply(*args, **kw), {}
     out, state = model.apply(*args, mutable=["aux"], **kw)
     return out, state["aux"]["moe"][0]

@@ -14,11 +14,12 @@ import jax
 import jax.numpy as jnp
 
 from lm.model.blockwise import blockwise_attention
-from lm.model.layers import ModelSpec, Norm, Partitioning, matmul, matmuls, normal
+from lm.model.layers import Norm, Partitioning, matmul, matmuls, normal
 from lm.model.lora import lora_delta, targeted
 from lm.model.paged import POOL_AXES, SCALE_AXES, Paging, quantize_kv, read_pool, write_pool
 from lm.model.params import param
 from lm.model.rope import apply_rope
+from lm.model.spec import ModelSpec
 
 MASKED = float(jnp.finfo(jnp.float32).min)
 CACHE_AXES = ("batch", "kv_heads", "cache_length", "head_dim")
@@ -144,29 +145,30 @@ class Attention(nn.Module):
         (sliding-window) layers gets `local` (this layer's flag, traced) and pairs (global,
         local) of rope_cs and cache_mask."""
         s, dt, c = self.spec, self.spec.dtype, self.part.constrain
+        a = s.attention
         init, out_init = normal(s.init_std), normal(s.init_std / (2 * s.n_layers) ** 0.5)
 
-        heads = {"wq": (s.n_heads, "q_heads"), "wk": (s.n_kv_heads, "kv_heads"), "wv": (s.n_kv_heads, "kv_heads")}
+        heads = {"wq": (a.n_heads, "q_heads"), "wk": (a.n_kv_heads, "kv_heads"), "wv": (a.n_kv_heads, "kv_heads")}
         ws = [
-            param(self, name, init, (s.d_model, n, s.head_dim), ("embed", axis, "head_dim"))
+            param(self, name, init, (s.d_model, n, a.head_dim), ("embed", axis, "head_dim"))
             for name, (n, axis) in heads.items()
         ]
         qkv = matmuls(s, x, ["btd,dnh->btnh"] * 3, ws)  # x is kept once for the three backward products
         qkv = [
-            y + lora_delta(self, s, name, x, "btd,dnh->btnh", (s.d_model, n, s.head_dim), ("embed", axis, "head_dim"))
+            y + lora_delta(self, s, name, x, "btd,dnh->btnh", (s.d_model, n, a.head_dim), ("embed", axis, "head_dim"))
             if targeted(s, name)
             else y
             for y, (name, (n, axis)) in zip(qkv, heads.items())
         ]
-        if s.use_bias or s.qkv_bias:
+        if s.use_bias or a.qkv_bias:
             qkv = [
-                y + param(self, name + "_bias", nn.initializers.zeros, (n, s.head_dim), (axis, "head_dim")).astype(dt)
+                y + param(self, name + "_bias", nn.initializers.zeros, (n, a.head_dim), (axis, "head_dim")).astype(dt)
                 for y, (name, (n, axis)) in zip(qkv, heads.items())
             ]
         q = c(qkv[0], ("batch", "length", "act_heads", None))
         k, v = (c(y, ("batch", "length", "act_kv_heads", None)) for y in qkv[1:])
-        if s.qk_norm:
-            q, k = Norm(s, s.head_dim, name="q_norm")(q), Norm(s, s.head_dim, name="k_norm")(k)
+        if a.qk_norm:
+            q, k = Norm(s, a.head_dim, name="q_norm")(q), Norm(s, a.head_dim, name="k_norm")(k)
         if local is not None:  # this layer's half of each (global, local) pair
             pick = lambda pair: jax.tree.map(lambda g, loc: jnp.where(local, loc, g), *pair)
             rope_cs = pick(rope_cs) if rope_cs is not None else None
@@ -178,10 +180,10 @@ class Attention(nn.Module):
         elif self.decode:
             y = self._attend_cache(q, k, v, cache_slots, cache_mask)
         else:
-            window = None if local is None else jnp.where(local, s.sliding_window, x.shape[1] + 1)
-            y = attend(q, k, v, segment_ids, s.attention, window, s.attn_scale, s.attn_softcap)
+            window = None if local is None else jnp.where(local, a.sliding_window, x.shape[1] + 1)
+            y = attend(q, k, v, segment_ids, a.kernel, window, a.scale, a.softcap)
         y = c(y, ("batch", "length", "act_heads", None))
-        wo = param(self, "wo", out_init, (s.n_heads, s.head_dim, s.d_model), ("q_heads", "head_dim", "embed"))
+        wo = param(self, "wo", out_init, (a.n_heads, a.head_dim, s.d_model), ("q_heads", "head_dim", "embed"))
         if self.decode:  # heads flattened on both sides: XLA:CPU would otherwise re-lay-out wo every step
             b, t = y.shape[:2]
             out = matmul(s, "btf,fd->btd", y.reshape(b, t, -1), wo.reshape(-1, s.d_model))
@@ -189,7 +191,7 @@ class Attention(nn.Module):
             out = matmul(s, "btnh,nhd->btd", y, wo)
         if targeted(s, "wo"):
             out = out + lora_delta(
-                self, s, "wo", y, "btnh,nhd->btd", (s.n_heads, s.head_dim, s.d_model), ("q_heads", "head_dim", "embed")
+                self, s, "wo", y, "btnh,nhd->btd", (a.n_heads, a.head_dim, s.d_model), ("q_heads", "head_dim", "embed")
             )
         if s.use_bias:
             out = out + param(self, "wo_bias", nn.initializers.zeros, (s.d_model,), ("embed",)).astype(dt)
@@ -200,20 +202,20 @@ class Attention(nn.Module):
 
         The cache's length is the token count of the call that creates it (`init_cache`).
         """
-        s = self.spec
-        shape = (k.shape[0], s.n_kv_heads, k.shape[1], s.head_dim)
+        s, a = self.spec, self.spec.attention
+        shape = (k.shape[0], a.n_kv_heads, k.shape[1], a.head_dim)
         zeros = nn.with_logical_partitioning(jnp.zeros, CACHE_AXES)
         k_cache = self.variable("cache", "k", zeros, shape, s.dtype)
         v_cache = self.variable("cache", "v", zeros, shape, s.dtype)
         k_cache.value = write_cache(k_cache.value, k, slots)
         v_cache.value = write_cache(v_cache.value, v, slots)
-        return cached_attention(q, k_cache.value, v_cache.value, mask, s.attn_scale, s.attn_softcap)
+        return cached_attention(q, k_cache.value, v_cache.value, mask, a.scale, a.softcap)
 
     def _attend_pages(self, q, k, v, write, read, mask):
         """Writes this step's keys and values into the page pool, then attends to the rows each
         sequence's page table names (lm.model.paged)."""
-        s, pg = self.spec, self.paging
-        shape = (s.n_kv_heads, pg.tokens, s.head_dim)
+        s, a, pg = self.spec, self.spec.attention, self.paging
+        shape = (a.n_kv_heads, pg.tokens, a.head_dim)
         pool_dtype = jnp.int8 if pg.kv_int8 else s.dtype
         zeros = nn.with_logical_partitioning(jnp.zeros, POOL_AXES)
         k_pool = self.variable("cache", "k", zeros, shape, pool_dtype)
@@ -233,4 +235,4 @@ class Attention(nn.Module):
                 scale.value = write_pool(scale.value, scales, write)
             keys = read_pool(k_pool.value, read, k_scale.value, s.dtype, pg.in_place)
             values = read_pool(v_pool.value, read, v_scale.value, s.dtype, pg.in_place)
-        return paged_attention(q, keys, values, mask, s.attn_scale, s.attn_softcap)
+        return paged_attention(q, keys, values, mask, a.scale, a.softcap)

@@ -1,4 +1,4 @@
-"""A model on a mesh: config -> mesh, rule table, spec, module and the params' shardings.
+"""A model on a mesh: config and rule table -> mesh, spec, module and the params' shardings.
 
 Everything that runs a model builds it here: training adds an optimizer on top (lm.train.setup),
 sampling, scoring and evaluation use it as it is. Nothing here knows an optimizer.
@@ -14,12 +14,12 @@ import flax.linen as nn
 import jax
 from jax.sharding import Mesh
 
-from lm.config import rules_table
 from lm.model.apply import logits_of
-from lm.model.layers import ModelSpec, Partitioning
+from lm.model.layers import Partitioning
 from lm.model.params import check_fits, subtree
 from lm.model.qtensor import QTensor
 from lm.model.quant import place_quantized_leaf
+from lm.model.spec import ModelSpec
 from lm.model.transformer import Transformer, init_params
 from lm.sharding import batch_sharding, batch_shardings, make_mesh, param_shardings, place_leaf, split_count
 
@@ -79,13 +79,19 @@ class Built:
 
 
 def build_model(
-    config, devices=None, *, model_fn: ModelFn = Transformer, spec: ModelSpec | None = None, mesh: Mesh | None = None
+    config,
+    devices=None,
+    *,
+    rules: tuple,
+    model_fn: ModelFn = Transformer,
+    spec: ModelSpec | None = None,
+    mesh: Mesh | None = None,
 ) -> Built:
     """The model of `config.model` on the mesh of `config.mesh` (over `devices`, default all),
-    or on `mesh` when given (a frozen model beside a trained one shares its mesh). model_fn: the
-    module for a spec and its partitioning (default: the decoder); spec overrides config.model's."""
+    or on `mesh` when given (a frozen model beside a trained one shares its mesh), its activations
+    and params placed by `rules` (the config's logical-axis rule table). model_fn: the module for a
+    spec and its partitioning (default: the decoder); spec overrides config.model's."""
     mesh = mesh or make_mesh(config.mesh, devices)
-    rules = rules_table(config)
     spec = spec or ModelSpec.from_config(config.model)
     module = model_fn(spec, Partitioning(mesh, rules))
     boxed = jax.eval_shape(lambda r: init_params(module, r), jax.random.PRNGKey(0))

@@ -6,8 +6,8 @@ import flax.linen as nn
 import jax
 import jax.numpy as jnp
 
-from lm.model.layers import ModelSpec
 from lm.model.params import param
+from lm.model.spec import ModelSpec
 
 
 class ScalarHead(nn.Module):

@@ -11,98 +11,9 @@ import jax.numpy as jnp
 from jax.sharding import Mesh, NamedSharding
 
 from lm.model import cpu_kernels
-from lm.model.counts import expert_d_ff, head_dim
 from lm.model.lora import lora_delta, targeted
 from lm.model.params import param
-
-
-@dataclasses.dataclass(frozen=True)
-class ModelSpec:
-    """The model's hyperparameters as a hashable value. No field defaults: the config's model section
-    holds them; build one with `from_config` (and `dataclasses.replace`)."""
-
-    vocab_size: int
-    d_model: int
-    n_layers: int
-    n_heads: int
-    n_kv_heads: int
-    head_dim: int
-    d_ff: int
-    mlp: str
-    norm: str
-    use_bias: bool
-    position: str
-    max_seq_len: int
-    rope_theta: float
-    norm_eps: float
-    tie_embeddings: bool
-    compute_dtype: str
-    attention: str
-    remat: str
-    init_std: float
-    kernels: str  # "cpu": lm.model.cpu_kernels; "plain": einsum + autodiff; "auto": cpu on CPU
-    # low-rank adapters (lm.model.lora) on the projections named in lora_targets; 0 = none
-    lora_rank: int
-    lora_alpha: float
-    lora_dropout: float
-    lora_targets: tuple
-    # published architectures' variations (lm.config.model.ARCHITECTURE says what each does)
-    qkv_bias: bool
-    qk_norm: bool
-    post_norms: bool
-    embed_scale: bool
-    attn_scale: float
-    attn_softcap: float
-    final_softcap: float
-    sliding_window: int
-    layer_types: tuple
-    rope_local_theta: float
-    rope_scaling: str
-    rope_factor: float
-    rope_low_freq_factor: float
-    rope_high_freq_factor: float
-    rope_original_max_len: int
-    rope_beta_fast: float
-    rope_beta_slow: float
-    rope_attention_factor: float
-    rope_truncate: bool
-    # mixture of experts (lm.model.moe; lm.config.model.MOE says what each does)
-    n_experts: int
-    experts_per_token: int
-    expert_d_ff: int
-    shared_d_ff: int
-    router_score: str
-    router_norm: bool
-    capacity_factor: float
-    moe_balance_coef: float
-    moe_z_coef: float
-    # pipeline (lm.model.pipeline; stages come from the mesh)
-    pipeline_microbatches: int
-    pipeline_repeats: int
-
-    @classmethod
-    def from_config(cls, m) -> "ModelSpec":
-        fields = {f.name: m[f.name] for f in dataclasses.fields(cls)}
-        fields["head_dim"] = head_dim(m)
-        fields["expert_d_ff"] = expert_d_ff(m)
-        fields["layer_types"] = tuple(fields["layer_types"])
-        fields["lora_targets"] = tuple(fields["lora_targets"])
-        return cls(**fields)
-
-    @property
-    def has_local_layers(self) -> bool:
-        return "local" in self.layer_types
-
-    @property
-    def dtype(self):
-        return jnp.dtype(self.compute_dtype)
-
-    @property
-    def cpu_kernels(self) -> bool:
-        """Whether matmuls and norms use lm.model.cpu_kernels (resolved when traced)."""
-        if self.kernels == "auto":
-            return jax.default_backend() == "cpu"
-        return self.kernels == "cpu"
+from lm.model.spec import ModelSpec
 
 
 @dataclasses.dataclass(frozen=True)
@@ -145,13 +56,13 @@ def swiglu_down(spec: ModelSpec, gate: jax.Array, up: jax.Array, w: jax.Array) -
 
 def scale_norm(spec: ModelSpec, x: jax.Array, scale: jax.Array) -> jax.Array:
     """x normalised over its last axis (RMSNorm, or LayerNorm's centring) times scale, in float32."""
-    centered = spec.norm == "layernorm"
+    centered = spec.norm.kind == "layernorm"
     if spec.cpu_kernels:
-        return cpu_kernels.scale_norm(x, scale, centered, spec.norm_eps)
+        return cpu_kernels.scale_norm(x, scale, centered, spec.norm.eps)
     xf = x.astype(jnp.float32)
     if centered:
         xf = xf - xf.mean(-1, keepdims=True)
-    return xf * jax.lax.rsqrt((xf * xf).mean(-1, keepdims=True) + spec.norm_eps) * scale
+    return xf * jax.lax.rsqrt((xf * xf).mean(-1, keepdims=True) + spec.norm.eps) * scale
 
 
 def normal(std: float):
@@ -170,7 +81,7 @@ class Norm(nn.Module):
         s, dim = self.spec, self.dim or self.spec.d_model
         scale = param(self, "scale", nn.initializers.ones, (dim,), ("norm",))
         y = scale_norm(s, x, scale)
-        if s.norm == "layernorm" and s.use_bias:
+        if s.norm.kind == "layernorm" and s.use_bias:
             y = y + param(self, "bias", nn.initializers.zeros, (dim,), ("norm",))
         return y.astype(s.dtype)
 
@@ -188,25 +99,25 @@ class Mlp(nn.Module):
         names_in, names_out = ("embed", "mlp"), ("mlp", "embed")
 
         def dense_in(*names):
-            ws = [param(self, n, init, (s.d_model, s.d_ff), names_in) for n in names]
+            ws = [param(self, n, init, (s.d_model, s.mlp.d_ff), names_in) for n in names]
             hs = matmuls(s, x, ["btd,df->btf"] * len(names), ws)
             hs = [
-                h + lora_delta(self, s, n, x, "btd,df->btf", (s.d_model, s.d_ff), names_in) if targeted(s, n) else h
+                h + lora_delta(self, s, n, x, "btd,df->btf", (s.d_model, s.mlp.d_ff), names_in) if targeted(s, n) else h
                 for n, h in zip(names, hs)
             ]
             if s.use_bias:
                 hs = [
-                    h + param(self, n + "_bias", nn.initializers.zeros, (s.d_ff,), ("mlp",)).astype(dt)
+                    h + param(self, n + "_bias", nn.initializers.zeros, (s.mlp.d_ff,), ("mlp",)).astype(dt)
                     for n, h in zip(names, hs)
                 ]
             return [self.part.constrain(h, ("batch", "length", "act_mlp")) for h in hs]
 
-        w_out = lambda: param(self, "w_down", out_init, (s.d_ff, s.d_model), names_out)
-        if s.mlp == "swiglu":
+        w_out = lambda: param(self, "w_down", out_init, (s.mlp.d_ff, s.d_model), names_out)
+        if s.mlp.kind == "swiglu":
             gate, up = dense_in("w_gate", "w_up")
             y = swiglu_down(s, gate, up, w_out())
             hidden = lambda: (nn.silu(gate.astype(jnp.float32)) * up.astype(jnp.float32)).astype(dt)
-        elif s.mlp == "geglu":  # gelu (tanh approximation) gate, as Gemma's
+        elif s.mlp.kind == "geglu":  # gelu (tanh approximation) gate, as Gemma's
             gate, up = dense_in("w_gate", "w_up")
             h = (nn.gelu(gate.astype(jnp.float32), approximate=True) * up.astype(jnp.float32)).astype(dt)
             y = matmul(s, "btf,fd->btd", h, w_out())
@@ -216,7 +127,7 @@ class Mlp(nn.Module):
             y = matmul(s, "btf,fd->btd", h, w_out())
             hidden = lambda: h
         if targeted(s, "w_down"):
-            y = y + lora_delta(self, s, "w_down", hidden(), "btf,fd->btd", (s.d_ff, s.d_model), names_out)
+            y = y + lora_delta(self, s, "w_down", hidden(), "btf,fd->btd", (s.mlp.d_ff, s.d_model), names_out)
         if s.use_bias:
             y = y + param(self, "w_down_bias", nn.initializers.zeros, (s.d_model,), ("embed",)).astype(dt)
         return self.part.constrain(y, ("batch", "length", "act_embed"))

@@ -22,7 +22,7 @@ SUFFIX_A, SUFFIX_B = "_lora_a", "_lora_b"
 
 
 def targeted(spec, name: str) -> bool:
-    return spec.lora_rank > 0 and name in spec.lora_targets
+    return spec.lora.rank > 0 and name in spec.lora.targets
 
 
 def _axes(einsum_spec: str) -> tuple[str, str, str, str]:
@@ -39,11 +39,11 @@ def _axes(einsum_spec: str) -> tuple[str, str, str, str]:
 def lora_delta(module: nn.Module, spec, name: str, x: jax.Array, einsum_spec: str, w_shape, w_names):
     """(alpha / r) * dropout(x) A B for the weight `name` of `module`, in x's dtype.
 
-    Dropout (spec.lora_dropout) applies only when the module was given a 'dropout' rng (training).
+    Dropout (spec.lora.dropout) applies only when the module was given a 'dropout' rng (training).
     """
     xs, k, o, out = _axes(einsum_spec)
     ws = k + o
-    r = spec.lora_rank
+    r = spec.lora.rank
     shape_of = lambda axes: tuple(w_shape[ws.index(c)] for c in axes)
     names_of = lambda axes: tuple(w_names[ws.index(c)] for c in axes)
     fan_in = int(np.prod(shape_of(k)))
@@ -51,13 +51,13 @@ def lora_delta(module: nn.Module, spec, name: str, x: jax.Array, einsum_spec: st
     init_a = lambda key, shape, dtype: jax.random.uniform(key, shape, dtype, -1.0, 1.0) / fan_in**0.5
     a = param(module, name + SUFFIX_A, init_a, shape_of(k) + (r,), names_of(k) + ("lora_rank",))
     b = param(module, name + SUFFIX_B, nn.initializers.zeros, (r,) + shape_of(o), ("lora_rank",) + names_of(o))
-    if spec.lora_dropout > 0 and module.has_rng("dropout"):
-        keep = jax.random.bernoulli(module.make_rng("dropout"), 1.0 - spec.lora_dropout, x.shape)
-        x = jnp.where(keep, x / (1.0 - spec.lora_dropout), 0).astype(x.dtype)
+    if spec.lora.dropout > 0 and module.has_rng("dropout"):
+        keep = jax.random.bernoulli(module.make_rng("dropout"), 1.0 - spec.lora.dropout, x.shape)
+        x = jnp.where(keep, x / (1.0 - spec.lora.dropout), 0).astype(x.dtype)
     free = "".join(c for c in xs if c not in k)
     h = jnp.einsum(f"{xs},{k}z->{free}z", x, a.astype(x.dtype), preferred_element_type=jnp.float32)
     y = jnp.einsum(f"{free}z,z{o}->{out}", h.astype(x.dtype), b.astype(x.dtype), preferred_element_type=jnp.float32)
-    return (y * (spec.lora_alpha / r)).astype(x.dtype)
+    return (y * (spec.lora.alpha / r)).astype(x.dtype)
 
 
 def is_adapter(path) -> bool:

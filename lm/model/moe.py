@@ -19,7 +19,6 @@ and the dropped assignments. Padding tokens (segment 0) count in none of them.
 
 from __future__ import annotations
 
-import dataclasses
 import functools
 import math
 
@@ -28,8 +27,9 @@ import jax
 import jax.numpy as jnp
 from jax.sharding import PartitionSpec as P
 
-from lm.model.layers import Mlp, ModelSpec, Partitioning, normal
+from lm.model.layers import Mlp, Partitioning, normal
 from lm.model.params import param
+from lm.model.spec import ModelSpec
 from lm.sharding import split_count
 
 EXPERT_IN = ("expert", "embed", "expert_mlp")
@@ -39,20 +39,20 @@ EXPERT_OUT = ("expert", "expert_mlp", "embed")
 def route(spec: ModelSpec, logits: jax.Array):
     """Router logits [N, E] float32 -> (weights [N, k], experts [N, k] int32, probs [N, E]):
     probs are the scores normalised over all experts (softmax, or sigmoid scores over their sum)."""
-    if spec.router_score == "sigmoid":
+    if spec.moe.router_score == "sigmoid":
         scores = jax.nn.sigmoid(logits)
         probs = scores / jnp.sum(scores, -1, keepdims=True)
     else:
         scores = probs = jax.nn.softmax(logits, -1)
-    weights, experts = jax.lax.top_k(scores, spec.experts_per_token)
-    if spec.router_norm:
+    weights, experts = jax.lax.top_k(scores, spec.moe.experts_per_token)
+    if spec.moe.router_norm:
         weights = weights / jnp.sum(weights, -1, keepdims=True)
     return weights, experts.astype(jnp.int32), probs
 
 
 def capacity(spec: ModelSpec, group_len: int) -> int:
     """Assignments one expert takes from a group of `group_len` tokens."""
-    return max(1, math.ceil(spec.capacity_factor * group_len * spec.experts_per_token / spec.n_experts))
+    return max(1, math.ceil(spec.moe.capacity_factor * group_len * spec.moe.experts_per_token / spec.moe.n_experts))
 
 
 def _swiglu(spec: ModelSpec, x, w_gate, w_up, w_down, dot):
@@ -92,7 +92,7 @@ def sharded_dropless(spec: ModelSpec, part: Partitioning, x, weights, experts, w
     batch, embed, expert = (_mesh_axes(part.rules, n) for n in ("batch", "embed", "expert"))
     moved = tuple(a for a in expert if a in batch)  # rows split over these: gathered, then scattered back
     summed = tuple(a for a in expert if a not in batch)  # rows replicated over these: outputs summed
-    held = spec.n_experts // split_count(part.mesh, expert)
+    held = spec.moe.n_experts // split_count(part.mesh, expert)
     rows = P(batch or None, None)
     w_in, w_out = P(expert or None, embed or None, None), P(expert or None, None, embed or None)
 
@@ -115,7 +115,7 @@ def sharded_dropless(spec: ModelSpec, part: Partitioning, x, weights, experts, w
         axis_names=set(batch + embed + expert),
         check_vma=False,
     )
-    firsts = jnp.arange(0, spec.n_experts, held, dtype=jnp.int32)  # each expert shard's first expert
+    firsts = jnp.arange(0, spec.moe.n_experts, held, dtype=jnp.int32)  # each expert shard's first expert
     # jitted: an eager partly-manual shard_map (e.g. an init outside jit) fails in jax 0.10
     return jax.jit(run)(firsts, x, weights, experts, w_gate, w_up, w_down)
 
@@ -124,10 +124,10 @@ def with_capacity(spec: ModelSpec, part: Partitioning, x, weights, experts, real
     """x [G, S, d], weights/experts [G, S, k], real [G, S] -> ([G, S, d], dropped assignments)."""
     g, s, k = experts.shape
     c = capacity(spec, s)
-    onehot = jax.nn.one_hot(experts, spec.n_experts, dtype=jnp.int32) * (real[..., None, None] > 0)  # [G, S, k, E]
-    by_choice = onehot.transpose(0, 2, 1, 3).reshape(g, k * s, spec.n_experts)  # first choices first
+    onehot = jax.nn.one_hot(experts, spec.moe.n_experts, dtype=jnp.int32) * (real[..., None, None] > 0)  # [G, S, k, E]
+    by_choice = onehot.transpose(0, 2, 1, 3).reshape(g, k * s, spec.moe.n_experts)  # first choices first
     slot = (jnp.cumsum(by_choice, axis=1) - 1) * by_choice
-    slot = slot.reshape(g, k, s, spec.n_experts).transpose(0, 2, 1, 3)
+    slot = slot.reshape(g, k, s, spec.moe.n_experts).transpose(0, 2, 1, 3)
     kept = (onehot > 0) & (slot < c)
     dispatch = jax.nn.one_hot(jnp.where(kept, slot, c), c, dtype=x.dtype)  # [G, S, k, E, C]; c = nowhere
     combine = jnp.einsum("gskec,gsk->gsec", dispatch.astype(jnp.float32), weights)
@@ -142,7 +142,7 @@ def with_capacity(spec: ModelSpec, part: Partitioning, x, weights, experts, real
 
 def layer_stats(spec: ModelSpec, logits, probs, experts, real, dropped) -> dict:
     """Scalars of one layer over its real tokens (see the module doc)."""
-    e, k = spec.n_experts, spec.experts_per_token
+    e, k = spec.moe.n_experts, spec.moe.experts_per_token
     n_real = jnp.maximum(jnp.sum(real), 1.0)
     assigned = jnp.sum(jax.nn.one_hot(experts, e, dtype=jnp.float32) * real[:, None, None], axis=(0, 1))
     share = assigned / (n_real * k)  # f_e
@@ -170,7 +170,7 @@ class MoE(nn.Module):
     def __call__(self, x: jax.Array, segment_ids: jax.Array):
         s = self.spec
         b, t, d = x.shape
-        f, e = s.expert_d_ff, s.n_experts
+        f, e = s.moe.expert_d_ff, s.moe.n_experts
         init, out_init = normal(s.init_std), normal(s.init_std / (2 * s.n_layers) ** 0.5)
         router = param(self, "router", init, (d, e), ("embed", "router"))
         w_gate = param(self, "w_gate", init, (e, d, f), EXPERT_IN)
@@ -179,7 +179,7 @@ class MoE(nn.Module):
         logits = jnp.einsum("btd,de->bte", x.astype(jnp.float32), router.astype(jnp.float32))
         weights, experts, probs = route(s, logits)
         real = (segment_ids != 0).astype(jnp.float32)
-        if s.capacity_factor > 0:
+        if s.moe.capacity_factor > 0:
             y, dropped = with_capacity(s, self.part, x, weights, experts, real, w_gate, w_up, w_down)
         else:
             mesh, rules = self.part.mesh, self.part.rules
@@ -192,8 +192,8 @@ class MoE(nn.Module):
             ).reshape(b, t, d)
             dropped = jnp.zeros((), jnp.float32)
         y = y.astype(s.dtype)
-        if s.shared_d_ff:
-            shared = dataclasses.replace(s, d_ff=s.shared_d_ff, use_bias=False, lora_rank=0)
+        if s.moe.shared_d_ff:
+            shared = s.replace(mlp=dict(d_ff=s.moe.shared_d_ff), use_bias=False, lora=dict(rank=0))
             y = y + Mlp(shared, self.part, name="shared")(x)
         stats = layer_stats(
             s, logits.reshape(b * t, e), probs.reshape(b * t, e), experts.reshape(b * t, -1), real.reshape(-1), dropped
@@ -207,7 +207,7 @@ def aux_sums(spec: ModelSpec, stats: dict, count) -> tuple[jax.Array, dict]:
     loss's own `count`, so after the step divides by the global count it is the count-weighted
     mean over micro-batches (within one micro-batch the statistics are over all devices' rows)."""
     balance, z = jnp.mean(stats["balance"]), jnp.mean(stats["router_z"])
-    objective = count * (spec.moe_balance_coef * balance + spec.moe_z_coef * z)
+    objective = count * (spec.moe.balance_coef * balance + spec.moe.z_coef * z)
     sums = {
         "moe_balance_sum": count * balance,
         "moe_router_z_sum": count * z,

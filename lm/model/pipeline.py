@@ -44,7 +44,7 @@ def stages_of(part) -> int:
 
 def microbatches(spec, stages: int) -> int:
     """The pipeline's micro-batches: model.pipeline_microbatches, 0 meaning one per stage."""
-    return spec.pipeline_microbatches or stages
+    return spec.pipeline.microbatches or stages
 
 
 def bubble_fraction(stages: int, microbatches: int = 0, repeats: int = 1) -> float:
@@ -78,10 +78,10 @@ def batch_shards(part) -> int:
 
 def check(spec, stages: int, rows: int, shards: int = 1) -> None:
     """UserError unless `rows` batch rows can run through a pipeline of `stages`."""
-    r, m = spec.pipeline_repeats, microbatches(spec, stages)
-    if spec.n_experts:
+    r, m = spec.pipeline.repeats, microbatches(spec, stages)
+    if spec.moe.n_experts:
         raise UserError(
-            f"mixture-of-experts layers (model.n_experts={spec.n_experts}) cannot be pipelined yet: "
+            f"mixture-of-experts layers (model.n_experts={spec.moe.n_experts}) cannot be pipelined yet: "
             f"set mesh.stage=1 (it is {stages})"
         )
     if spec.n_layers % (stages * r):
@@ -143,7 +143,7 @@ def pipeline_blocks(module: nn.Module, block_cls, policy, x, segment_ids, rope_c
     block_cls(spec, part) is one layer (returning (x, aux)); policy: its remat policy or None.
     """
     spec, part = module.spec, module.part
-    stages, repeats = stages_of(part), spec.pipeline_repeats
+    stages, repeats = stages_of(part), spec.pipeline.repeats
     m = microbatches(spec, stages)
     check(spec, stages, x.shape[0], batch_shards(part))
     axes = nn.logical_to_mesh_axes(("stage",), part.rules)[0]

@@ -112,8 +112,10 @@ def _map_named(fn, tree: dict, *rest: dict, path: tuple = ()) -> dict:
 def _check_inputs(path: tuple, shape: tuple, spec) -> None:
     """A quantized weight's contracting size must be the spec's: params of another model fail here."""
     name = path[-1]
-    d_ff = spec.shared_d_ff if "shared" in path else spec.expert_d_ff if "moe" in path else spec.d_ff
-    want = spec.n_heads * spec.head_dim if name == "wo" else d_ff if name == "w_down" else spec.d_model
+    d_ff = spec.moe.shared_d_ff if "shared" in path else spec.moe.expert_d_ff if "moe" in path else spec.mlp.d_ff
+    want = (
+        spec.attention.n_heads * spec.attention.head_dim if name == "wo" else d_ff if name == "w_down" else spec.d_model
+    )
     axis, n_k = CONTRACTING[name]
     got = math.prod(shape[len(shape) + axis : len(shape) + axis + n_k])
     if got != want:

@@ -82,28 +82,29 @@ def _yarn(base, head_dim, theta, factor, original_max_len, beta_fast, beta_slow,
 
 def spec_tables(spec, positions: jax.Array, local: bool = False):
     """`rope_tables` for a ModelSpec's global layers, or for its local (sliding-window) layers:
-    their own base (rope_local_theta), never scaled."""
+    their own base (rope.local_theta), never scaled."""
     if local:
-        return rope_tables(positions, spec.head_dim, spec.rope_local_theta or spec.rope_theta)
-    if spec.rope_scaling == "none":
-        return rope_tables(positions, spec.head_dim, spec.rope_theta)
-    return rope_tables(positions, spec.head_dim, spec.rope_theta, *spec_frequencies(spec))
+        return rope_tables(positions, spec.attention.head_dim, spec.rope.local_theta or spec.rope.theta)
+    if spec.rope.scaling == "none":
+        return rope_tables(positions, spec.attention.head_dim, spec.rope.theta)
+    return rope_tables(positions, spec.attention.head_dim, spec.rope.theta, *spec_frequencies(spec))
 
 
 def spec_frequencies(spec) -> tuple[np.ndarray, float]:
     """The scaled frequencies of a ModelSpec's global layers and their cos/sin factor."""
+    r = spec.rope
     return inv_frequencies(
-        spec.head_dim,
-        spec.rope_theta,
-        spec.rope_scaling,
-        spec.rope_factor,
-        spec.rope_low_freq_factor,
-        spec.rope_high_freq_factor,
-        spec.rope_original_max_len,
-        spec.rope_beta_fast,
-        spec.rope_beta_slow,
-        spec.rope_attention_factor,
-        spec.rope_truncate,
+        spec.attention.head_dim,
+        r.theta,
+        r.scaling,
+        r.factor,
+        r.low_freq_factor,
+        r.high_freq_factor,
+        r.original_max_len,
+        r.beta_fast,
+        r.beta_slow,
+        r.attention_factor,
+        r.truncate,
     )
 
 

@@ -14,12 +14,13 @@ import jax.numpy as jnp
 
 from lm.model.attention import Attention, softcap
 from lm.model.heads import ScalarHead
-from lm.model.layers import Mlp, ModelSpec, Norm, Partitioning, matmul, normal
+from lm.model.layers import Mlp, Norm, Partitioning, matmul, normal
 from lm.model.moe import MoE
 from lm.model.paged import Paging, slots_and_mask
 from lm.model.params import param
 from lm.model.pipeline import is_pipelined, pipeline_blocks
 from lm.model.rope import spec_tables
+from lm.model.spec import ModelSpec
 
 REMAT_POLICIES = {
     "full": jax.checkpoint_policies.nothing_saveable,
@@ -43,13 +44,13 @@ class Block(nn.Module):
         s = self.spec
         attn = Attention(s, self.part, self.decode, self.paging, name="attn")
         h = attn(Norm(s, name="attn_norm")(x), segment_ids, rope_cs, cache_slots, cache_mask, local)
-        x = x + (Norm(s, name="attn_post_norm")(h) if s.post_norms else h)
+        x = x + (Norm(s, name="attn_post_norm")(h) if s.norm.post_norms else h)
         h, aux = Norm(s, name="mlp_norm")(x), None
-        if s.n_experts:  # routing statistics per layer: the scan stacks them (lm.model.moe.aux_terms)
+        if s.moe.n_experts:  # routing statistics per layer: the scan stacks them (lm.model.moe.aux_terms)
             h, aux = MoE(s, self.part, name="moe")(h, segment_ids)
         else:
             h = Mlp(s, self.part, name="mlp")(h)
-        x = x + (Norm(s, name="mlp_post_norm")(h) if s.post_norms else h)
+        x = x + (Norm(s, name="mlp_post_norm")(h) if s.norm.post_norms else h)
         return x, aux
 
 
@@ -117,11 +118,11 @@ class Transformer(nn.Module):
             slots, mask = self._cache_slots_and_mask(segment_ids, positions) if decode else (None, None)
         local = None
         if s.has_local_layers:  # per-layer flags; rope tables and cache masks as (global, local) pairs
-            local = jnp.asarray([t == "local" for t in s.layer_types])
+            local = jnp.asarray([t == "local" for t in s.attention.layer_types])
             rope_cs = (rope_cs, spec_tables(s, positions, local=True)) if rope_cs is not None else None
             if decode:
                 back = positions[:, :, None] - jnp.arange(mask.shape[-1])[None, None, :]
-                mask = (mask, mask & (back < s.sliding_window))
+                mask = (mask, mask & (back < s.attention.sliding_window))
         if self.unstacked:
             for i in range(s.n_layers):
                 flag = None if local is None else local[i]

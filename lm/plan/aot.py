@@ -114,13 +114,13 @@ def compile_step(name: str, config, devices) -> Compiled:
     return out
 
 
-def compile_train_step(config, devices=None) -> dict:
-    """The pretraining step for config on `devices` (default: all of this process's): figures for
-    the benches and tests that compile on the machine they run on."""
+def compile_train_step(step: str, config, devices=None) -> dict:
+    """The registered step `step` (`lm plan --steps` names) for config on `devices` (default: all of
+    this process's): figures for the benches and tests that compile on the machine they run on."""
     devices = jax.devices() if devices is None else list(devices)
-    c = compile_step("pretrain", config, devices)
+    c = compile_step(step, config, devices)
     if c.error:
-        raise UserError(f"the train step does not compile: {c.error}")
+        raise UserError(f"the {step} step does not compile: {c.error}")
     shape = dict(zip(AXES, mesh_shape(config.mesh, len(devices))))
     return {
         "backend": devices[0].platform,

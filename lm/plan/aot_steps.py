@@ -21,12 +21,12 @@ import dataclasses
 import jax
 import numpy as np
 
-from lm.config import ConfigDict
+from lm.config import ConfigDict, rules_table
 from lm.infer.engine.engine import Engine, EngineConfig
 from lm.infer.generate import generation_context
 from lm.model.build import build_model
-from lm.model.layers import ModelSpec
 from lm.model.params import split_params
+from lm.model.spec import ModelSpec
 from lm.train.registry import compiled_step, load, step_names
 
 STEPS = step_names()  # the registry's at import (lm.train.registry.step_names: any registered since)
@@ -94,10 +94,10 @@ def _spec(config, devices) -> ModelSpec:
     the CPU kernels only on the CPU backend)."""
     spec = ModelSpec.from_config(config.model)
     on_cpu = devices[0].platform == "cpu"
-    if devices[0].platform != "gpu" and spec.attention == "cudnn":
-        spec = dataclasses.replace(spec, attention="xla")
+    if devices[0].platform != "gpu" and spec.attention.kernel == "cudnn":
+        spec = spec.replace(attention=dict(kernel="xla"))
     if spec.kernels == "auto":
-        spec = dataclasses.replace(spec, kernels="cpu" if on_cpu else "plain")
+        spec = spec.replace(kernels="cpu" if on_cpu else "plain")
     return spec
 
 
@@ -118,7 +118,7 @@ def _decode(config, devices) -> StepBuild:
     generation context in the paged pool: the program `lm sample`, `lm serve`, evaluation and RL
     rollouts decode with. Layers stay stacked (the CPU kernel path unstacks them at run time)."""
     config = with_keys(config, model__lora_rank=0)
-    built = build_model(config, devices, spec=_spec(config, devices))
+    built = build_model(config, devices, rules=rules_table(config), spec=_spec(config, devices))
     engine = Engine(
         built.module,
         max_len=generation_context(built.spec),

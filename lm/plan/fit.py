@@ -10,12 +10,11 @@ a margin is compiled to confirm. A refusal by the compiler moves on to the next 
 
 from __future__ import annotations
 
-import dataclasses
 import itertools
 
 from lm.config import ConfigDict, rules_table
 from lm.errors import UserError
-from lm.model.layers import ModelSpec
+from lm.model.spec import ModelSpec
 from lm.plan.hardware import Target
 from lm.plan.memory import estimate, mesh_sizes, param_leaves, splits
 from lm.train.registry import compiled_step
@@ -38,7 +37,7 @@ def _meshes(config, chips: int) -> list[dict]:
     own = mesh_sizes(config, chips)
     rest = own["stage"] * own["expert"]
     spec = ModelSpec.from_config(config.model)
-    leaves = param_leaves(dataclasses.replace(spec, attention="xla", kernels="plain"))
+    leaves = param_leaves(spec.replace(attention=dict(kernel="xla"), kernels="plain"))
     rules = dict(rules_table(config))
     out = [own]
     for tensor in (1, 2, 4, 8, 16):

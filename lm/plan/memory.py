@@ -49,8 +49,8 @@ from lm.config import rules_table
 from lm.errors import UserError
 from lm.infer.generate import generation_context
 from lm.model import pipeline
-from lm.model.layers import ModelSpec
 from lm.model.moe import capacity
+from lm.model.spec import ModelSpec
 from lm.model.transformer import Transformer, init_params
 from lm.sharding import AXES, mesh_shape
 from lm.train.registry import compiled_step
@@ -158,8 +158,8 @@ def estimate(config, step: str, devices: int, lora_rank: int = 16, chip=None) ->
     compiled = compiled_step(step)
     lora = compiled.lora
     spec = ModelSpec.from_config(m)
-    spec = dataclasses.replace(spec, lora_rank=(m.lora_rank or lora_rank) if lora else 0)
-    leaves = param_leaves(dataclasses.replace(spec, attention="xla", kernels="plain"))  # same params; traceable here
+    spec = spec.replace(lora=dict(rank=(m.lora_rank or lora_rank) if lora else 0))
+    leaves = param_leaves(spec.replace(attention=dict(kernel="xla"), kernels="plain"))  # same params; traceable here
     compute = np.dtype(m.compute_dtype).itemsize
     if compiled.generation:
         return _decode(config, spec, leaves, rules, mesh, compute)
@@ -182,7 +182,7 @@ def estimate(config, step: str, devices: int, lora_rank: int = 16, chip=None) ->
     if chip is not None and chip.vmem_bytes:  # temporaries this small stay in the chip's VMEM
         temps = sum(v for k, v in parts.items() if k not in ARGUMENTS)
         parts["in on-chip memory"] = -min(temps, chip.vmem_bytes)
-    parts["code"] = LOOP_CODE_BYTES if spec.n_experts or pipeline_of(config, step, mesh) else CODE_BYTES
+    parts["code"] = LOOP_CODE_BYTES if spec.moe.n_experts or pipeline_of(config, step, mesh) else CODE_BYTES
     return Estimate(parts, resident)
 
 
@@ -222,15 +222,16 @@ def pipeline_of(config, step: str, mesh: dict) -> Pipeline | None:
     stages = mesh["stage"]
     if stages == 1 or compiled_step(step).generation:
         return None
-    return Pipeline(stages, pipeline.microbatches(config.model, stages), config.model.pipeline_repeats)
+    spec = ModelSpec.from_config(config.model)
+    return Pipeline(stages, pipeline.microbatches(spec, stages), spec.pipeline.repeats)
 
 
 def activations(config, step, spec: ModelSpec, leaves, rules, mesh, c, trained_f32: int) -> dict:
     """The activation terms (see the module doc) of one micro-batch on one device."""
     r, T = batch_rows(config, step, mesh, rules), config.data.seq_len
-    d, ff, L, V = spec.d_model, spec.d_ff, spec.n_layers, spec.vocab_size
-    heads = spec.n_heads / splits(("act_heads",), rules, mesh)
-    mlp = (spec.shared_d_ff if spec.n_experts else ff) / splits(("act_mlp",), rules, mesh)  # dense or shared
+    d, ff, L, V = spec.d_model, spec.mlp.d_ff, spec.n_layers, spec.vocab_size
+    heads = spec.attention.n_heads / splits(("act_heads",), rules, mesh)
+    mlp = (spec.moe.shared_d_ff if spec.moe.n_experts else ff) / splits(("act_mlp",), rules, mesh)  # dense or shared
     vocab = V / splits(("act_vocab",), rules, mesh)
     length = T / splits(("length",), rules, mesh)
     embed = d / splits(("act_embed",), rules, mesh)
@@ -243,12 +244,12 @@ def activations(config, step, spec: ModelSpec, leaves, rules, mesh, c, trained_f
     saved = SAVED_STREAMS.get(spec.remat, SAVED_STREAMS["none"])
     lighter = spec.remat != "full"
     parts = {"saved residuals": int(saved_layers * (saved * stream + lighter * SAVED_MLP * rows * length * mlp * c))}
-    if spec.attention in ("xla", "reference", "cudnn"):
+    if spec.attention.kernel in ("xla", "reference", "cudnn"):
         parts["attention scores"] = int(rows * heads * length * T * (4 + c))  # float32 scores, probs
     elif lighter:  # blockwise keeps q, k, v and its output per layer for its backward
-        parts["saved residuals"] += int(saved_layers * 4 * rows * length * heads * spec.head_dim * c)
+        parts["saved residuals"] += int(saved_layers * 4 * rows * length * heads * spec.attention.head_dim * c)
     parts["layer backward"] = int(LAYER_WORK * rows * length * (embed + mlp) * 4)
-    if spec.n_experts:
+    if spec.moe.n_experts:
         parts |= experts(spec, rules, mesh, rows, T, c, saved_layers if lighter else 0)
     if pipe is not None:
         side = pipeline_parts(pipe, spec, leaves, rules, mesh, r, rows, length, embed, c)
@@ -277,30 +278,30 @@ def pipeline_parts(pipe: Pipeline, spec: ModelSpec, leaves, rules, mesh, r, rows
     parts["final backward"] = int(HEAD_STREAMS * r * length * embed * 4)
     parts["pipeline store"] = int(PIPELINE_STORES * r * length * embed * c)
     if spec.position == "rope":
-        parts["saved residuals"] = int(pipe.iterations * 2 * rows * length * spec.head_dim * 4)
+        parts["saved residuals"] = int(pipe.iterations * 2 * rows * length * spec.attention.head_dim * 4)
     return parts
 
 
 def expert_slots(spec: ModelSpec, rules, mesh, rows: float, seq: int) -> float:
     """Assignment slots one device runs through its experts in one layer (see the module doc)."""
     shards = splits(("batch",), rules, mesh)
-    if spec.capacity_factor > 0:  # its experts' slots for every row of the batch
-        return spec.n_experts / splits(("act_expert",), rules, mesh) * rows * shards * capacity(spec, seq)
-    return spec.experts_per_token * rows * shards * seq  # every token of the batch, sorted by expert
+    if spec.moe.capacity_factor > 0:  # its experts' slots for every row of the batch
+        return spec.moe.n_experts / splits(("act_expert",), rules, mesh) * rows * shards * capacity(spec, seq)
+    return spec.moe.experts_per_token * rows * shards * seq  # every token of the batch, sorted by expert
 
 
 def experts(spec: ModelSpec, rules, mesh, rows: float, seq: int, c: int, saved_layers: float) -> dict:
     """A mixture-of-experts layer's activations on one device: the experts' float32 work in one
     layer's backward, their saved activations under lighter remat, capacity routing's tensors."""
-    width = spec.expert_d_ff / splits(("expert_mlp",), rules, mesh)
+    width = spec.moe.expert_d_ff / splits(("expert_mlp",), rules, mesh)
     slots = expert_slots(spec, rules, mesh, rows, seq)
     embed = spec.d_model / splits(("act_embed",), rules, mesh)
-    work = EXPERT_WORK["capacity" if spec.capacity_factor > 0 else "dropless"]
+    work = EXPERT_WORK["capacity" if spec.moe.capacity_factor > 0 else "dropless"]
     parts = {"expert work": int(work * slots * (width + embed) * 4)}
     if saved_layers:
         parts["saved expert activations"] = int(saved_layers * SAVED_MLP * slots * width * c)
-    if spec.capacity_factor > 0:  # combine (float32) and dispatch [rows, seq, experts, capacity]
-        parts["routing"] = int(DISPATCH_COPIES * rows * seq * spec.n_experts * capacity(spec, seq) * (4 + c))
+    if spec.moe.capacity_factor > 0:  # combine (float32) and dispatch [rows, seq, experts, capacity]
+        parts["routing"] = int(DISPATCH_COPIES * rows * seq * spec.moe.n_experts * capacity(spec, seq) * (4 + c))
     return parts
 
 
@@ -315,8 +316,8 @@ def _decode(config, spec, leaves, rules, mesh, c) -> Estimate:
     rows = -(-config.eval.batch_size // batch)
     page = EngineConfig().page_size
     tokens = rows * batch * -(-generation_context(spec) // page) * page
-    kv = spec.n_kv_heads / splits(("kv_heads",), rules, mesh)
-    cache = int(2 * spec.n_layers * kv * tokens * spec.head_dim * c)
+    kv = spec.attention.n_kv_heads / splits(("kv_heads",), rules, mesh)
+    cache = int(2 * spec.n_layers * kv * tokens * spec.attention.head_dim * c)
     layer = sum(x.size for x in leaves if x.path.startswith("['blocks']")) / spec.n_layers
     parts = {
         "params": sum(leaf_bytes(x, rules, mesh, c) for x in leaves),

@@ -33,8 +33,9 @@ import jax
 import numpy as np
 import orbax.checkpoint as ocp
 
-from lm.config import base_config
+from lm.config import base_config, rules_table
 from lm.config import merge as merge_config
+from lm.config.moved import migrate
 from lm.errors import UserError
 from lm.model.build import build_model
 from lm.model.params import leaf_paths
@@ -65,7 +66,7 @@ def export_params(workdir, out, step: int | None = None, fmt: str | None = None,
     """Writes the params of `step` (default: newest) to `out`; returns a short summary.
 
     A LoRA run's checkpoints hold its adapters alone: they are exported alone (with the config
-    naming their base, sft.init), or with merge=True folded into the base as a plain model."""
+    naming their base, finetune.init), or with merge=True folded into the base as a plain model."""
     out, fmt = out_layout(out, fmt)
     params, meta, step = read_checkpoint_params(workdir, step)
     saved = meta.get("config") or {}
@@ -73,7 +74,7 @@ def export_params(workdir, out, step: int | None = None, fmt: str | None = None,
         if not saved.get("model", {}).get("lora_rank"):
             raise UserError(f"lm export --merge: '{workdir}' has no LoRA adapters to merge (model.lora_rank=0)")
         full = base_config()
-        merge_config(full, saved)
+        merge_config(full, migrate(saved))
         plain, params = with_base(full, params, f"run '{workdir}'")
         saved = plain.to_dict()
     config = json.dumps(saved)
@@ -139,7 +140,7 @@ def export_quantized(model: Loaded, out, mode: str) -> dict:
         config, params = with_base(config, model.params, model.source)
     else:
         params = model.params
-    built = build_model(config, jax.devices()[:1])
+    built = build_model(config, jax.devices()[:1], rules=rules_table(config))
     built.check(params, model.source)
     tensors = quantized_tensors(quantize_params(jax.tree.map(np.asarray, params), built.spec, mode))
     from safetensors.numpy import save_file

@@ -12,7 +12,7 @@ import jax
 import numpy as np
 import orbax.checkpoint as ocp
 
-from lm.config import ConfigDict, init_of
+from lm.config import ConfigDict, init_of, rules_table
 from lm.data.tokenizer import load_tokenizer
 from lm.errors import UserError
 from lm.model.build import build_model
@@ -61,7 +61,7 @@ def load_trained(
     if quantized(values):
         values = from_tensors(
             dict(zip(leaf_paths(values), jax.tree.leaves(values))),
-            build_model(config, jax.devices()[:1]).abstract_params(),
+            build_model(config, jax.devices()[:1], rules=rules_table(config)).abstract_params(),
         )
     tok = tokenizer_for(config, tokenizer_beside(path), tokenizer, source)
     if config.model.lora_rank > 0 and merge_adapters:
@@ -96,12 +96,10 @@ def _check_run(workdir: pathlib.Path, step: int | None) -> None:
 
 def with_base(config, params: dict, source: str):
     """A LoRA run's params are its adapters alone: fold them into the base it was trained from
-    (config.sft.init or config.pairs.init) -> (the config without adapters, plain params as numpy)."""
+    (finetune.init) -> (the config without adapters, plain params as numpy)."""
     if "embedding" not in params:
         if not init_of(config):
-            raise UserError(
-                f"{source} holds LoRA adapters but names no base model (sft.init, pairs.init and rl.init are empty)"
-            )
+            raise UserError(f"{source} holds LoRA adapters but names no base model (finetune.init is empty)")
         params = merge_trees(params, load_init(init_of(config)).params)
     m = config.model
     merged = jax.tree.map(np.asarray, merge_lora(params, m.lora_alpha, m.lora_rank))

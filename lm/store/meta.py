@@ -15,6 +15,7 @@ import pathlib
 import shutil
 
 from lm.config import ConfigDict, base_config, init_of, merge
+from lm.config.moved import migrate
 from lm.data.tokenizer import load_tokenizer
 from lm.errors import UserError
 from lm.outputs import copy_file, replacing
@@ -133,7 +134,7 @@ def config_from(saved: dict, source: str):
     if not saved:
         raise UserError(f"{source} carries no config; it was not written by `lm train` / `lm export`")
     config = base_config()
-    merge(config, saved)
+    merge(config, migrate(saved))  # a config saved before keys moved reads as today's
     return config
 
 

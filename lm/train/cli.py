@@ -112,7 +112,7 @@ class FineTune:
         p.add_argument(
             "--config",
             help="a config file whose get_config() sets some keys (default: built-in "
-            "fine-tuning defaults, lm/train/finetune.py FINETUNE_DEFAULTS)",
+            "fine-tuning defaults, lm/config/finetune.py)",
         )
         p.add_argument("--resume", action="store_true", help="continue from the newest checkpoint in --workdir")
         p.add_argument("--no-progress", action="store_true", help="no progress bar (logs only)")
@@ -124,6 +124,7 @@ class FineTune:
     def run(self, args, overrides) -> int:
         from pathlib import Path
 
+        from lm.config.finetune import DEFAULTS
         from lm.store.meta import init_config
         from lm.train.finetune import finetune_config
 
@@ -139,9 +140,11 @@ class FineTune:
             value = getattr(args, dest)
             if value is not None and key:  # a key of another section, set before the user's overrides
                 elsewhere.append(f"{key[0]}={str(Path(value).absolute()) if value and Path(value).exists() else value}")
-            elif value:
+            elif value and dest in DEFAULTS:
                 keys[dest] = value
-        config = finetune_config(init_config(init), args.config, [*elsewhere, *overrides], self.entry.section, **keys)
+            elif value:
+                elsewhere.append(f"{self.entry.section}.{dest}={value}")
+        config = finetune_config(init_config(init), args.config, [*elsewhere, *overrides], self.entry.name, **keys)
         summary = _run_stage(self.entry, config, args)
         if summary.get("nothing_to_do"):
             print(f"lm: {args.workdir} already finished at step {summary['step']}; nothing left to do", file=sys.stderr)

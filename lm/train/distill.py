@@ -1,7 +1,7 @@
 """`lm distill`: token-level knowledge distillation from a frozen teacher into a student, on the
 responses of chat data, as a stage (lm.train.stage) — SFT's data and report, another loss.
 
-The student starts from `sft.init` and trains on `sft.data` (chat or instruction JSONL, the
+The student starts from `finetune.init` and trains on `finetune.data` (chat or instruction JSONL, the
 assistant tokens); the teacher (`distill.teacher`, any run or export sharing the student's
 tokenizer, of any width and depth) is a frozen model held beside it on the same mesh, supplied
 on every start, never in a checkpoint. The loss is the divergence of `distill.divergence`
@@ -14,17 +14,16 @@ responses instead (GKD's on-policy mix; OnPolicyStep).
 
 from __future__ import annotations
 
-import dataclasses
-
 import jax
 import numpy as np
 
+from lm.config import rules_table
 from lm.data.chat import ChatTemplate
 from lm.data.prompts import read_prompts
 from lm.errors import UserError
 from lm.infer.sampling import SamplingParams
 from lm.model.build import build_model
-from lm.model.layers import ModelSpec
+from lm.model.spec import ModelSpec
 from lm.store.load import load_init
 from lm.train.distill_losses import distill_loss
 from lm.train.rollout import Sampler, layout
@@ -34,7 +33,7 @@ from lm.train.stage import require_data, run_stage
 
 
 class Distill(Sft):
-    verb = "distill"
+    name = "distill"
     eval_metrics = ("loss", "nll", "top1_agreement")
     response_loss = "eval_nll"  # the held-out divergence is eval_loss
 
@@ -64,7 +63,7 @@ class Distill(Sft):
                 f", shorter than the rows it must score (data.seq_len={ctx.config.data.seq_len})"
             )
         data = super().read(ctx)
-        d, s = ctx.config.distill, ctx.config.sft
+        d, s = ctx.config.distill, ctx.config.finetune
         self.prompts = None
         if d.on_policy_fraction > 0:  # the data's prompts, for the student's own responses
             self.prompts = read_prompts(
@@ -92,8 +91,8 @@ class Distill(Sft):
         return lambda m: distill_loss(m, d.divergence, d.beta, d.temperature)
 
     def frozen_slots(self, ctx) -> dict:
-        spec = dataclasses.replace(ModelSpec.from_config(self.teacher.config.model), lora_rank=0)
-        return {"teacher": lambda mesh: FrozenSlot(build_model(ctx.config, spec=spec, mesh=mesh))}
+        spec, rules = ModelSpec.from_config(self.teacher.config.model).without_lora(), rules_table(ctx.config)
+        return {"teacher": lambda mesh: FrozenSlot(build_model(ctx.config, rules=rules, spec=spec, mesh=mesh))}
 
     def sources(self, ctx) -> dict:
         """The teacher's language model (a PPO run's value head is not part of it)."""

@@ -11,12 +11,11 @@ The reference is the init model, frozen. `dpo.reference` picks how it is held:
                only while both are the same.
 SimPO needs no reference. Metrics carry TRL's names (rewards/chosen, rewards/margins, ...), on
 the held-out pairs too; at the end the held-out metrics of the init and the tuned model are
-printed, and with `pairs.eval_answers` the exact match of their greedy answers.
+printed, and with `finetune.eval_answers` the exact match of their greedy answers.
 """
 
 from __future__ import annotations
 
-import dataclasses
 import hashlib
 import json
 import pathlib
@@ -65,7 +64,7 @@ def reference_mode(config) -> str:
 
 def plain(model):
     """The same module without adapters: the reference over a LoRA policy's frozen base."""
-    return model.clone(spec=dataclasses.replace(model.spec, lora_rank=0))
+    return model.clone(spec=model.spec.without_lora())
 
 
 def build_dpo_run(config, devices=None):
@@ -138,7 +137,7 @@ def reference_record(ctx) -> dict:
     }
     record = {
         "data": {"train": rows_digest(train), "heldout": rows_digest(heldout) if heldout is not None else None},
-        "model": {"pairs.init": model_fingerprint(ctx.config.pairs.init)} | model,
+        "model": {"finetune.init": model_fingerprint(ctx.config.finetune.init)} | model,
     }
     return json.loads(json.dumps(record))  # as it reads back (tuples as lists)
 
@@ -241,7 +240,7 @@ SUMMARY_KEYS = ("loss", "tokens_per_s", "run_tokens_per_s", "run_mfu", "peak_flo
 
 
 class Dpo(pairs.PairStage):
-    verb = "dpo"
+    name = "dpo"
     eval_metrics = EVAL_METRICS
 
     def build(self, ctx):
@@ -268,7 +267,7 @@ class Dpo(pairs.PairStage):
         before, after = first_eval(ctx.workdir), {k: v for k, v in last.items() if k.startswith("eval_")}
         summary = {
             "step": c.train.steps,
-            "init": c.pairs.init,
+            "init": c.finetune.init,
             "loss_name": c.dpo.loss,
             "beta": DpoSettings.from_config(c.dpo).loss_beta,
             "reference": reference_mode(c),
@@ -279,7 +278,7 @@ class Dpo(pairs.PairStage):
         } | {k: last.get(k) for k in SUMMARY_KEYS}
         if before or after:
             print(pairs.eval_table("DPO: held-out pairs", TABLE_KEYS, before, after, self.held_out_pairs(ctx)))
-        p = c.pairs
+        p = c.finetune
         if p.eval_answers:
             summary |= compare_answers(ctx.init, c, ctx.params, p.eval_answers, p.eval_examples, p.eval_max_new_tokens)
         return summary

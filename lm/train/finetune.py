@@ -4,35 +4,26 @@ starts from a trained model and keeps its shape: the stages' shared composition 
 from __future__ import annotations
 
 from lm.config import ConfigDict, apply_overrides, base_config, load_file, merge, validate
-
-# Settings that differ from pretraining's (a config file or overrides may change each): a tenth of
-# the pretraining peak learning rate, a short warmup, decay to 0, no weight decay.
-FINETUNE_DEFAULTS = {
-    "optim.warmup_steps": 10,
-    "optim.min_lr_ratio": 0.0,
-    "optim.weight_decay": 0.0,
-    "eval.every_steps": 50,
-    "checkpoint.every_steps": 100,
-    "train.log_every": 10,
-}
-FINETUNE_LR_FRACTION = 0.1
+from lm.config.finetune import LR_FRACTION, OVERRIDES
+from lm.train.registry import stage_entry
 
 
-def finetune_config(
-    start: ConfigDict, path: str | None = None, overrides=(), section: str = "sft", **keys
-) -> ConfigDict:
-    """The config of a fine-tuning run: the schema, the fine-tuning defaults, the model and sequence
-    length of the run it starts from (`start`, its config), then `path` (only the keys its
-    get_config() sets), `keys` (values of `section`, e.g. sft.init, from the command line) and the
-    overrides; validated."""
+def finetune_config(start: ConfigDict, path: str | None = None, overrides=(), stage: str = "sft", **keys) -> ConfigDict:
+    """The config of a fine-tuning run: the schema, the fine-tuning defaults (lm.config.finetune),
+    the model and sequence length of the run it starts from (`start`, its config), the stage's own
+    defaults (its registry entry's), then `path` (only the keys its get_config() sets), `keys`
+    (finetune keys, e.g. init, from the command line) and the overrides; validated."""
     c = base_config()
     c.model = ConfigDict(start.model.to_dict())
     c.data.update(seq_len=start.data.seq_len, cache_dir=start.data.cache_dir)
-    c.optim.lr = start.optim.lr * FINETUNE_LR_FRACTION
-    apply_overrides(c, [f"{k}={v}" for k, v in FINETUNE_DEFAULTS.items()])
+    c.optim.lr = start.optim.lr * LR_FRACTION
+    apply_overrides(c, [f"{k}={v}" for k, v in OVERRIDES.items()])
+    for dotted, value in stage_entry(stage).defaults:
+        section, _, key = dotted.partition(".")
+        merge(c, {section: {key: value}})
     if path:
         merge(c, load_file(path))
-    c[section].update({k: v for k, v in keys.items() if v is not None})
+    c.finetune.update({k: v for k, v in keys.items() if v is not None})
     apply_overrides(c, list(overrides))
     validate(c)
     return c

@@ -24,6 +24,7 @@ import time
 import types
 import uuid
 
+from lm.config.moved import MOVED
 from lm.errors import UserError
 from lm.store.fingerprint import fingerprint_or_empty
 
@@ -53,17 +54,11 @@ NEUTRAL = (
     "model.kernels",
     "model.attention",
     "model.pipeline_microbatches",
-    "sft.data",
-    "pairs.data",
-    "rl.data",
-    "sft.on_bad_record",
-    "pairs.on_bad_record",
-    "rl.on_bad_record",
-    "sft.max_skipped_fraction",
-    "pairs.max_skipped_fraction",
-    "rl.max_skipped_fraction",
+    "finetune.data",
+    "finetune.on_bad_record",
+    "finetune.max_skipped_fraction",
 )
-MODEL_KEYS = ("train.init", "sft.init", "pairs.init", "rl.init", "distill.teacher", "rl.reward_model")
+MODEL_KEYS = ("train.init", "finetune.init", "distill.teacher", "rl.reward_model")
 
 
 def _neutral(key: str) -> bool:
@@ -168,7 +163,7 @@ def differences(saved: dict, now: dict, parts: tuple = PARTS, updates: int | Non
     if now.get("run_id") and saved.get("run_id") != now["run_id"]:
         diffs.append(f"run: {saved.get('run_id')} (checkpoint) vs {now['run_id']} (this workdir)")
     for part in parts:
-        before, after = saved.get(part) or {}, now.get(part) or {}
+        before, after = _before_moves(part, saved.get(part) or {}), now.get(part) or {}
         for key in sorted(before.keys() | after.keys()):
             if part == "settings" and key not in before:
                 continue  # a key added to the code since the checkpoint: its default is all it knew
@@ -191,6 +186,14 @@ def differences(saved: dict, now: dict, parts: tuple = PARTS, updates: int | Non
         )
         diffs.append(f"the learning rate of the {updates} updates made differs ({shown})")
     return diffs
+
+
+def _before_moves(part: str, recorded: dict) -> dict:
+    """A checkpoint's record in today's keys (lm.config.moved): model paths renamed; moved settings
+    dropped, as several sections held each (a key new to a checkpoint is not compared)."""
+    if part == "settings":
+        return {k: v for k, v in recorded.items() if k not in MOVED}
+    return {MOVED.get(k, k): v for k, v in recorded.items()}
 
 
 class NotThisRun(UserError):

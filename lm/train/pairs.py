@@ -37,7 +37,7 @@ class WithFields:
 
 
 def settings(config) -> SftSettings:
-    p = config.pairs
+    p = config.finetune
     return SftSettings(
         seq_len=config.data.seq_len,
         truncation=p.truncation,
@@ -53,19 +53,18 @@ def steps_for_epochs(pairs: int, epochs: float, batch_size: int) -> int:
 class PairStage(Stage):
     """Pairs in; a stage adds its run, its per-pair fields and its report."""
 
-    init_section = "pairs"
-    verb = "pairs"
+    init_section = "finetune"
     eval_metrics: tuple = ("loss",)
 
     def check(self, config) -> None:
         require_data(
-            config.pairs.data,
-            "pairs.data",
+            config.finetune.data,
+            "finetune.data",
             f'give `lm {self.verb} --data pairs.jsonl` ({{"prompt", "chosen", "rejected"}} lines)',
         )
 
     def read(self, ctx):
-        p, tok = ctx.config.pairs, ctx.init.tokenizer
+        p, tok = ctx.config.finetune, ctx.init.tokenizer
         cache = data_cache_dir(ctx.config.data)
         train = prepare_pairs(p.data, tok, settings(ctx.config), cache)
         print(f"{self.verb} data {p.data}: {describe(train.stats)}")
@@ -74,9 +73,9 @@ class PairStage(Stage):
 
     def configure(self, ctx):
         c = ctx.config
-        if c.pairs.epochs <= 0:
+        if c.finetune.epochs <= 0:
             return c
-        return with_steps(c, steps_for_epochs(len(ctx.data[0]), c.pairs.epochs, c.train.batch_size))
+        return with_steps(c, steps_for_epochs(len(ctx.data[0]), c.finetune.epochs, c.train.batch_size))
 
     def stats(self, ctx) -> dict:
         train, heldout = ctx.data
@@ -94,7 +93,7 @@ class PairStage(Stage):
         rows = WithFields(ctx.data[0], train_fields) if train_fields else ctx.data[0]
         data_iter = iter(
             train_dataset(
-                [Source(c.pairs.data, rows, 1.0)],
+                [Source(c.finetune.data, rows, 1.0)],
                 seq_len=c.data.seq_len,
                 global_batch=t.batch_size,
                 seed=t.seed,

@@ -37,7 +37,7 @@ SUMMARY_KEYS = (
 
 
 class Pretrain(Stage):
-    verb = "train"
+    name = "pretrain"
     init_section = "train"  # train.init: continued pretraining from a trained or imported model
     init_optional = True
 

@@ -71,11 +71,14 @@ class StageEntry:
     start: "config" (a config file; --init optional: pretraining) or "init" (a trained model,
       --init and JSONL --data required: fine-tuning).
     help, description: the verb's line in `lm --help` and its own help's description.
-    data, eval_data: help of --data and --eval-data (start="init").
-    section: the config section holding its `init` (and `data`, `eval_data`).
+    data, eval_data: help of --data and --eval-data (start="init"), which set finetune.data and
+      finetune.eval_data (--init: finetune.init).
+    section: the config section of its own settings.
+    defaults: (dotted key, value) pairs where the stage's default differs from the schema's
+      (start="init": applied over the fine-tuning defaults, before the config file).
     stage: "module:function", `(config, workdir, resume, show_progress) -> summary`.
-    options: more flags, each (flag, help[, dotted key]): a key of its section named by the flag,
-      or the dotted key given.
+    options: more flags, each (flag, help[, dotted key]): the key named by the flag in the
+      finetune section if it has one, else in its section; or the dotted key given.
     actions: modules (`add_parser`, `run`) that add sub-actions to the verb (`lm reward score`).
     plot: the plot its summary line names.
     steps: the compiled steps `lm plan` and `lm.plan.aot` know it by.
@@ -91,6 +94,7 @@ class StageEntry:
     data: str = ""
     eval_data: str = ""
     options: tuple[tuple[str, ...], ...] = ()
+    defaults: tuple[tuple[str, object], ...] = ()
     actions: tuple[str, ...] = ()
     plot: str = "loss.png"
     steps: tuple[CompiledStep, ...] = ()
@@ -98,6 +102,14 @@ class StageEntry:
     @property
     def command(self) -> str:
         return self.verb or self.name
+
+
+def stage_entry(name: str) -> StageEntry:
+    """The registered stage called `name`."""
+    for entry in _STAGES:
+        if entry.name == name:
+            return entry
+    raise ValueError(f"unknown stage {name!r}; registered: {', '.join(e.name for e in _STAGES)}")
 
 
 def load(reference: str):
@@ -126,11 +138,12 @@ _STAGES: list[StageEntry] = [
         "sft",
         "fine-tune a trained model on conversations (JSONL), fully or with LoRA",
         "lm.train.sft:sft",
-        "sft",
+        "finetune",
         description="Supervised fine-tuning on the assistant turns of chat or instruction JSONL, starting from a "
         "run or an export. LoRA: --config.model.lora_rank=8.",
         data=CHAT_DATA,
         eval_data="held-out JSONL: response loss during training, exact match at the end",
+        defaults=(("finetune.epochs", 3.0),),
         steps=(
             CompiledStep("sft", "lm.train.sft:compiled_step"),
             CompiledStep("sft_lora", "lm.train.sft:compiled_step", passes=2, lora=True),
@@ -140,7 +153,7 @@ _STAGES: list[StageEntry] = [
         "dpo",
         "preference-tune a trained model on pairs (DPO, IPO, SimPO), fully or with LoRA",
         "lm.train.dpo:dpo",
-        "pairs",
+        "dpo",
         description="Direct preference optimisation from a run or an export (usually an `lm sft` run). Loss: "
         "--config.dpo.loss=sigmoid|ipo|simpo, --config.dpo.beta; reference held live or precomputed: "
         "--config.dpo.reference=live|precomputed.",
@@ -162,7 +175,7 @@ _STAGES: list[StageEntry] = [
         "reward",
         "train a Bradley-Terry reward model on pairs; `lm reward score` scores texts",
         "lm.train.reward:reward",
-        "pairs",
+        "reward",
         description="A scalar head on a trained model's trunk, trained on preference pairs. "
         "Score with: lm reward score --workdir RUN (--pairs FILE | --texts FILE).",
         data='JSONL pairs: {"prompt", "chosen", "rejected"[, "margin"]}',
@@ -182,6 +195,7 @@ _STAGES: list[StageEntry] = [
         "the other keys reach the reward functions",
         eval_data="held-out prompts: mean reward of greedy answers at every eval",
         plot="rl.png",
+        defaults=(("finetune.max_skipped_fraction", 0.01),),
         options=(
             (
                 "--rewards",
@@ -206,12 +220,13 @@ _STAGES: list[StageEntry] = [
         "distill",
         "distil a frozen teacher into a student on conversations (forward/reverse KL, generalized JSD)",
         "lm.train.distill:distill",
-        "sft",
+        "distill",
         description="Token-level distillation on the assistant turns of chat or instruction JSONL: the student "
         "starts from --init, the teacher (--teacher: any run or export sharing the student's tokenizer, "
         "of any size) is frozen beside it. --config.distill.divergence=forward_kl|reverse_kl|jsd, "
         "--config.distill.beta, --config.distill.temperature.",
         data=CHAT_DATA,
+        defaults=(("finetune.epochs", 3.0),),
         eval_data="held-out JSONL: divergence, response loss and top-1 agreement during training, exact match at "
         "the end",
         options=(
@@ -240,6 +255,14 @@ def stages() -> tuple[StageEntry, ...]:
 def compiled_steps() -> tuple[CompiledStep, ...]:
     """Every compiled step: the stages' in their order, then generation's."""
     return tuple(s for entry in _STAGES for s in entry.steps) + GENERATION
+
+
+def entry(name: str) -> StageEntry:
+    """The stage registered as `name`."""
+    for e in _STAGES:
+        if e.name == name:
+            return e
+    raise ValueError(f"unknown stage {name!r}")
 
 
 def step_names() -> tuple[str, ...]:

@@ -32,7 +32,7 @@ def build_reward_run(config, devices=None):
 
 
 class Reward(pairs.PairStage):
-    verb = "reward"
+    name = "reward"
     eval_metrics = EVAL_METRICS
 
     def build(self, ctx):
@@ -43,7 +43,7 @@ class Reward(pairs.PairStage):
         before, after = first_eval(ctx.workdir), {k: v for k, v in last.items() if k.startswith("eval_")}
         summary = {
             "step": c.train.steps,
-            "init": c.pairs.init,
+            "init": c.finetune.init,
             "lora_rank": c.model.lora_rank,
             "data": ctx.data[0].stats,
             "eval_init": before,

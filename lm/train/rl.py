@@ -6,7 +6,7 @@ at every eval, checkpoints (the prompt stream's position included: a killed run 
 exactly), signals and metrics. The reference for the KL is the init model, frozen: a copy in
 the compute dtype beside the policy (with LoRA: the base with the adapters off); beta = 0
 holds none. PPO puts a value head (lm.model.heads.ScalarHead, zero at the start) on the
-policy's trunk. At the end: reward and KL curves (rl.png), and with `rl.eval_answers` the
+policy's trunk. At the end: reward and KL curves (rl.png), and with `finetune.eval_answers` the
 exact match of the init and the tuned model's greedy answers.
 """
 
@@ -90,14 +90,14 @@ def build_rl_run(config, devices=None):
 
 
 def _prompts(path, loaded, config, limit: int = 0) -> PromptSet:
-    r = config.rl
+    f = config.finetune
     return read_prompts(
         path,
         loaded.tokenizer,
         seq_len=config.data.seq_len,
-        max_new_tokens=r.max_new_tokens,
-        on_bad_record=r.on_bad_record,
-        max_skipped_fraction=r.max_skipped_fraction,
+        max_new_tokens=config.rl.max_new_tokens,
+        on_bad_record=f.on_bad_record,
+        max_skipped_fraction=f.max_skipped_fraction,
         limit=limit,
     )
 
@@ -105,18 +105,18 @@ def _prompts(path, loaded, config, limit: int = 0) -> PromptSet:
 class Rl(Stage):
     """Prompts in; each step samples, scores and updates (lm.train.rl_step)."""
 
-    verb = "rl"
-    init_section = "rl"
+    name = "rl"
+    init_section = "finetune"
     check_eval_batch = False  # held-out prompts are answered in batches of their own
 
     def check(self, config) -> None:
-        require_data(config.rl.data, "rl.data", 'give `lm rl --data prompts.jsonl` ({"prompt": ...} lines)')
+        require_data(config.finetune.data, "finetune.data", 'give `lm rl --data prompts.jsonl` ({"prompt": ...} lines)')
 
     def read(self, ctx):
-        r = ctx.config.rl
-        prompts = _prompts(r.data, ctx.init, ctx.config)
-        print(f"rl prompts {r.data}: {describe(prompts.stats)}")
-        heldout = _prompts(r.eval_data, ctx.init, ctx.config, limit=r.eval_prompts) if r.eval_data else None
+        r, f = ctx.config.rl, ctx.config.finetune
+        prompts = _prompts(f.data, ctx.init, ctx.config)
+        print(f"rl prompts {f.data}: {describe(prompts.stats)}")
+        heldout = _prompts(f.eval_data, ctx.init, ctx.config, limit=r.eval_prompts) if f.eval_data else None
         return prompts, heldout, Rewards.from_config(r)
 
     def configure(self, ctx):
@@ -142,7 +142,7 @@ class Rl(Stage):
         # all rollouts on the shared mesh and feeds the update rows its devices hold (lm.train.rl_step).
         data_iter = iter(
             train_dataset(
-                [Source(r.data, prompts, 1.0)],
+                [Source(c.finetune.data, prompts, 1.0)],
                 seq_len=c.data.seq_len,
                 global_batch=r.prompts_per_step,
                 seed=c.train.seed,
@@ -168,11 +168,11 @@ class Rl(Stage):
         return {"trainable_params": trainable_count(ctx.run), **{f"data/{k}": v for k, v in ctx.data[0].stats.items()}}
 
     def finish(self, ctx) -> dict:
-        c, r = ctx.config, ctx.config.rl
+        c, r, f = ctx.config, ctx.config.rl, ctx.config.finetune
         policy = {k: v for k, v in ctx.params.items() if k != "scalar_head"}
         summary = {
             "step": c.train.steps,
-            "init": r.init,
+            "init": f.init,
             "algo": r.algo,
             "lora_rank": c.model.lora_rank,
             "eval_init": first_eval(ctx.workdir),
@@ -184,8 +184,8 @@ class Rl(Stage):
                 f"held-out greedy reward: init {summary['eval_init'].get('eval_reward', float('nan')):.4f} -> "
                 f"tuned {summary['eval'].get('eval_reward', float('nan')):.4f}"
             )
-        if r.eval_answers:
-            summary |= compare_answers(ctx.init, c, policy, r.eval_answers, r.eval_examples, r.eval_max_new_tokens)
+        if f.eval_answers:
+            summary |= compare_answers(ctx.init, c, policy, f.eval_answers, f.eval_examples, f.eval_max_new_tokens)
         return summary
 
     def plot(self, ctx) -> None:

@@ -66,7 +66,7 @@ class Sampler:
     decoder (adapters folded in, no value head) over the current params."""
 
     def __init__(self, run, sampling: SamplingParams, eos_id, seq_len: int):
-        spec = dataclasses.replace(run.model.spec, lora_rank=0)
+        spec = run.model.spec.without_lora()
         self.model = run.model.clone(spec=spec, scalar_head=False)
         self.run, self.sampling, self.eos_id, self.seq_len = run, sampling, eos_id, seq_len
         m = run.config.model

@@ -16,11 +16,12 @@ import numpy as np
 import optax
 from jax.sharding import Mesh
 
+from lm.config import rules_table
 from lm.data.pipeline import BATCH_DTYPES
 from lm.errors import UserError
 from lm.model.build import Built, ModelFn, build_model
-from lm.model.layers import ModelSpec
 from lm.model.params import split_params, subtree
+from lm.model.spec import ModelSpec
 from lm.model.transformer import Transformer
 from lm.sharding import BatchPlacer, batch_shardings, place_leaf, split_count
 from lm.train import state as train_state
@@ -228,7 +229,7 @@ def build_run(
     updates_per_step: optimizer updates per step of train.steps; the learning rate schedule is
     over steps (warmup and decay in steps), constant within one.
     """
-    built = build_model(config, devices, model_fn=model_fn, spec=spec)
+    built = build_model(config, devices, rules=rules_table(config), model_fn=model_fn, spec=spec)
     mesh, rules, model = built.mesh, built.rules, built.module
     optimizer, schedule = make_optimizer(config.optim, config.train.steps)
     if updates_per_step > 1:
@@ -246,9 +247,11 @@ def reference_slot(config, lora: bool):
     """The reference of DPO and RL: the init model as a plain decoder (no adapters, no scalar
     head). Without adapters a copy of the init params in the compute dtype; with adapters the
     frozen base itself."""
-    spec = dataclasses.replace(ModelSpec.from_config(config.model), lora_rank=0)
+    spec = ModelSpec.from_config(config.model).without_lora()
     return lambda mesh: FrozenSlot(
-        build_model(config, spec=spec, mesh=mesh), None if lora else config.model.compute_dtype, shares_base=lora
+        build_model(config, rules=rules_table(config), spec=spec, mesh=mesh),
+        None if lora else config.model.compute_dtype,
+        shares_base=lora,
     )
 
 

@@ -1,10 +1,10 @@
 """`lm sft`: supervised fine-tuning of a trained model on conversations, fully or with LoRA, as a
 stage (lm.train.stage).
 
-The run starts from the params of `sft.init` (an `lm train`/`lm sft` workdir or an `lm export`),
-keeps its model config and tokenizer, and trains on the assistant tokens of `sft.data`. With
+The run starts from the params of `finetune.init` (an `lm train`/`lm sft` workdir or an `lm export`),
+keeps its model config and tokenizer, and trains on the assistant tokens of `finetune.data`. With
 model.lora_rank > 0 only the adapters train: the base is frozen (no gradients, no optimizer
-state, not in checkpoints). At the end the held-out conversations (`sft.eval_data`) are answered
+state, not in checkpoints). At the end the held-out conversations (`finetune.eval_data`) are answered
 greedily with the chat template by the initial and the tuned model, and their exact-match
 accuracies are reported.
 """
@@ -29,7 +29,7 @@ SUMMARY_KEYS = ("loss", "eval_loss", "tokens_per_s", "run_tokens_per_s", "run_mf
 
 
 def settings(config) -> SftSettings:
-    s = config.sft
+    s = config.finetune
     return SftSettings(
         seq_len=config.data.seq_len,
         truncation=s.truncation,
@@ -47,16 +47,16 @@ def steps_for_epochs(stats: dict, epochs: float, batch_size: int, seq_len: int) 
 class Sft(Stage):
     """Conversations in, the masked next-token loss on the assistant tokens, exact match out."""
 
-    init_section = "sft"
-    verb = "sft"
+    init_section = "finetune"
+    name = "sft"
     eval_metrics = ("loss",)
     response_loss = "eval_loss"  # the held-out metric the table shows as the response loss
 
     def check(self, config) -> None:
-        require_data(config.sft.data, "sft.data", "give --data train.jsonl (chat or instruction JSONL)")
+        require_data(config.finetune.data, "finetune.data", "give --data train.jsonl (chat or instruction JSONL)")
 
     def read(self, ctx):
-        s, tok = ctx.config.sft, ctx.init.tokenizer
+        s, tok = ctx.config.finetune, ctx.init.tokenizer
         cache = data_cache_dir(ctx.config.data)
         train = prepare_sft(s.data, tok, settings(ctx.config), cache)
         print(f"{self.verb} data {s.data}: {describe(train.stats)}")
@@ -65,9 +65,9 @@ class Sft(Stage):
 
     def configure(self, ctx):
         c = ctx.config
-        if c.sft.epochs <= 0:
+        if c.finetune.epochs <= 0:
             return c
-        return with_steps(c, steps_for_epochs(ctx.data[0].stats, c.sft.epochs, c.train.batch_size, c.data.seq_len))
+        return with_steps(c, steps_for_epochs(ctx.data[0].stats, c.finetune.epochs, c.train.batch_size, c.data.seq_len))
 
     def loss(self, config):
         return sft_loss
@@ -86,7 +86,7 @@ class Sft(Stage):
         return {"train": train.stats} | ({"heldout": heldout.stats} if heldout else {})
 
     def batches(self, ctx):
-        run, t, s = ctx.run, ctx.config.train, ctx.config.sft
+        run, t, s = ctx.run, ctx.config.train, ctx.config.finetune
         signature = run.signature()
         data_iter = iter(
             train_dataset(
@@ -105,7 +105,7 @@ class Sft(Stage):
             return None
         signature = run.signature(e.batch_size)
         batches = eval_batches(
-            [Source(ctx.config.sft.eval_data, heldout, 1.0)],
+            [Source(ctx.config.finetune.eval_data, heldout, 1.0)],
             seq_len=ctx.config.data.seq_len,
             batch_size=e.batch_size,
             n_batches=e.batches,
@@ -125,13 +125,13 @@ class Sft(Stage):
         c, init = ctx.config, ctx.init
         summary = {
             "step": c.train.steps,
-            "init": c.sft.init,
+            "init": c.finetune.init,
             "lora_rank": c.model.lora_rank,
             "data": ctx.data[0].stats,
         } | {k: ctx.last.get(k) for k in SUMMARY_KEYS}
-        if c.sft.eval_data:
-            conversations = read_conversations(c.sft.eval_data, c.sft.eval_examples)
-            n_new = c.sft.eval_max_new_tokens
+        if c.finetune.eval_data:
+            conversations = read_conversations(c.finetune.eval_data, c.finetune.eval_examples)
+            n_new = c.finetune.eval_max_new_tokens
             before = answer_accuracy(init.config, init.params, init.tokenizer, conversations, n_new)
             after = answer_accuracy(c, ctx.params, init.tokenizer, conversations, n_new)
             summary |= {

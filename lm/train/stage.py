@@ -39,6 +39,7 @@ from lm.eval.during import with_sets
 from lm.model.params import merge_trees
 from lm.store.load import Loaded, load_init
 from lm.store.meta import save_tokenizer, with_tokenizer
+from lm.train import registry
 from lm.train.faults import StopSignal, agree_any
 from lm.train.fit import check_fits, check_made_by, check_resume, fit, newest_meta, save_final_metrics
 from lm.train.identity import RUN_FILE, new_identity, read_run_file
@@ -84,10 +85,15 @@ class Ctx:
 class Stage:
     """A training stage as a declaration: override what differs."""
 
-    verb: str = ""  # the command that runs it (`lm VERB`), recorded as the run's stage
+    name: str = ""  # its entry in lm.train.registry
     init_section: str | None = None  # the config section whose `init` names the start model
     init_optional: bool = False  # an empty `init` starts from scratch instead of failing (pretraining)
     check_eval_batch = True  # eval.batch_size must split over the mesh like train.batch_size
+
+    @property
+    def verb(self) -> str:
+        """The command that runs it (`lm VERB`, from its registry entry), recorded as the run's stage."""
+        return registry.entry(self.name).command
 
     def check(self, config) -> None:
         """Checks that need no data (before any data work)."""

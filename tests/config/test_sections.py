@@ -55,30 +55,32 @@ def test_loss_settings_read_every_field_from_their_section(cls, name):
         assert getattr(cls.from_config(changed), f.name) == changed[f.name], f.name
 
 
-def test_sft_settings_defaults_are_the_sft_sections():
-    sft = base_config().sft
+def test_sft_settings_defaults_are_the_finetune_sections():
+    sft = base_config().finetune
     s = SftSettings.from_config(sft, seq_len=96)
     assert s == SftSettings(seq_len=96)  # the field defaults are the section's
     assert dataclasses.asdict(s) == {"seq_len": 96} | {f.name: sft[f.name] for f in dataclasses.fields(s)[1:]}
     for f in dataclasses.fields(s)[1:]:
-        changed = base_config().sft
+        changed = base_config().finetune
         changed[f.name] = _other(changed[f.name])
         assert getattr(SftSettings.from_config(changed, 96), f.name) == changed[f.name], f.name
-    pairs = base_config().pairs
-    pairs.truncation = "cut_response"
-    p = SftSettings.from_config(pairs, seq_len=64)  # no train_on in pairs: the sft default
-    assert (p.truncation, p.train_on, p.seq_len) == ("cut_response", sft.train_on, 64)
 
 
 def test_model_spec_reads_the_model_section_and_derives_head_dim_once():
-    from lm.model import counts, layers
+    from lm.model import counts
+    from lm.model import spec as specs
 
     m = base_config().model
-    spec = layers.ModelSpec.from_config(m)
-    assert all(f.default is dataclasses.MISSING for f in dataclasses.fields(spec))
+    spec = specs.ModelSpec.from_config(m)
+    parts = [getattr(spec, name) for name in specs.PARTS]
+    assert all(f.default is dataclasses.MISSING for x in [spec, *parts] for f in dataclasses.fields(x))
+    read = [(f.name, getattr(spec, f.name)) for f in dataclasses.fields(spec) if f.name not in specs.PARTS]
+    for name, part in zip(specs.PARTS, parts):  # a part's field from its key (CONFIG_KEYS where renamed)
+        read += [(specs.CONFIG_KEYS[name].get(k, k), v) for k, v in dataclasses.asdict(part).items()]
+    assert len(read) == len(dict(read)), "each key read once"
     section = {k: v for k, v in m.to_dict().items() if k != "family"}  # where it came from: not the model's
-    assert dataclasses.asdict(spec) == section | {"head_dim": m.d_model // m.n_heads, "expert_d_ff": m.d_ff}
-    assert counts.head_dim is layers.head_dim  # the model's one derivation; the config's checks agree:
+    assert dict(read) == section | {"head_dim": m.d_model // m.n_heads, "expert_d_ff": m.d_ff}
+    assert counts.head_dim is specs.head_dim  # the model's one derivation; the config's checks agree:
     assert counts.head_dim(m) == lm.config.model.head_dim(m) == m.d_model // m.n_heads
 
 
@@ -115,7 +117,7 @@ def test_distill_checks_name_the_key(override, key):
 def test_distill_defaults():
     d = load_config(None, ["distill.teacher=runs/teacher", "distill.divergence=jsd", "distill.beta=1"]).distill
     assert (d.teacher, d.divergence, d.beta, d.temperature) == ("runs/teacher", "jsd", 1.0, 1.0)
-    assert lm.config.init_of(load_config(None, ["sft.init=runs/student"])) == "runs/student"
+    assert lm.config.init_of(load_config(None, ["finetune.init=runs/student"])) == "runs/student"
 
 
 def test_the_config_loads_without_jax():

@@ -13,7 +13,7 @@ from lm.data.synthetic import write_sort_pairs, write_sort_task
 from tests.e2e.test_cli_train import final_params
 
 COMMON = [
-    "--config.pairs.epochs=0",
+    "--config.finetune.epochs=0",
     "--config.train.batch_size=8",
     "--config.eval.every_steps=3",
     "--config.checkpoint.every_steps=3",
@@ -67,8 +67,8 @@ def test_dpo_logs_trl_metrics_and_reports_held_out_pairs_and_answers(small_base,
             "--eval-answers",
             str(task["answers"]),
             "--config.dpo.reference=precomputed",
-            "--config.pairs.eval_examples=4",
-            "--config.pairs.eval_max_new_tokens=6",
+            "--config.finetune.eval_examples=4",
+            "--config.finetune.eval_max_new_tokens=6",
         )
         == 0
     )

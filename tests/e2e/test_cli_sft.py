@@ -12,14 +12,14 @@ from lm.data.synthetic import write_sort_task
 from tests.e2e.test_cli_train import final_params
 
 SFT = [
-    "--config.sft.epochs=0",
+    "--config.finetune.epochs=0",
     "--config.train.batch_size=8",
     "--config.eval.every_steps=5",
     "--config.checkpoint.every_steps=5",
     "--config.eval.batches=1",
     "--config.eval.batch_size=8",
-    "--config.sft.eval_examples=8",
-    "--config.sft.eval_max_new_tokens=8",
+    "--config.finetune.eval_examples=8",
+    "--config.finetune.eval_max_new_tokens=8",
     "--config.train.peak_flops=1e11",
     "--no-progress",
 ]

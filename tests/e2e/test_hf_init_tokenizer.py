@@ -67,7 +67,7 @@ def full_sft(hf, task, tmp_path_factory):
                 str(task["train"]),
                 "--workdir",
                 str(work),
-                "--config.sft.epochs=0",
+                "--config.finetune.epochs=0",
                 *STEPS,
             ]
         )
@@ -204,7 +204,7 @@ def test_a_run_started_from_the_run_carries_the_tokenizer_on(hf, full_sft, task,
                 str(task["train"]),
                 "--workdir",
                 str(work),
-                "--config.sft.epochs=0",
+                "--config.finetune.epochs=0",
                 *STEPS,
                 "--config.train.steps=1",
             ]
@@ -235,7 +235,7 @@ def test_lora_sft_answers_as_peft_over_the_base_and_its_exports_carry_the_tokeni
                 str(task["train"]),
                 "--workdir",
                 str(work),
-                "--config.sft.epochs=0",
+                "--config.finetune.epochs=0",
                 "--config.model.lora_rank=4",
                 *STEPS,
                 "--config.optim.lr=1e-2",
@@ -272,7 +272,7 @@ def test_dpo_keeps_the_tokenizer_and_answers_as_transformers(hf, task, tmp_path)
                 str(task["pairs"]),
                 "--workdir",
                 str(work),
-                "--config.pairs.epochs=0",
+                "--config.finetune.epochs=0",
                 *STEPS,
             ]
         )

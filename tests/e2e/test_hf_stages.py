@@ -85,11 +85,11 @@ def test_lora_sft_with_the_models_chat_template(qwen, tmp_path):
                 str(work),
                 "--config.train.steps=5",
                 "--config.model.lora_rank=4",
-                "--config.sft.epochs=0",
+                "--config.finetune.epochs=0",
                 "--config.eval.every_steps=5",
                 "--config.checkpoint.every_steps=5",
-                "--config.sft.eval_examples=4",
-                "--config.sft.eval_max_new_tokens=4",
+                "--config.finetune.eval_examples=4",
+                "--config.finetune.eval_max_new_tokens=4",
                 *SMALL,
                 "--config.data.seq_len=128",
             ]
@@ -138,6 +138,7 @@ def test_lora_sft_with_the_models_chat_template(qwen, tmp_path):
     from peft import PeftModel
     from transformers import AutoModelForCausalLM
 
+    from lm.config import rules_table
     from lm.model.build import build_model
     from lm.store.load import load_trained
 
@@ -147,7 +148,7 @@ def test_lora_sft_with_the_models_chat_template(qwen, tmp_path):
         peft = PeftModel.from_pretrained(AutoModelForCausalLM.from_pretrained(qwen), tmp_path / "adapter").eval()
         want = peft(torch.tensor(ids, dtype=torch.long)).logits.numpy()
     loaded = load_trained(workdir=str(work))
-    built = build_model(loaded.config, jax.devices()[:1])
+    built = build_model(loaded.config, jax.devices()[:1], rules=rules_table(loaded.config))
     seg, pos = jnp.ones(ids.shape, jnp.int32), jnp.arange(ids.shape[1], dtype=jnp.int32)[None]
     got = np.asarray(built.module.apply({"params": built.place(loaded.params)}, jnp.asarray(ids), seg, pos))
     np.testing.assert_allclose(got, want, atol=1e-4 * max(1.0, np.abs(want).max()), rtol=0)

@@ -9,8 +9,8 @@ from safetensors.numpy import save_file
 
 from lm.cli import main
 from lm.config import base_config
-from lm.model.layers import ModelSpec
 from lm.model.params import leaf_paths
+from lm.model.spec import ModelSpec
 from lm.model.transformer import Transformer
 from tests.model.test_transformer import random_params
 

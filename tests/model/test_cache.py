@@ -30,7 +30,13 @@ def full_logits(model, params, tokens):
 def test_cache_holds_only_kv_heads_stacked_over_layers(model_params):
     model, _ = model_params
     cache = init_cache(model, batch_size=3, max_len=MAX_LEN)
-    assert cache["blocks"]["attn"]["k"].shape == (SPEC.n_layers, 3, SPEC.n_kv_heads, MAX_LEN, SPEC.head_dim)
+    assert cache["blocks"]["attn"]["k"].shape == (
+        SPEC.n_layers,
+        3,
+        SPEC.attention.n_kv_heads,
+        MAX_LEN,
+        SPEC.attention.head_dim,
+    )
     assert cache["segment_ids"].shape == (3, MAX_LEN)
 
 

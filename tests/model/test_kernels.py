@@ -14,8 +14,8 @@ from tests.model.test_transformer import TINY, random_params
 
 MODELS = {
     "llama": TINY,
-    "gpt2": dataclasses.replace(
-        TINY, mlp="gelu", norm="layernorm", use_bias=True, position="learned", tie_embeddings=False
+    "gpt2": TINY.replace(
+        mlp=dict(kind="gelu"), norm=dict(kind="layernorm"), use_bias=True, position="learned", tie_embeddings=False
     ),
 }
 
@@ -34,7 +34,7 @@ def loss_and_grads(spec, params, tokens):
 @pytest.mark.parametrize("name", MODELS)
 @pytest.mark.parametrize("dtype, tol", [("float32", 2e-5), ("bfloat16", 3e-2)])
 def test_plain_and_cpu_kernels_agree(name, dtype, tol):
-    base = dataclasses.replace(MODELS[name], compute_dtype=dtype, attention="reference")
+    base = MODELS[name].replace(compute_dtype=dtype, attention=dict(kernel="reference"))
     params = random_params(Transformer(base), seed=0)
     tokens = jax.random.randint(jax.random.key(2), (2, 14), 0, base.vocab_size)
     loss_cpu, g_cpu = loss_and_grads(dataclasses.replace(base, kernels="cpu"), params, tokens)

@@ -38,7 +38,7 @@ def test_rmsnorm(x):
 
 @pytest.mark.parametrize("use_bias", [False, True])
 def test_layernorm(x, use_bias):
-    spec = dataclasses.replace(SPEC, norm="layernorm", use_bias=use_bias)
+    spec = SPEC.replace(norm=dict(kind="layernorm"), use_bias=use_bias)
     y, p = apply(Norm(spec), x)
     xn = np.asarray(x, np.float64)
     mu, var = xn.mean(-1, keepdims=True), xn.var(-1, keepdims=True)
@@ -69,7 +69,7 @@ def test_swiglu_mlp(x):
 
 
 def test_gelu_mlp_with_bias(x):
-    spec = dataclasses.replace(SPEC, mlp="gelu", use_bias=True)
+    spec = SPEC.replace(mlp=dict(kind="gelu"), use_bias=True)
     y, p = apply(Mlp(spec, Partitioning()), x, seed=2)
     xn = np.asarray(x, np.float64)
     h = np_gelu_tanh(xn @ p["w_in"] + p["w_in_bias"])

@@ -8,9 +8,9 @@ import numpy as np
 import pytest
 
 from lm.config import base_config
-from lm.model.layers import ModelSpec
 from lm.model.lora import is_adapter, merge_lora
 from lm.model.params import leaf_paths, merge_trees
+from lm.model.spec import ModelSpec
 from lm.model.transformer import Transformer, init_params
 from lm.train.setup import build_run, host_batch
 

@@ -10,12 +10,13 @@ import jax.numpy as jnp
 import numpy as np
 import pytest
 
-from lm.config import base_config, validate
+from lm.config import base_config, rules_table, validate
 from lm.errors import UserError
 from lm.model.apply import forward
 from lm.model.build import build_model
-from lm.model.layers import ModelSpec, Partitioning
+from lm.model.layers import Partitioning
 from lm.model.moe import aux_sums, capacity, dropless, layer_stats, route, with_capacity
+from lm.model.spec import ModelSpec
 from lm.model.transformer import init_params
 from lm.train.setup import build_run
 
@@ -41,6 +42,10 @@ def config(**model_kw):
     c.train.update(batch_size=B, micro_batches=1, steps=10)
     c.data.seq_len = T
     return c
+
+
+def build(c, devices):
+    return build_model(c, devices, rules=rules_table(c))
 
 
 def spec(**kw):
@@ -162,7 +167,7 @@ def test_large_capacity_equals_dropless_in_the_model():
     batch = make_batch()
     outs = []
     for cf in (0.0, float(E)):
-        built = build_model(config(capacity_factor=cf), jax.devices()[:1])
+        built = build(config(capacity_factor=cf), jax.devices()[:1])
         params = nn.unbox(init_params(built.module, jax.random.PRNGKey(0)))
         outs.append(forward(built.module, params, batch))
     real = batch["segment_ids"] > 0  # padding tokens take no capacity: their outputs differ
@@ -193,7 +198,7 @@ def test_aux_losses_reach_the_objective_weighted_by_count():
         "load_entropy": jnp.array([0.9, 0.8]),
     }
     term, sums = aux_sums(s, stats, jnp.asarray(7.0))
-    np.testing.assert_allclose(term, 7.0 * (s.moe_balance_coef * 1.3 + s.moe_z_coef * 3.0), rtol=1e-6)
+    np.testing.assert_allclose(term, 7.0 * (s.moe.balance_coef * 1.3 + s.moe.z_coef * 3.0), rtol=1e-6)
     np.testing.assert_allclose(sums["moe_balance_sum"], 7.0 * 1.3, rtol=1e-6)
     np.testing.assert_allclose(sums["moe_dropped_sum"], 7.0 * 4 / 20, rtol=1e-6)
     np.testing.assert_allclose(sums["moe_load_max_l1_sum"], 7.0 * 1.6, rtol=1e-6)
@@ -251,7 +256,7 @@ def test_step_metrics_and_micro_batches():
     assert 0 < float(m["moe_load_min_l0"]) <= 1.0 <= float(m["moe_load_max_l0"])
     # two micro-batches: the loss-token-weighted mean of each half's balance loss, by hand
     c = config()
-    built = build_model(c, jax.devices()[:1])
+    built = build(c, jax.devices()[:1])
     params = one["init"].params
     batch = make_batch()
     halves = [{k: v[i::2] for k, v in batch.items()} for i in range(2)]
@@ -273,7 +278,7 @@ def test_kv_cache_generation_equals_recomputing():
     from lm.infer.generate import Generator
     from lm.infer.sampling import SamplingParams
 
-    built = build_model(config(init_std=0.3), jax.devices()[:1])
+    built = build(config(init_std=0.3), jax.devices()[:1])
     params = nn.unbox(init_params(built.module, jax.random.PRNGKey(3)))
     prompts, n = [[5, 9, 13, 2], [7], [40, 41, 42, 43, 44]], 6
     result = Generator(built.module, params, SamplingParams(max_new_tokens=n, temperature=0), eos_id=-1)(prompts)
@@ -290,7 +295,7 @@ def test_kv_cache_generation_equals_recomputing():
 def test_int8_quantized_experts_stay_close():
     from lm.model.quant import quantize_for_inference
 
-    built = build_model(config(shared_d_ff=48), jax.devices()[:1])
+    built = build(config(shared_d_ff=48), jax.devices()[:1])
     params = nn.unbox(init_params(built.module, jax.random.PRNGKey(0)))
     q = quantize_for_inference(built, params, "int8")
     assert type(q["blocks"]["moe"]["w_down"]).__name__ == "QTensor"
@@ -305,7 +310,7 @@ def test_rows_the_mesh_cannot_split_still_route():
     """One prompt row on an 8-way batch split (an end-of-run sample) runs the unsplit path."""
     c = config()
     c.mesh.update(data=2, expert=4)
-    built, one = build_model(c, jax.devices()), build_model(config(), jax.devices()[:1])
+    built, one = build(c, jax.devices()), build(config(), jax.devices()[:1])
     params = nn.unbox(init_params(one.module, jax.random.PRNGKey(0)))
     row = {k: v[:1] for k, v in make_batch().items()}
     want = forward(one.module, params, row)[0]

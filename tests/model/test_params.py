@@ -1,7 +1,5 @@
 """The built model's params: count equals lm.model.counts.param_count; logical axis annotations."""
 
-import dataclasses
-
 import flax.linen as nn
 import jax
 import numpy as np
@@ -10,7 +8,7 @@ from jax.sharding import PartitionSpec as P
 
 from lm.config import base_config, load_config
 from lm.model import counts
-from lm.model.layers import ModelSpec
+from lm.model.spec import ModelSpec
 from lm.model.transformer import Transformer, init_params
 from tests.model.test_transformer import model_spec
 
@@ -23,7 +21,7 @@ def abstract_params(spec: ModelSpec):
 
 def built_count(model_config) -> int:
     # cudnn attention cannot be traced on CPU; the attention kernel has no params anyway.
-    spec = dataclasses.replace(ModelSpec.from_config(model_config), attention="xla")
+    spec = ModelSpec.from_config(model_config).replace(attention=dict(kernel="xla"))
     leaves = jax.tree.leaves(nn.unbox(abstract_params(spec)))
     return sum(int(np.prod(x.shape)) for x in leaves)
 

@@ -4,7 +4,6 @@ GPipe and circular schedules over 2 and 4 stages, with remat and gradient accumu
 two train steps from the same initial state; their losses and params equal the reference's.
 """
 
-import dataclasses
 import functools
 import math
 
@@ -19,8 +18,9 @@ from lm.config.mesh import AXES
 from lm.errors import UserError
 from lm.model.build import build_model
 from lm.model.cache import decode_step, init_cache
-from lm.model.layers import ModelSpec, Partitioning
+from lm.model.layers import Partitioning
 from lm.model.pipeline import bubble_fraction, check, is_pipelined, stage_layers
+from lm.model.spec import ModelSpec
 from lm.model.transformer import Transformer, init_params
 from lm.sharding import make_mesh, per_device_bytes
 from lm.train.setup import build_run
@@ -115,8 +115,10 @@ def test_stage_layers_gpipe_and_circular():
     assert stage_layers(8, 4, repeats=2) == [[0, 4], [1, 5], [2, 6], [3, 7]]
 
 
-def spec_of(**fields) -> ModelSpec:
-    return dataclasses.replace(ModelSpec.from_config(pipeline_config().model), **fields)
+def spec_of(**keys) -> ModelSpec:
+    m = pipeline_config().model
+    m.update(keys)
+    return ModelSpec.from_config(m)
 
 
 def test_runtime_checks_name_the_keys():
@@ -171,7 +173,7 @@ def test_decoding_is_never_pipelined():
 def test_decoding_on_a_stage_mesh_runs_the_plain_scan():
     """3 rows: no pipeline takes them (2 micro-batches), a prefill does."""
     c = pipeline_config(dict(stage=2, fsdp=2, tensor=2))
-    built = build_model(c, jax.devices())
+    built = build_model(c, jax.devices(), rules=rules_table(c))
     params = built.abstract_params()
     ids = jnp.zeros((3, 8), jnp.int32)
     with pytest.raises(UserError, match="a batch of 3 rows"):

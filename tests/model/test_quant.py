@@ -10,7 +10,7 @@ import jax.numpy as jnp
 import numpy as np
 import pytest
 
-from lm.config import base_config
+from lm.config import base_config, rules_table
 from lm.errors import UserError
 from lm.infer.generate import Generator
 from lm.infer.sampling import SamplingParams
@@ -170,7 +170,7 @@ def test_quantized_params_on_an_fsdp_tensor_mesh_give_the_one_device_logits(mode
     model, params = model_params()
     config = base_config()
     config.mesh.update(data=1, fsdp=2, tensor=4)
-    built = build_model(config, spec=SPEC)
+    built = build_model(config, rules=rules_table(config), spec=SPEC)
     placed = quantize_for_inference(built, params, mode)
     wq, w_down = placed["blocks"]["attn"]["wq"], placed["blocks"]["mlp"]["w_down"]
     assert len(wq.values.sharding.device_set) == 8 and not wq.values.sharding.is_fully_replicated
@@ -186,7 +186,7 @@ def test_export_tensors_read_back_to_the_same_model():
     model, params = model_params()
     config = base_config()
     config.mesh.update(data=1, fsdp=1, tensor=2)
-    built = build_model(config, jax.devices()[:2], spec=SPEC)
+    built = build_model(config, jax.devices()[:2], rules=rules_table(config), spec=SPEC)
     qparams = quantize_params(params, SPEC, "int4")
     tensors = quantized_tensors(qparams)
     assert tensors["blocks/attn/wo.q4"].dtype == np.uint8 and tensors["blocks/attn/wo.scale"].dtype == np.float32
@@ -201,7 +201,7 @@ def test_misfits_are_one_clear_line():
     model, params = model_params()
     with pytest.raises(UserError, match="int3"):
         quantize_params(params, SPEC, "int3")
-    other = dataclasses.replace(SPEC, d_ff=128)
+    other = SPEC.replace(mlp=dict(d_ff=128))
     with pytest.raises(UserError, match="w_down"):
         quantize_params(params, other, "int8")
     qparams = quantize_params(params, SPEC, "int8") | {"embedding": params["embedding"][:64]}

@@ -13,13 +13,15 @@ import optax
 import pytest
 
 from lm.config import base_config
-from lm.model.layers import ModelSpec
+from lm.model.spec import ModelSpec
 from lm.model.transformer import Transformer, init_params
 
 
-def model_spec(**fields) -> ModelSpec:
-    """The config's default model with `fields` changed (ModelSpec holds no defaults of its own)."""
-    return dataclasses.replace(ModelSpec.from_config(base_config().model), **fields)
+def model_spec(**keys) -> ModelSpec:
+    """The config's default model with these model-section keys changed (ModelSpec holds no defaults)."""
+    m = base_config().model
+    m.update(keys)
+    return ModelSpec.from_config(m)
 
 
 # init_std larger than the default so attention patterns (and any leak) are clearly visible.
@@ -113,8 +115,8 @@ def test_remat_policies_give_same_loss_and_grads(base, batch, remat):
 def test_attention_implementations_give_same_loss_and_grads(base, batch, attention):
     """The default (blockwise, custom backward) against plain softmax attention, through the model."""
     params, loss, grads = base
-    assert TINY.attention == "blockwise"
-    model = Transformer(dataclasses.replace(TINY, attention=attention))
+    assert TINY.attention.kernel == "blockwise"
+    model = Transformer(TINY.replace(attention=dict(kernel=attention)))
     loss_r, grads_r = jax.jit(jax.value_and_grad(lambda p: ce_loss(model, p, *batch)))(params)
     np.testing.assert_allclose(loss_r, loss, rtol=1e-5, atol=1e-5)
     jax.tree.map(lambda a, b: np.testing.assert_allclose(a, b, rtol=1e-4, atol=1e-5), grads_r, grads)
@@ -148,7 +150,7 @@ def test_bfloat16_residuals_are_not_stacked_as_float32():
     XLA:CPU upcasts a stacked bfloat16 residual to float32 as a whole (see lm.model.stash);
     this looks for float32 arrays of one activation per layer in the compiled backward pass.
     """
-    spec = dataclasses.replace(TINY, n_layers=3, d_ff=48, max_seq_len=64, compute_dtype="bfloat16")
+    spec = TINY.replace(n_layers=3, mlp=dict(d_ff=48), max_seq_len=64, compute_dtype="bfloat16")
     model = Transformer(spec)
     b, t = 4, 64
     tokens = jnp.zeros((b, t), jnp.int32)

@@ -8,7 +8,7 @@ import jax
 import pytest
 from jax.sharding import PartitionSpec as P
 
-from lm.config import load_config
+from lm.config import load_config, rules_table
 from lm.model.apply import logits_of
 from lm.model.build import build_model
 from lm.plan.aot import compile_step, target_devices
@@ -96,7 +96,7 @@ def test_compiled_param_shardings_are_the_rule_tables(compiled):
 
 def test_compiled_logits_are_split_over_batch_and_vocab(config):
     devices = target_devices(TARGET)
-    built = build_model(config, devices)
+    built = build_model(config, devices, rules=rules_table(config))
     params = jax.tree.map(
         lambda x, sh: jax.ShapeDtypeStruct(x.shape, x.dtype, sharding=sh),
         built.abstract_params(),

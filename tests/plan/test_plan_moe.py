@@ -2,7 +2,6 @@
 MoE and Mixtral-8x7B), FLOPs per token over the active params, the expert axis and the pipeline's
 stages in the per-device estimate, the bubble in the plan table."""
 
-import dataclasses
 from types import SimpleNamespace
 
 import flax.linen as nn
@@ -13,7 +12,7 @@ import pytest
 from lm.config import load_config
 from lm.errors import UserError
 from lm.model import counts
-from lm.model.layers import ModelSpec
+from lm.model.spec import ModelSpec
 from lm.model.transformer import Transformer, init_params
 from lm.plan import units
 from lm.plan.memory import estimate
@@ -95,7 +94,7 @@ def test_built_moe_params_are_the_planners():
         "configs/tiny.py",
         ["model.n_experts=4", "model.experts_per_token=2", "model.expert_d_ff=96", "model.shared_d_ff=64"],
     )
-    spec = dataclasses.replace(ModelSpec.from_config(config.model), attention="xla")
+    spec = ModelSpec.from_config(config.model).replace(attention=dict(kernel="xla"))
     boxed = jax.eval_shape(lambda key: init_params(Transformer(spec), key), jax.random.key(0))
     assert sum(int(np.prod(x.shape)) for x in jax.tree.leaves(nn.unbox(boxed))) == counts.param_count(config.model)
 

@@ -23,8 +23,8 @@ from lm.config import base_config  # noqa: E402
 from lm.data.chat import ChatTemplate  # noqa: E402
 from lm.data.spm import CHAT_TOKENS, train_sentencepiece  # noqa: E402
 from lm.errors import UserError  # noqa: E402
-from lm.model.layers import ModelSpec  # noqa: E402
 from lm.model.lora import merge_lora  # noqa: E402
+from lm.model.spec import ModelSpec  # noqa: E402
 from lm.model.transformer import Transformer, init_params  # noqa: E402
 from lm.store.hf.export import export_hf, export_peft  # noqa: E402
 from lm.store.hf.reader import load_hf  # noqa: E402

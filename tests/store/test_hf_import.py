@@ -12,9 +12,10 @@ import pytest
 torch = pytest.importorskip("torch")
 pytest.importorskip("transformers")
 
+from lm.config import rules_table  # noqa: E402
 from lm.errors import UserError  # noqa: E402
 from lm.model.build import build_model  # noqa: E402
-from lm.model.layers import ModelSpec  # noqa: E402
+from lm.model.spec import ModelSpec  # noqa: E402
 from lm.store import safetensors_files  # noqa: E402
 from lm.store.hf.config import hf_config  # noqa: E402
 from lm.store.hf.reader import lazy_params  # noqa: E402
@@ -41,7 +42,7 @@ def ours(path, mesh=(1, 1, 1), **model_keys):
     for k, v in model_keys.items():
         config.model[k] = v
     n = int(np.prod(mesh))
-    built = build_model(config, jax.devices()[:n])
+    built = build_model(config, jax.devices()[:n], rules=rules_table(config))
     return built, built.place(lazy_params(path, built.spec, str(path)))
 
 
@@ -114,7 +115,7 @@ def test_each_device_reads_only_the_rows_it_holds(models, monkeypatch):
     monkeypatch.setattr(safetensors_files.TensorFiles, "read", counting)
     config = hf_config(path)
     config.mesh.update(dict(data=1, fsdp=1, tensor=2))  # vocab -> tensor: each device half of the rows
-    built = build_model(config, jax.devices()[:2])
+    built = build_model(config, jax.devices()[:2], rules=rules_table(config))
     lazy = lazy_params(path, built.spec, str(path))
     placed = built.place(lazy)
     full = 300 * 64 * 4
@@ -139,7 +140,7 @@ def test_each_device_reads_only_the_rows_it_holds(models, monkeypatch):
 def test_bf16_checkpoint_stays_bf16_when_frozen(tmp_path):
     write_model("qwen3", tmp_path, dtype="bfloat16")
     config = hf_config(tmp_path)
-    built = build_model(config, jax.devices()[:1])
+    built = build_model(config, jax.devices()[:1], rules=rules_table(config))
     lazy = lazy_params(tmp_path, built.spec, str(tmp_path))
     placed = built.place(lazy, "float32")  # a frozen copy "in the compute dtype" is never widened
     assert placed["blocks"]["attn"]["wq"].dtype == jnp.bfloat16

@@ -16,11 +16,11 @@ transformers = pytest.importorskip("transformers")
 import flax.linen as nn  # noqa: E402
 from safetensors.numpy import load_file, save_file  # noqa: E402
 
-from lm.config import base_config  # noqa: E402
+from lm.config import base_config, rules_table  # noqa: E402
 from lm.data.tokenizer import ByteTokenizer  # noqa: E402
 from lm.errors import UserError  # noqa: E402
 from lm.model.build import build_model  # noqa: E402
-from lm.model.layers import ModelSpec  # noqa: E402
+from lm.model.spec import ModelSpec  # noqa: E402
 from lm.model.transformer import Transformer, init_params  # noqa: E402
 from lm.store.hf.config import hf_config  # noqa: E402
 from lm.store.hf.export import export_hf  # noqa: E402
@@ -98,7 +98,7 @@ def models(tmp_path_factory):
 
 def our_logits(path):
     config = hf_config(path)
-    built = build_model(config, jax.devices()[:1])
+    built = build_model(config, jax.devices()[:1], rules=rules_table(config))
     params = built.place(lazy_params(path, built.spec, str(path)))
     seg = jnp.ones(IDS.shape, jnp.int32)
     pos = jnp.broadcast_to(jnp.arange(IDS.shape[1], dtype=jnp.int32), IDS.shape)
@@ -164,7 +164,7 @@ def test_each_device_reads_only_its_experts(models, monkeypatch):
     monkeypatch.setattr(safetensors_files.TensorFiles, "read", counting)
     config = hf_config(path)
     config.mesh.update(dict(data=1, fsdp=1, expert=2, tensor=2))  # 2 experts a device, their width halved
-    built = build_model(config, jax.devices()[:4])
+    built = build_model(config, jax.devices()[:4], rules=rules_table(config))
     lazy = lazy_params(path, built.spec, str(path))
     placed = built.place(lazy)
     for e in range(4):  # w1 [f, d]: the two devices holding expert e read half its rows each; w2 [d, f] whole rows

@@ -354,11 +354,12 @@ def tiny_llama(path: pathlib.Path, seed: int = 0, **change) -> dict:
 def place(path):
     import jax
 
+    from lm.config import rules_table
     from lm.model.build import build_model
     from lm.store.hf.reader import lazy_params
 
     config = hf_config(path)
-    built = build_model(config, jax.devices()[:1])
+    built = build_model(config, jax.devices()[:1], rules=rules_table(config))
     return built.place(lazy_params(path, built.spec, str(path)))
 
 

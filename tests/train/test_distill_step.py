@@ -6,7 +6,7 @@ import jax
 import numpy as np
 import pytest
 
-from lm.config import base_config
+from lm.config import base_config, rules_table
 from lm.model.build import build_model
 from lm.train.distill_losses import distill_loss
 from lm.train.setup import FrozenSlot, build_run
@@ -45,7 +45,7 @@ def teacher_params(c, seed=7):
 
 
 def distill_step(student, teacher_config, teacher, devices, kind="forward_kl", beta=0.5, temperature=1.0):
-    slot = lambda mesh: FrozenSlot(build_model(teacher_config, mesh=mesh))  # noqa: E731
+    slot = lambda mesh: FrozenSlot(build_model(teacher_config, rules=rules_table(teacher_config), mesh=mesh))  # noqa: E731
     run = build_run(
         student, lambda m: distill_loss(m, kind, beta, temperature), devices=devices, frozen={"teacher": slot}
     )

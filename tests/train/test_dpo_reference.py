@@ -57,7 +57,7 @@ def data(tmp_path):
 
 @pytest.fixture
 def init(tmp_path):
-    """An init model on disk: what pairs.init names (the record holds its fingerprint)."""
+    """An init model on disk: what finetune.init names (the record holds its fingerprint)."""
     path = tmp_path / "init.safetensors"
     path.write_bytes(b"the init model's weights")
     return path
@@ -65,7 +65,7 @@ def init(tmp_path):
 
 def ctx(workdir, data, init, resume=True, heldout=True, scale=1.0, **model):
     config = base_config()
-    config.pairs.init, config.eval.batch_size = str(init), 2
+    config.finetune.init, config.eval.batch_size = str(init), 2
     config.model.update(model)
     return types.SimpleNamespace(
         workdir=workdir,
@@ -204,7 +204,7 @@ def test_another_init_model_or_compute_dtype_is_computed_again(tmp_path, data, i
         ctx(work, data["pairs"], init, scale=2.0),
         passes,
         capsys,
-        "was computed from another reference model (pairs.init: ",
+        "was computed from another reference model (finetune.init: ",
     )
     assert "other data" not in line
     recomputed_with_a_warning(
@@ -249,7 +249,7 @@ def test_well_formed_values_recorded_for_another_computation_are_computed_again(
     dpo.write_reference(
         work / dpo.REF_FILE, -rng.random((N_TRAIN, 2), np.float32), -rng.random((N_HELD, 2), np.float32), record
     )
-    said = "other data (" if older == "other pairs" else "another reference model (pairs.init: "
+    said = "other data (" if older == "other pairs" else "another reference model (finetune.init: "
     recomputed_with_a_warning(ctx(work, data["pairs"], init), passes, capsys, f"was computed from {said}")
 
 

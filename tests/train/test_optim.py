@@ -10,7 +10,7 @@ import optax
 import pytest
 
 from lm.config import base_config
-from lm.model.layers import ModelSpec
+from lm.model.spec import ModelSpec
 from lm.model.transformer import Transformer, init_params
 from lm.train.optim import apply_update, decay_mask, make_optimizer, make_schedule
 

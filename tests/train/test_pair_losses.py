@@ -291,7 +291,7 @@ def test_dpo_on_a_2x2x2_mesh_equals_one_device(base):
 
 def test_lora_reference_is_the_base_with_adapters_off(base):
     _, m, run = dpo_step(config(lora=4), pair_batch(), base)
-    assert run.frozen["reference"].shares_base and run.frozen["reference"].built.spec.lora_rank == 0  # no copy
+    assert run.frozen["reference"].shares_base and run.frozen["reference"].built.spec.lora.rank == 0  # no copy
     assert float(m["loss"]) == pytest.approx(LN2, abs=1e-6)  # B = 0: policy == base at step 0
 
 

@@ -34,7 +34,7 @@ def toy_loss(model):
 
 
 class Toy(Pretrain):
-    verb = "toy"
+    name = "toy"
 
     def build(self, ctx):
         return build_run(ctx.config, toy_loss)
@@ -126,5 +126,5 @@ def test_the_toy_step_compiles_ahead_of_time(with_toy):
 
 def test_a_name_taken_is_refused():
     with pytest.raises(ValueError, match="already registered"):
-        register(StageEntry("sft2", "x", "m:f", "sft", steps=(CompiledStep("sft_lora", "m:f"),)))
+        register(StageEntry("sft2", "x", "m:f", "finetune", steps=(CompiledStep("sft_lora", "m:f"),)))
     assert "toy" not in step_names()

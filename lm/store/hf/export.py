@@ -23,9 +23,9 @@ import numpy as np
 
 from lm.config import init_of
 from lm.errors import UserError
-from lm.model.layers import ModelSpec
 from lm.model.lora import SUFFIX_A, SUFFIX_B
 from lm.model.params import leaf_paths
+from lm.model.spec import ModelSpec
 from lm.outputs import replacing, write_text
 from lm.store.hf.config import is_hf_dir
 from lm.store.hf.families import family_of, llama, mixtral

@@ -19,8 +19,8 @@ import numpy as np
 
 from lm.data.tokenizer import load_tokenizer
 from lm.errors import UserError
-from lm.model.layers import ModelSpec
 from lm.model.params import leaf_paths
+from lm.model.spec import ModelSpec
 from lm.model.transformer import Transformer, init_params
 from lm.store.hf.config import hf_config, is_hf_dir, read_hf_config
 from lm.store.hf.families import family_of
@@ -146,7 +146,7 @@ def lazy_params(path, spec: ModelSpec, source: str) -> dict:
             raise UserError(f"{source}: internal mapping names '{m.lm}', which the model does not have")
         shape = shapes[m.lm]
         m = m.as_stored(files)
-        names = m.names(spec.n_layers, spec.n_experts)
+        names = m.names(spec.n_layers, spec.moe.n_experts)
         per_layer = shape[m.lead :]
         expected = stored_shapes(m.kind, per_layer)
         for name in names:

@@ -31,8 +31,8 @@ from lm.infer.serve.backend import Delta
 from lm.infer.serve.engine_backend import EngineBackend
 from lm.infer.serve.server import InThread
 from lm.infer.session import Session
-from lm.model.layers import ModelSpec
 from lm.model.params import leaf_paths
+from lm.model.spec import ModelSpec
 from lm.model.transformer import Transformer
 from lm.store.loaded import Loaded
 from tests.model.test_transformer import random_params

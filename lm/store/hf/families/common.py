@@ -128,7 +128,7 @@ def llama_like(
         ]
     else:
         maps.append(TensorMap("blocks/mlp_norm/scale", layer + "post_attention_layernorm.weight", norm_kind))
-    if not spec.n_experts:  # an MoE block's experts: `expert_maps`
+    if not spec.moe.n_experts:  # an MoE block's experts: `expert_maps`
         for ours, theirs in (("w_gate", "gate_proj"), ("w_up", "up_proj"), ("w_down", "down_proj")):
             maps.append(TensorMap(f"blocks/mlp/{ours}", layer + f"mlp.{theirs}.weight", "T1"))
     if not spec.tie_embeddings:

@@ -113,7 +113,7 @@ def gemma3_rope(hf: dict, source: str) -> tuple[dict, dict]:
 
 
 def tensors(spec):
-    return llama_like(spec, norm_kind="id+1", qk_norm=spec.qk_norm, post_norms=True)
+    return llama_like(spec, norm_kind="id+1", qk_norm=spec.attention.qk_norm, post_norms=True)
 
 
 def hf_config(m) -> dict:

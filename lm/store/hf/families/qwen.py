@@ -47,7 +47,7 @@ def model_config(hf: dict, source: str) -> dict:
 
 
 def tensors(spec):
-    return llama_like(spec, bias=spec.qkv_bias, qk_norm=spec.qk_norm)
+    return llama_like(spec, bias=spec.attention.qkv_bias, qk_norm=spec.attention.qk_norm)
 
 
 def hf_config(m) -> dict:

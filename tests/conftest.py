@@ -2,12 +2,18 @@
 
 Tests compile many small programs and run each a few times, so XLA compiles them at its
 lowest optimisation level: the numbers are the same program's, and compiling takes half
-the time. Subprocesses the tests start get the same flags (`xla_flags`)."""
+the time. Subprocesses the tests start get the same flags (`xla_flags`).
+
+Many tests (and the `lm` processes they start) compile the same tiny programs again: JAX's
+persistent compilation cache, shared by the session's workers and subprocesses, compiles each
+once. A cache hit loads the executable a compile would have produced, so numbers do not change;
+`LM_TEST_JAX_CACHE=0` turns it off."""
 
 import os
 import pathlib
 import shutil
 import sysconfig
+import tempfile
 
 import pytest
 
@@ -20,6 +26,13 @@ def xla_flags(devices: int) -> str:
 
 os.environ["XLA_FLAGS"] = (os.environ.get("XLA_FLAGS", "") + " " + xla_flags(8)).strip()
 os.environ.setdefault("JAX_PLATFORMS", "cpu")
+if os.environ.get("LM_TEST_JAX_CACHE", "1") != "0":
+    _cache = pathlib.Path(tempfile.gettempdir(), f"lm-tests-jax-cache-{os.getuid()}")
+    os.environ.setdefault("JAX_COMPILATION_CACHE_DIR", str(_cache))
+    os.environ.setdefault("JAX_PERSISTENT_CACHE_MIN_COMPILE_TIME_SECS", "0")
+    os.environ.setdefault("JAX_PERSISTENT_CACHE_MIN_ENTRY_SIZE_BYTES", "-1")
+    # a size bound turns on the cache's file lock, which concurrent workers and subprocesses need
+    os.environ.setdefault("JAX_COMPILATION_CACHE_MAX_SIZE", str(4 << 30))
 
 
 @pytest.fixture(scope="session")

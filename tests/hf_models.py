@@ -55,7 +55,7 @@ VARIANTS = {
 # One variant per family: where a test trains or adapts, the RoPE variants add nothing.
 FAMILIES = ("llama3", "mistral", "qwen2", "qwen3", "gemma2", "gemma3")
 
-# Mixtures of experts (tests/store/test_hf_moe.py): 4 experts, 2 per token; the router's random
+# Mixtures of experts (tests/store/hf/test_moe.py): 4 experts, 2 per token; the router's random
 # weights at initializer_range 0.1 give every token distinct top-2 scores. Sliding windows (on
 # every layer, as both families have them) shorter than the test sequences.
 MOE_SHAPE = SHAPE | dict(vocab_size=128, num_hidden_layers=2, num_experts_per_tok=2)

@@ -20,7 +20,7 @@ from lm.errors import UserError
 from lm.store.hf.config import hf_config
 from lm.store.safetensors_files import TensorFiles, check_finite
 
-DOC = pathlib.Path(__file__).resolve().parents[2] / "docs" / "hf.md"
+DOC = pathlib.Path(__file__).resolve().parents[3] / "docs" / "hf.md"
 FAMILIES = ("llama", "mistral", "qwen2", "qwen3", "gemma2", "gemma3_text", "mixtral", "qwen3_moe")
 MOE = ("mixtral", "qwen3_moe")
 SETTINGS = settings(

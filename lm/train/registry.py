@@ -257,14 +257,6 @@ def compiled_steps() -> tuple[CompiledStep, ...]:
     return tuple(s for entry in _STAGES for s in entry.steps) + GENERATION
 
 
-def entry(name: str) -> StageEntry:
-    """The stage registered as `name`."""
-    for e in _STAGES:
-        if e.name == name:
-            return e
-    raise ValueError(f"unknown stage {name!r}")
-
-
 def step_names() -> tuple[str, ...]:
     return tuple(s.name for s in compiled_steps())
 

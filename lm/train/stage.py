@@ -39,11 +39,11 @@ from lm.eval.during import with_sets
 from lm.model.params import merge_trees
 from lm.store.load import Loaded, load_init
 from lm.store.meta import save_tokenizer, with_tokenizer
-from lm.train import registry
 from lm.train.faults import StopSignal, agree_any
 from lm.train.fit import check_fits, check_made_by, check_resume, fit, newest_meta, save_final_metrics
 from lm.train.identity import RUN_FILE, new_identity, read_run_file
 from lm.train.metrics import json_default, plot_curves, read_metrics
+from lm.train.registry import stage_entry
 from lm.train.workdir import check_writable, lock_workdir, write_atomic
 
 ALL_STEPS = 2**62  # "any step": a resume check that needs no step count yet
@@ -93,7 +93,7 @@ class Stage:
     @property
     def verb(self) -> str:
         """The command that runs it (`lm VERB`, from its registry entry), recorded as the run's stage."""
-        return registry.entry(self.name).command
+        return stage_entry(self.name).command
 
     def check(self, config) -> None:
         """Checks that need no data (before any data work)."""

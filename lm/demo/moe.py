@@ -13,7 +13,7 @@ from __future__ import annotations
 import json
 import pathlib
 
-from lm.config import ConfigDict, apply_overrides, validate
+from lm.config import Config, apply_overrides, freeze, thaw, validate
 from lm.model import counts
 from lm.store.checkpoint_read import saved_steps
 from lm.store.meta import init_config
@@ -24,9 +24,9 @@ N_EXPERTS, K = 8, 2
 STEPS = 50  # ~1.2-2 s a step on 2 CPU cores: XLA:CPU has no grouped matmul (ragged_dot runs masked, per expert)
 
 
-def moe_config(dense: ConfigDict, steps: int, n_experts: int = N_EXPERTS, k: int = K) -> ConfigDict:
+def moe_config(dense, steps: int, n_experts: int = N_EXPERTS, k: int = K) -> Config:
     """The dense run's config with experts at its active MLP width, for `steps` steps of its schedule."""
-    c = ConfigDict(dense.to_dict())
+    c = thaw(dense)
     apply_overrides(
         c,
         [
@@ -42,7 +42,7 @@ def moe_config(dense: ConfigDict, steps: int, n_experts: int = N_EXPERTS, k: int
     )
     c.train.init = ""  # a fresh model
     validate(c)
-    return c
+    return freeze(c)
 
 
 def moe_pretraining(

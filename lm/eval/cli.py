@@ -51,13 +51,14 @@ def evaluate(
         raise UserError(f"task names repeat ({', '.join(names)}); name them: NAME=PATH")
     config = None
     if overrides:
-        from lm.config import ConfigDict, apply_overrides, validate
+        from lm.config import apply_overrides, freeze, thaw, validate
 
         if any(not o.startswith(("mesh.", "eval.")) for o in overrides):
             raise UserError("lm eval: only mesh.* and eval.* keys can be overridden (the model is the trained one)")
-        config = ConfigDict(loaded.config.to_dict())
+        config = thaw(loaded.config)
         apply_overrides(config, list(overrides))
         validate(config)
+        config = freeze(config)
     scorer = Scorer.from_loaded(loaded, batch_size or None, config, quantize)
     report = {"model": loaded.source, "tasks": {}} | ({"quantize": quantize} if quantize != "none" else {})
     for task in tasks:

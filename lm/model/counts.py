@@ -1,6 +1,6 @@
 """The model's counts: parameters, FLOPs per token and compute-optimal tokens.
 
-Pure functions over the model section of a config (a ConfigDict or any object
+Pure functions over the model section of a config (a config section or any object
 with the attributes used below). Nothing here builds a model or imports jax, so these
 numbers can be checked against published figures before paying for a run.
 """

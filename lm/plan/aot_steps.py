@@ -21,7 +21,7 @@ import dataclasses
 import jax
 import numpy as np
 
-from lm.config import ConfigDict, rules_table
+from lm.config import Config, rules_table, with_values
 from lm.infer.engine.engine import Engine, EngineConfig
 from lm.infer.generate import generation_context
 from lm.model.build import build_model
@@ -40,16 +40,7 @@ class StepBuild:
     name: str
     fn: object
     args: tuple
-    config: ConfigDict
-
-
-def with_keys(config, **dotted) -> ConfigDict:
-    """A copy of `config` with keys set, each written section__name (the given config is never changed)."""
-    out = ConfigDict(config.to_dict())
-    for key, value in dotted.items():
-        section, name = key.split("__")
-        out[section][name] = value
-    return out
+    config: Config
 
 
 def abstract(tree, shardings, dtype=None):
@@ -106,7 +97,8 @@ def build_step(name: str, config, devices) -> StepBuild:
     a TPU topology's): built with model.lora_rank=0, or over LoRA adapters for a `lora` step."""
     step = compiled_step(name)
     dtype = config.model.compute_dtype
-    config = with_keys(config, model__lora_rank=(config.model.lora_rank or DEFAULT_LORA_RANK) if step.lora else 0)
+    lora_rank = (config.model.lora_rank or DEFAULT_LORA_RANK) if step.lora else 0
+    config = with_values(config, {"model.lora_rank": lora_rank})
     if step.generation:
         return load(step.build)(config, devices)
     run, signature = load(step.build)(config, devices, _spec(config, devices))
@@ -117,7 +109,7 @@ def _decode(config, devices) -> StepBuild:
     """The engine's decode block (lm.infer.engine) over eval.batch_size slots, each holding a whole
     generation context in the paged pool: the program `lm sample`, `lm serve`, evaluation and RL
     rollouts decode with. Layers stay stacked (the CPU kernel path unstacks them at run time)."""
-    config = with_keys(config, model__lora_rank=0)
+    config = with_values(config, {"model.lora_rank": 0})
     built = build_model(config, devices, rules=rules_table(config), spec=_spec(config, devices))
     engine = Engine(
         built.module,

@@ -12,7 +12,7 @@ from __future__ import annotations
 
 import itertools
 
-from lm.config import ConfigDict, rules_table
+from lm.config import Config, rules_table, with_values
 from lm.errors import UserError
 from lm.model.spec import ModelSpec
 from lm.plan.hardware import Target
@@ -24,11 +24,10 @@ MARGIN = 0.92  # the planner's estimate must leave this share of HBM unused (its
 MAX_COMPILES = 3
 
 
-def _setting(config, remat: str, micro: int, mesh: dict) -> ConfigDict:
-    out = ConfigDict(config.to_dict())
-    out.model.remat, out.train.micro_batches = remat, micro
-    out.mesh.update(mesh)
-    return out
+def _setting(config, remat: str, micro: int, mesh: dict) -> Config:
+    return with_values(
+        config, {"model.remat": remat, "train.micro_batches": micro} | {f"mesh.{k}": v for k, v in mesh.items()}
+    )
 
 
 def _meshes(config, chips: int) -> list[dict]:
@@ -53,7 +52,7 @@ def _divides(leaf, rules, mesh) -> bool:
     return all(dim % splits((name,), rules, mesh) == 0 for dim, name in zip(leaf.shape, leaf.names))
 
 
-def candidates(config, step: str, chips: int) -> list[ConfigDict]:
+def candidates(config, step: str, chips: int) -> list[Config]:
     """Every setting to try, in the order of the module doc."""
     t, remat = config.train, config.model.remat
     remats = REMAT_ORDER[REMAT_ORDER.index(remat) :] if remat in REMAT_ORDER else (remat,)

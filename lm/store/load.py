@@ -12,7 +12,7 @@ import jax
 import numpy as np
 import orbax.checkpoint as ocp
 
-from lm.config import ConfigDict, init_of, rules_table
+from lm.config import init_of, rules_table, with_values
 from lm.data.tokenizer import load_tokenizer
 from lm.errors import UserError
 from lm.model.build import build_model
@@ -103,9 +103,7 @@ def with_base(config, params: dict, source: str):
         params = merge_trees(params, load_init(init_of(config)).params)
     m = config.model
     merged = jax.tree.map(np.asarray, merge_lora(params, m.lora_alpha, m.lora_rank))
-    plain = ConfigDict(config.to_dict())
-    plain.model.lora_rank = 0
-    return plain, merged
+    return with_values(config, {"model.lora_rank": 0}), merged
 
 
 def load_init(init: str) -> Loaded:

@@ -7,7 +7,7 @@ import dataclasses
 
 @dataclasses.dataclass
 class Loaded:
-    config: object  # the training config (ConfigDict)
+    config: object  # the training config (a frozen lm.config.Config)
     params: dict  # numpy arrays, or lazy leaves that read their part on demand (lm.store.hf.reader)
     tokenizer: object
     source: str  # what was loaded, for messages

@@ -14,7 +14,7 @@ import json
 import pathlib
 import shutil
 
-from lm.config import ConfigDict, base_config, init_of, merge
+from lm.config import Config, base_config, freeze, init_of, merge, with_values
 from lm.config.moved import migrate
 from lm.data.tokenizer import load_tokenizer
 from lm.errors import UserError
@@ -74,11 +74,9 @@ def tokenizer_name(tok) -> str:
     return str(pathlib.Path(path).absolute()) if path is not None else tok.name
 
 
-def with_tokenizer(config, tok) -> ConfigDict:
+def with_tokenizer(config, tok) -> Config:
     """A copy of `config` whose data.tokenizer names `tok` (the validated config is never changed)."""
-    out = ConfigDict(config.to_dict())
-    out.data.tokenizer = tokenizer_name(tok)
-    return out
+    return with_values(config, {"data.tokenizer": tokenizer_name(tok)})
 
 
 def trained_with(config, _seen: frozenset = frozenset()) -> str:
@@ -135,7 +133,7 @@ def config_from(saved: dict, source: str):
         raise UserError(f"{source} carries no config; it was not written by `lm train` / `lm export`")
     config = base_config()
     merge(config, migrate(saved))  # a config saved before keys moved reads as today's
-    return config
+    return freeze(config)
 
 
 def saved_config(path) -> dict | None:

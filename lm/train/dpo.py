@@ -24,7 +24,7 @@ import jax
 import numpy as np
 from jax.sharding import NamedSharding, PartitionSpec
 
-from lm.config import ConfigDict
+from lm.config import with_values
 from lm.data.pipeline import ready_batches
 from lm.eval.answers import compare_answers
 from lm.model import counts
@@ -296,7 +296,6 @@ def needs_reference(config) -> bool:
 def compiled_step(config, devices, spec):
     """The step `lm plan` compiles (lm.train.registry): DPO with a live reference, pairs per row
     (the run's own spec: `spec` is not used)."""
-    config = ConfigDict(config.to_dict())
-    config.dpo.reference = "live"
+    config = with_values(config, {"dpo.reference": "live"})
     run = build_dpo_run(config, devices)
     return run, run.signature(pairs=True, extra=pairs.PAIR_EXTRA)

@@ -3,18 +3,18 @@ starts from a trained model and keeps its shape: the stages' shared composition 
 
 from __future__ import annotations
 
-from lm.config import ConfigDict, apply_overrides, base_config, load_file, merge, validate
+from lm.config import Config, apply_overrides, base_config, freeze, load_file, merge, validate, with_values
 from lm.config.finetune import LR_FRACTION, OVERRIDES
 from lm.train.registry import stage_entry
 
 
-def finetune_config(start: ConfigDict, path: str | None = None, overrides=(), stage: str = "sft", **keys) -> ConfigDict:
+def finetune_config(start, path: str | None = None, overrides=(), stage: str = "sft", **keys) -> Config:
     """The config of a fine-tuning run: the schema, the fine-tuning defaults (lm.config.finetune),
     the model and sequence length of the run it starts from (`start`, its config), the stage's own
     defaults (its registry entry's), then `path` (only the keys its get_config() sets), `keys`
     (finetune keys, e.g. init, from the command line) and the overrides; validated."""
     c = base_config()
-    c.model = ConfigDict(start.model.to_dict())
+    merge(c, {"model": start.model.to_dict()})
     c.data.update(seq_len=start.data.seq_len, cache_dir=start.data.cache_dir)
     c.optim.lr = start.optim.lr * LR_FRACTION
     apply_overrides(c, [f"{k}={v}" for k, v in OVERRIDES.items()])
@@ -26,16 +26,16 @@ def finetune_config(start: ConfigDict, path: str | None = None, overrides=(), st
     c.finetune.update({k: v for k, v in keys.items() if v is not None})
     apply_overrides(c, list(overrides))
     validate(c)
-    return c
+    return freeze(c)
 
 
-def continued_config(config: ConfigDict, start: ConfigDict, init: str, tokenizer: str) -> ConfigDict:
+def continued_config(config, start, init: str, tokenizer: str) -> Config:
     """A pretraining config that continues `init` (train.init): the model section of the model it
     starts from (`start`, its config) and its tokenizer, everything else from `config`; validated."""
-    c = ConfigDict(config.to_dict())
-    c.model = ConfigDict(start.model.to_dict())
-    c.data.tokenizer = tokenizer
-    c.data.seq_len = min(c.data.seq_len, c.model.max_seq_len)
-    c.train.init = init
+    seq_len = min(config.data.seq_len, start.model.max_seq_len)
+    c = with_values(
+        config,
+        {"model": start.model.to_dict(), "data.tokenizer": tokenizer, "data.seq_len": seq_len, "train.init": init},
+    )
     validate(c)
     return c

@@ -12,7 +12,7 @@ exact match of the init and the tuned model's greedy answers.
 
 from __future__ import annotations
 
-from lm.config import ConfigDict
+from lm.config import with_values
 from lm.data.chat import ChatTemplate
 from lm.data.pipeline import Source, train_dataset
 from lm.data.prompts import PromptSet, describe, read_prompts
@@ -45,9 +45,7 @@ SUMMARY_KEYS = (
 
 def rl_config(config):
     """The config of an RL run: train.batch_size is the rows of one update minibatch (a new config)."""
-    out = ConfigDict(config.to_dict())
-    out.train.batch_size = update_rows(config)
-    return out
+    return with_values(config, {"train.batch_size": update_rows(config)})
 
 
 def update_rows(config) -> int:

@@ -32,7 +32,7 @@ from typing import Callable
 import jax
 import numpy as np
 
-from lm.config import ConfigDict
+from lm.config import Config, freeze, with_values
 from lm.data.provenance import recording
 from lm.errors import UserError
 from lm.eval.during import with_sets
@@ -53,7 +53,7 @@ ALL_STEPS = 2**62  # "any step": a resume check that needs no step count yet
 class Ctx:
     """What a run has come to so far; each phase of the runner fills in more."""
 
-    config: ConfigDict
+    config: Config
     workdir: pathlib.Path
     resume: bool
     show_progress: bool = True
@@ -101,7 +101,7 @@ class Stage:
     def read(self, ctx: Ctx):
         raise NotImplementedError
 
-    def configure(self, ctx: Ctx) -> ConfigDict:
+    def configure(self, ctx: Ctx) -> Config:
         """Settings that follow from the data (e.g. train.steps from epochs): a new config."""
         return ctx.config
 
@@ -140,6 +140,7 @@ class Stage:
 
 
 def run_stage(stage: Stage, config, workdir, resume: bool = False, show_progress: bool = True) -> dict:
+    config = freeze(config)  # the stage reads the frozen config (a built ConfigDict is frozen here)
     ctx = Ctx(config, pathlib.Path(workdir), resume, show_progress)
     with StopSignal() as ctx.stop:  # the command's own when lm.cli installed one at start-up
         ctx.phase("the checks")
@@ -307,11 +308,9 @@ def _write_run_files(stage: Stage, ctx: Ctx) -> None:
     save_tokenizer(stage.tokenizer(ctx), ctx.workdir)
 
 
-def with_steps(config, steps: int) -> ConfigDict:
+def with_steps(config, steps: int) -> Config:
     """A copy of `config` training for `steps` steps (the validated config is never changed)."""
-    out = ConfigDict(config.to_dict())
-    out.train.steps = steps
-    return out
+    return with_values(config, {"train.steps": steps})
 
 
 def trainable_count(run) -> int:

@@ -6,7 +6,7 @@ from __future__ import annotations
 import json
 import pathlib
 
-from lm.config import base_config, merge, validate
+from lm.config import base_config, freeze, merge, validate
 from lm.errors import UserError
 from lm.store.hf.families import family_of
 
@@ -43,7 +43,7 @@ def read_hf_config(path) -> dict:
 
 
 def hf_config(path):
-    """Our config (a ConfigDict) for an HF model directory: its architecture in the model
+    """Our config (frozen) for an HF model directory: its architecture in the model
     section, its own tokenizer (data.tokenizer = the directory); read without params or jax work.
     Every key that changes the model is read or refused (docs/hf.md); the result passes the
     model section's own checks."""
@@ -59,4 +59,4 @@ def hf_config(path):
         validate(config)
     except UserError as e:
         raise UserError(f"{source}: {e}") from None
-    return config
+    return freeze(config)

@@ -105,9 +105,8 @@ def _write_inputs(root):
 
 
 def _cfg(root, **overrides):
-    c = load_config(None, [f"curate.{k}={v}" for k, v in overrides.items()]).curate
-    c.word_list.update(enabled=True, path=str(root.parent / "words.lst"))
-    return c
+    words = ["curate.word_list.enabled=true", f"curate.word_list.path={root.parent / 'words.lst'}"]
+    return load_config(None, [f"curate.{k}={v}" for k, v in overrides.items()] + words).curate
 
 
 @pytest.fixture(scope="module")

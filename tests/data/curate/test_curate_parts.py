@@ -10,7 +10,7 @@ import pytest
 pytest.importorskip("datatrove")
 
 from lm import cli  # noqa: E402
-from lm.config import load_config  # noqa: E402
+from lm.config import load_config, with_values  # noqa: E402
 from lm.data.curate import REPORT, curate  # noqa: E402
 from lm.data.curate.blocks import PIIRedactor, ShippedFT176LID  # noqa: E402
 from lm.data.curate.read import InputFile, discover, read_records  # noqa: E402
@@ -154,8 +154,7 @@ def test_language_id_accepts_either_fasttext_backend():
 
 
 def test_config_checks_name_the_key():
-    c = load_config(None).curate
-    c.gopher_repetition.top_n_grams = ("2-0.2",)
+    c = with_values(load_config(None), {"curate.gopher_repetition.top_n_grams": ("2-0.2",)}).curate
     with pytest.raises(UserError, match="curate.gopher_repetition.top_n_grams"):
         check_config(c)
     with pytest.raises(UserError, match="curate.on_bad_record"):

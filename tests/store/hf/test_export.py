@@ -19,7 +19,7 @@ pytest.importorskip("sentencepiece")
 import flax.linen as nn  # noqa: E402
 
 from lm.cli import main  # noqa: E402
-from lm.config import base_config  # noqa: E402
+from lm.config import base_config, with_values  # noqa: E402
 from lm.data.chat import ChatTemplate  # noqa: E402
 from lm.data.spm import CHAT_TOKENS, train_sentencepiece  # noqa: E402
 from lm.errors import UserError  # noqa: E402
@@ -254,8 +254,7 @@ def test_adapters_on_an_imported_model_load_in_peft(name, tmp_path):
 
     path, original = imported(name, tmp_path)
     loaded = load_hf(path)
-    config = loaded.config.copy_and_resolve_references()
-    config.model.update(lora_rank=4, lora_alpha=8.0)
+    config = with_values(loaded.config, {"model.lora_rank": 4, "model.lora_alpha": 8.0})
     adapters = random_params(config, seed=5)
     adapters["blocks"] = {m: {k: v for k, v in sub.items() if "_lora_" in k} for m, sub in adapters["blocks"].items()}
     adapters = {"blocks": {m: sub for m, sub in adapters["blocks"].items() if sub}}
@@ -311,8 +310,7 @@ def test_peft_adapter_gives_our_merged_logits(lora):
     assert (adapter["peft_type"], adapter["r"], adapter["lora_alpha"]) == ("LORA", 4, 8)
     base = transformers.AutoModelForCausalLM.from_pretrained(root / "base", dtype=torch.float32).eval()
     ids = ids_for(config.model.vocab_size, 5)
-    plain = config.copy_and_resolve_references()
-    plain.model.lora_rank = 0
+    plain = with_values(config, {"model.lora_rank": 0})
     merged = our_logits(plain, merge_lora(params, 8.0, 4), ids)
     assert np.abs(merged - hf_logits(base, ids)).max() > 1e-2  # the adapters change the logits
     model = PeftModel.from_pretrained(base, root / "adapter").eval()
@@ -326,8 +324,7 @@ def test_merged_lora_export(lora, tmp_path, spm):
     export_hf(Loaded(config, params, spm, "lora"), tmp_path / "merged", merge=True)
     model = transformers.AutoModelForCausalLM.from_pretrained(tmp_path / "merged", dtype=torch.float32).eval()
     ids = ids_for(config.model.vocab_size, 6)
-    plain = config.copy_and_resolve_references()
-    plain.model.lora_rank = 0
+    plain = with_values(config, {"model.lora_rank": 0})
     close(hf_logits(model, ids), our_logits(plain, merge_lora(params, 8.0, 4), ids))
 
 
@@ -365,8 +362,7 @@ def test_export_verb_writes_peft_and_merged_from_params(lora, spm, tmp_path, cap
     assert (tmp_path / "merged" / "model.safetensors.index.json").is_file()
     model = transformers.AutoModelForCausalLM.from_pretrained(tmp_path / "merged", dtype=torch.float32).eval()
     ids = ids_for(config.model.vocab_size, 7)
-    plain = config.copy_and_resolve_references()
-    plain.model.lora_rank = 0
+    plain = with_values(config, {"model.lora_rank": 0})
     close(hf_logits(model, ids), our_logits(plain, merge_lora(params, 8.0, 4), ids))
     assert run("--format", "safetensors", "--dtype", "bfloat16", "--out", str(tmp_path / "x.safetensors")) == 2
     assert "--dtype applies to --format hf and peft" in capsys.readouterr().err

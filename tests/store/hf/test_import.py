@@ -12,7 +12,7 @@ import pytest
 torch = pytest.importorskip("torch")
 pytest.importorskip("transformers")
 
-from lm.config import rules_table  # noqa: E402
+from lm.config import rules_table, with_values  # noqa: E402
 from lm.errors import UserError  # noqa: E402
 from lm.model.build import build_model  # noqa: E402
 from lm.model.spec import ModelSpec  # noqa: E402
@@ -37,10 +37,8 @@ def models(tmp_path_factory):
 
 
 def ours(path, mesh=(1, 1, 1), **model_keys):
-    config = hf_config(path)
-    config.mesh.update(dict(zip(("data", "fsdp", "tensor"), mesh)))
-    for k, v in model_keys.items():
-        config.model[k] = v
+    sizes = {f"mesh.{axis}": n for axis, n in zip(("data", "fsdp", "tensor"), mesh)}
+    config = with_values(hf_config(path), sizes | {f"model.{k}": v for k, v in model_keys.items()})
     n = int(np.prod(mesh))
     built = build_model(config, jax.devices()[:n], rules=rules_table(config))
     return built, built.place(lazy_params(path, built.spec, str(path)))
@@ -113,8 +111,8 @@ def test_each_device_reads_only_the_rows_it_holds(models, monkeypatch):
         return out
 
     monkeypatch.setattr(safetensors_files.TensorFiles, "read", counting)
-    config = hf_config(path)
-    config.mesh.update(dict(data=1, fsdp=1, tensor=2))  # vocab -> tensor: each device half of the rows
+    # vocab -> tensor: each device half of the rows
+    config = with_values(hf_config(path), {"mesh.data": 1, "mesh.fsdp": 1, "mesh.tensor": 2})
     built = build_model(config, jax.devices()[:2], rules=rules_table(config))
     lazy = lazy_params(path, built.spec, str(path))
     placed = built.place(lazy)
@@ -183,10 +181,11 @@ def test_five_lora_steps_on_an_imported_bf16_checkpoint(tmp_path, name):
     from lm.train.setup import build_run
 
     write_model(name, tmp_path, dtype="bfloat16")
-    config = hf_config(tmp_path)
-    config.model.update(lora_rank=4, lora_alpha=8.0)
-    config.optim.update(lr=1e-2, warmup_steps=0, weight_decay=0.0)
-    config.train.update(batch_size=2, steps=5)
+    config = with_values(
+        hf_config(tmp_path),
+        {"model.lora_rank": 4, "model.lora_alpha": 8.0, "optim.lr": 1e-2, "optim.warmup_steps": 0}
+        | {"optim.weight_decay": 0.0, "train.batch_size": 2, "train.steps": 5},
+    )
     run = build_run(config, sft_loss, devices=jax.devices()[:1], trainable=is_adapter)
     state, frozen = run.init(seed=0, base=lazy_params(tmp_path, run.spec, str(tmp_path)))
     assert frozen["base"]["blocks"]["attn"]["wq"].dtype == jnp.bfloat16

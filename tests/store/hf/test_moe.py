@@ -16,7 +16,7 @@ transformers = pytest.importorskip("transformers")
 import flax.linen as nn  # noqa: E402
 from safetensors.numpy import load_file, save_file  # noqa: E402
 
-from lm.config import base_config, rules_table  # noqa: E402
+from lm.config import base_config, rules_table, with_values  # noqa: E402
 from lm.data.tokenizer import ByteTokenizer  # noqa: E402
 from lm.errors import UserError  # noqa: E402
 from lm.model.build import build_model  # noqa: E402
@@ -162,8 +162,8 @@ def test_each_device_reads_only_its_experts(models, monkeypatch):
         return out
 
     monkeypatch.setattr(safetensors_files.TensorFiles, "read", counting)
-    config = hf_config(path)
-    config.mesh.update(dict(data=1, fsdp=1, expert=2, tensor=2))  # 2 experts a device, their width halved
+    # 2 experts a device, their width halved
+    config = with_values(hf_config(path), {"mesh.data": 1, "mesh.fsdp": 1, "mesh.expert": 2, "mesh.tensor": 2})
     built = build_model(config, jax.devices()[:4], rules=rules_table(config))
     lazy = lazy_params(path, built.spec, str(path))
     placed = built.place(lazy)

@@ -99,6 +99,17 @@ class Transformer(nn.Module):
         "logits_and_scalar": both from one pass, as PPO's policy with a value head needs).
         logits_at [B] int32: only the logits of that position of each row, [B, 1, vocab]
         (a prefill needs the last prompt position's, not a [B, T, vocab] array)."""
+        if output not in OUTPUTS:
+            raise ValueError(f"output={output!r}: expected one of {OUTPUTS}")
+        if "scalar" in output and not self.scalar_head:
+            raise ValueError(f"output={output!r} needs a model with scalar_head=True")
+        x, embedding = self._embed(inputs, positions)
+        x = self._layers(x, segment_ids, *self._context(segment_ids, positions, decode, page_table), decode)
+        x = Norm(self.spec, name="final_norm")(x)
+        return self._heads(x, embedding, output, logits_at)
+
+    def _embed(self, inputs, positions):
+        """Token embeddings (scaled, plus learned positions where the spec says) -> (x, table)."""
         s, c = self.spec, self.part.constrain
         embedding = param(self, "embedding", normal(s.init_std), (s.vocab_size, s.d_model), ("vocab", "embed"))
         # Gather the fsdp-split table first (as FSDP does for every weight); a vocab-split
@@ -109,7 +120,12 @@ class Transformer(nn.Module):
         if s.position == "learned":
             table = param(self, "pos_embedding", normal(s.init_std), (s.max_seq_len, s.d_model), ("position", "embed"))
             x = x + jnp.take(table, positions, axis=0).astype(s.dtype)
-        x = c(x, ("batch", "length", "act_embed"))
+        return c(x, ("batch", "length", "act_embed")), embedding
+
+    def _context(self, segment_ids, positions, decode: bool, page_table):
+        """What every layer reads besides x: (RoPE tables, cache slots, cache mask, per-layer local
+        flags). With local layers the tables and masks come as (global, local) pairs."""
+        s = self.spec
         rope_cs = spec_tables(s, positions) if s.position == "rope" else None
         if decode and self.paging is not None:
             write, read, mask = slots_and_mask(self.paging, page_table, segment_ids, positions)
@@ -117,32 +133,37 @@ class Transformer(nn.Module):
         else:
             slots, mask = self._cache_slots_and_mask(segment_ids, positions) if decode else (None, None)
         local = None
-        if s.has_local_layers:  # per-layer flags; rope tables and cache masks as (global, local) pairs
+        if s.has_local_layers:
             local = jnp.asarray([t == "local" for t in s.attention.layer_types])
             rope_cs = (rope_cs, spec_tables(s, positions, local=True)) if rope_cs is not None else None
             if decode:
                 back = positions[:, :, None] - jnp.arange(mask.shape[-1])[None, None, :]
                 mask = (mask, mask & (back < s.attention.sliding_window))
+        return rope_cs, slots, mask, local
+
+    def _layers(self, x, segment_ids, rope_cs, slots, mask, local, decode: bool):
+        """The blocks: unstacked (a Python loop, decoding), pipelined over stages, or scanned."""
+        s = self.spec
         if self.unstacked:
             for i in range(s.n_layers):
                 flag = None if local is None else local[i]
                 x, _ = Block(s, self.part, decode, self.paging, name=f"layer_{i}")(
                     x, segment_ids, rope_cs, slots, mask, flag
                 )
+            return x
+        if is_pipelined(self.part, decode) and not self.is_initializing():  # init: the plain params
+            x, aux = pipeline_blocks(self, Block, REMAT_POLICIES.get(s.remat), x, segment_ids, rope_cs, local), None
         else:
-            if is_pipelined(self.part, decode) and not self.is_initializing():  # init: the plain params
-                x, aux = pipeline_blocks(self, Block, REMAT_POLICIES.get(s.remat), x, segment_ids, rope_cs, local), None
-            else:
-                x, aux = scanned_blocks(s, decode)(s, self.part, decode, self.paging, name="blocks")(
-                    x, segment_ids, rope_cs, slots, mask, local
-                )
-            if aux is not None:  # read by lm.model.apply.forward (apply with mutable=["aux"])
-                self.sow("aux", "moe", aux)
-        x = Norm(s, name="final_norm")(x)
-        if output not in OUTPUTS:
-            raise ValueError(f"output={output!r}: expected one of {OUTPUTS}")
-        if "scalar" in output and not self.scalar_head:
-            raise ValueError(f"output={output!r} needs a model with scalar_head=True")
+            x, aux = scanned_blocks(s, decode)(s, self.part, decode, self.paging, name="blocks")(
+                x, segment_ids, rope_cs, slots, mask, local
+            )
+        if aux is not None:  # read by lm.model.apply.forward (apply with mutable=["aux"])
+            self.sow("aux", "moe", aux)
+        return x
+
+    def _heads(self, x, embedding, output: str, logits_at):
+        """The outputs of the final-normed x: logits, hidden states, the scalar head or two of them."""
+        s, c = self.spec, self.part.constrain
         scalar = None
         if self.scalar_head and (output in ("scalar", "logits_and_scalar") or self.is_initializing()):
             scalar = ScalarHead(s, name="scalar_head")(x)

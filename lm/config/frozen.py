@@ -50,6 +50,10 @@ def _plain(v):
     return v
 
 
+# keys whose value is a mapping that accepts new names (mesh.rules: logical axis -> mesh axes)
+OPEN_MAPPINGS = ("rules",)
+
+
 def _field_type(default):
     if isinstance(default, tuple):
         return tuple[str, ...]
@@ -58,7 +62,7 @@ def _field_type(default):
 
 def section_class(name: str, defaults: dict, module: str) -> type:
     """A frozen dataclass named `name` with a field per key of `defaults` (nested dicts become
-    nested classes named `name` + key, except `open_keys`, whose mappings take new names)."""
+    nested classes named `name` + key, except OPEN_MAPPINGS, which stay mappings)."""
     fields, nested = [], {}
     for key, default in defaults.items():
         if isinstance(default, dict) and key not in OPEN_MAPPINGS:
@@ -73,10 +77,6 @@ def section_class(name: str, defaults: dict, module: str) -> type:
     cls.__module__ = module  # where pickle finds it: the section module holds it by this name
     cls.NESTED = nested
     return cls
-
-
-# keys whose value is a mapping that accepts new names (mesh.rules: logical axis -> mesh axes)
-OPEN_MAPPINGS = ("rules",)
 
 
 def freeze_into(cls: type, values):

@@ -33,9 +33,7 @@ import jax
 import numpy as np
 import orbax.checkpoint as ocp
 
-from lm.config import base_config, rules_table
-from lm.config import merge as merge_config
-from lm.config.moved import migrate
+from lm.config import rules_table
 from lm.errors import UserError
 from lm.model.build import build_model
 from lm.model.params import leaf_paths
@@ -44,7 +42,7 @@ from lm.outputs import replacing, write_text
 from lm.store.checkpoint_read import read_checkpoint_params
 from lm.store.load import with_base
 from lm.store.loaded import Loaded
-from lm.store.meta import copy_tokenizer, tokenizer_beside
+from lm.store.meta import config_from, copy_tokenizer, tokenizer_beside
 from lm.store.safetensors_files import write_streamed
 
 
@@ -73,9 +71,8 @@ def export_params(workdir, out, step: int | None = None, fmt: str | None = None,
     if merge:
         if not saved.get("model", {}).get("lora_rank"):
             raise UserError(f"lm export --merge: '{workdir}' has no LoRA adapters to merge (model.lora_rank=0)")
-        full = base_config()
-        merge_config(full, migrate(saved))
-        plain, params = with_base(full, params, f"run '{workdir}'")
+        source = f"run '{workdir}'"
+        plain, params = with_base(config_from(saved, source), params, source)
         saved = plain.to_dict()
     config = json.dumps(saved)
     if fmt == "safetensors":

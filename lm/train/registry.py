@@ -80,6 +80,8 @@ class StageEntry:
     options: more flags, each (flag, help[, dotted key]): the key named by the flag in the
       finetune section if it has one, else in its section; or the dotted key given.
     actions: modules (`add_parser`, `run`) that add sub-actions to the verb (`lm reward score`).
+    reads: the finetune keys it reads (start="init"; empty: all); setting another one away from
+      its default is an error, since the stage would ignore it.
     plot: the plot its summary line names.
     steps: the compiled steps `lm plan` and `lm.plan.aot` know it by.
     """
@@ -96,6 +98,7 @@ class StageEntry:
     options: tuple[tuple[str, ...], ...] = ()
     defaults: tuple[tuple[str, object], ...] = ()
     actions: tuple[str, ...] = ()
+    reads: tuple[str, ...] = ()
     plot: str = "loss.png"
     steps: tuple[CompiledStep, ...] = ()
 
@@ -122,6 +125,12 @@ EVAL_ANSWERS = (
     "--eval-answers",
     "held-out conversations (chat JSONL) answered greedily at the end: exact match of the init and the tuned model",
 )
+# the finetune keys (lm.config.finetune) each kind of stage reads
+_START = ("init", "data", "eval_data", "on_bad_record", "max_skipped_fraction")
+_ANSWERS = ("eval_examples", "eval_max_new_tokens")
+READS_CHAT = (*_START, "epochs", "truncation", "train_on", *_ANSWERS)
+READS_PAIRS = (*_START, "epochs", "truncation")
+READS_PROMPTS = (*_START, "eval_answers", *_ANSWERS)
 CHAT_DATA = 'JSONL: {"messages": [...]} or {"instruction", "output"} lines'
 
 _STAGES: list[StageEntry] = [
@@ -148,6 +157,7 @@ _STAGES: list[StageEntry] = [
             CompiledStep("sft", "lm.train.sft:compiled_step"),
             CompiledStep("sft_lora", "lm.train.sft:compiled_step", passes=2, lora=True),
         ),
+        reads=READS_CHAT,
     ),
     StageEntry(
         "dpo",
@@ -170,6 +180,7 @@ _STAGES: list[StageEntry] = [
                 needs_reference="lm.train.dpo:needs_reference",
             ),
         ),
+        reads=(*READS_PAIRS, "eval_answers", *_ANSWERS),
     ),
     StageEntry(
         "reward",
@@ -181,6 +192,7 @@ _STAGES: list[StageEntry] = [
         data='JSONL pairs: {"prompt", "chosen", "rejected"[, "margin"]}',
         eval_data="held-out pairs: accuracy and mean margin at every eval",
         actions=("lm.infer.score_cli",),
+        reads=READS_PAIRS,
     ),
     StageEntry(
         "rl",
@@ -215,6 +227,7 @@ _STAGES: list[StageEntry] = [
                 splits_batch=False,
             ),
         ),
+        reads=READS_PROMPTS,
     ),
     StageEntry(
         "distill",
@@ -237,6 +250,7 @@ _STAGES: list[StageEntry] = [
                 "distill.teacher",
             ),
         ),
+        reads=READS_CHAT,
     ),
 ]
 

@@ -122,3 +122,44 @@ def test_a_checkpoint_identity_from_before_the_move_still_resumes():
     now = {"stage": "sft", "settings": {"finetune.epochs": 3.0, "optim.lr": 1e-4}, "models": {"finetune.init": "abc"}}
     assert differences(saved, now) == []
     assert differences(saved, now | {"models": {"finetune.init": "other"}}) != []
+
+
+# a value away from each key's default, of its type
+AWAY = {
+    "init": "runs/other",
+    "data": "other.jsonl",
+    "eval_data": "heldout.jsonl",
+    "epochs": 7.0,
+    "truncation": "cut_response",
+    "train_on": "last",
+    "on_bad_record": "skip",
+    "max_skipped_fraction": 0.5,
+    "eval_examples": 3,
+    "eval_max_new_tokens": 5,
+    "eval_answers": "answers.jsonl",
+}
+
+
+@pytest.mark.parametrize("stage", FINE_TUNING)
+def test_a_finetune_key_the_stage_does_not_read_fails_in_one_line(stage):
+    entry = next(e for e in stages() if e.name == stage)
+    assert set(AWAY) == set(DEFAULTS) and entry.reads and set(entry.reads) <= set(DEFAULTS)
+    start = load_config(None)
+    for key, value in AWAY.items():
+        if key in entry.reads:
+            assert finetune_config(start, None, [f"finetune.{key}={value}"], stage).finetune[key] == value
+        else:
+            with pytest.raises(
+                UserError, match=rf"^config key 'finetune.{key}' = .*`lm {entry.command}` does not read"
+            ):
+                finetune_config(start, None, [f"finetune.{key}={value}"], stage)
+    # the default value, as a copied config file would carry it, is no error
+    assert finetune_config(start, None, [f"finetune.{k}={DEFAULTS[k]}" for k in ("train_on", "eval_answers")], stage)
+
+
+def test_what_each_stage_reads():
+    reads = {e.name: set(e.reads) for e in stages() if e.start == "init"}
+    assert "train_on" not in reads["dpo"] | reads["reward"] | reads["rl"]  # pairs and prompts have no turns to pick
+    assert "epochs" not in reads["rl"] and "truncation" not in reads["rl"]  # rl samples its prompts each step
+    assert "eval_answers" not in reads["sft"] | reads["reward"] | reads["distill"]
+    assert {"eval_examples", "eval_max_new_tokens"} & reads["reward"] == set()

@@ -4,11 +4,12 @@ Tests compile many small programs and run each a few times, so XLA compiles them
 lowest optimisation level: the numbers are the same program's, and compiling takes half
 the time. Subprocesses the tests start get the same flags (`xla_flags`).
 
-`LM_TEST_JAX_CACHE=1` shares JAX's persistent compilation cache among the session's workers and
-the `lm` processes they start (a hit loads the executable a compile would produce). It is off by
-default: the size bound that gives the cache its file lock (which concurrent writers need) also
-scans the whole directory on every write, and a test that took 11 s without the cache took 70 s
-with a directory of 12k entries; a clean clone, which starts cold, gained nothing measurable."""
+A session shares one JAX compilation cache (a fresh directory, removed at the end) among its
+workers and the `lm` processes they start: a hit loads the executable a compile would give.
+It has no size bound, because the bound's eviction re-reads every entry on each write (quadratic
+in entries: one test late in a session took 70 s instead of 11 s); a session writes ~120 MB.
+An entry read while another process still writes it fails to decompress, and JAX warns and
+compiles instead. `LM_TEST_JAX_CACHE=0` turns it off."""
 
 import os
 import pathlib
@@ -27,13 +28,18 @@ def xla_flags(devices: int) -> str:
 
 os.environ["XLA_FLAGS"] = (os.environ.get("XLA_FLAGS", "") + " " + xla_flags(8)).strip()
 os.environ.setdefault("JAX_PLATFORMS", "cpu")
-if os.environ.get("LM_TEST_JAX_CACHE", "0") == "1":
-    _cache = pathlib.Path(tempfile.gettempdir(), f"lm-tests-jax-cache-{os.getuid()}")
-    os.environ.setdefault("JAX_COMPILATION_CACHE_DIR", str(_cache))
-    os.environ.setdefault("JAX_PERSISTENT_CACHE_MIN_COMPILE_TIME_SECS", "0")
-    os.environ.setdefault("JAX_PERSISTENT_CACHE_MIN_ENTRY_SIZE_BYTES", "-1")
-    # a size bound turns on the cache's file lock, which concurrent workers and subprocesses need
-    os.environ.setdefault("JAX_COMPILATION_CACHE_MAX_SIZE", str(4 << 30))
+_OWN_CACHE = None  # the directory this process made (the session's first), removed at its end
+if os.environ.get("LM_TEST_JAX_CACHE", "1") == "1" and "JAX_COMPILATION_CACHE_DIR" not in os.environ:
+    _OWN_CACHE = tempfile.mkdtemp(prefix="lm-tests-jax-cache-")
+    os.environ["JAX_COMPILATION_CACHE_DIR"] = _OWN_CACHE  # xdist workers and subprocesses inherit it
+    os.environ["JAX_PERSISTENT_CACHE_MIN_COMPILE_TIME_SECS"] = "0"
+    os.environ["JAX_PERSISTENT_CACHE_MIN_ENTRY_SIZE_BYTES"] = "-1"
+    os.environ["JAX_COMPILATION_CACHE_MAX_SIZE"] = "-1"
+
+
+def pytest_unconfigure(config):
+    if _OWN_CACHE and not hasattr(config, "workerinput"):
+        shutil.rmtree(_OWN_CACHE, ignore_errors=True)
 
 
 @pytest.fixture(scope="session")

@@ -30,6 +30,7 @@ CHOICES = dict(on_bad=("restore", "stop"))
 def check(c) -> None:
     t = c.train
     require(t.steps > 0, "train.steps", t.steps, "expected a positive integer")
+    require(t.sample_tokens >= 0, "train.sample_tokens", t.sample_tokens, "expected >= 0 (0 = no closing sample)")
     require(
         t.micro_batches > 0 and t.batch_size % t.micro_batches == 0,
         "train.micro_batches",

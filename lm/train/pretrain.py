@@ -2,7 +2,8 @@
 
 Prepared data (curated text, tokenizer, token shards) lives in the shared data cache and is
 reused by every run with the same inputs; everything the run writes lives under its workdir.
-At the end the model writes a sample after `train.sample_prompt` (sample.txt).
+At the end the model writes a sample after `train.sample_prompt` (sample.txt; none with
+`train.sample_tokens=0`).
 """
 
 from __future__ import annotations
@@ -101,14 +102,14 @@ class Pretrain(Stage):
         }
 
     def finish(self, ctx) -> dict:
-        text = _sample(ctx.config, ctx.run, ctx.params, ctx.data.tokenizer)
+        text = _sample(ctx.config, ctx.run, ctx.params, ctx.data.tokenizer) if ctx.config.train.sample_tokens else None
         summary = {
             "step": int(jax.device_get(ctx.state.step)),
             "unigram_baseline": ctx.data.stats["unigram_entropy_nats"],
         }
         summary |= {k: ctx.last.get(k) for k in SUMMARY_KEYS}
         ctx.returned["sample"] = text
-        if ctx.is_main:
+        if ctx.is_main and text is not None:
             (ctx.workdir / "sample.txt").write_text(text)
             print("--- sample ---\n" + text + "\n--------------")
         return summary

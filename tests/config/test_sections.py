@@ -107,11 +107,16 @@ def test_one_require():
         ("distill.beta=nan", "distill.beta"),
         ("distill.temperature=0", "distill.temperature"),
         ("distill.temperature=inf", "distill.temperature"),
+        ("train.sample_tokens=-1", "train.sample_tokens"),
     ],
 )
-def test_distill_checks_name_the_key(override, key):
+def test_checks_name_the_key(override, key):
     with pytest.raises(UserError, match=rf"^config key '{key}' = "):
         load_config(None, [override])
+
+
+def test_no_closing_sample_is_a_valid_setting():
+    assert load_config(None, ["train.sample_tokens=0"]).train.sample_tokens == 0
 
 
 def test_distill_defaults():

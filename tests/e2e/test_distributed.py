@@ -16,6 +16,7 @@ ARGS = SMALL + [
     "--config.train.log_every=2",
     "--config.eval.every_steps=0",
     "--config.checkpoint.every_steps=3",
+    "--config.train.sample_tokens=0",  # no closing sample: not what this test checks
     "--config.mesh.data=2",
     "--config.mesh.fsdp=4",
 ]
@@ -67,6 +68,7 @@ def test_two_processes_match_one(tmp_path, corpus):
     assert [t for _, t in evals_two] == [t for _, t in evals_one]
     assert [v for v, _ in evals_two] == pytest.approx([v for v, _ in evals_one], rel=1e-5)
     assert (tmp_path / "two" / "checkpoints" / "6").is_dir()
+    assert not (tmp_path / "two" / "sample.txt").exists()  # train.sample_tokens=0: no closing sample
 
 
 # tensor=2 spans processes: processes 0 and 1 hold the same batch shard (and 2 and 3 the other),
@@ -77,6 +79,7 @@ TENSOR_ARGS = SMALL + [
     "--config.eval.every_steps=0",
     "--config.checkpoint.every_steps=4",
     "--config.mesh.data=1",
+    "--config.train.sample_tokens=0",  # no closing sample: not what this test checks
     "--config.mesh.fsdp=2",
     "--config.mesh.tensor=2",
     "--config.model.n_kv_heads=2",

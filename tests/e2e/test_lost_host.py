@@ -25,6 +25,7 @@ ARGS = SMALL + [
     "--config.train.log_every=1",
     "--config.eval.every_steps=0",
     "--config.checkpoint.every_steps=4",
+    "--config.train.sample_tokens=0",  # no closing sample: not what this test checks
     "--config.mesh.data=2",
     "--config.mesh.fsdp=4",
     "--peer-timeout",

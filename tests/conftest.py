@@ -28,17 +28,25 @@ def xla_flags(devices: int) -> str:
 
 os.environ["XLA_FLAGS"] = (os.environ.get("XLA_FLAGS", "") + " " + xla_flags(8)).strip()
 os.environ.setdefault("JAX_PLATFORMS", "cpu")
-_OWN_CACHE = None  # the directory this process made (the session's first), removed at its end
-if os.environ.get("LM_TEST_JAX_CACHE", "1") == "1" and "JAX_COMPILATION_CACHE_DIR" not in os.environ:
+_OWN_CACHE = None  # the directory the session's first process made, removed at its end
+
+
+def pytest_configure(config):
+    """Made here, not at import: a subprocess that imports this module makes no directory."""
+    global _OWN_CACHE
+    if hasattr(config, "workerinput") or "JAX_COMPILATION_CACHE_DIR" in os.environ:
+        return  # an xdist worker: its env already names the session's directory
+    if os.environ.get("LM_TEST_JAX_CACHE", "1") != "1":
+        return
     _OWN_CACHE = tempfile.mkdtemp(prefix="lm-tests-jax-cache-")
-    os.environ["JAX_COMPILATION_CACHE_DIR"] = _OWN_CACHE  # xdist workers and subprocesses inherit it
+    os.environ["JAX_COMPILATION_CACHE_DIR"] = _OWN_CACHE  # workers (started later) and subprocesses inherit it
     os.environ["JAX_PERSISTENT_CACHE_MIN_COMPILE_TIME_SECS"] = "0"
     os.environ["JAX_PERSISTENT_CACHE_MIN_ENTRY_SIZE_BYTES"] = "-1"
     os.environ["JAX_COMPILATION_CACHE_MAX_SIZE"] = "-1"
 
 
 def pytest_unconfigure(config):
-    if _OWN_CACHE and not hasattr(config, "workerinput"):
+    if _OWN_CACHE:
         shutil.rmtree(_OWN_CACHE, ignore_errors=True)
 
 

@@ -7,7 +7,7 @@ the time. Subprocesses the tests start get the same flags (`xla_flags`).
 A session shares one JAX compilation cache (a fresh directory, removed at the end) among its
 workers and the `lm` processes they start: a hit loads the executable a compile would give.
 It has no size bound, because the bound's eviction re-reads every entry on each write (quadratic
-in entries: one test late in a session took 70 s instead of 11 s); a session writes ~120 MB.
+in entries: one test late in a session took 70 s instead of 11 s), and the directory lasts one session.
 An entry read while another process still writes it fails to decompress, and JAX warns and
 compiles instead. `LM_TEST_JAX_CACHE=0` turns it off."""
 

@@ -41,7 +41,7 @@ from lm.model.cache import decode_step, init_cache
 from lm.model.paged import Paging
 from lm.model.params import check_fits
 from lm.model.spec import ModelSpec
-from lm.model.transformer import Transformer, init_params, unstack_layers
+from lm.model.transformer import Transformer, abstract_params, unstack_layers
 from lm.sharding import place_leaf
 
 NGRAM = "ngram"
@@ -79,7 +79,7 @@ def on_one_device(loaded) -> tuple[Transformer, dict]:
     """A loaded model (lm.store.load.Loaded) as (module, params on this process's first device):
     batch 1 needs no mesh."""
     model = Transformer(ModelSpec.from_config(loaded.config.model))
-    abstract = nn.unbox(jax.eval_shape(lambda r: init_params(model, r), jax.random.PRNGKey(0)))
+    abstract = nn.unbox(abstract_params(model))
     check_fits(abstract, loaded.params, loaded.source, complete=True)
     device = jax.sharding.SingleDeviceSharding(jax.local_devices()[0])
     return model, jax.tree.map(lambda x: place_leaf(x, device), loaded.params)

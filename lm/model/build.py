@@ -20,7 +20,7 @@ from lm.model.params import check_fits, subtree
 from lm.model.qtensor import QTensor
 from lm.model.quant import place_quantized_leaf
 from lm.model.spec import ModelSpec
-from lm.model.transformer import Transformer, init_params
+from lm.model.transformer import Transformer, abstract_params
 from lm.sharding import batch_sharding, batch_shardings, make_mesh, param_shardings, place_leaf, split_count
 
 
@@ -51,8 +51,7 @@ class Built:
 
     def abstract_params(self) -> dict:
         """The params' shapes and dtypes (ShapeDtypeStructs, unboxed): nothing allocated."""
-        boxed = jax.eval_shape(lambda r: init_params(self.module, r), jax.random.PRNGKey(0))
-        return nn.unbox(boxed)
+        return nn.unbox(abstract_params(self.module))
 
     def check(self, params: dict, source: str, complete: bool = False) -> None:
         """`params` (all or part of this model's; all if `complete`) must have its names and shapes."""
@@ -94,5 +93,4 @@ def build_model(
     mesh = mesh or make_mesh(config.mesh, devices)
     spec = spec or ModelSpec.from_config(config.model)
     module = model_fn(spec, Partitioning(mesh, rules))
-    boxed = jax.eval_shape(lambda r: init_params(module, r), jax.random.PRNGKey(0))
-    return Built(mesh, rules, spec, module, param_shardings(boxed, mesh, rules))
+    return Built(mesh, rules, spec, module, param_shardings(abstract_params(module), mesh, rules))

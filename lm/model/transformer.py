@@ -8,6 +8,8 @@ decoding (`decode=True`: prefill and decode steps against the KV cache, see lm.m
 
 from __future__ import annotations
 
+import functools
+
 import flax.linen as nn
 import jax
 import jax.numpy as jnp
@@ -214,3 +216,11 @@ def init_params(model: Transformer, rng: jax.Array, seq_len: int = 8):
     """Boxed (logically partitioned) params for a dummy batch; use under jax.eval_shape or jit."""
     ids = jnp.zeros((1, seq_len), jnp.int32)
     return model.init(rng, ids, jnp.ones_like(ids), ids)["params"]
+
+
+@functools.lru_cache(maxsize=32)
+def abstract_params(model: nn.Module) -> dict:
+    """The boxed params' shapes, dtypes and logical axes (ShapeDtypeStructs): nothing allocated.
+    Traced once per model (a module is a hashable value): a stage asks for them several times
+    (shardings, optimizer state, checks of a base) and each trace costs as much as a forward pass."""
+    return jax.eval_shape(lambda r: init_params(model, r), jax.random.PRNGKey(0))

@@ -51,7 +51,7 @@ from lm.infer.generate import generation_context
 from lm.model import pipeline
 from lm.model.moe import capacity
 from lm.model.spec import ModelSpec
-from lm.model.transformer import Transformer, init_params
+from lm.model.transformer import Transformer, abstract_params
 from lm.sharding import AXES, mesh_shape
 from lm.train.registry import compiled_step
 
@@ -96,7 +96,7 @@ class Leaf:
 @functools.lru_cache(maxsize=8)
 def param_leaves(spec: ModelSpec) -> tuple[Leaf, ...]:
     """Every param of the model: shape and logical axes (from its init, abstractly)."""
-    boxed = jax.eval_shape(lambda r: init_params(Transformer(spec), r), jax.random.PRNGKey(0))
+    boxed = abstract_params(Transformer(spec))
     specs = nn.get_partition_spec(boxed)
     shapes = nn.unbox(boxed)
     out = []

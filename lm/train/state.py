@@ -17,7 +17,7 @@ import jax.numpy as jnp
 import optax
 
 from lm.model.params import check_fits, merge_trees, split_params, subtree
-from lm.model.transformer import init_params
+from lm.model.transformer import abstract_params, init_params
 from lm.sharding import param_shardings, place_leaf, replicated
 
 
@@ -31,7 +31,7 @@ class TrainState:
 
 def state_shardings(model, optimizer, mesh, rules, trainable=None):
     """(TrainState shardings, frozen params' shardings or None), from the params' logical axes."""
-    boxed = jax.eval_shape(lambda r: init_params(model, r), jax.random.PRNGKey(0))
+    boxed = abstract_params(model)
     p_shard, f_shard = split_params(param_shardings(boxed, mesh, rules), trainable)
     opt_abstract = jax.eval_shape(optimizer.init, split_params(nn.unbox(boxed), trainable)[0])
     o_shard = optax.tree_map_params(
@@ -61,7 +61,7 @@ def _with_base(params: dict | None, base: dict | None, cast: bool) -> dict | Non
 
 def check_base(model, base: dict, source: str) -> None:
     """base must hold only params of the model, with the model's shapes."""
-    check_fits(nn.unbox(jax.eval_shape(lambda r: init_params(model, r), jax.random.PRNGKey(0))), base, source)
+    check_fits(nn.unbox(abstract_params(model)), base, source)
 
 
 def _init_fn(model, optimizer, trainable=None):

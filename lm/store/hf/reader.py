@@ -21,7 +21,7 @@ from lm.data.tokenizer import load_tokenizer
 from lm.errors import UserError
 from lm.model.params import leaf_paths
 from lm.model.spec import ModelSpec
-from lm.model.transformer import Transformer, init_params
+from lm.model.transformer import Transformer, abstract_params
 from lm.store.hf.config import hf_config, is_hf_dir, read_hf_config
 from lm.store.hf.families import family_of
 from lm.store.hf.families.common import layout_view, stored_shapes
@@ -138,7 +138,7 @@ def lazy_params(path, spec: ModelSpec, source: str) -> dict:
     hf = read_hf_config(path)
     family = family_of(hf.get("model_type", "?"), source)
     files = TensorFiles(path)
-    abstract = nn.unbox(jax.eval_shape(lambda r: init_params(Transformer(spec), r), jax.random.PRNGKey(0)))
+    abstract = nn.unbox(abstract_params(Transformer(spec)))
     shapes = dict(zip(leaf_paths(abstract), [tuple(x.shape) for x in jax.tree.leaves(abstract)]))
     tree: dict = {}
     for m in family.tensors(spec):

@@ -34,7 +34,7 @@ from lm.model.transformer import Transformer, init_params
 from lm.plan.hardware import chip_of_kind
 from lm.train.perf import measure_matmul_peak
 
-IMPLEMENTATIONS = ("cudnn", "xla", "blockwise")
+IMPLEMENTATIONS = ("splash", "flash", "cudnn", "xla", "blockwise")  # splash: TPU; flash: GPU
 DTYPES = ("bfloat16", "float32")
 # Errors are relative to the reference's size. bfloat16 keeps 8 bits (0.4% per rounding) and a fused kernel
 # also rounds the probabilities; float32 leaves room for TF32 matmuls, JAX's default on GPU (TPUs default to
@@ -176,9 +176,12 @@ def model_errors(attention: str, dtype: str, segment_ids, seed: int = 0) -> dict
 
 def unavailable(impl: str, dtype: str, device) -> str:
     """Why `impl` cannot run in `dtype` on `device` ('' if it can)."""
+    if impl in ("splash", "flash") and device.platform != {"splash": "tpu", "flash": "gpu"}[impl]:
+        chip = "TPU" if impl == "splash" else "GPU"
+        return f"{impl} is the {chip} kernel (on {device.platform}: interpreted, for tests only)"
     if impl == "cudnn" and "cuda" not in getattr(device.client, "platform_version", "").lower():
         tpu = device.platform == "tpu"
-        return f"no cuDNN on {device.platform}" + (": lm has no fused TPU attention" if tpu else "")
+        return f"no cuDNN on {device.platform}" + (": TPUs fuse attention with splash" if tpu else "")
     if impl == "cudnn" and dtype == "float32":
         return "cuDNN attention takes bf16/fp16 only (model.attention=cudnn needs compute_dtype=bfloat16)"
     return ""
@@ -206,7 +209,7 @@ def judged(check: str, measure, tolerance: float) -> dict:
 
 def attention_rows(quick: bool = False) -> list[dict]:
     device = jax.devices()[0]
-    seg = packed_segments(2, 64 if quick else 256)
+    seg = packed_segments(2, 128 if quick else 256)  # the fused kernels take multiples of 128 tokens
     rows = []
     for level in ("kernel", "model"):
         for impl in IMPLEMENTATIONS:

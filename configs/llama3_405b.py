@@ -30,7 +30,6 @@ def get_config():
         norm_eps=1e-5,
         tie_embeddings=False,
         compute_dtype="bfloat16",
-        attention="xla",
         remat="full",
     )
     c.data.update(seq_len=8192)

@@ -2,9 +2,8 @@
 
 For accelerators: bfloat16 matmuls, full remat, params/optimizer state sharded over fsdp.
 
-Attention is "xla" (jax.nn.dot_product_attention's XLA path, tested against the reference
-implementation). "cudnn" (the fused cuDNN kernel) stays selectable with
---config.model.attention=cudnn but is unverified until a GPU test compares it with the reference.
+Attention is the default "auto": splash attention on TPU, Pallas's flash attention on GPU (both
+fused and honouring packed documents; lm.model.fused_attention).
 """
 
 from lm.config import base_config
@@ -24,7 +23,6 @@ def get_config():
         norm_eps=1e-5,
         tie_embeddings=False,
         compute_dtype="bfloat16",
-        attention="xla",
         remat="full",
     )
     c.data.update(seq_len=8192)

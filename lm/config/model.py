@@ -76,7 +76,7 @@ DEFAULTS = dict(
     norm_eps=1e-5,
     tie_embeddings=True,
     compute_dtype="float32",
-    attention="blockwise",
+    attention="auto",
     remat="none",
     init_std=0.02,
     kernels="auto",
@@ -95,7 +95,9 @@ CHOICES = dict(
     norm=("rmsnorm", "layernorm"),
     position=("rope", "learned"),
     compute_dtype=("float32", "bfloat16"),
-    attention=("xla", "cudnn", "reference", "blockwise"),
+    # "auto": the backend's fused kernel (splash on TPU, Pallas flash on GPU), blockwise on CPU
+    # (lm.model.fused_attention); "splash"/"flash" on CPU run in Pallas's interpreter (for tests)
+    attention=("auto", "splash", "flash", "blockwise", "xla", "cudnn", "reference"),
     remat=("none", "full", "dots_saveable", "dots_with_no_batch_dims_saveable"),
     # "cpu": lm.model.cpu_kernels (hand-written backward passes for XLA:CPU); "plain": einsum +
     # autodiff, which XLA fuses on GPU/TPU; "auto": cpu on the CPU backend, plain elsewhere

@@ -13,11 +13,13 @@ import flax.linen as nn
 import jax
 import jax.numpy as jnp
 
+from lm.model import fused_attention as fused
 from lm.model.blockwise import blockwise_attention
 from lm.model.layers import Norm, Partitioning, matmul, matmuls, normal
 from lm.model.lora import lora_delta, targeted
 from lm.model.paged import POOL_AXES, SCALE_AXES, Paging, quantize_kv, read_pool, write_pool
 from lm.model.params import param
+from lm.model.pipeline import stages_of
 from lm.model.rope import apply_rope
 from lm.model.spec import ModelSpec
 
@@ -56,10 +58,36 @@ def reference_attention(q, k, v, mask, scale: float = 0.0, cap: float = 0.0) -> 
     return jnp.einsum("bnts,bsnh->btnh", probs, v)
 
 
-def attend(q, k, v, segment_ids, implementation: str, window=None, scale: float = 0.0, cap: float = 0.0) -> jax.Array:
+def attend(
+    q,
+    k,
+    v,
+    segment_ids,
+    implementation: str,
+    window=None,
+    scale: float = 0.0,
+    cap: float = 0.0,
+    part: Partitioning = Partitioning(),
+    local=None,
+    sliding_window: int = 0,
+) -> jax.Array:
     """Causal attention within documents. q: [B,T,N,H], k/v: [B,T,K,H], segment_ids: [B,T].
     window (a traced per-layer value is fine), scale and cap as `reference_attention`; blockwise
-    has none of them and hands such a layer to the reference path."""
+    has none of them and hands such a layer to the reference path. implementation "auto" is the
+    backend's fused kernel (lm.model.fused_attention); a fused kernel gets a model's local layers
+    as `local` (this layer's traced flag) and `sliding_window`, and runs on `part`'s mesh."""
+    implementation = fused.resolve(implementation, part)
+    if implementation in ("splash", "flash") and stages_of(part) == 1:  # a pipeline stage runs under vmap
+        t = q.shape[1]
+        window_of = lambda on: sliding_window if on and sliding_window < t else None  # noqa: E731
+        if all(fused.takes(implementation, t, window_of(on), cap) for on in (False, local is not None)):
+            run = lambda on: fused.fused_attention(  # noqa: E731
+                implementation, q, k, v, segment_ids, part, scale, cap, window_of(on)
+            )
+            if local is None or window_of(True) is None:
+                return run(False)
+            return jax.lax.cond(local, lambda: run(True), lambda: run(False))
+        implementation = "blockwise"  # a length or a layer the kernel does not take
     plain = window is None and not scale and not cap
     if implementation == "blockwise" and plain:
         return blockwise_attention(q, k, v, segment_ids)
@@ -181,7 +209,7 @@ class Attention(nn.Module):
             y = self._attend_cache(q, k, v, cache_slots, cache_mask)
         else:
             window = None if local is None else jnp.where(local, a.sliding_window, x.shape[1] + 1)
-            y = attend(q, k, v, segment_ids, a.kernel, window, a.scale, a.softcap)
+            y = attend(q, k, v, segment_ids, a.kernel, window, a.scale, a.softcap, self.part, local, a.sliding_window)
         y = c(y, ("batch", "length", "act_heads", None))
         wo = param(self, "wo", out_init, (a.n_heads, a.head_dim, s.d_model), ("q_heads", "head_dim", "embed"))
         if self.decode:  # heads flattened on both sides: XLA:CPU would otherwise re-lay-out wo every step

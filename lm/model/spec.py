@@ -20,7 +20,7 @@ class AttentionSpec:
     n_heads: int
     n_kv_heads: int
     head_dim: int
-    kernel: str  # xla | cudnn | reference | blockwise
+    kernel: str  # auto | splash | flash | blockwise | xla | cudnn | reference
     scale: float  # attention logits times this; 0: head_dim ** -0.5
     softcap: float  # logits -> cap * tanh(logits / cap); 0: off
     sliding_window: int  # keys a "local" layer sees, itself included

@@ -78,6 +78,10 @@ def test_unavailable_paths_say_why():
     assert "bf16" in ac.unavailable("cudnn", "float32", cuda)
     assert "no cuDNN on tpu" in ac.unavailable("cudnn", "bfloat16", tpu)
     assert ac.unavailable("xla", "float32", tpu) == ac.unavailable("blockwise", "bfloat16", tpu) == ""
+    assert ac.unavailable("splash", "bfloat16", tpu) == ac.unavailable("flash", "float32", cuda) == ""
+    assert "TPU kernel" in ac.unavailable("splash", "bfloat16", cuda) and "GPU kernel" in ac.unavailable(
+        "flash", "bfloat16", tpu
+    )
 
 
 def test_mfu_peak_is_the_vendor_figure_or_the_labelled_measurement():

@@ -8,7 +8,7 @@ import jax
 import pytest
 from jax.sharding import PartitionSpec as P
 
-from lm.config import load_config, rules_table
+from lm.config import load_config, rules_table, with_values
 from lm.model.apply import logits_of
 from lm.model.build import build_model
 from lm.plan.aot import compile_step, target_devices
@@ -115,3 +115,14 @@ def test_planner_within_tolerance_of_the_compiler(config, compiled):
     est = estimate(config, "pretrain", TARGET.chips, chip=TARGET.chip)
     assert compiled.total is not None
     assert abs(est.total - compiled.total) / compiled.total < 0.15, (est.parts, compiled)
+
+
+def test_the_default_attention_compiles_to_splash_with_fewer_temporaries(config, compiled):
+    """model.attention=auto on a TPU target is splash attention (a Pallas TPU kernel): the step
+    compiles, and at seq 4096 it keeps no [heads, T, T] scores (xla's path above does)."""
+    fused = compile_step("pretrain", with_values(config, {"model.attention": "auto"}), target_devices(TARGET))
+    assert fused.error is None, fused.error
+    assert "tpu_custom_call" in fused.compiled.as_text()
+    assert "tpu_custom_call" not in compiled.compiled.as_text()
+    scores = 4096 * 4096 * 4 * (4 // 2)  # one layer's float32 scores on a chip: 2 of the 4 heads, one row
+    assert fused.temporaries + scores <= compiled.temporaries, (fused.temporaries, compiled.temporaries)

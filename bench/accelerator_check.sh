@@ -8,7 +8,7 @@
 #   QUICK=1 ...                                   # skip step 1, fewer tests in step 2, small shapes
 # Environment: PYTHON (default .venv/bin/python), TEST_WORKERS (step 1's pytest workers, default 4),
 # ACCEL_TESTS (step 2's test paths), SUITE=0 (skip step 1 only), PEER_PYTHON (a Python with torch and
-# transformers for step 5's peer; default: PYTHON if it has them).
+# transformers for step 5's peer, torch for step 6's; default: PYTHON if it has them).
 #
 # 1. The whole test suite on this host's CPU, as `make test` runs it. tests/conftest.py sets
 #    JAX_PLATFORMS=cpu and 8 simulated devices: the mesh tests need 8 devices, which one accelerator
@@ -24,6 +24,9 @@
 #    (lm/plan/hardware.py), or against the measured matmul peak when the chip is unknown (the row says so).
 # 5. Decode: bench/decode_throughput.py, the engine against the static decoder and transformers'
 #    `generate` on the same accelerator (target: 2x generate; below it the row says "below", not FAIL).
+# 6. MFU: bench/mfu.py, lm's bf16 train step at GPT-2-124M, Llama-3.2-1B and Llama-3-8B-layer shapes
+#    against a torch.compile peer in the same rounds (PEER_PYTHON, or PYTHON, with torch); the figure
+#    gives each shape's MFU (vendor peak) and lm/peer ratio, and whether the H100/H200 targets are met.
 set -uo pipefail
 cd "$(dirname "$0")/.." || exit 2
 py=${PYTHON:-.venv/bin/python}
@@ -90,6 +93,20 @@ if XLA_PYTHON_CLIENT_PREALLOCATE=false "$py" bench/decode_throughput.py --rounds
     check decode --figures "$work/decode.json"
 else
     check record --check "decode step" --rc 1 --figure "crashed: see the log above"
+fi
+
+echo "== mfu"
+[[ $quick == 1 ]] && sizes=(--shapes gpt2-124m --rounds 1 --steps 3) || sizes=(--rounds 2)
+if "$py" bench/mfu.py --peer-python "$peer" "${sizes[@]}" --json "$work/mfu.json"; then
+    figure=$("$py" -c "import json, sys
+rows = json.load(open(sys.argv[1]))['shapes']
+mfu = lambda r: r['lm']['mfu_vendor'] or r['lm']['mfu_measured']
+ratio = lambda r: '%.2fx peer' % r['ratio'] if r['ratio'] else 'no peer'
+print('; '.join('%s %.1f%%, %s%s' % (r['shape']['name'], 100 * mfu(r), ratio(r), ' (target ' + r['target'].split(': ')[-1] + ')' if 'target' in r else '') for r in rows))" "$work/mfu.json")
+    check record --check "train step MFU (mfu.py)" --rc 0 --figure "$figure" \
+        --target "MFU >= 50% at 1B and 8B, >= 1.0x peer (H100/H200)"
+else
+    check record --check "mfu step" --rc 1 --figure "crashed: see the log above"
 fi
 
 echo

@@ -77,17 +77,18 @@ def attend(
     backend's fused kernel (lm.model.fused_attention); a fused kernel gets a model's local layers
     as `local` (this layer's traced flag) and `sliding_window`, and runs on `part`'s mesh."""
     implementation = fused.resolve(implementation, part)
-    if implementation in ("splash", "flash") and stages_of(part) == 1:  # a pipeline stage runs under vmap
+    if implementation in ("splash", "flash"):
         t = q.shape[1]
         window_of = lambda on: sliding_window if on and sliding_window < t else None  # noqa: E731
-        if all(fused.takes(implementation, t, window_of(on), cap) for on in (False, local is not None)):
+        takes = all(fused.takes(implementation, t, window_of(on), cap) for on in (False, local is not None))
+        if takes and stages_of(part) == 1:  # a pipeline's stage runs under vmap: no shard_map there
             run = lambda on: fused.fused_attention(  # noqa: E731
                 implementation, q, k, v, segment_ids, part, scale, cap, window_of(on)
             )
             if local is None or window_of(True) is None:
                 return run(False)
             return jax.lax.cond(local, lambda: run(True), lambda: run(False))
-        implementation = "blockwise"  # a length or a layer the kernel does not take
+        implementation = "blockwise"  # a length, a layer or a pipeline the kernel does not take
     plain = window is None and not scale and not cap
     if implementation == "blockwise" and plain:
         return blockwise_attention(q, k, v, segment_ids)

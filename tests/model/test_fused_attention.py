@@ -84,9 +84,15 @@ def test_lengths_and_layers_a_kernel_does_not_take_run_blockwise():
     seg = jnp.asarray(np.ones((1, 40), np.int32))
     rng = np.random.default_rng(0)
     q, k, v = (jnp.asarray(rng.normal(size=(1, 40, n, 8)), jnp.float32) for n in (4, 2, 2))
-    np.testing.assert_allclose(
-        attend(q, k, v, seg, "splash"), reference_attention(q, k, v, segment_causal_mask(seg)), rtol=1e-5, atol=1e-6
-    )
+    want = reference_attention(q, k, v, segment_causal_mask(seg))
+    np.testing.assert_allclose(attend(q, k, v, seg, "splash"), want, rtol=1e-5, atol=1e-6)
+    # a pipeline's stage (mesh.stage > 1) runs under vmap, where the kernels' shard_map cannot go
+    stages = Partitioning(jax.sharding.Mesh(np.array(jax.devices()[:2]), ("stage",)), ())
+    for t in (40, 256):
+        seg, q, k, v = seg[:, :1].repeat(t, 1), *(jnp.tile(x[:, :1], (1, t, 1, 1)) for x in (q, k, v))
+        want = reference_attention(q, k, v, segment_causal_mask(seg))
+        np.testing.assert_allclose(attend(q, k, v, seg, "auto", part=stages), want, rtol=1e-5, atol=1e-6)
+        np.testing.assert_allclose(attend(q, k, v, seg, "flash", part=stages), want, rtol=1e-5, atol=1e-6)
 
 
 def test_auto_is_the_backends_kernel(monkeypatch):

@@ -24,6 +24,8 @@ import jax
 import jax.numpy as jnp
 from jax.sharding import PartitionSpec as P
 
+from lm.sharding import split_count
+
 BLOCK = 128  # the kernels' tile: they take sequence lengths that are multiples of it
 AUTO = {"tpu": "splash", "gpu": "flash"}  # what model.attention="auto" picks; elsewhere blockwise
 
@@ -52,8 +54,7 @@ def fused_attention(kernel, q, k, v, segment_ids, part, scale: float, cap: float
     interpret = platform(part) == "cpu"
     scale = scale or q.shape[-1] ** -0.5
     if kernel == "flash":
-        groups = q.shape[2] // k.shape[2]
-        k, v = jnp.repeat(k, groups, axis=2), jnp.repeat(v, groups, axis=2)
+        k, v = _repeat_kv(q, k, v)
         run = functools.partial(_flash, scale=scale, interpret=interpret)
     else:
         run = functools.partial(_splash, scale=scale, cap=cap, window=window, interpret=interpret)
@@ -67,11 +68,10 @@ def _per_device(run, part, q, k, v, segment_ids):
     spec = lambda names: P(*nn.logical_to_mesh_axes(names, part.rules))  # noqa: E731
     q_spec = spec(("batch", "length", "act_heads", None))
     kv_spec = spec(("batch", "length", "act_kv_heads", None))
-    heads = lambda s, n: n // _ways(part.mesh, s[2])  # noqa: E731
-    if heads(q_spec, q.shape[2]) % heads(kv_spec, k.shape[2]) or k.shape[2] % _ways(part.mesh, kv_spec[2]):
+    heads = lambda s, n: n // split_count(part.mesh, s[2])  # noqa: E731
+    if heads(q_spec, q.shape[2]) % heads(kv_spec, k.shape[2]) or k.shape[2] % split_count(part.mesh, kv_spec[2]):
         # each device's query heads must be whole groups of its kv heads: repeat the kv heads
-        groups = q.shape[2] // k.shape[2]
-        k, v, kv_spec = jnp.repeat(k, groups, axis=2), jnp.repeat(v, groups, axis=2), q_spec
+        (k, v), kv_spec = _repeat_kv(q, k, v), q_spec
     if q_spec[1] is not None:
         raise ValueError("fused attention keeps the sequence whole on each device: the 'length' axis is sharded")
     return jax.shard_map(
@@ -83,12 +83,10 @@ def _per_device(run, part, q, k, v, segment_ids):
     )(q, k, v, segment_ids)
 
 
-def _ways(mesh, axes) -> int:
-    axes = () if axes is None else (axes,) if isinstance(axes, str) else axes
-    n = 1
-    for a in axes:
-        n *= mesh.shape[a]
-    return n
+def _repeat_kv(q, k, v):
+    """k and v with each kv head repeated for its group of query heads: one kv head per query head."""
+    groups = q.shape[2] // k.shape[2]
+    return jnp.repeat(k, groups, axis=2), jnp.repeat(v, groups, axis=2)
 
 
 def _splash(q, k, v, segment_ids, *, scale, cap, window, interpret):

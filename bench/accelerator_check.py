@@ -329,6 +329,22 @@ def decode_rows(path) -> list[dict]:
     return rows
 
 
+MOE_TARGET = 0.8  # dropless MoE tokens/s over the dense model's of equal active FLOPs
+
+
+def moe_rows(path) -> list[dict]:
+    """Rows from bench/moe_step.py's JSON: dropless and capacity routing against dense."""
+    r = json.loads(pathlib.Path(path).read_text())
+    dense = r["dense"]["tokens_per_s"]
+    rows = []
+    for kind, target in (("dropless", MOE_TARGET), ("capacity", None)):
+        ratio = r[kind]["tokens_per_s"] / dense
+        figure = f"{r[kind]['tokens_per_s']:.0f} tok/s vs dense {dense:.0f}: {ratio:.2f}x"
+        result = "pass" if target is None or ratio >= target else "below"
+        rows.append(row(f"MoE train step, {kind}", result, figure, f">= {target}x dense" if target else "(no target)"))
+    return rows
+
+
 def probe() -> int:
     device = jax.devices()[0]
     print(f"jax {jax.__version__}: {len(jax.devices())} x {device.device_kind} ({device.platform})", file=sys.stderr)
@@ -347,8 +363,8 @@ def probe() -> int:
 
 def main(argv=None) -> int:
     p = argparse.ArgumentParser(description=__doc__.splitlines()[0])
-    p.add_argument("command", choices=("probe", "attention", "throughput", "decode", "record", "table"))
-    p.add_argument("--figures", help="decode: bench/decode_throughput.py's --out JSON")
+    p.add_argument("command", choices=("probe", "attention", "throughput", "decode", "moe", "record", "table"))
+    p.add_argument("--figures", help="decode, moe: bench/decode_throughput.py's or bench/moe_step.py's --out JSON")
     p.add_argument("--rows", default="accelerator_check.jsonl")
     p.add_argument("--quick", action="store_true", help="small shapes, few steps")
     p.add_argument("--check", help="record: the row's name")
@@ -367,8 +383,8 @@ def main(argv=None) -> int:
         result = "skip" if args.skip else "pass" if args.rc == 0 else "FAIL"
         append_rows(args.rows, [row(args.check, result, args.figure, args.target)])
         return 0
-    if args.command == "decode":
-        rows = decode_rows(args.figures)
+    if args.command in ("decode", "moe"):
+        rows = (decode_rows if args.command == "decode" else moe_rows)(args.figures)
     else:
         rows = attention_rows(args.quick) if args.command == "attention" else throughput_rows(args.quick)
     append_rows(args.rows, rows)

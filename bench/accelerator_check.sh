@@ -27,6 +27,8 @@
 # 6. MFU: bench/mfu.py, lm's bf16 train step at GPT-2-124M, Llama-3.2-1B and Llama-3-8B-layer shapes
 #    against a torch.compile peer in the same rounds (PEER_PYTHON, or PYTHON, with torch); the figure
 #    gives each shape's MFU (vendor peak) and lm/peer ratio, and whether the H100/H200 targets are met.
+# 7. MoE: bench/moe_step.py, dropless and capacity routing against the dense model of equal active
+#    FLOPs (bf16, d_model 1024, 8 layers, 8 experts top-2, 16k tokens a step; target: dropless >= 0.8x).
 set -uo pipefail
 cd "$(dirname "$0")/.." || exit 2
 py=${PYTHON:-.venv/bin/python}
@@ -107,6 +109,14 @@ print('; '.join('%s %.1f%%, %s%s' % (r['shape']['name'], 100 * mfu(r), ratio(r),
         --target "MFU >= 50% at 1B and 8B, >= 1.0x peer (H100/H200)"
 else
     check record --check "mfu step" --rc 1 --figure "crashed: see the log above"
+fi
+
+echo "== moe"
+[[ $quick == 1 ]] && sizes=(--rounds 1 --steps 2) || sizes=(--d-model 1024 --layers 8 --seq 2048 --batch 8)
+if XLA_PYTHON_CLIENT_PREALLOCATE=false "$py" bench/moe_step.py --dtype bfloat16 "${sizes[@]}" --out "$work/moe.json"; then
+    check moe --figures "$work/moe.json"
+else
+    check record --check "moe step" --rc 1 --figure "crashed: see the log above"
 fi
 
 echo

@@ -2,8 +2,9 @@
 
 Two ways to run the experts over the same params:
 - dropless (capacity_factor 0): the (token, expert) assignments sorted by expert and run as
-  grouped matmuls (`jax.lax.ragged_dot`), no token ever dropped; on a mesh each device routes
-  its own rows and each expert shard runs its own experts' assignments (`sharded_dropless`);
+  grouped matmuls (megablox `gmm` on TPU, `jax.lax.ragged_dot` elsewhere), no token ever
+  dropped; on a mesh each device routes its own rows and sends each assignment only to the
+  expert shard that holds its expert (`sharded_dropless`, lm.model.moe_dispatch);
 - capacity (capacity_factor > 0): GShard's dispatch. Each row of the batch is a group; an
   expert takes at most C = ceil(capacity_factor * T * k / E) of a group's assignments (first
   choices before second ones, earlier tokens first), the rest are dropped (the token keeps its
@@ -27,7 +28,16 @@ import jax
 import jax.numpy as jnp
 from jax.sharding import PartitionSpec as P
 
+from lm.model.fused_attention import platform
 from lm.model.layers import Mlp, Partitioning, normal
+from lm.model.moe_dispatch import (
+    NATIVE_EXCHANGE,
+    RAGGED_DOT,
+    exchange_plan,
+    grouped_kernel,
+    ragged_exchange,
+    send_back,
+)
 from lm.model.params import param
 from lm.model.spec import ModelSpec
 from lm.sharding import split_count
@@ -62,19 +72,26 @@ def _swiglu(spec: ModelSpec, x, w_gate, w_up, w_down, dot):
     return dot(h, w_down.astype(dt))
 
 
-def dropless(spec: ModelSpec, x, weights, experts, w_gate, w_up, w_down, first=0):
-    """x [N, d], weights/experts [N, k] -> [N, d]: every assignment to the experts held here
-    (w_*'s leading axis: experts first, first + 1, ...) runs, grouped by expert; the others add 0."""
-    n, k = experts.shape
+def expert_rows(spec: ModelSpec, source, index, rel, w_gate, w_up, w_down, grouped=RAGGED_DOT):
+    """The rows source[index] [M, d], each for expert `rel` [M] of those held here (w_*'s leading
+    axis), -> [M, d]: grouped by expert and run; rows whose expert is held elsewhere give 0."""
     held = w_gate.shape[0]
-    rel = (experts - first).reshape(-1)
     mine = (rel >= 0) & (rel < held)
-    key = jnp.where(mine, rel, held)  # assignments to experts held elsewhere sort last, in no group
+    key = jnp.where(mine, rel, held)  # rows for experts held elsewhere sort last, in no group
     order = jnp.argsort(key, stable=True)
     sizes = jnp.bincount(key, length=held + 1)[:held].astype(jnp.int32)
-    dot = lambda a, w: jax.lax.ragged_dot(a, w, sizes, preferred_element_type=jnp.float32).astype(a.dtype)  # noqa: E731
-    out = _swiglu(spec, jnp.take(x, order // k, axis=0), w_gate, w_up, w_down, dot)
-    out = jnp.zeros_like(out).at[order].set(jnp.where(mine[order][:, None], out, 0))  # (token, choice) order
+    dot = grouped(sizes)
+    out = _swiglu(spec, jnp.take(source, index[order], axis=0), w_gate, w_up, w_down, dot)
+    return jnp.zeros_like(out).at[order].set(jnp.where(mine[order][:, None], out, 0))
+
+
+def dropless(spec: ModelSpec, x, weights, experts, w_gate, w_up, w_down, first=0, grouped=RAGGED_DOT):
+    """x [N, d], weights/experts [N, k] -> [N, d]: every assignment to the experts held here
+    (w_*'s leading axis: experts first, first + 1, ...) runs, grouped by expert; the others add 0.
+    grouped: sizes -> the grouped matmul (lm.model.moe_dispatch.grouped_dot)."""
+    n, k = experts.shape
+    index = jnp.arange(n * k) // k
+    out = expert_rows(spec, x, index, (experts - first).reshape(-1), w_gate, w_up, w_down, grouped)
     return jnp.einsum("nkd,nk->nd", out.reshape(n, k, -1).astype(jnp.float32), weights)
 
 
@@ -83,28 +100,59 @@ def _mesh_axes(rules, name: str) -> tuple:
     return () if axes is None else (axes,) if isinstance(axes, str) else tuple(axes)
 
 
+def exchanged(spec: ModelSpec, x, weights, experts, w_gate, w_up, w_down, first, axes, native: bool, grouped):
+    """`dropless` inside a shard_map whose devices along `axes` hold different rows and different
+    experts: each assignment travels to the peer holding its expert (sorted by peer, then expert),
+    runs there, and its output comes back (lm.model.moe_dispatch); assignments to experts no peer
+    along `axes` holds give 0 here (another device of the `summed` axes runs them)."""
+    n, k = experts.shape
+    held, flat = w_gate.shape[0], experts.reshape(-1)
+    firsts = jax.lax.all_gather(first, axes)  # [peers]: each peer's first expert
+    peers = firsts.shape[0]
+    hit = (flat[:, None] >= firsts[None]) & (flat[:, None] < firsts[None] + held)
+    dest = jnp.where(jnp.any(hit, -1), jnp.argmax(hit, -1), peers)
+    order = jnp.argsort(dest * spec.moe.n_experts + flat, stable=True)
+    plan = exchange_plan(dest, peers, axes)
+    room = peers * n * k  # every peer's every assignment may come here: nothing is ever dropped
+    rows = ragged_exchange(jnp.take(x, order // k, axis=0), jnp.zeros((room, x.shape[1]), x.dtype), *plan, axes, native)
+    ids = ragged_exchange(flat[order], jnp.full((room,), -1, jnp.int32), *plan, axes, native)
+    out = expert_rows(spec, rows, jnp.arange(room), ids - first, w_gate, w_up, w_down, grouped)
+    back = send_back(out, jnp.zeros((n * k, x.shape[1]), out.dtype), plan, axes, native)
+    mine = jnp.zeros_like(back).at[order].set(back)  # (token, choice) order
+    return jnp.einsum("nkd,nk->nd", mine.reshape(n, k, -1).astype(jnp.float32), weights)
+
+
 def sharded_dropless(spec: ModelSpec, part: Partitioning, x, weights, experts, w_gate, w_up, w_down):
     """`dropless` on a mesh, per device: each device routes its own rows (no global sort);
     the experts' `embed` split (fsdp) is gathered like any FSDP weight; over the `expert` axes
-    each shard gathers its peers' tokens (activations, far smaller than a layer's experts), runs
-    the assignments to its own experts, and the partial outputs go back to the rows' shards
-    summed (a reduce-scatter). The `tensor` split of the experts' width stays with the partitioner."""
-    batch, embed, expert = (_mesh_axes(part.rules, n) for n in ("batch", "embed", "expert"))
-    moved = tuple(a for a in expert if a in batch)  # rows split over these: gathered, then scattered back
-    summed = tuple(a for a in expert if a not in batch)  # rows replicated over these: outputs summed
+    that also split rows, each assignment goes only to the shard holding its expert and its
+    output comes back (`exchanged`); over `expert` axes the rows are replicated on, each shard
+    runs its own experts' assignments and the outputs are summed; over the axes of the experts'
+    width (`tensor`) each device runs its slice of every expert and the outputs are summed
+    (Megatron's split). On TPU the experts run as megablox `gmm`."""
+    batch, embed, expert, width = (_mesh_axes(part.rules, n) for n in ("batch", "embed", "expert", "expert_mlp"))
+    moved = tuple(a for a in expert if a in batch)  # rows split over these: assignments exchanged
+    summed = tuple(a for a in expert if a not in batch) + width  # partial outputs summed over these
     held = spec.moe.n_experts // split_count(part.mesh, expert)
     rows = P(batch or None, None)
-    w_in, w_out = P(expert or None, embed or None, None), P(expert or None, None, embed or None)
+    w_in, w_out = P(expert or None, embed or None, width or None), P(expert or None, width or None, embed or None)
+    manual = set(batch + embed + expert + width)
+    backend = platform(part)
+    # a Mosaic kernel (gmm) must see every mesh axis manual: only when the others have size 1
+    whole = all(part.mesh.shape[a] == 1 for a in part.mesh.axis_names if a not in manual)
+    grouped = grouped_kernel(backend if whole else "")
+    manual = set(part.mesh.axis_names) if whole else manual
 
     def local(first, x, weights, experts, w_gate, w_up, w_down):
         if embed:
             w_gate, w_up = (jax.lax.all_gather(w, embed, axis=1, tiled=True) for w in (w_gate, w_up))
             w_down = jax.lax.all_gather(w_down, embed, axis=2, tiled=True)
+        ws = (w_gate, w_up, w_down)
         if moved:
-            x, weights, experts = (jax.lax.all_gather(a, moved, axis=0, tiled=True) for a in (x, weights, experts))
-        y = dropless(spec, x, weights, experts, w_gate, w_up, w_down, first[0])
-        if moved:
-            y = jax.lax.psum_scatter(y, moved, scatter_dimension=0, tiled=True)
+            native = backend in NATIVE_EXCHANGE
+            y = exchanged(spec, x, weights, experts, *ws, first[0], moved, native, grouped)
+        else:
+            y = dropless(spec, x, weights, experts, *ws, first[0], grouped)
         return jax.lax.psum(y, summed) if summed else y
 
     run = jax.shard_map(
@@ -112,7 +160,7 @@ def sharded_dropless(spec: ModelSpec, part: Partitioning, x, weights, experts, w
         mesh=part.mesh,
         in_specs=(P(expert or None), rows, rows, rows, w_in, w_in, w_out),
         out_specs=rows,
-        axis_names=set(batch + embed + expert),
+        axis_names=manual,
         check_vma=False,
     )
     firsts = jnp.arange(0, spec.moe.n_experts, held, dtype=jnp.int32)  # each expert shard's first expert

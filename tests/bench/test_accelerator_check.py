@@ -4,6 +4,7 @@ and the table's exit code must follow the rows."""
 
 import functools
 import importlib.util
+import json
 import os
 import pathlib
 import subprocess
@@ -103,6 +104,20 @@ def test_table_and_exit_code_follow_the_rows(tmp_path):
     assert [c.strip() for c in lines[0].split(" | ")] == ["check", "result", "figure", "tolerance/target"]
     assert [line.split(" | ")[1].strip() for line in lines[2:]] == ["pass", "skip", "FAIL"]
     assert ac.exit_code([ac.row("a", "pass"), ac.row("b", "skip")]) == 0
+
+
+def test_moe_rows_judge_dropless_against_dense(tmp_path):
+    figures = tmp_path / "moe.json"
+    step = lambda tps: {"tokens_per_s": tps}  # noqa: E731
+    figures.write_text(json.dumps({"dense": step(100.0), "dropless": step(75.0), "capacity": step(90.0)}))
+    rows = ac.moe_rows(figures)
+    assert [(r["check"], r["result"]) for r in rows] == [
+        ("MoE train step, dropless", "below"),
+        ("MoE train step, capacity", "pass"),
+    ]
+    assert "0.75x" in rows[0]["figure"] and ">= 0.8x dense" == rows[0]["target"]
+    figures.write_text(json.dumps({"dense": step(100.0), "dropless": step(80.0), "capacity": step(90.0)}))
+    assert ac.moe_rows(figures)[0]["result"] == "pass"
 
 
 def test_no_accelerator_is_a_clear_error_unless_allowed():

@@ -14,6 +14,7 @@ import jax
 import jax.numpy as jnp
 
 from lm.model import fused_attention as fused
+from lm.model import paged_kernel
 from lm.model.blockwise import blockwise_attention
 from lm.model.layers import Norm, Partitioning, matmul, matmuls, normal
 from lm.model.lora import lora_delta, targeted
@@ -205,7 +206,7 @@ class Attention(nn.Module):
         if rope_cs is not None:
             q, k = apply_rope(q, rope_cs), apply_rope(k, rope_cs)
         if self.decode and self.paging is not None:
-            y = self._attend_pages(q, k, v, *cache_slots, cache_mask)
+            y = self._attend_pages(q, k, v, *cache_slots, cache_mask, local)
         elif self.decode:
             y = self._attend_cache(q, k, v, cache_slots, cache_mask)
         else:
@@ -240,9 +241,10 @@ class Attention(nn.Module):
         v_cache.value = write_cache(v_cache.value, v, slots)
         return cached_attention(q, k_cache.value, v_cache.value, mask, a.scale, a.softcap)
 
-    def _attend_pages(self, q, k, v, write, read, mask):
+    def _attend_pages(self, q, k, v, write, read, mask, local=None):
         """Writes this step's keys and values into the page pool, then attends to the rows each
-        sequence's page table names (lm.model.paged)."""
+        sequence's page table names (lm.model.paged); a decode step the TPU's paged kernel takes
+        reads the pages in place (lm.model.paged_kernel)."""
         s, a, pg = self.spec, self.spec.attention, self.paging
         shape = (a.n_kv_heads, pg.tokens, a.head_dim)
         pool_dtype = jnp.int8 if pg.kv_int8 else s.dtype
@@ -252,6 +254,10 @@ class Attention(nn.Module):
         if not pg.kv_int8:
             k_pool.value = write_pool(k_pool.value, k, write)
             v_pool.value = write_pool(v_pool.value, v, write)
+            if paged_kernel.takes(a.kernel, self.part, q.shape, k_pool.value, pg.page_size, local):
+                return paged_kernel.paged_decode(
+                    q, k_pool.value, v_pool.value, read, mask, a.scale, a.softcap, pg.page_size, self.part
+                )
             keys = read_pool(k_pool.value, read, in_place=pg.in_place)
             values = read_pool(v_pool.value, read, in_place=pg.in_place)
         else:

@@ -11,8 +11,8 @@ Neither kernel materialises [B, N, T, T] scores, and packed documents never see 
 (a query sees a key iff same segment id, key <= query, and within the window). A kernel runs
 once per device on its shard of the batch and of the heads (`shard_map` over the partitioning's
 mesh: Pallas calls are not split by the compiler); the sequence stays whole on each device. On
-the CPU backend both run in Pallas's interpreter: slow, and meant for checking them
-(tests/model/test_fused_attention.py), never for training.
+any backend but its own a kernel runs in Pallas's interpreter: slow, and meant for checking it
+(tests/model/test_fused_attention.py, on CPU or on the other accelerator), never for training.
 """
 
 from __future__ import annotations
@@ -28,6 +28,7 @@ from lm.sharding import split_count
 
 BLOCK = 128  # the kernels' tile: they take sequence lengths that are multiples of it
 AUTO = {"tpu": "splash", "gpu": "flash"}  # what model.attention="auto" picks; elsewhere blockwise
+NATIVE = {kernel: backend for backend, kernel in AUTO.items()}  # elsewhere a kernel is interpreted
 
 
 def platform(part) -> str:
@@ -51,7 +52,7 @@ def takes(kernel: str, t: int, window: int | None, cap: float) -> bool:
 def fused_attention(kernel, q, k, v, segment_ids, part, scale: float, cap: float, window: int | None):
     """q [B,T,N,H], k/v [B,T,K,H], segment_ids [B,T] -> [B,T,N,H], causal within documents (and
     within `window` keys, the query's own included). scale: the logits' factor (0: 1/sqrt(H))."""
-    interpret = platform(part) == "cpu"
+    interpret = platform(part) != NATIVE[kernel]
     scale = scale or q.shape[-1] ** -0.5
     if kernel == "flash":
         k, v = _repeat_kv(q, k, v)

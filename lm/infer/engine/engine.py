@@ -15,6 +15,7 @@ from __future__ import annotations
 import collections
 import dataclasses
 import threading
+import weakref
 from typing import Callable
 
 import jax
@@ -22,7 +23,8 @@ import numpy as np
 
 from lm.errors import UserError
 from lm.infer.engine.pages import PageAllocator
-from lm.infer.engine.pool import Placement, abstract_pool, init_pool
+from lm.infer.engine.pool import Placement, abstract_pool, init_pool, page_copier
+from lm.infer.engine.prefix import PrefixCache
 from lm.infer.engine.rows import RowSettings
 from lm.infer.engine.steps import NO_TOKEN, compiled
 from lm.infer.sampling import SamplingParams
@@ -40,7 +42,8 @@ class EngineConfig:
     decode_block: decode steps per call while requests wait for a slot (the host looks at the text
     and admits requests in between); idle_block: steps per call when none waits (fewer round trips
     to the host; a server keeps it at decode_block so a request arriving mid-call waits less);
-    kv_int8: int8 pool."""
+    kv_int8: int8 pool; prefix_cache: reuse the pages of prompt prefixes already in the pool
+    (lm.infer.engine.prefix)."""
 
     slots: int = 16
     page_size: int = 16
@@ -49,6 +52,7 @@ class EngineConfig:
     decode_block: int = 16
     idle_block: int = 64
     kv_int8: bool = False
+    prefix_cache: bool = True
 
     def __post_init__(self):
         for name in ("slots", "page_size", "chunk", "decode_block", "idle_block"):
@@ -124,6 +128,11 @@ class Engine:
         self._decode_in_place = compiled(in_place, block)[1] if self.slot_major else None
         self._prepare = _unstack if self.unstack else (lambda p: p)
         self.allocator = PageAllocator(pages, ps, self.table_width if self.slot_major else 0)
+        self.prefix = PrefixCache(ps) if config.prefix_cache else None
+        self._copy_pages = page_copier(self.model)
+        self._copies: list[tuple[int, int]] = []  # (source page, destination page) of this step's admissions
+        self._params_seen: list = []  # weak references to the leaves of the params the cache belongs to
+        self._prepared = None  # (weak references to the leaves of the params given, those params prepared)
         self.pool = None  # created on first use
         self.waiting: collections.deque[Request] = collections.deque()
         self.running: list[Request | None] = [None] * self.slots
@@ -178,8 +187,13 @@ class Engine:
         return requests
 
     def prepare(self, params):
-        """The params as the compiled steps take them (layers unstacked on the CPU kernel path)."""
-        return self._prepare(params)
+        """The params as the compiled steps take them (layers unstacked on the CPU kernel path);
+        the same params give the same prepared object, so the prefix cache outlives a `run`."""
+        if self._prepared is not None and _same(self._prepared[0], params):
+            return self._prepared[1]
+        prepared = self._prepare(params)
+        self._prepared = (_refs(params), prepared) if prepared is not params else None
+        return prepared
 
     # ---- one iteration -----------------------------------------------------------------------
 
@@ -187,27 +201,51 @@ class Engine:
         """Admit, prefill one chunk of every unfinished prompt, decode one block."""
         if self.pool is None:
             self.pool = init_pool(self.model, self.place)
+        if self.prefix is not None and not _same(self._params_seen, params):
+            self.prefix.clear()  # its pages hold keys and values of other params
+            self._params_seen = _refs(params)
         for r in [r for r in self.running if r is not None and r.cancelled]:
             self._release(r, "cancelled")
-        self._admit()
-        prefilling = [r for r in self.running if r is not None and r.written < len(r.prompt)]
-        if prefilling:
-            self._prefill_chunks(params, prefilling)
+        for _ in range(2):
+            waited = self._admit()
+            if self._copies:
+                self._copy_prefixes()
+            prefilling = [r for r in self.running if r is not None and r.written < len(r.prompt)]
+            if prefilling:
+                self._prefill_chunks(params, prefilling)
+            if not waited:
+                break  # else once more: requests that waited for a prefix just written take it now
         if self.state["live"].any():
             self._decode_block(params)
 
-    def _admit(self) -> None:
+    def _admit(self) -> bool:
+        """Admits what fits; True if a request waits for a prefix a running prefill is writing."""
         for r in list(self.waiting):
             if r.cancelled:
                 self.waiting.remove(r)
                 self._finish(r, "cancelled")
-        while self.waiting and None in self.running:
-            r, slot = self.waiting[0], self.running.index(None)
+        waited, filling = False, self._filling_keys()
+        for r in list(self.waiting):
+            if None not in self.running:
+                break
+            found = None
+            if self.prefix is not None:
+                keys = self.prefix.reusable(r.prompt)
+                found = self.prefix.match(keys)
+                if len(found) < len(keys) and keys[len(found)] in filling:
+                    waited = True
+                    continue  # a running prefill is writing more of its prefix: wait for it to be cached
+            slot = self.running.index(None)
+            if found:
+                self.allocator.touch(found)  # the pages to copy from are handed out last
             pages = self.allocator.take(len(r.prompt) + r.sampling.max_new_tokens, slot)
             if pages is None:
-                return  # the oldest request waits for pages; the ones behind it keep their order
-            self.waiting.popleft()
+                break  # the oldest admissible request waits for pages; the ones behind it keep their order
+            self.waiting.remove(r)
             r.slot, r.pages = slot, pages
+            if found is not None:
+                self._reuse_prefix(r, found)
+                filling |= set(self.prefix.keys(r.prompt, len(r.prompt) // self.config.page_size)[len(found) :])
             self.running[r.slot] = r
             if self.slot_major:  # the slot's own pages, all of them
                 self.table[slot] = np.arange(slot * self.table_width, (slot + 1) * self.table_width)
@@ -215,6 +253,32 @@ class Engine:
                 self.table[slot] = 0
                 self.table[slot, : len(pages)] = pages
             self._device, self._tables = None, {}
+        return waited
+
+    def _filling_keys(self) -> set:
+        """The keys of the full prompt pages that running prefills have yet to finish."""
+        if self.prefix is None:
+            return set()
+        filling = [r for r in self.running if r is not None and r.written < len(r.prompt)]
+        return {k for r in filling for k in self.prefix.keys(r.prompt, len(r.prompt) // self.config.page_size)}
+
+    def _reuse_prefix(self, r: Request, found: list[int]) -> None:
+        """Starts `r` after the cached prefix of its prompt in pages `found`, copied into its own."""
+        self.prefix.count(len(r.prompt), len(found))
+        own = r.pages[: len(found)]
+        moved = [(src, dst) for src, dst in zip(found, own) if src != dst]  # a slot's own earlier prefix stays
+        self.prefix.forget([dst for _, dst in moved] + r.pages[len(found) :])  # about to be overwritten
+        self._copies += moved
+        r.written = len(found) * self.config.page_size
+
+    def _copy_prefixes(self) -> None:
+        n = bucket(len(self._copies), 8, 1 << 30)
+        src = np.zeros(n, np.int32)
+        dst = np.full(n, self.paging.pages, np.int32)  # padding: past the pool, copied nowhere
+        src[: len(self._copies)], dst[: len(self._copies)] = zip(*self._copies)
+        put = self.place.put
+        self.pool = self._copy_pages(self.pool, put(src), put(dst))
+        self._copies = []
 
     def _prefill_chunks(self, params, rows: list[Request]) -> None:
         cfg = self.config
@@ -249,6 +313,8 @@ class Engine:
         for i, (r, n) in enumerate(zip(rows, lens)):
             r.written += n
             if r.written == len(r.prompt):  # the prompt is in: its first token is pending
+                if self.prefix is not None:
+                    self.prefix.remember(r.prompt, r.pages)
                 s = r.slot
                 self.state["tokens"][s], self.state["logp"][s] = tokens[i], logp[i]
                 self.state["pos"][s], self.state["live"][s] = len(r.prompt), True
@@ -315,6 +381,8 @@ class Engine:
         return decode, (params, abstract_pool(self.model, self.place), state, put(self.table[:, :width]), limit)
 
     def _release(self, r: Request, reason: str) -> None:
+        if self.prefix is not None and r.written == len(r.prompt):  # the fed tokens: all but the last emitted
+            self.prefix.remember(r.prompt + r.ids[:-1], r.pages)
         self.state["live"][r.slot] = False
         self._device = None
         self.running[r.slot] = None
@@ -328,6 +396,16 @@ class Engine:
         if r.on_done is not None:
             r.on_done(r)
         r.done.set()
+
+
+def _refs(params) -> list:
+    return [weakref.ref(x) for x in jax.tree.leaves(params)]
+
+
+def _same(refs: list, params) -> bool:
+    """Whether `params` are the very arrays `refs` point at (a weak reference keeps none alive)."""
+    leaves = jax.tree.leaves(params)
+    return len(refs) == len(leaves) and all(ref() is x for ref, x in zip(refs, leaves))
 
 
 def check_prompt(max_len: int, prompt, sampling: SamplingParams, label: str = "prompt") -> None:

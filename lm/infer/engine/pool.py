@@ -96,3 +96,26 @@ def _zeros(model, mesh, rules):
 
 def pool_bytes(pool) -> int:
     return sum(x.size * x.dtype.itemsize for x in jax.tree.leaves(pool))
+
+
+@functools.lru_cache(maxsize=16)
+def page_copier(model):
+    """A jitted (pool, src [n], dst [n]) -> pool with the token rows of page dst[i] set to those of
+    page src[i] in every layer, all read before any is written (a dst past the pool: nothing).
+    The pool is donated; its sharding follows the input's, like the engine's steps."""
+    page = model.paging.page_size
+    specs = nn.get_partition_spec(_abstract_pool(model))
+    axes = jax.tree.map(
+        lambda spec: tuple(spec).index("cache_pool"), specs, is_leaf=lambda x: isinstance(x, PartitionSpec)
+    )
+
+    def copy(pool, src, dst):
+        rows = lambda pages: (pages[:, None] * page + jnp.arange(page)[None]).reshape(-1)  # noqa: E731
+
+        def one(x, axis):
+            at = (slice(None),) * axis
+            return x.at[(*at, rows(dst))].set(jnp.take(x, rows(src), axis=axis), mode="drop")
+
+        return jax.tree.map(one, pool, axes)
+
+    return jax.jit(copy, donate_argnums=0)

@@ -1,0 +1,87 @@
+"""Prefix caching: the pool's full pages remembered by the tokens that filled them, so a request
+whose prompt starts with a cached prefix prefills only the rest (a GRPO group's G samples of one
+prompt, a chat's earlier turns, few-shot examples shared by an eval's prompts, a server's system
+prompt).
+
+A page's key hashes the key of the page before it and the page's own tokens (a hash chain), so one
+key names a whole prefix, never a page's tokens alone. A request takes the longest chain of its
+prompt's full pages found here, leaving at least its last prompt token to prefill (the first new
+token is chosen from that position's logits). The engine copies those pages into the request's own
+pages on the device, all of a step's admissions in one gather and one scatter: a copy rather than a
+shared page, so a slot-major pool is still read in place by the decode steps, and a request never
+depends on another's pages once admitted. A page is forgotten when it is handed to a request (it
+will be overwritten); the engine clears everything when the params change (keys are valid for one
+set of params).
+"""
+
+from __future__ import annotations
+
+import hashlib
+
+import numpy as np
+
+
+class PrefixCache:
+    def __init__(self, page_size: int):
+        self.page_size = page_size
+        self._page_of: dict[bytes, int] = {}  # key -> page
+        self._key_of: dict[int, bytes] = {}  # page -> key
+        self.stats = dict(requests=0, prompt_tokens=0, hit_tokens=0)
+
+    def keys(self, tokens, pages: int) -> list[bytes]:
+        """The keys of the first `pages` full pages of `tokens`."""
+        ps, prev, chain = self.page_size, b"", []
+        for i in range(pages):
+            page = np.asarray(tokens[i * ps : (i + 1) * ps], np.int64).tobytes()
+            prev = hashlib.blake2b(prev + page, digest_size=16).digest()
+            chain.append(prev)
+        return chain
+
+    def reusable(self, prompt) -> list[bytes]:
+        """The keys of the full pages of `prompt` a request may take from the cache (its last token
+        is always prefilled)."""
+        return self.keys(prompt, (len(prompt) - 1) // self.page_size)
+
+    def match(self, keys: list[bytes]) -> list[int]:
+        """The pages of the longest cached chain of `keys`, in order."""
+        pages = []
+        for key in keys:
+            page = self._page_of.get(key)
+            if page is None:
+                break
+            pages.append(page)
+        return pages
+
+    def count(self, prompt_tokens: int, pages: int) -> None:
+        """One admitted request: its prompt's length and the pages it took from the cache."""
+        self.stats["requests"] += 1
+        self.stats["prompt_tokens"] += prompt_tokens
+        self.stats["hit_tokens"] += pages * self.page_size
+
+    def forget(self, pages) -> None:
+        """Pages about to be overwritten."""
+        for page in pages:
+            key = self._key_of.pop(page, None)
+            if key is not None:
+                del self._page_of[key]
+
+    def remember(self, tokens, pages) -> None:
+        """`tokens` fill `pages` in order: their full pages become findable (a prefix already
+        cached elsewhere keeps its page)."""
+        for key, page in zip(self.keys(tokens, len(tokens) // self.page_size), pages):
+            if key in self._page_of:
+                continue
+            self.forget([page])
+            self._page_of[key], self._key_of[page] = page, key
+
+    def clear(self) -> None:
+        self._page_of.clear()
+        self._key_of.clear()
+
+    @property
+    def hit_rate(self) -> float:
+        """The share of prompt tokens found in the cache (not prefilled)."""
+        return self.stats["hit_tokens"] / max(1, self.stats["prompt_tokens"])
+
+    def __len__(self) -> int:
+        return len(self._page_of)

@@ -81,6 +81,9 @@ class Request:
     slot: int = -1
     pages: list[int] = dataclasses.field(default_factory=list)
     written: int = 0  # prompt tokens in the pool
+    page_keys: list | None = dataclasses.field(
+        default=None, repr=False
+    )  # its prompt's full pages' (lm.infer.engine.prefix)
 
 
 def bucket(n: int, low: int, high: int) -> int:
@@ -230,7 +233,7 @@ class Engine:
                 break
             found = None
             if self.prefix is not None:
-                keys = self.prefix.reusable(r.prompt)
+                keys = self._page_keys(r)[: (len(r.prompt) - 1) // self.config.page_size]
                 found = self.prefix.match(keys)
                 if len(found) < len(keys) and keys[len(found)] in filling:
                     waited = True
@@ -245,7 +248,7 @@ class Engine:
             r.slot, r.pages = slot, pages
             if found is not None:
                 self._reuse_prefix(r, found)
-                filling |= set(self.prefix.keys(r.prompt, len(r.prompt) // self.config.page_size)[len(found) :])
+                filling |= set(self._page_keys(r)[len(found) :])
             self.running[r.slot] = r
             if self.slot_major:  # the slot's own pages, all of them
                 self.table[slot] = np.arange(slot * self.table_width, (slot + 1) * self.table_width)
@@ -260,7 +263,13 @@ class Engine:
         if self.prefix is None:
             return set()
         filling = [r for r in self.running if r is not None and r.written < len(r.prompt)]
-        return {k for r in filling for k in self.prefix.keys(r.prompt, len(r.prompt) // self.config.page_size)}
+        return {k for r in filling for k in self._page_keys(r)}
+
+    def _page_keys(self, r: Request) -> list:
+        """The prefix keys of the full pages of `r`'s prompt (hashed once per request)."""
+        if r.page_keys is None:
+            r.page_keys = self.prefix.keys(r.prompt, len(r.prompt) // self.config.page_size)
+        return r.page_keys
 
     def _reuse_prefix(self, r: Request, found: list[int]) -> None:
         """Starts `r` after the cached prefix of its prompt in pages `found`, copied into its own."""

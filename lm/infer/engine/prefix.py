@@ -37,11 +37,6 @@ class PrefixCache:
             chain.append(prev)
         return chain
 
-    def reusable(self, prompt) -> list[bytes]:
-        """The keys of the full pages of `prompt` a request may take from the cache (its last token
-        is always prefilled)."""
-        return self.keys(prompt, (len(prompt) - 1) // self.page_size)
-
     def match(self, keys: list[bytes]) -> list[int]:
         """The pages of the longest cached chain of `keys`, in order."""
         pages = []

@@ -30,12 +30,11 @@ def test_keys_chain_every_earlier_token():
     a, b = cache.keys([1, 2, 3, 4, 5], 2), cache.keys([9, 2, 3, 4], 2)
     assert len(a) == 2 and a[0] != b[0] and a[1] != b[1]  # page 2 holds the same tokens, not the same prefix
     assert cache.keys([1, 2, 3, 4], 2) == a
-    assert len(cache.reusable([1, 2, 3, 4])) == 1  # the last prompt token is always prefilled
     cache.remember([1, 2, 3, 4, 5], [7, 8])
-    assert cache.match(cache.reusable([1, 2, 3, 4, 6])) == [7, 8]
-    assert cache.match(cache.reusable([1, 2, 9, 4, 6])) == [7]  # the chain stops at the first miss
+    assert cache.match(cache.keys([1, 2, 3, 4, 6], 2)) == [7, 8]
+    assert cache.match(cache.keys([1, 2, 9, 4, 6], 2)) == [7]  # the chain stops at the first miss
     cache.forget([7])
-    assert cache.match(cache.reusable([1, 2, 3, 4, 6])) == [] and len(cache) == 1
+    assert cache.match(cache.keys([1, 2, 3, 4, 6], 2)) == [] and len(cache) == 1
     cache.count(10, 2)
     assert cache.hit_rate == pytest.approx(0.4)
 
@@ -58,6 +57,7 @@ def assert_same(got, want):
 
 @pytest.mark.parametrize("pages", [0, 40], ids=["slot-major", "shared-pool"])
 def test_cached_prefixes_give_the_tokens_of_prefilling_everything(pages):
+    """A whole cached prompt is taken but for its last page: its last token is always prefilled."""
     _, params = model_params()
     want = run(engine(False, pages=pages), params)
     e = engine(True, pages=pages)

@@ -33,6 +33,11 @@ class EngineService:
         self._wake.set()
         return request
 
+    @property
+    def waiting(self) -> int:
+        """Requests submitted that have no slot yet (read from any thread: a moment's count)."""
+        return self._inbox.qsize() + len(self.engine.waiting)
+
     def _loop(self) -> None:
         try:
             while True:

@@ -1,5 +1,7 @@
-"""The FastAPI app: OpenAI's /v1/completions, /v1/chat/completions and /v1/models, and /health,
-over one `Backend` that every request shares.
+"""The FastAPI app: OpenAI's /v1/completions, /v1/chat/completions and /v1/models, /health and
+/metrics (Prometheus), over one `Backend` that every request shares. With an API key, /v1 answers
+only requests that carry it (`Authorization: Bearer KEY`, what OpenAI's clients send); a request
+arriving while `max_waiting` requests wait for a slot is refused with 429 and Retry-After.
 
 A backend's Stream is blocking, so each request's Deltas are read by a thread of its own and
 handed to the event loop: a request waiting for its turn holds no worker of the loop's pool.
@@ -16,18 +18,21 @@ import functools
 import json
 import secrets
 import threading
+import time
 from typing import AsyncIterator
 
 from fastapi import FastAPI, Request
-from fastapi.responses import JSONResponse, StreamingResponse
+from fastapi.responses import JSONResponse, Response, StreamingResponse
 from starlette.exceptions import HTTPException
 
 from lm.errors import UserError
 from lm.infer.sampling import SamplingParams
 from lm.infer.serve.backend import Backend, Delta, Stream
 from lm.infer.serve.guard import Guard, shutting_down
+from lm.infer.serve.metrics import CONTENT_TYPE, Metrics, Tracker
 from lm.infer.serve.protocol import (
     MAX_BODY,
+    MAX_WAITING,
     RequestError,
     check_content_type,
     chunk_body,
@@ -40,6 +45,7 @@ from lm.infer.serve.protocol import (
 )
 
 POLL_S = 0.25  # how often a plain request checks that its client is still there
+RETRY_AFTER_S = 1
 _END, _ABORT = object(), object()
 
 
@@ -67,15 +73,21 @@ class Aborted(Exception):
     pass
 
 
-def make_app(backend: Backend, max_body: int = MAX_BODY) -> FastAPI:
+def make_app(
+    backend: Backend, max_body: int = MAX_BODY, max_waiting: int = MAX_WAITING, api_key: str | None = None
+) -> FastAPI:
     app = FastAPI(title="lm serve", docs_url=None, redoc_url=None, openapi_url=None)
     app.state.inflight = inflight = Inflight()
+    app.state.metrics = metrics = Metrics(backend.load)
     app.add_middleware(Guard, max_body=max_body, stopping=lambda: inflight.aborted)
     started = now()
+    limits = Limits(api_key, max_waiting, backend, metrics)
 
     @app.exception_handler(RequestError)
     async def refused(request, e: RequestError):
-        return JSONResponse(e.body(), status_code=e.status)
+        metrics.refused.labels(str(e.status)).inc()
+        headers = {"Retry-After": str(RETRY_AFTER_S)} if e.status == 429 else None
+        return JSONResponse(e.body(), status_code=e.status, headers=headers)
 
     @app.exception_handler(HTTPException)
     async def http_error(request, e: HTTPException):  # unknown paths and methods, in OpenAI's shape
@@ -87,8 +99,13 @@ def make_app(backend: Backend, max_body: int = MAX_BODY) -> FastAPI:
     async def health():
         return {"status": "ok"}
 
+    @app.get("/metrics")
+    async def prometheus():
+        return Response(metrics.text(), media_type=CONTENT_TYPE)
+
     @app.get("/v1/models")
-    async def models():
+    async def models(request: Request):
+        limits.authorize(request)
         return {
             "object": "list",
             "data": [
@@ -104,13 +121,44 @@ def make_app(backend: Backend, max_body: int = MAX_BODY) -> FastAPI:
 
     @app.post("/v1/completions")
     async def completions(request: Request):
-        return await _answer(backend, inflight, request, "completion")
+        return await _answer(backend, inflight, limits, request, "completion")
 
     @app.post("/v1/chat/completions")
     async def chat(request: Request):
-        return await _answer(backend, inflight, request, "chat")
+        return await _answer(backend, inflight, limits, request, "chat")
 
     return app
+
+
+class Limits:
+    """Who may ask (the API key) and how many may wait; the metrics every answer feeds."""
+
+    def __init__(self, api_key: str | None, max_waiting: int, backend: Backend, metrics: Metrics):
+        self.api_key, self.max_waiting, self.backend, self.metrics = api_key, max_waiting, backend, metrics
+
+    def authorize(self, request: Request) -> None:
+        if self.api_key is None:
+            return
+        given = request.headers.get("authorization", "")
+        scheme, _, key = given.partition(" ")
+        if scheme.lower() != "bearer" or not secrets.compare_digest(key.strip().encode(), self.api_key.encode()):
+            said = "no API key was given" if not given else "the API key is not this server's"
+            raise RequestError(
+                f"{said}: send 'Authorization: Bearer <key>' with the key `lm serve --api-key` was started with",
+                status=401,
+                code="invalid_api_key",
+            )
+
+    def admit(self) -> None:
+        waiting = self.backend.load().waiting
+        if waiting >= self.max_waiting:
+            raise RequestError(
+                f"{waiting} requests are waiting for a slot (at most {self.max_waiting}, --max-waiting); "
+                f"retry in {RETRY_AFTER_S} s",
+                status=429,
+                code="rate_limit_exceeded",
+                kind="requests",
+            )
 
 
 def _submit(backend: Backend, req) -> Stream:
@@ -167,18 +215,22 @@ def _seed(seed: int | None) -> int:
     return secrets.randbits(31) if seed is None else seed % 2**32
 
 
-async def _answer(backend: Backend, inflight: Inflight, request: Request, kind: str):
+async def _answer(backend: Backend, inflight: Inflight, limits: Limits, request: Request, kind: str):
+    arrived = time.perf_counter()
+    limits.authorize(request)
     check_content_type(request.headers.get("content-type"))
     req = parse_request(await request.body(), kind)
+    limits.admit()
     stream = _submit(backend, req)
+    tracker = Tracker(limits.metrics, stream.prompt_tokens, arrived)
     rid, created = new_id(kind), now()
     if req.stream:
-        events = _events(stream, inflight, req, rid, created, backend.model_name)
+        events = _events(stream, inflight, tracker, req, rid, created, backend.model_name)
         return StreamingResponse(events, media_type="text/event-stream", headers={"Cache-Control": "no-cache"})
     texts, tokens, finish = [], 0, None
     watcher = asyncio.create_task(_cancel_when_gone(request, stream))
     try:
-        async for delta in _deltas(stream, inflight):
+        async for delta in _deltas(stream, inflight, tracker):
             texts.append(delta.text)
             tokens += len(delta.token_ids)
             finish = delta.finish_reason
@@ -197,7 +249,9 @@ async def _answer(backend: Backend, inflight: Inflight, request: Request, kind: 
     )
 
 
-async def _events(stream: Stream, inflight: Inflight, req, rid: str, created: int, model: str) -> AsyncIterator[str]:
+async def _events(
+    stream: Stream, inflight: Inflight, tracker: Tracker, req, rid: str, created: int, model: str
+) -> AsyncIterator[str]:
     """Server-sent events: (chat: the assistant role first) a chunk per piece of text, one with the
     finish reason, the usage chunk if asked for, then [DONE]. An aborted stream ends with the
     error event and [DONE]: OpenAI's SDKs raise on it, so a cut text never passes for a whole one."""
@@ -206,7 +260,7 @@ async def _events(stream: Stream, inflight: Inflight, req, rid: str, created: in
     try:
         if req.kind == "chat":
             yield _event(chunk("", None, role=True))
-        async for delta in _deltas(stream, inflight):
+        async for delta in _deltas(stream, inflight, tracker):
             tokens += len(delta.token_ids)
             if delta.text:
                 yield _event(chunk(delta.text, None))
@@ -233,9 +287,9 @@ async def _cancel_when_gone(request: Request, stream: Stream) -> None:
     stream.cancel()
 
 
-async def _deltas(stream: Stream, inflight: Inflight) -> AsyncIterator[Delta]:
-    """The Stream's Deltas, read by a thread; the Stream is cancelled if the reader stops early
-    (a stream's client went away, or the server is stopping: Aborted)."""
+async def _deltas(stream: Stream, inflight: Inflight, tracker: Tracker) -> AsyncIterator[Delta]:
+    """The Stream's Deltas, read by a thread and timed by `tracker`; the Stream is cancelled if the
+    reader stops early (a stream's client went away, or the server is stopping: Aborted)."""
     loop = asyncio.get_running_loop()
     inbox: asyncio.Queue = asyncio.Queue()
 
@@ -259,13 +313,17 @@ async def _deltas(stream: Stream, inflight: Inflight) -> AsyncIterator[Delta]:
     try:
         while (item := await inbox.get()) is not _END:
             if item is _ABORT:
+                tracker.end("aborted")
                 raise Aborted
             if isinstance(item, BaseException):
                 finished = True
+                tracker.end("error")
                 raise item
+            tracker.delta(item.token_ids, item.finish_reason)
             yield item
         finished = True
     finally:
         inflight.inboxes.discard(inbox)
         if not finished:
+            tracker.end("cancelled")
             stream.cancel()

@@ -7,6 +7,7 @@ import dataclasses
 from typing import Iterator, Protocol
 
 from lm.infer.sampling import SamplingParams
+from lm.infer.serve.metrics import Load
 
 
 @dataclasses.dataclass
@@ -37,6 +38,8 @@ class Backend(Protocol):
         (then also the template's stop strings, to add to the request's). Bad messages: ValueError."""
 
     def submit(self, prompt_ids: list[int], sampling: SamplingParams, stop: tuple[str, ...]) -> Stream: ...
+
+    def load(self) -> Load: ...  # requests waiting and running now, the prefix cache's hit rate (any thread)
 
     def shutdown(self, cancel: bool) -> None: ...  # stop taking requests; finish or cancel the running ones
 

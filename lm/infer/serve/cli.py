@@ -2,10 +2,11 @@
 
 from __future__ import annotations
 
+import os
 import sys
 
 from lm.errors import UserError
-from lm.infer.serve.protocol import MAX_BODY
+from lm.infer.serve.protocol import MAX_BODY, MAX_WAITING
 from lm.verb import add_model_source
 
 GRACE_S = 30.0  # after SIGTERM/SIGINT: how long running requests may take before they are aborted
@@ -47,6 +48,17 @@ def add_parser(sub) -> None:
         "--max-body-mib", type=float, default=MAX_BODY / 2**20, help="largest request body taken, in MiB (larger: 413)"
     )
     p.add_argument("--access-log", action="store_true", help="log every request")
+    p.add_argument(
+        "--api-key",
+        default=os.environ.get("LM_API_KEY"),
+        help="answer /v1 only with 'Authorization: Bearer KEY' (default: $LM_API_KEY; unset: anyone)",
+    )
+    p.add_argument(
+        "--max-waiting",
+        type=int,
+        default=MAX_WAITING,
+        help="requests that may wait for a slot; more get 429 with Retry-After",
+    )
 
 
 def _check_extra() -> None:
@@ -60,7 +72,7 @@ def _check_extra() -> None:
 
 
 def _check_flags(args) -> None:
-    for name in ("slots", "page_size", "max_model_len"):
+    for name in ("slots", "page_size", "max_model_len", "max_waiting"):
         value = getattr(args, name)
         if value is not None and value < 1:
             raise UserError(f"--{name.replace('_', '-')} {value}: expected at least 1")
@@ -70,6 +82,8 @@ def _check_flags(args) -> None:
         raise UserError(f"--grace {args.grace}: expected seconds >= 0")
     if not args.max_body_mib > 0:
         raise UserError(f"--max-body-mib {args.max_body_mib:g}: expected a size > 0")
+    if args.api_key is not None and not args.api_key.strip():
+        raise UserError("--api-key (or $LM_API_KEY) is empty: give a key, or unset it to serve without one")
 
 
 def run(args, overrides=()) -> int:
@@ -84,7 +98,9 @@ def run(args, overrides=()) -> int:
     sock = bind(args.host, args.port)  # before loading: a taken port fails at once
     try:
         backend = make_backend(load_trained(args.workdir, args.params, args.tokenizer), args)
-        app = make_app(backend, max_body=int(args.max_body_mib * 2**20))
+        app = make_app(
+            backend, max_body=int(args.max_body_mib * 2**20), max_waiting=args.max_waiting, api_key=args.api_key
+        )
         server = make_server(app, args.grace, args.access_log)
         print(f"lm serve: {args.model_name} at {url_of(sock)}/v1 (context {backend.context} positions)", flush=True)
         try:

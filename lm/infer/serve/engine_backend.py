@@ -17,6 +17,7 @@ from lm.infer.engine.service import EngineService
 from lm.infer.generate import generation_context
 from lm.infer.sampling import SamplingParams
 from lm.infer.serve.backend import FINISH, Delta
+from lm.infer.serve.metrics import Load
 from lm.infer.stops import StopWatch
 
 
@@ -77,6 +78,12 @@ class EngineBackend:
         stream = EngineStream(self.tokenizer, prompt_ids, sampling, tuple(stop), tuple(self.template.stop_ids))
         self.service.submit(stream.request)
         return stream
+
+    def load(self) -> Load:
+        engine = self.service.engine
+        running = sum(r is not None for r in list(engine.running))
+        rate = engine.prefix.hit_rate if engine.prefix is not None else 0.0
+        return Load(waiting=self.service.waiting, running=running, prefix_hit_rate=rate)
 
     def shutdown(self, cancel: bool) -> None:
         self.service.shutdown(cancel)

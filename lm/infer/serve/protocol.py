@@ -19,6 +19,7 @@ import numpy as np
 
 MAX_STOP = 4  # stop strings per request, as OpenAI allows
 MAX_BODY = 8 * 2**20  # bytes in a request body: the longest context's prompt, JSON-escaped, fits many times over
+MAX_WAITING = 256  # requests waiting for a slot beyond which new ones get 429
 # arrays and objects inside each other: json.loads recurses once per level (a RecursionError near
 # 1,000), and no request this server takes needs more than 5
 MAX_DEPTH = 64

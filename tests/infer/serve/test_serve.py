@@ -29,6 +29,7 @@ from lm.infer.sampling import SamplingParams
 from lm.infer.serve.app import make_app
 from lm.infer.serve.backend import Delta
 from lm.infer.serve.engine_backend import EngineBackend
+from lm.infer.serve.metrics import Load
 from lm.infer.serve.server import InThread
 from lm.infer.session import Session
 from lm.model.params import leaf_paths
@@ -195,6 +196,31 @@ def test_models_and_health(client, server):
     assert httpx.get(server.url + "/health", timeout=WAIT).json() == {"status": "ok"}
 
 
+def test_metrics_count_the_engines_tokens_and_prefix_hits(client, server):
+    """Two chats sharing a long system prompt: the second takes its full pages from the cache."""
+    from prometheus_client.parser import text_string_to_metric_families
+
+    def scrape() -> dict:
+        text = httpx.get(server.url + "/metrics", timeout=WAIT).text
+        return {
+            (s.name, tuple(sorted(s.labels.items()))): s.value
+            for f in text_string_to_metric_families(text)
+            for s in f.samples
+        }
+
+    before = scrape()
+    system = {"role": "system", "content": "You answer in one short line. " * 2}
+    for question in ("hi", "bye"):
+        messages = [system, {"role": "user", "content": question}]
+        client.chat.completions.create(model="tiny", messages=messages, max_tokens=3, **GREEDY)
+    after = scrape()
+    grew = lambda name: after[(name, ())] - before.get((name, ()), 0.0)  # noqa: E731
+    assert grew("lm_generation_tokens_total") == 6
+    assert grew("lm_time_to_first_token_seconds_count") == 2 and grew("lm_request_latency_seconds_count") == 2
+    assert after[("lm_prefix_cache_hit_rate", ())] > before.get(("lm_prefix_cache_hit_rate", ()), 0.0)
+    assert after[("lm_requests_waiting", ())] == 0 and after[("lm_requests_running", ())] == 0
+
+
 # ---- refused requests ---------------------------------------------------------------------------
 
 OK = {"model": "tiny", "prompt": "x", "max_tokens": 2}
@@ -272,6 +298,10 @@ class Scripted:
 
     def __init__(self, delay: float = 0.05):
         self.delay, self.cancelled, self.shut = delay, [], []
+        self.waiting = 0  # what load() reports as waiting (the tests of the queue limit set it)
+
+    def load(self):
+        return Load(waiting=self.waiting, running=0)
 
     def prompt_ids(self, prompt=None, messages=None):
         return list((prompt or "chat").encode()), ()
@@ -430,6 +460,10 @@ def test_a_missing_extra_and_bad_flags_are_one_line_errors(export, monkeypatch, 
     assert err.startswith("lm: error: --slots 0: expected at least 1") and "\n" not in err
     assert main(["serve", "--params", str(export), "--port", "0", "--max-body-mib", "0"]) == 2
     assert capsys.readouterr().err.strip() == "lm: error: --max-body-mib 0: expected a size > 0"
+    assert main(["serve", "--params", str(export), "--port", "0", "--max-waiting", "0"]) == 2
+    assert capsys.readouterr().err.strip() == "lm: error: --max-waiting 0: expected at least 1"
+    assert main(["serve", "--params", str(export), "--port", "0", "--api-key", " "]) == 2
+    assert "--api-key (or $LM_API_KEY) is empty" in capsys.readouterr().err
 
 
 def test_the_served_engine_takes_quantized_weights_and_int8_pages(export):

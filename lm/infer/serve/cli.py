@@ -32,6 +32,11 @@ def add_parser(sub) -> None:
         "--kv-int8", action="store_true", help="keep the KV cache's pages as int8 (a scale per token and kv head)"
     )
     p.add_argument(
+        "--no-prefix-cache",
+        action="store_true",
+        help="prefill every prompt whole (by default full pages of prompts seen before are reused)",
+    )
+    p.add_argument(
         "--max-model-len",
         type=int,
         help="positions a prompt and its new tokens may take (default: the model's context, at most 4096)",

@@ -91,11 +91,15 @@ class EngineBackend:
 
 def make_backend(loaded, args) -> EngineBackend:
     """The backend `lm serve` runs: a loaded model and the command's flags (quantize, slots,
-    page_size, max_model_len, model_name)."""
+    page_size, max_model_len, model_name; kv_int8 and no_prefix_cache when given)."""
     from lm.infer.session import Session
 
     # a request arriving mid-call waits for the call to end: every call is a short block
     config = EngineConfig(
-        slots=args.slots, page_size=args.page_size, idle_block=16, kv_int8=getattr(args, "kv_int8", False)
+        slots=args.slots,
+        page_size=args.page_size,
+        idle_block=16,
+        kv_int8=getattr(args, "kv_int8", False),
+        prefix_cache=not getattr(args, "no_prefix_cache", False),
     )
     return EngineBackend(Session(loaded, quantize=args.quantize), args.model_name, args.max_model_len, config)

@@ -81,6 +81,7 @@ class Request:
     slot: int = -1
     pages: list[int] = dataclasses.field(default_factory=list)
     written: int = 0  # prompt tokens in the pool
+    constraint: object | None = None  # a grammar's state (lm.infer.grammar.Constraint): what it may choose next
     page_keys: list | None = dataclasses.field(
         default=None, repr=False
     )  # its prompt's full pages' (lm.infer.engine.prefix)
@@ -155,7 +156,7 @@ class Engine:
             keys=np.zeros((s, 2), np.uint32),
             eos=np.full((s, MAX_EOS), -1, np.int32),
         )
-        self.settings = RowSettings.empty(s)
+        self.settings = RowSettings.empty(s, self.model.spec.vocab_size)
 
     # ---- requests ----------------------------------------------------------------------------
 
@@ -299,12 +300,12 @@ class Engine:
         ids, seg, pos = (np.zeros((n_rows, width), np.int32) for _ in range(3))
         table, last = np.zeros((n_rows, table_w), np.int32), np.zeros(n_rows, np.int32)
         keys, counts = np.zeros((n_rows, 2), np.uint32), np.zeros(n_rows, np.int32)
-        settings = RowSettings.empty(n_rows)
+        settings = RowSettings.empty(n_rows, self.model.spec.vocab_size)
         for i, (r, n) in enumerate(zip(rows, lens)):
             ids[i, :n], seg[i, :n] = r.prompt[r.written : r.written + n], 1
             pos[i] = r.written + np.arange(width)
             table[i], last[i], keys[i] = self.table[r.slot, :table_w], n - 1, r.key
-            settings.set(i, r.sampling)
+            settings.set(i, r.sampling, r.constraint.mask() if r.constraint is not None else None)
         put = self.place.put
         self.pool, tokens, logp = self._prefill(
             params,
@@ -330,13 +331,15 @@ class Engine:
                 self.state["count"][s], self.state["left"][s] = 1, r.sampling.max_new_tokens
                 self.state["keys"][s], self.state["eos"][s] = r.key, -1
                 self.state["eos"][s, : len(r.eos)] = r.eos
-                self.settings.set(s, r.sampling)
+                self.settings.set(s, r.sampling, self._advance(r, tokens[i]))
                 self._device = None
 
     def _decode_block(self, params) -> None:
         cfg = self.config
         live = self.state["live"]
         steps = cfg.decode_block if self.waiting else max(cfg.decode_block, cfg.idle_block)
+        if any(self.running[s].constraint is not None for s in np.flatnonzero(live)):
+            steps = 1  # a grammar's mask holds for one token
         steps = min(steps, int(self.state["left"][live].max()))
         reach = int((self.state["pos"][live] + steps).max())
         table_w = bucket(-(-min(reach, self.max_len) // cfg.page_size), max(1, self.table_width // 8), self.table_width)
@@ -361,6 +364,9 @@ class Engine:
             ids, logps = out[s][keep], out_logp[s][keep]
             r.ids += ids.tolist()
             r.logps += logps.tolist()
+            if r.constraint is not None and self.state["live"][s]:  # its next token is chosen: the mask after it
+                self.settings.set(s, r.sampling, self._advance(r, self.state["tokens"][s]))
+                self._device = None
             stop = bool(r.on_tokens(ids, logps)) if r.on_tokens is not None and len(ids) else False
             if r.cancelled or stop or not self.state["live"][s]:
                 reason = (
@@ -371,6 +377,14 @@ class Engine:
                     else ("eos" if r.ids and r.ids[-1] in r.eos else "length")
                 )
                 self._release(r, reason)
+
+    @staticmethod
+    def _advance(r: Request, token) -> np.ndarray | None:
+        """The grammar of `r` (if any) past its newly chosen token: the tokens allowed after it."""
+        if r.constraint is None:
+            return None
+        r.constraint.advance(int(token))
+        return r.constraint.mask()
 
     def decode_program(self, table_w: int):
         """(table width, compiled decode block) of a decode call whose rows reach `table_w` pages."""

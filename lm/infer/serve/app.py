@@ -26,6 +26,7 @@ from fastapi.responses import JSONResponse, Response, StreamingResponse
 from starlette.exceptions import HTTPException
 
 from lm.errors import UserError
+from lm.infer.grammar import grammar_of
 from lm.infer.sampling import SamplingParams
 from lm.infer.serve.backend import Backend, Delta, Stream
 from lm.infer.serve.guard import Guard, shutting_down
@@ -205,7 +206,11 @@ def _submit(backend: Backend, req) -> Stream:
     except UserError as e:
         raise RequestError(str(e)) from None
     try:
-        return backend.submit(ids, sampling, req.stop + tuple(template_stop))
+        grammar = grammar_of(req.schema) if req.schema is not None else None
+    except UserError as e:
+        raise RequestError(str(e), "response_format") from None
+    try:
+        return backend.submit(ids, sampling, req.stop + tuple(template_stop), grammar)
     except UserError as e:  # the backend takes no more requests
         raise RequestError(str(e), status=503, code="unavailable", kind="server_error") from None
 

@@ -37,7 +37,9 @@ class Backend(Protocol):
         """Token ids of a plain prompt, or of a conversation rendered with the model's chat template
         (then also the template's stop strings, to add to the request's). Bad messages: ValueError."""
 
-    def submit(self, prompt_ids: list[int], sampling: SamplingParams, stop: tuple[str, ...]) -> Stream: ...
+    def submit(
+        self, prompt_ids: list[int], sampling: SamplingParams, stop: tuple[str, ...], grammar: str | None = None
+    ) -> Stream: ...  # grammar: lm.infer.grammar's, the answer must follow it
 
     def load(self) -> Load: ...  # requests waiting and running now, the prefix cache's hit rate (any thread)
 

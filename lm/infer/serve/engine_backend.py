@@ -15,6 +15,7 @@ from lm.errors import UserError
 from lm.infer.engine.engine import Engine, EngineConfig, Request
 from lm.infer.engine.service import EngineService
 from lm.infer.generate import generation_context
+from lm.infer.grammar import vocabulary
 from lm.infer.sampling import SamplingParams
 from lm.infer.serve.backend import FINISH, Delta
 from lm.infer.serve.metrics import Load
@@ -66,6 +67,7 @@ class EngineBackend:
         self.context = context or most
         self.template = ChatTemplate.for_tokenizer(self.tokenizer)
         built = session.built
+        self.vocab_size = built.spec.vocab_size
         engine = Engine(built.module, max_len=self.context, config=config, mesh=built.mesh, rules=built.rules)
         self.service = EngineService(engine, session.params)
 
@@ -74,8 +76,11 @@ class EngineBackend:
             return [int(t) for t in self.tokenizer.encode(prompt)], ()
         return chat.prompt_ids(self.template, messages), tuple(self.template.stop_strings)
 
-    def submit(self, prompt_ids, sampling, stop) -> EngineStream:
-        stream = EngineStream(self.tokenizer, prompt_ids, sampling, tuple(stop), tuple(self.template.stop_ids))
+    def submit(self, prompt_ids, sampling, stop, grammar=None) -> EngineStream:
+        eos = tuple(self.template.stop_ids)
+        stream = EngineStream(self.tokenizer, prompt_ids, sampling, tuple(stop), eos)
+        if grammar is not None:
+            stream.request.constraint = vocabulary(self.tokenizer, self.vocab_size, eos).constraint(grammar)
         self.service.submit(stream.request)
         return stream
 

@@ -17,6 +17,9 @@ import uuid
 
 import numpy as np
 
+from lm.errors import UserError
+from lm.infer.grammar import schema_of
+
 MAX_STOP = 4  # stop strings per request, as OpenAI allows
 MAX_BODY = 8 * 2**20  # bytes in a request body: the longest context's prompt, JSON-escaped, fits many times over
 MAX_WAITING = 256  # requests waiting for a slot beyond which new ones get 429
@@ -41,8 +44,8 @@ _SAMPLING = (
     "min_p",
 )
 KNOWN = {
-    "completion": frozenset(_SAMPLING + ("prompt",)),
-    "chat": frozenset(_SAMPLING + ("messages", "max_completion_tokens")),
+    "completion": frozenset(_SAMPLING + ("prompt", "response_format")),  # response_format: an extension here
+    "chat": frozenset(_SAMPLING + ("messages", "max_completion_tokens", "response_format")),
 }
 # OpenAI fields not implemented: accepted only at a value that asks for nothing
 NEUTRAL = {
@@ -63,7 +66,6 @@ NEUTRAL = {
         "logit_bias": ({},),
         "tools": ([],),
         "tool_choice": ("none",),
-        "response_format": ({"type": "text"},),
         "parallel_tool_calls": (True, False),
         "store": (False,),
         "metadata": ({},),
@@ -110,6 +112,7 @@ class Request:
     stop: tuple[str, ...]
     stream: bool
     include_usage: bool
+    schema: dict | None = None  # the JSON schema the answer must follow (response_format; None: free text)
 
 
 def _type_name(value) -> str:
@@ -283,6 +286,11 @@ def parse_request(raw: bytes, kind: str) -> Request:
     options = _get(body, "stream_options", "an object", lambda v: isinstance(v, dict), {})
     include_usage = _get(options, "include_usage", "a boolean", lambda v: isinstance(v, bool), False)
     _get(body, "user", "a string", lambda v: isinstance(v, str), None)
+    response_format = _get(body, "response_format", "an object", lambda v: isinstance(v, dict), None)
+    try:
+        schema = schema_of(response_format) if response_format is not None else None
+    except UserError as e:
+        raise RequestError(str(e), "response_format") from None
     return Request(
         kind,
         model,
@@ -297,6 +305,7 @@ def parse_request(raw: bytes, kind: str) -> Request:
         _stop(body),
         stream,
         include_usage,
+        schema,
     )
 
 

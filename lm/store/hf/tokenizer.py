@@ -75,6 +75,18 @@ class SpecialIds:
     pad: int | None
 
 
+def tokenizer_json(tok) -> str:
+    """`tok` (an HF, sentencepiece or byte tokenizer) as a Hugging Face tokenizer.json (its text)."""
+    source = getattr(tok, "path", None)
+    if source is not None and (pathlib.Path(source) / "tokenizer.json").is_file():
+        return (pathlib.Path(source) / "tokenizer.json").read_text()
+    if source is not None and pathlib.Path(source).suffix == ".model":
+        return spm_tokenizer(pathlib.Path(source).read_bytes(), str(source)).to_str()
+    if getattr(tok, "name", "") == "byte":
+        return byte_tokenizer(tok).to_str()
+    raise UserError(f"tokenizer {tok!r}: only Hugging Face, sentencepiece and byte tokenizers have a tokenizer.json")
+
+
 def write_tokenizer(tok, out, max_len: int | None = None) -> SpecialIds:
     """Writes `tok` (an HF, sentencepiece or byte tokenizer) and its chat template into `out`."""
     from lm.data.chat import ChatTemplate

@@ -191,6 +191,37 @@ def test_the_backend_skips_a_cancelled_request_and_refuses_after_shutdown(sessio
         backend.submit(ids, SamplingParams(max_new_tokens=2), ())
 
 
+def test_a_json_schema_answer_always_parses_and_validates(client):
+    schema = {
+        "type": "object",
+        "properties": {"ok": {"type": "boolean"}, "size": {"enum": ["S", "M", "L"]}},
+        "required": ["ok", "size"],
+        "additionalProperties": False,
+    }
+    fmt = {"type": "json_schema", "json_schema": {"name": "answer", "schema": schema, "strict": True}}
+    for temperature in (0.0, 1.0, 1.5):
+        reply = client.chat.completions.create(
+            model="tiny", messages=MESSAGES, max_tokens=40, temperature=temperature, seed=1, response_format=fmt
+        )
+        answer = json.loads(reply.choices[0].message.content)
+        assert set(answer) == {"ok", "size"} and isinstance(answer["ok"], bool) and answer["size"] in "SML"
+        assert reply.choices[0].finish_reason == "stop"
+    streamed = client.completions.create(
+        model="tiny", prompt="Hello", max_tokens=40, temperature=0, stream=True, extra_body={"response_format": fmt}
+    )  # an extension of /v1/completions, as vLLM's
+    assert json.loads("".join(c.choices[0].text for c in streamed))["size"] in "SML"
+
+
+def test_a_bad_response_format_is_a_400_with_its_reason(client):
+    for fmt, words in (
+        ({"type": "json_schema", "json_schema": {"name": "x", "schema": {"type": "nonsense"}}}, "nonsense"),
+        ({"type": "xml"}, "'response_format.type' is 'xml'"),
+    ):
+        with pytest.raises(openai.BadRequestError) as e:
+            client.chat.completions.create(model="tiny", messages=MESSAGES, max_tokens=4, response_format=fmt)
+        assert words in e.value.body["message"] and e.value.body["param"] == "response_format"
+
+
 def test_models_and_health(client, server):
     assert [m.id for m in client.models.list().data] == ["tiny"]
     assert httpx.get(server.url + "/health", timeout=WAIT).json() == {"status": "ok"}
@@ -306,7 +337,7 @@ class Scripted:
     def prompt_ids(self, prompt=None, messages=None):
         return list((prompt or "chat").encode()), ()
 
-    def submit(self, prompt_ids, sampling, stop):
+    def submit(self, prompt_ids, sampling, stop, grammar=None):
         return SlowStream(self, sampling.max_new_tokens, len(prompt_ids))
 
     def shutdown(self, cancel):

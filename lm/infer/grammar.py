@@ -1,0 +1,98 @@
+"""Structured output: a JSON schema (or "any JSON object") turned into the tokens allowed next.
+
+llguidance (Microsoft's guidance engine: a Rust core with no Python dependencies, the structured
+output backend of vLLM, SGLang and llama.cpp) compiles the schema to a grammar and, for each
+step, gives a bitmask over the vocabulary (one bit per token id, 32 ids to an int32 word); the
+engine's sampling step sets every token outside it to -inf before choosing (lm.infer.engine.rows).
+It reads the vocabulary from the tokenizer's Hugging Face tokenizer.json (ours are built by
+lm.store.hf.tokenizer). JSON is compact (no whitespace between tokens), so a model cannot spend
+its budget on blank space; an answer ends when the grammar is complete and the model then
+chooses an end id (the only tokens allowed), or at max_tokens (cut, as OpenAI's).
+"""
+
+from __future__ import annotations
+
+import functools
+import json
+
+import numpy as np
+
+from lm.errors import UserError
+
+COMPACT = {"whitespace_flexible": False}
+
+
+def schema_of(response_format: dict) -> dict | None:
+    """The JSON schema an OpenAI `response_format` asks for (None: plain text). Bad input: UserError."""
+    kind = response_format.get("type")
+    if kind == "text":
+        return None
+    if kind == "json_object":
+        return {"type": "object"}
+    if kind == "json_schema":
+        spec = response_format.get("json_schema")
+        if not isinstance(spec, dict) or not isinstance(spec.get("schema", {}), dict):
+            raise UserError("'response_format.json_schema' must be an object with a 'schema' object")
+        return spec.get("schema", {})
+    raise UserError(f"'response_format.type' is {kind!r}; expected 'text', 'json_object' or 'json_schema'")
+
+
+def grammar_of(schema: dict) -> str:
+    """The llguidance grammar of a JSON schema; a schema it cannot take: UserError with its reason."""
+    import llguidance
+
+    try:
+        grammar = llguidance.LLMatcher.grammar_from_json_schema(json.dumps(schema), defaults=COMPACT)
+    except ValueError as e:
+        raise UserError(f"'response_format' schema: {e}") from None
+    valid, reason = _validate(grammar)
+    if not valid:
+        raise UserError(f"'response_format' schema: {reason}")
+    return grammar
+
+
+def _validate(grammar: str) -> tuple[bool, str]:
+    import llguidance
+
+    error = llguidance.LLMatcher.validate_grammar(grammar)
+    return (not error, error)
+
+
+class Vocabulary:
+    """One tokenizer as llguidance sees it (built once per tokenizer and end ids: it indexes the
+    whole vocabulary). vocab_size: the model's (its logits' width, at least the tokenizer's)."""
+
+    def __init__(self, tokenizer, vocab_size: int, end_ids: tuple[int, ...]):
+        import llguidance
+
+        from lm.store.hf.tokenizer import tokenizer_json
+
+        self.vocab_size, self.words = vocab_size, -(-vocab_size // 32)
+        self.llg = llguidance.LLTokenizer(tokenizer_json(tokenizer), n_vocab=vocab_size, eos_token=list(end_ids))
+
+    def constraint(self, grammar: str) -> "Constraint":
+        import llguidance
+
+        return Constraint(llguidance.LLMatcher(self.llg, grammar), self.words)
+
+
+@functools.lru_cache(maxsize=8)
+def vocabulary(tokenizer, vocab_size: int, end_ids: tuple[int, ...]) -> Vocabulary:
+    return Vocabulary(tokenizer, vocab_size, end_ids)
+
+
+class Constraint:
+    """One request's grammar as it advances: `mask()` the tokens allowed next (int32 words, bit
+    t % 32 of word t // 32), `advance(token)` after each chosen token."""
+
+    def __init__(self, matcher, words: int):
+        self.matcher, self.words = matcher, words
+
+    def mask(self) -> np.ndarray:
+        out = np.zeros(self.words, np.int32)
+        self.matcher.unsafe_compute_mask_ptr(out.ctypes.data, out.nbytes)
+        return out
+
+    def advance(self, token: int) -> None:
+        if not self.matcher.consume_token(int(token)):
+            raise RuntimeError(f"structured output: token {token} breaks the grammar ({self.matcher.get_error()})")

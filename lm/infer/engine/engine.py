@@ -24,7 +24,7 @@ import numpy as np
 from lm.errors import UserError
 from lm.infer.engine.pages import PageAllocator
 from lm.infer.engine.pool import Placement, abstract_pool, init_pool, page_copier
-from lm.infer.engine.prefix import PrefixCache
+from lm.infer.engine.prefix import PrefixReuse
 from lm.infer.engine.rows import RowSettings
 from lm.infer.engine.steps import NO_TOKEN, compiled
 from lm.infer.sampling import SamplingParams
@@ -132,9 +132,8 @@ class Engine:
         self._decode_in_place = compiled(in_place, block)[1] if self.slot_major else None
         self._prepare = _unstack if self.unstack else (lambda p: p)
         self.allocator = PageAllocator(pages, ps, self.table_width if self.slot_major else 0)
-        self.prefix = PrefixCache(ps) if config.prefix_cache else None
+        self.prefix = PrefixReuse(ps) if config.prefix_cache else None
         self._copy_pages = page_copier(self.model)
-        self._copies: list[tuple[int, int]] = []  # (source page, destination page) of this step's admissions
         self._params_seen: list = []  # weak references to the leaves of the params the cache belongs to
         self._prepared = None  # (weak references to the leaves of the params given, those params prepared)
         self.pool = None  # created on first use
@@ -212,8 +211,9 @@ class Engine:
             self._release(r, "cancelled")
         for _ in range(2):
             waited = self._admit()
-            if self._copies:
-                self._copy_prefixes()
+            if self.prefix is not None and self.prefix.owed:
+                src, dst = self.prefix.copies(self.paging.pages, bucket(self.prefix.owed, 8, 1 << 30))
+                self.pool = self._copy_pages(self.pool, self.place.put(src), self.place.put(dst))
             prefilling = [r for r in self.running if r is not None and r.written < len(r.prompt)]
             if prefilling:
                 self._prefill_chunks(params, prefilling)
@@ -228,17 +228,15 @@ class Engine:
             if r.cancelled:
                 self.waiting.remove(r)
                 self._finish(r, "cancelled")
-        waited, filling = False, self._filling_keys()
+        prefilling = [r for r in self.running if r is not None and r.written < len(r.prompt)]
+        waited, filling = False, self.prefix.filling(prefilling) if self.prefix is not None else set()
         for r in list(self.waiting):
             if None not in self.running:
                 break
-            found = None
-            if self.prefix is not None:
-                keys = self._page_keys(r)[: (len(r.prompt) - 1) // self.config.page_size]
-                found = self.prefix.match(keys)
-                if len(found) < len(keys) and keys[len(found)] in filling:
-                    waited = True
-                    continue  # a running prefill is writing more of its prefix: wait for it to be cached
+            found = self.prefix.lookup(r, filling) if self.prefix is not None else []
+            if found is None:
+                waited = True
+                continue  # a running prefill is writing more of its prefix: it waits for it to be cached
             slot = self.running.index(None)
             if found:
                 self.allocator.touch(found)  # the pages to copy from are handed out last
@@ -247,9 +245,8 @@ class Engine:
                 break  # the oldest admissible request waits for pages; the ones behind it keep their order
             self.waiting.remove(r)
             r.slot, r.pages = slot, pages
-            if found is not None:
-                self._reuse_prefix(r, found)
-                filling |= set(self._page_keys(r)[len(found) :])
+            if self.prefix is not None:
+                self.prefix.take(r, found, filling)
             self.running[r.slot] = r
             if self.slot_major:  # the slot's own pages, all of them
                 self.table[slot] = np.arange(slot * self.table_width, (slot + 1) * self.table_width)
@@ -258,37 +255,6 @@ class Engine:
                 self.table[slot, : len(pages)] = pages
             self._device, self._tables = None, {}
         return waited
-
-    def _filling_keys(self) -> set:
-        """The keys of the full prompt pages that running prefills have yet to finish."""
-        if self.prefix is None:
-            return set()
-        filling = [r for r in self.running if r is not None and r.written < len(r.prompt)]
-        return {k for r in filling for k in self._page_keys(r)}
-
-    def _page_keys(self, r: Request) -> list:
-        """The prefix keys of the full pages of `r`'s prompt (hashed once per request)."""
-        if r.page_keys is None:
-            r.page_keys = self.prefix.keys(r.prompt, len(r.prompt) // self.config.page_size)
-        return r.page_keys
-
-    def _reuse_prefix(self, r: Request, found: list[int]) -> None:
-        """Starts `r` after the cached prefix of its prompt in pages `found`, copied into its own."""
-        self.prefix.count(len(r.prompt), len(found))
-        own = r.pages[: len(found)]
-        moved = [(src, dst) for src, dst in zip(found, own) if src != dst]  # a slot's own earlier prefix stays
-        self.prefix.forget([dst for _, dst in moved] + r.pages[len(found) :])  # about to be overwritten
-        self._copies += moved
-        r.written = len(found) * self.config.page_size
-
-    def _copy_prefixes(self) -> None:
-        n = bucket(len(self._copies), 8, 1 << 30)
-        src = np.zeros(n, np.int32)
-        dst = np.full(n, self.paging.pages, np.int32)  # padding: past the pool, copied nowhere
-        src[: len(self._copies)], dst[: len(self._copies)] = zip(*self._copies)
-        put = self.place.put
-        self.pool = self._copy_pages(self.pool, put(src), put(dst))
-        self._copies = []
 
     def _prefill_chunks(self, params, rows: list[Request]) -> None:
         cfg = self.config

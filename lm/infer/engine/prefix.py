@@ -80,3 +80,54 @@ class PrefixCache:
 
     def __len__(self) -> int:
         return len(self._page_of)
+
+
+class PrefixReuse(PrefixCache):
+    """The cache as the engine's admission uses it: which requests start after a cached prefix
+    (`lookup`, then `take`), which wait for a prefix a running prefill is writing, and the page
+    copies a step owes (`copies`, as padded source and destination pages)."""
+
+    def __init__(self, page_size: int):
+        super().__init__(page_size)
+        self._copies: list[tuple[int, int]] = []
+
+    def page_keys(self, r) -> list[bytes]:
+        """The keys of the full pages of request `r`'s prompt (hashed once per request)."""
+        if r.page_keys is None:
+            r.page_keys = self.keys(r.prompt, len(r.prompt) // self.page_size)
+        return r.page_keys
+
+    def filling(self, prefilling) -> set:
+        """The keys of the full prompt pages the requests `prefilling` have yet to write."""
+        return {k for r in prefilling for k in self.page_keys(r)}
+
+    def lookup(self, r, filling: set) -> list[int] | None:
+        """The pages of the longest cached prefix `r` may take, or None if it should wait: a
+        running prefill (`filling`) is writing the next page of that prefix."""
+        keys = self.page_keys(r)[: (len(r.prompt) - 1) // self.page_size]
+        found = self.match(keys)
+        return None if len(found) < len(keys) and keys[len(found)] in filling else found
+
+    def take(self, r, found: list[int], filling: set) -> None:
+        """Starts admitted request `r` (its pages given) after the prefix in pages `found`,
+        copied into its own; its other prompt pages join `filling`."""
+        self.count(len(r.prompt), len(found))
+        moved = [(src, dst) for src, dst in zip(found, r.pages) if src != dst]  # a slot's own earlier prefix stays
+        self.forget([dst for _, dst in moved] + r.pages[len(found) :])  # about to be overwritten
+        self._copies += moved
+        r.written = len(found) * self.page_size
+        filling |= set(self.page_keys(r)[len(found) :])
+
+    def copies(self, pages: int, width: int) -> tuple[np.ndarray, np.ndarray] | None:
+        """The step's owed copies as (source, destination) pages padded to `width` (destination
+        `pages`, past the pool: nowhere), then forgotten; None when there are none."""
+        if not self._copies:
+            return None
+        src, dst = np.zeros(width, np.int32), np.full(width, pages, np.int32)
+        src[: len(self._copies)], dst[: len(self._copies)] = zip(*self._copies)
+        self._copies = []
+        return src, dst
+
+    @property
+    def owed(self) -> int:
+        return len(self._copies)

@@ -87,8 +87,13 @@ class EngineBackend:
     def load(self) -> Load:
         engine = self.service.engine
         running = sum(r is not None for r in list(engine.running))
-        rate = engine.prefix.hit_rate if engine.prefix is not None else 0.0
-        return Load(waiting=self.service.waiting, running=running, prefix_hit_rate=rate)
+        cache = engine.prefix
+        return Load(
+            waiting=self.service.waiting,
+            running=running,
+            prefix_hit_rate=cache.hit_rate if cache is not None else 0.0,
+            prefix_hit_tokens=cache.stats["hit_tokens"] if cache is not None else 0,
+        )
 
     def shutdown(self, cancel: bool) -> None:
         self.service.shutdown(cancel)

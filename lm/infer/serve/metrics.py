@@ -10,6 +10,7 @@ import dataclasses
 import time
 
 from prometheus_client import CONTENT_TYPE_LATEST, CollectorRegistry, Counter, Gauge, Histogram, generate_latest
+from prometheus_client.core import CounterMetricFamily
 
 CONTENT_TYPE = CONTENT_TYPE_LATEST
 SECONDS = (0.005, 0.01, 0.025, 0.05, 0.1, 0.25, 0.5, 1.0, 2.5, 5.0, 10.0, 30.0, 60.0, 120.0)
@@ -23,6 +24,7 @@ class Load:
     waiting: int  # requests queued for a slot
     running: int  # requests generating
     prefix_hit_rate: float = 0.0  # prompt tokens taken from the prefix cache / prompt tokens, since start
+    prefix_hit_tokens: int = 0  # prompt tokens taken from the prefix cache, since start
 
 
 class Metrics:
@@ -33,6 +35,7 @@ class Metrics:
         Gauge(
             "lm_prefix_cache_hit_rate", "Share of prompt tokens taken from the prefix cache since start", registry=r
         ).set_function(lambda: load().prefix_hit_rate)
+        r.register(_HitTokens(load))
         self.prompt_tokens = Counter("lm_prompt_tokens", "Prompt tokens of the requests taken", registry=r)
         self.generation_tokens = Counter("lm_generation_tokens", "Tokens generated", registry=r)
         self.ended = Counter("lm_requests_ended", "Requests ended, by finish reason", ["finish_reason"], registry=r)
@@ -52,6 +55,18 @@ class Metrics:
 
     def text(self) -> bytes:
         return generate_latest(self.registry)
+
+
+class _HitTokens:
+    """The prefix cache's hit tokens as a counter read from the backend when scraped."""
+
+    def __init__(self, load):
+        self.load = load
+
+    def collect(self):
+        family = CounterMetricFamily("lm_prefix_cache_hit_tokens", "Prompt tokens taken from the prefix cache")
+        family.add_metric([], self.load().prefix_hit_tokens)
+        yield family
 
 
 class Tracker:

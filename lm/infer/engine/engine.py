@@ -388,7 +388,14 @@ class Engine:
 
 
 def _refs(params) -> list:
-    return [weakref.ref(x) for x in jax.tree.leaves(params)]
+    return [_ref(x) for x in jax.tree.leaves(params)]
+
+
+def _ref(x):
+    try:
+        return weakref.ref(x)
+    except TypeError:  # a leaf that takes no weak reference (a Python number): held as it is
+        return lambda: x
 
 
 def _same(refs: list, params) -> bool:

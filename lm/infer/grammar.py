@@ -31,9 +31,10 @@ def schema_of(response_format: dict) -> dict | None:
         return {"type": "object"}
     if kind == "json_schema":
         spec = response_format.get("json_schema")
-        if not isinstance(spec, dict) or not isinstance(spec.get("schema", {}), dict):
+        schema = spec.get("schema", {}) if isinstance(spec, dict) else None
+        if not isinstance(schema, dict):
             raise UserError("'response_format.json_schema' must be an object with a 'schema' object")
-        return spec.get("schema", {})
+        return schema
     raise UserError(f"'response_format.type' is {kind!r}; expected 'text', 'json_object' or 'json_schema'")
 
 
@@ -45,17 +46,10 @@ def grammar_of(schema: dict) -> str:
         grammar = llguidance.LLMatcher.grammar_from_json_schema(json.dumps(schema), defaults=COMPACT)
     except ValueError as e:
         raise UserError(f"'response_format' schema: {e}") from None
-    valid, reason = _validate(grammar)
-    if not valid:
-        raise UserError(f"'response_format' schema: {reason}")
-    return grammar
-
-
-def _validate(grammar: str) -> tuple[bool, str]:
-    import llguidance
-
     error = llguidance.LLMatcher.validate_grammar(grammar)
-    return (not error, error)
+    if error:
+        raise UserError(f"'response_format' schema: {error}")
+    return grammar
 
 
 class Vocabulary:
@@ -67,7 +61,7 @@ class Vocabulary:
 
         from lm.store.hf.tokenizer import tokenizer_json
 
-        self.vocab_size, self.words = vocab_size, -(-vocab_size // 32)
+        self.words = -(-vocab_size // 32)
         self.llg = llguidance.LLTokenizer(tokenizer_json(tokenizer), n_vocab=vocab_size, eos_token=list(end_ids))
 
     def constraint(self, grammar: str) -> "Constraint":

@@ -15,7 +15,6 @@ from __future__ import annotations
 import collections
 import dataclasses
 import threading
-import weakref
 from typing import Callable
 
 import jax
@@ -24,7 +23,7 @@ import numpy as np
 from lm.errors import UserError
 from lm.infer.engine.pages import PageAllocator
 from lm.infer.engine.pool import Placement, abstract_pool, init_pool, page_copier
-from lm.infer.engine.prefix import PrefixReuse
+from lm.infer.engine.prefix import PrefixReuse, array_refs, same_arrays
 from lm.infer.engine.rows import RowSettings
 from lm.infer.engine.steps import NO_TOKEN, compiled
 from lm.infer.sampling import SamplingParams
@@ -134,7 +133,6 @@ class Engine:
         self.allocator = PageAllocator(pages, ps, self.table_width if self.slot_major else 0)
         self.prefix = PrefixReuse(ps) if config.prefix_cache else None
         self._copy_pages = page_copier(self.model)
-        self._params_seen: list = []  # weak references to the leaves of the params the cache belongs to
         self._prepared = None  # (weak references to the leaves of the params given, those params prepared)
         self.pool = None  # created on first use
         self.waiting: collections.deque[Request] = collections.deque()
@@ -192,10 +190,10 @@ class Engine:
     def prepare(self, params):
         """The params as the compiled steps take them (layers unstacked on the CPU kernel path);
         the same params give the same prepared object, so the prefix cache outlives a `run`."""
-        if self._prepared is not None and _same(self._prepared[0], params):
+        if self._prepared is not None and same_arrays(self._prepared[0], params):
             return self._prepared[1]
         prepared = self._prepare(params)
-        self._prepared = (_refs(params), prepared) if prepared is not params else None
+        self._prepared = (array_refs(params), prepared) if prepared is not params else None
         return prepared
 
     # ---- one iteration -----------------------------------------------------------------------
@@ -204,9 +202,8 @@ class Engine:
         """Admit, prefill one chunk of every unfinished prompt, decode one block."""
         if self.pool is None:
             self.pool = init_pool(self.model, self.place)
-        if self.prefix is not None and not _same(self._params_seen, params):
-            self.prefix.clear()  # its pages hold keys and values of other params
-            self._params_seen = _refs(params)
+        if self.prefix is not None:
+            self.prefix.belongs_to(params)
         for r in [r for r in self.running if r is not None and r.cancelled]:
             self._release(r, "cancelled")
         for _ in range(2):
@@ -385,23 +382,6 @@ class Engine:
         if r.on_done is not None:
             r.on_done(r)
         r.done.set()
-
-
-def _refs(params) -> list:
-    return [_ref(x) for x in jax.tree.leaves(params)]
-
-
-def _ref(x):
-    try:
-        return weakref.ref(x)
-    except TypeError:  # a leaf that takes no weak reference (a Python number): held as it is
-        return lambda: x
-
-
-def _same(refs: list, params) -> bool:
-    """Whether `params` are the very arrays `refs` point at (a weak reference keeps none alive)."""
-    leaves = jax.tree.leaves(params)
-    return len(refs) == len(leaves) and all(ref() is x for ref, x in zip(refs, leaves))
 
 
 def check_prompt(max_len: int, prompt, sampling: SamplingParams, label: str = "prompt") -> None:

@@ -17,7 +17,9 @@ set of params).
 from __future__ import annotations
 
 import hashlib
+import weakref
 
+import jax
 import numpy as np
 
 
@@ -27,6 +29,7 @@ class PrefixCache:
         self._page_of: dict[bytes, int] = {}  # key -> page
         self._key_of: dict[int, bytes] = {}  # page -> key
         self.stats = dict(requests=0, prompt_tokens=0, hit_tokens=0)
+        self._params: list = []  # weak references to the leaves of the params the pages were computed with
 
     def keys(self, tokens, pages: int) -> list[bytes]:
         """The keys of the first `pages` full pages of `tokens`."""
@@ -73,6 +76,12 @@ class PrefixCache:
         self._page_of.clear()
         self._key_of.clear()
 
+    def belongs_to(self, params) -> None:
+        """The cache of a step with `params`: cleared if its pages hold other params' keys and values."""
+        if not same_arrays(self._params, params):
+            self.clear()
+            self._params = array_refs(params)
+
     @property
     def hit_rate(self) -> float:
         """The share of prompt tokens found in the cache (not prefilled)."""
@@ -118,11 +127,9 @@ class PrefixReuse(PrefixCache):
         r.written = len(found) * self.page_size
         filling |= set(self.page_keys(r)[len(found) :])
 
-    def copies(self, pages: int, width: int) -> tuple[np.ndarray, np.ndarray] | None:
-        """The step's owed copies as (source, destination) pages padded to `width` (destination
-        `pages`, past the pool: nowhere), then forgotten; None when there are none."""
-        if not self._copies:
-            return None
+    def copies(self, pages: int, width: int) -> tuple[np.ndarray, np.ndarray]:
+        """The step's owed copies (`owed` of them) as (source, destination) pages padded to `width`
+        (destination `pages`, past the pool: nowhere), then forgotten."""
         src, dst = np.zeros(width, np.int32), np.full(width, pages, np.int32)
         src[: len(self._copies)], dst[: len(self._copies)] = zip(*self._copies)
         self._copies = []
@@ -131,3 +138,21 @@ class PrefixReuse(PrefixCache):
     @property
     def owed(self) -> int:
         return len(self._copies)
+
+
+def array_refs(params) -> list:
+    """Weak references to the leaves of `params` (for `same_arrays`; they keep nothing alive)."""
+    return [_ref(x) for x in jax.tree.leaves(params)]
+
+
+def _ref(x):
+    try:
+        return weakref.ref(x)
+    except TypeError:  # a leaf that takes no weak reference (a Python number): held as it is
+        return lambda: x
+
+
+def same_arrays(refs: list, params) -> bool:
+    """Whether `params` are the very arrays `refs` (from `array_refs`) point at."""
+    leaves = jax.tree.leaves(params)
+    return len(refs) == len(leaves) and all(ref() is x for ref, x in zip(refs, leaves))

@@ -6,7 +6,10 @@ on the same machine.
 Shape: a small Llama (6 layers, d_model 384, 6 heads over 2 kv heads, SwiGLU 1024, RoPE, tied
 embeddings, vocabulary 2048), float32, random weights, greedy, 16-token prompts, at batch 1 and
 16 and for 256 and 1024 new tokens. Ours and the peer alternate in rounds (the machine's speed
-drifts); medians of the rounds are reported.
+drifts); medians of the rounds are reported. The engine runs twice per round: as it is, and as it
+was before decoding stayed on the device between row ends (`engine_before`: 64-step calls, the
+loop's condition read after every step); for both it prints the share of the wall time the device
+sat idle (the host's time between calls: 1 - the time from each call's launch to its results).
 
     PYTHONPATH=. python bench/decode_throughput.py [--rounds 2] [--peer-python /tmp/hf-venv/bin/python]
 
@@ -19,6 +22,7 @@ figures only; asserts nothing.
 from __future__ import annotations
 
 import argparse
+import dataclasses
 import json
 import os
 import pathlib
@@ -41,7 +45,7 @@ import jax.numpy as jnp  # noqa: E402
 import numpy as np  # noqa: E402
 
 from lm.config import base_config  # noqa: E402
-from lm.infer.generate import Generator  # noqa: E402
+from lm.infer.engine.engine import Engine, EngineConfig, Request  # noqa: E402
 from lm.infer.sampling import SamplingParams  # noqa: E402
 from lm.model.spec import ModelSpec  # noqa: E402
 from lm.model.transformer import Transformer, init_params  # noqa: E402
@@ -72,25 +76,41 @@ def prompts(batch: int) -> list[list[int]]:
     return rng.integers(3, SHAPE["vocab"], (batch, PROMPT)).tolist()
 
 
+# The engine as it runs now, and as it ran before decoding stayed on the device for up to 256
+# steps (64-step calls, the loop's condition checked after every step).
+ENGINES = {"engine": EngineConfig(), "engine_before": EngineConfig(idle_block=64, check_every=1)}
+
+
 class Ours:
     """Compiled once per (batch, new tokens); each call is a whole generation."""
 
     def __init__(self, batch: int, new: int):
         self.model = Transformer(spec(PROMPT + new))
         self.params = jax.jit(lambda k: nn.unbox(init_params(self.model, k)))(jax.random.PRNGKey(0))
-        sampling = SamplingParams(max_new_tokens=new, temperature=0)
-        self.gens = {
-            "engine": Generator(self.model, self.params, sampling, eos_id=-1),
-            "static": StaticGenerator(self.model, self.params, sampling, eos_id=-1),
-        }
+        self.sampling = SamplingParams(max_new_tokens=new, temperature=0)
+        self.static = StaticGenerator(self.model, self.params, self.sampling, eos_id=-1)
         self.prompts, self.tokens = prompts(batch), batch * new
-        outs = [gen(self.prompts) for gen in self.gens.values()]  # compile
-        assert all(len(r) == new for out in outs for r in out.ids)
-        assert all((a == b).all() for a, b in zip(outs[0].ids, outs[1].ids)), "engine and static decoder differ"
+        self.idle = {name: [] for name in ENGINES}  # per round: the share of the time the device waited
+        want = self.static(self.prompts).ids  # compile
+        for name in ENGINES:
+            got = self.engine(name)[1]
+            assert all(r.ids == w.tolist() for r, w in zip(got, want)), f"{name} and the static decoder differ"
+
+    def engine(self, name: str) -> tuple[float, list]:
+        config = dataclasses.replace(ENGINES[name], slots=len(self.prompts))
+        engine = Engine(self.model, max_len=self.model.spec.max_seq_len, config=config)
+        reqs = [Request(list(p), self.sampling, eos=(-1,)) for p in self.prompts]
+        start = time.perf_counter()
+        engine.run(self.params, reqs)
+        wall = time.perf_counter() - start
+        self.idle[name].append(1 - engine.device_s / wall)
+        return wall, reqs
 
     def tokens_per_s(self, which: str = "engine") -> float:
+        if which in ENGINES:
+            return self.tokens / self.engine(which)[0]
         start = time.perf_counter()
-        self.gens[which](self.prompts)
+        self.static(self.prompts)
         return self.tokens / (time.perf_counter() - start)
 
     def recompute_tokens_per_s(self, steps: int = 8) -> float:
@@ -152,9 +172,10 @@ def main():
     for batch in [int(x) for x in args.batches.split(",")]:
         for new in [int(x) for x in args.new_tokens.split(",")]:
             ours = Ours(batch, new)
-            mine, static, theirs = [], [], []
+            mine, before, static, theirs = [], [], [], []
             for _ in range(args.rounds):
                 mine.append(ours.tokens_per_s())
+                before.append(ours.tokens_per_s("engine_before"))
                 static.append(ours.tokens_per_s("static"))
                 if args.peer_python:
                     theirs.append(peer(args.peer_python, batch, new, args.peer_device))
@@ -163,7 +184,10 @@ def main():
                 "batch": batch,
                 "new_tokens": new,
                 "ours_tokens_per_s": statistics.median(mine),
+                "before_tokens_per_s": statistics.median(before),
                 "static_tokens_per_s": statistics.median(static),
+                "idle": statistics.median(ours.idle["engine"][1:]),
+                "idle_before": statistics.median(ours.idle["engine_before"][1:]),
                 "recompute_tokens_per_s": recompute,
                 "rounds": mine,
                 "static_rounds": static,
@@ -178,12 +202,13 @@ def main():
             rows.append(row)
             print(json.dumps(row), flush=True)
     print(
-        f"\n{'batch':>5} {'new':>5} {'engine tok/s':>12} {'static':>7} {'recompute':>10} {'cache x':>8} "
-        f"{'HF tok/s':>9} {'engine/HF':>9}"
+        f"\n{'batch':>5} {'new':>5} {'engine tok/s':>12} {'idle':>5} {'before':>7} {'idle':>5} {'static':>7} "
+        f"{'recompute':>10} {'cache x':>8} {'HF tok/s':>9} {'engine/HF':>9}"
     )
     for r in rows:
         print(
-            f"{r['batch']:>5} {r['new_tokens']:>5} {r['ours_tokens_per_s']:>12.0f} {r['static_tokens_per_s']:>7.0f} "
+            f"{r['batch']:>5} {r['new_tokens']:>5} {r['ours_tokens_per_s']:>12.0f} {r['idle']:>5.1%} "
+            f"{r['before_tokens_per_s']:>7.0f} {r['idle_before']:>5.1%} {r['static_tokens_per_s']:>7.0f} "
             f"{r['recompute_tokens_per_s']:>10.1f} "
             f"{r['cache_vs_recompute']:>8.1f} {r.get('peer_tokens_per_s', float('nan')):>9.0f} "
             f"{r.get('ours_vs_peer', float('nan')):>9.2f}"

@@ -57,10 +57,11 @@ def add_parser(sub) -> None:
         help="weight-only quantization: int8 per output channel, int4 per group of 128 inputs",
     )
     p.add_argument(
-        "--kv-int8",
-        action="store_true",
-        help="keep the KV cache's pages as int8 (a scale per token "
-        "and kv head): about half the cache memory of bfloat16",
+        "--kv-cache",
+        choices=("int8", "fp8"),
+        default="",
+        help="the KV cache's pages as int8 (a scale per token and kv head) or float8 e4m3: about half "
+        "the cache memory of bfloat16 (default: the compute dtype)",
     )
     p.add_argument(
         "--draft",
@@ -124,9 +125,9 @@ def run(args, overrides=()) -> int:
         raise UserError("--prompt is empty; give at least one character of text")
     if args.draft is None and args.draft_k is not None:
         raise UserError("--draft-k needs --draft (a draft model's workdir or export, or 'ngram')")
-    if args.draft is not None and (args.quantize != "none" or args.kv_int8):
+    if args.draft is not None and (args.quantize != "none" or args.kv_cache):
         raise UserError(
-            "--quantize and --kv-int8 work with the engine, not with --draft (speculative decoding): drop one"
+            "--quantize and --kv-cache work with the engine, not with --draft (speculative decoding): drop one"
         )
     rows = read_prompts(args.prompts, args.chat) if args.prompts else None
     loaded = load_trained(args.workdir, args.params, args.tokenizer)
@@ -173,7 +174,7 @@ def _plain(args, loaded, sampling):
     """generate(prompts, stream=None) -> result dicts, through a Session on the config's mesh."""
     from lm.infer.session import Session
 
-    session = Session(loaded, quantize=args.quantize, slots=args.batch_size, kv_int8=args.kv_int8)
+    session = Session(loaded, quantize=args.quantize, slots=args.batch_size, kv_cache=args.kv_cache)
     stop = tuple(args.stop)
 
     def generate(prompts: list, **kw):

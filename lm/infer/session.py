@@ -16,14 +16,12 @@ class Session:
     """Builds the model of its config on its mesh, places the params with their shardings, and
     keeps one compiled generator per sampling setting. quantize: "int8" or "int4" weight-only
     quantization (lm.model.quant), applied weight by weight as the params are placed. slots: the
-    engine's requests decoded together (default: every prompt of a call at once); kv_int8: the KV
-    cache's pages as int8."""
+    engine's requests decoded together (default: every prompt of a call at once); kv_cache: the KV
+    cache's pages as "int8" or "fp8" ("": the compute dtype)."""
 
-    def __init__(
-        self, loaded, devices=None, quantize: str | None = None, slots: int | None = None, kv_int8: bool = False
-    ):
+    def __init__(self, loaded, devices=None, quantize: str | None = None, slots: int | None = None, kv_cache: str = ""):
         self.loaded, self.tokenizer = loaded, loaded.tokenizer
-        self.config = EngineConfig(slots=slots or 16, kv_int8=kv_int8) if slots or kv_int8 else None
+        self.config = EngineConfig(slots=slots or 16, kv_cache=kv_cache) if slots or kv_cache else None
         self.built = build_model(loaded.config, devices, rules=rules_table(loaded.config))
         self.built.check(loaded.params, loaded.source)
         self.params = place_params(self.built, loaded.params, quantize)

@@ -18,7 +18,7 @@ from lm.model import paged_kernel
 from lm.model.blockwise import blockwise_attention
 from lm.model.layers import Norm, Partitioning, matmul, matmuls, normal
 from lm.model.lora import lora_delta, targeted
-from lm.model.paged import POOL_AXES, SCALE_AXES, Paging, quantize_kv, read_pool, write_pool
+from lm.model.paged import KV_DTYPES, POOL_AXES, SCALE_AXES, Paging, quantize_kv, read_pool, write_pool
 from lm.model.params import param
 from lm.model.pipeline import stages_of
 from lm.model.rope import apply_rope
@@ -247,19 +247,19 @@ class Attention(nn.Module):
         reads the pages in place (lm.model.paged_kernel)."""
         s, a, pg = self.spec, self.spec.attention, self.paging
         shape = (a.n_kv_heads, pg.tokens, a.head_dim)
-        pool_dtype = jnp.int8 if pg.kv_int8 else s.dtype
+        pool_dtype = KV_DTYPES[pg.kv] or s.dtype
         zeros = nn.with_logical_partitioning(jnp.zeros, POOL_AXES)
         k_pool = self.variable("cache", "k", zeros, shape, pool_dtype)
         v_pool = self.variable("cache", "v", zeros, shape, pool_dtype)
-        if not pg.kv_int8:
+        if pg.kv != "int8":
             k_pool.value = write_pool(k_pool.value, k, write)
             v_pool.value = write_pool(v_pool.value, v, write)
             if paged_kernel.takes(a.kernel, self.part, q.shape, k_pool.value, pg.page_size, local):
                 return paged_kernel.paged_decode(
                     q, k_pool.value, v_pool.value, read, mask, a.scale, a.softcap, pg.page_size, self.part
                 )
-            keys = read_pool(k_pool.value, read, in_place=pg.in_place)
-            values = read_pool(v_pool.value, read, in_place=pg.in_place)
+            keys = read_pool(k_pool.value, read, in_place=pg.in_place).astype(s.dtype)
+            values = read_pool(v_pool.value, read, in_place=pg.in_place).astype(s.dtype)
         else:
             scale_zeros = nn.with_logical_partitioning(jnp.zeros, SCALE_AXES)
             k_scale = self.variable("cache", "k_scale", scale_zeros, shape[:2], jnp.float32)

@@ -2,8 +2,9 @@
 
 A sequence owns a list of pages (its row of the page table); position p of the sequence is token
 `p % page_size` of page `table[p // page_size]`. Per layer the pool holds keys and values
-[kv_heads, pages * page_size, head_dim], optionally as int8 with one float32 scale per kv head and
-token.
+[kv_heads, pages * page_size, head_dim] in the compute dtype, or as int8 with one float32 scale per
+kv head and token, or as float8 (e4m3, no scale: a cast each way, as vLLM's fp8 cache with its
+default scale of 1).
 
 A step gathers a sequence's keys through its page table into [kv_heads, B, S, head_dim] (S = the
 table's width × page_size), which folds into one batch axis without a copy, so `paged_attention`
@@ -20,21 +21,28 @@ import jax.numpy as jnp
 
 POOL_AXES = ("kv_heads", "cache_pool", "head_dim")
 SCALE_AXES = ("kv_heads", "cache_pool")
+KV_DTYPES = {"": None, "int8": jnp.int8, "fp8": jnp.float8_e4m3fn}  # None: the compute dtype
 NOWHERE = jnp.iinfo(jnp.int32).max  # a write index past any pool: dropped
 
 
 @dataclasses.dataclass(frozen=True)
 class Paging:
-    """The pool's static shape: `pages` pages of `page_size` tokens; kv_int8 stores int8 keys and
-    values with a float32 scale per token and kv head (about half the bytes of bfloat16).
+    """The pool's static shape: `pages` pages of `page_size` tokens; kv: "" (the compute dtype),
+    "int8" (int8 keys and values with a float32 scale per token and kv head: about half the bytes
+    of bfloat16) or "fp8" (float8_e4m3fn, half the bytes of bfloat16; the TPU's paged kernel then
+    stays out).
     in_place: this call's rows are all the pool's slots in order, each owning the same number of
     consecutive pages (the engine's slot-major layout) and its table covering them all, so the pool
     is read as it lies ([kv_heads, rows, positions, head_dim] is a reshape, not a gather)."""
 
     page_size: int
     pages: int
-    kv_int8: bool = False
+    kv: str = ""
     in_place: bool = False
+
+    def __post_init__(self):
+        if self.kv not in KV_DTYPES:
+            raise ValueError(f"paging: kv={self.kv!r}: expected one of {sorted(KV_DTYPES)}")
 
     @property
     def tokens(self) -> int:

@@ -85,5 +85,5 @@ def test_refusals(export, tmp_path, capsys):  # noqa: F811
 
 
 def test_int8_kv_pages_sample(export, capsys):  # noqa: F811
-    text = sample(capsys, export, "--kv-int8")
+    text = sample(capsys, export, "--kv-cache", "int8")
     assert text.startswith("def f(") and len(text) > len("def f(")

@@ -14,8 +14,7 @@ from __future__ import annotations
 
 import collections
 import dataclasses
-import threading
-from typing import Callable
+import time
 
 import jax
 import numpy as np
@@ -24,66 +23,18 @@ from lm.errors import UserError
 from lm.infer.engine.pages import PageAllocator
 from lm.infer.engine.pool import Placement, abstract_pool, init_pool, page_copier
 from lm.infer.engine.prefix import PrefixReuse, array_refs, same_arrays
+from lm.infer.engine.request import MAX_EOS, EngineConfig, Request, check_prompt
 from lm.infer.engine.rows import RowSettings
-from lm.infer.engine.steps import NO_TOKEN, compiled
+from lm.infer.engine.steps import NO_TOKEN, compiled, steps_between_checks
 from lm.infer.sampling import SamplingParams
 from lm.model.paged import Paging
 from lm.model.transformer import unstack_layers
 
-MAX_EOS = 4  # end ids a request may have (e.g. EOS and a chat template's end-of-turn)
 _unstack = jax.jit(unstack_layers)
 
 
-@dataclasses.dataclass(frozen=True)
-class EngineConfig:
-    """slots: requests decoded together; pages: the pool's pages (0: enough for every slot to hold
-    a whole context, so no request ever waits for pages); chunk: prompt tokens per row and prefill;
-    decode_block: decode steps per call while requests wait for a slot (the host looks at the text
-    and admits requests in between); idle_block: steps per call when none waits (fewer round trips
-    to the host; a server keeps it at decode_block so a request arriving mid-call waits less);
-    kv_int8: int8 pool; prefix_cache: reuse the pages of prompt prefixes already in the pool
-    (lm.infer.engine.prefix)."""
-
-    slots: int = 16
-    page_size: int = 16
-    pages: int = 0
-    chunk: int = 256
-    decode_block: int = 16
-    idle_block: int = 64
-    kv_int8: bool = False
-    prefix_cache: bool = True
-
-    def __post_init__(self):
-        for name in ("slots", "page_size", "chunk", "decode_block", "idle_block"):
-            if getattr(self, name) < 1:
-                raise UserError(f"engine: {name}={getattr(self, name)}: expected at least 1")
-        if self.pages < 0:
-            raise UserError(f"engine: pages={self.pages}: expected >= 0 (0 = enough for every slot)")
-
-
-@dataclasses.dataclass(eq=False)
-class Request:
-    """One prompt to complete. on_tokens(new_ids, new_logps) -> True stops it (stop strings, a
-    client gone); it is called from the engine's thread after every decode call that emitted."""
-
-    prompt: list[int]
-    sampling: SamplingParams
-    eos: tuple[int, ...]
-    key: np.ndarray | None = None  # uint32 [2]; default: PRNGKey(sampling.seed)
-    on_tokens: Callable[[np.ndarray, np.ndarray], bool] | None = None
-    on_done: Callable[["Request"], None] | None = None  # called once it has ended, from the engine's thread
-    ids: list[int] = dataclasses.field(default_factory=list)
-    logps: list[float] = dataclasses.field(default_factory=list)
-    finish: str | None = None  # "eos" | "length" | "stop" | "cancelled"
-    done: threading.Event = dataclasses.field(default_factory=threading.Event)
-    cancelled: bool = False
-    slot: int = -1
-    pages: list[int] = dataclasses.field(default_factory=list)
-    written: int = 0  # prompt tokens in the pool
-    constraint: object | None = None  # a grammar's state (lm.infer.grammar.Constraint): what it may choose next
-    page_keys: list | None = dataclasses.field(
-        default=None, repr=False
-    )  # its prompt's full pages' (lm.infer.engine.prefix)
+def _round_up(n: int, k: int) -> int:
+    return -(-n // k) * k
 
 
 def bucket(n: int, low: int, high: int) -> int:
@@ -121,14 +72,15 @@ class Engine:
         # pages=0: every slot can hold a whole context, laid out slot by slot (PageAllocator)
         self.slot_major = config.pages == 0
         pages = self.slots * self.table_width if self.slot_major else config.pages
-        self.paging = Paging(ps, pages, config.kv_int8)
+        self.paging = Paging(ps, pages, config.kv_cache)
         self.unstack = model.spec.cpu_kernels if unstack is None else unstack
         self.model = model.clone(paging=self.paging, unstacked=self.unstack)
-        block = max(config.decode_block, config.idle_block)
-        self._prefill, self._decode = compiled(self.model, block)
+        self.every = config.check_every or steps_between_checks()
+        block = _round_up(max(config.decode_block, config.idle_block), self.every)
+        self._prefill, self._decode = compiled(self.model, block, self.every)
         # a decode call over every slot's whole table reads a slot-major pool in place
         in_place = model.clone(paging=dataclasses.replace(self.paging, in_place=True), unstacked=self.unstack)
-        self._decode_in_place = compiled(in_place, block)[1] if self.slot_major else None
+        self._decode_in_place = compiled(in_place, block, self.every)[1] if self.slot_major else None
         self._prepare = _unstack if self.unstack else (lambda p: p)
         self.allocator = PageAllocator(pages, ps, self.table_width if self.slot_major else 0)
         self.prefix = PrefixReuse(ps) if config.prefix_cache else None
@@ -137,6 +89,7 @@ class Engine:
         self.pool = None  # created on first use
         self.waiting: collections.deque[Request] = collections.deque()
         self.running: list[Request | None] = [None] * self.slots
+        self.device_s = 0.0  # time from each call's launch to its results on the host (the rest: device idle)
         self._reset_rows()
 
     def _reset_rows(self):
@@ -269,7 +222,7 @@ class Engine:
             pos[i] = r.written + np.arange(width)
             table[i], last[i], keys[i] = self.table[r.slot, :table_w], n - 1, r.key
             settings.set(i, r.sampling, r.constraint.mask() if r.constraint is not None else None)
-        put = self.place.put
+        put, start = self.place.put, time.perf_counter()
         self.pool, tokens, logp = self._prefill(
             params,
             self.pool,
@@ -283,6 +236,7 @@ class Engine:
             jax.tree.map(put, settings.arrays()),
         )
         tokens, logp = self.place.host((tokens, logp))
+        self.device_s += time.perf_counter() - start
         for i, (r, n) in enumerate(zip(rows, lens)):
             r.written += n
             if r.written == len(r.prompt):  # the prompt is in: its first token is pending
@@ -300,10 +254,11 @@ class Engine:
     def _decode_block(self, params) -> None:
         cfg = self.config
         live = self.state["live"]
-        steps = cfg.decode_block if self.waiting else max(cfg.decode_block, cfg.idle_block)
+        host_work = self.waiting or any(r is not None and r.written < len(r.prompt) for r in self.running)
+        steps = cfg.decode_block if host_work else max(cfg.decode_block, cfg.idle_block)
         if any(self.running[s].constraint is not None for s in np.flatnonzero(live)):
             steps = 1  # a grammar's mask holds for one token
-        steps = min(steps, int(self.state["left"][live].max()))
+        steps = _round_up(min(steps, int(self.state["left"][live].max())), self.every)
         reach = int((self.state["pos"][live] + steps).max())
         table_w = bucket(-(-min(reach, self.max_len) // cfg.page_size), max(1, self.table_width // 8), self.table_width)
         table_w, decode = self.decode_program(table_w)
@@ -314,11 +269,13 @@ class Engine:
             }
         if table_w not in self._tables:
             self._tables[table_w] = put(self.table[:, :table_w])
+        start = time.perf_counter()
         self.pool, self._device, out, out_logp = decode(
             params, self.pool, self._device, self._tables[table_w], np.int32(steps)
         )
         rows = {k: v for k, v in self._device.items() if k != "settings"}
         new, out, out_logp = self.place.host((rows, out, out_logp))
+        self.device_s += time.perf_counter() - start
         was_live = live.copy()
         self.state |= {k: np.array(v) for k, v in new.items()}
         for s in np.flatnonzero(was_live):
@@ -382,20 +339,3 @@ class Engine:
         if r.on_done is not None:
             r.on_done(r)
         r.done.set()
-
-
-def check_prompt(max_len: int, prompt, sampling: SamplingParams, label: str = "prompt") -> None:
-    """The one-line refusals of a prompt that cannot be completed within `max_len` positions."""
-    n, room = len(prompt), max_len - len(prompt)
-    if n == 0:
-        raise UserError(f"{label}: empty; give at least one token of text")
-    if n >= max_len:
-        raise UserError(
-            f"{label}: {n} tokens, longer than the model's context of {max_len} positions "
-            "(no room for a new token); shorten it"
-        )
-    if n + sampling.max_new_tokens > max_len:
-        raise UserError(
-            f"{label}: {n} tokens + max_new_tokens={sampling.max_new_tokens} exceed the context of "
-            f"{max_len} positions; at most {room} new tokens fit after it (--max-new-tokens)"
-        )

@@ -46,21 +46,29 @@ def prefill(model, params, cache, ids, seg, pos, table, last, keys, counts, sett
     return cache, tokens, logp
 
 
-def decode_block(model, n: int, params, cache, state, table, limit):
+def decode_block(model, n: int, every: int, params, cache, state, table, limit):
     """Up to `limit` (at most `n`, the outputs' width) decode steps for all rows; state holds [S] arrays:
     tokens (pending), logp (its log-prob), pos (where it goes), live, count (tokens chosen so far),
     left (tokens it may still emit), keys [S,2], eos [S,E] (-1 = none), settings. Returns (cache, state,
-    out [S,n], out_logp)."""
+    out [S,n], out_logp).
+
+    The loop asks whether to go on every `every` steps (a fixed count in between: on a GPU each
+    question is a copy to the host and a wait, and a fixed count can be replayed as one graph); it
+    ends when the steps are spent or as soon as a row has ended (its slot can take a waiting request,
+    its caller gets its answer)."""
     rows = state["tokens"].shape[0]
+    limit = jnp.minimum(limit, n)
+    started = state["live"]
 
     def cond(c):
-        return (c["i"] < jnp.minimum(limit, n)) & jnp.any(c["s"]["live"])
+        live = c["s"]["live"]
+        return (c["i"] < limit) & ~jnp.any(started & ~live)
 
-    def body(c):
+    def step(_, c):
         s, i = c["s"], c["i"]
-        live = s["live"]
-        out = c["out"].at[:, i].set(jnp.where(live, s["tokens"], NO_TOKEN))
-        out_logp = c["out_logp"].at[:, i].set(jnp.where(live, s["logp"], 0.0))
+        live = s["live"] & (i < limit)  # steps past the limit (a fixed count overshooting it) do nothing
+        out = c["out"].at[:, i].set(jnp.where(live, s["tokens"], NO_TOKEN), mode="drop")
+        out_logp = c["out_logp"].at[:, i].set(jnp.where(live, s["logp"], 0.0), mode="drop")
         ended = jnp.any(s["tokens"][:, None] == s["eos"], axis=-1) | (s["left"] <= 1)
         feed = live & ~ended
         logits, cache = forward(
@@ -71,11 +79,14 @@ def decode_block(model, n: int, params, cache, state, table, limit):
             tokens=jnp.where(feed, tokens, s["tokens"]),
             logp=jnp.where(feed, logp, s["logp"]),
             pos=s["pos"] + feed,
-            live=feed,
+            live=jnp.where(i < limit, feed, s["live"]),
             count=s["count"] + feed,
             left=s["left"] - live,
         )
         return dict(cache=cache, s=s, i=i + 1, out=out, out_logp=out_logp)
+
+    def body(c):
+        return jax.lax.fori_loop(0, every, step, c) if every > 1 else step(0, c)
 
     start = dict(
         cache=cache,
@@ -88,10 +99,16 @@ def decode_block(model, n: int, params, cache, state, table, limit):
     return end["cache"], end["s"], end["out"], end["out_logp"]
 
 
+def steps_between_checks() -> int:
+    """Decode steps between the loop's checks on this backend: 1 where a check is free (CPU, and
+    TPU, whose loop conditions stay on the chip), 8 on a GPU."""
+    return 8 if jax.default_backend() == "gpu" else 1
+
+
 @functools.lru_cache(maxsize=32)
-def compiled(model, n: int):
+def compiled(model, n: int, every: int = 1):
     """The jitted prefill and decode block of one model (shared by every engine of it). The pool is
     donated; its sharding follows the input's (the engine places it once)."""
     pre = jax.jit(functools.partial(prefill, model), donate_argnums=1)
-    dec = jax.jit(functools.partial(decode_block, model, n), donate_argnums=1)
+    dec = jax.jit(functools.partial(decode_block, model, n, every), donate_argnums=1)
     return pre, dec

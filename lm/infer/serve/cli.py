@@ -29,7 +29,11 @@ def add_parser(sub) -> None:
     p.add_argument("--slots", type=int, default=16, help="requests decoded together")
     p.add_argument("--page-size", type=int, default=16, help="positions per KV-cache page")
     p.add_argument(
-        "--kv-int8", action="store_true", help="keep the KV cache's pages as int8 (a scale per token and kv head)"
+        "--kv-cache",
+        choices=("int8", "fp8"),
+        default="",
+        help="the KV cache's pages as int8 (a scale per token and kv head) or float8 e4m3: about half "
+        "the cache memory of bfloat16 (default: the compute dtype)",
     )
     p.add_argument(
         "--no-prefix-cache",

@@ -102,16 +102,26 @@ def test_end_ids_callbacks_and_cancel_free_their_pages():
     assert engine.allocator.free == engine.allocator.capacity
 
 
-def test_int8_pages_halve_the_pool_and_stay_close():
+@pytest.mark.parametrize(
+    "kv, ratio",
+    [
+        (
+            "int8",
+            (8 + 4) / (8 * 4),
+        ),  # float32 test model: 4 bytes per value -> 1 byte plus a 4-byte scale per 8-value head
+        ("fp8", 1 / 4),  # 1 byte per value, no scale
+    ],
+)
+def test_small_pages_shrink_the_pool_and_stay_close(kv, ratio):
     model, params = model_params()
     dense = Engine(model, max_len=40, config=EngineConfig(slots=2, page_size=8))
-    small = Engine(model, max_len=40, config=EngineConfig(slots=2, page_size=8, kv_int8=True))
+    small = Engine(model, max_len=40, config=EngineConfig(slots=2, page_size=8, kv_cache=kv))
     a = dense.run(params, requests([GREEDY] * 2, PROMPTS[:2]))
     b = small.run(params, requests([GREEDY] * 2, PROMPTS[:2]))
-    # float32 test model: 4 bytes per value -> 1 byte plus a 4-byte scale per 8-value head
-    assert pool_bytes(small.pool) / pool_bytes(dense.pool) == pytest.approx((8 + 4) / (8 * 4))
-    assert a[0].ids[:2] == b[0].ids[:2]  # int8 rounding moves log-probs, rarely the first tokens
-    np.testing.assert_allclose(b[0].logps[0], a[0].logps[0], atol=0.1)
+    assert pool_bytes(small.pool) / pool_bytes(dense.pool) == pytest.approx(ratio)
+    # rounding moves log-probs (fp8's 3 mantissa bits more than int8's 7), rarely the first token
+    assert a[0].ids[0] == b[0].ids[0] and a[1].ids[0] == b[1].ids[0]
+    np.testing.assert_allclose([b[0].logps[0], b[1].logps[0]], [a[0].logps[0], a[1].logps[0]], atol=0.1)
 
 
 def test_refusals_name_the_request():
@@ -124,3 +134,27 @@ def test_refusals_name_the_request():
     with pytest.raises(UserError, match="slots=0"):
         EngineConfig(slots=0)
     assert bucket(5, 1, 64) == 8 and bucket(100, 16, 64) == 64 and bucket(3, 16, 256) == 16
+
+
+@pytest.mark.parametrize("every", [1, 4])
+def test_a_decode_call_ends_when_a_row_ends(every):
+    """Nothing waits, the step budget is large: the call still returns as soon as a row ends (after
+    the fixed count of steps between the loop's checks), and the tokens are the static decoder's
+    whatever that count."""
+    model, params = model_params()
+    config = EngineConfig(slots=3, page_size=4, decode_block=64, idle_block=64, check_every=every)
+    engine = Engine(model, max_len=40, config=config)
+    lengths = [3, 7, 10]
+    reqs = requests([dataclasses.replace(GREEDY, max_new_tokens=n) for n in lengths], PROMPTS[:3])
+    for r in reqs:
+        engine.add(r)
+    params = engine.prepare(params)
+    engine.step(params)  # prefill, then one decode call
+    assert [r.finish for r in reqs] == ["length", None, None]
+    assert [len(r.ids) for r in reqs] == [3, max(3, every), max(3, every)]
+    while engine.busy:
+        engine.step(params)
+    ref = static_greedy(PROMPTS[:3])
+    for r, n, want in zip(reqs, lengths, ref.ids):
+        assert r.ids == want[:n].tolist()
+    assert engine.device_s > 0

@@ -119,11 +119,12 @@ class ChatTemplate:
         return text if self.special else text.split(END, 1)[0]
 
 
-def prompt_ids(template, conversation) -> list[int]:
+def prompt_ids(template, conversation, tools: list[dict] | None = None) -> list[int]:
     """The ONE chat-prompt encoder: a conversation (messages ending with a user turn, or a string:
-    one user turn) -> the prompt ids with the template's generation prompt. Bad messages: ValueError."""
+    one user turn) -> the prompt ids with the template's generation prompt. Bad messages: ValueError.
+    tools (OpenAI's function definitions): only a model's own template (HFChatTemplate) renders them."""
     messages = [{"role": "user", "content": conversation}] if isinstance(conversation, str) else conversation
-    return [int(t) for t in template.prompt(messages)]
+    return [int(t) for t in (template.prompt(messages) if tools is None else template.prompt(messages, tools))]
 
 
 def chat_prompts(tokenizer, conversations: list) -> tuple[list[list[int]], ChatTemplate]:

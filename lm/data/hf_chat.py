@@ -23,7 +23,7 @@ from datetime import datetime
 
 import numpy as np
 
-from lm.data.messages import TRAIN_ON, check_messages
+from lm.data.messages import ROLES, TRAIN_ON, check_messages
 from lm.errors import UserError
 
 VERSION = 1  # bump when the rendered ids or weights change for the same template and messages
@@ -95,6 +95,7 @@ class HFChatTemplate:
 
     def __init__(self, tok, source: str):
         self.tok, self._source = tok, source
+        self.source = source  # the jinja text (what lm serve reads a tool-call syntax from)
         file = tok.chat_template_file() if hasattr(tok, "chat_template_file") else None
         self._origin = str(file) if file is not None else f"chat template of {tok.name}"
         try:
@@ -108,16 +109,16 @@ class HFChatTemplate:
         self._stop_texts = tuple(names[i] for i in self.stop_ids if i in names)
         self.key = f"hf{VERSION}-" + hashlib.sha256(source.encode()).hexdigest()[:16]  # for cache keys
 
-    def _text(self, messages: list[dict], add_generation_prompt: bool = False) -> str:
+    def _text(self, messages: list[dict], add_generation_prompt: bool = False, tools=None) -> str:
         """The rendered text, as transformers' apply_chat_template(tokenize=False) gives it."""
-        return self._render(messages, add_generation_prompt)[0]
+        return self._render(messages, add_generation_prompt, tools)[0]
 
-    def _render(self, messages, add_generation_prompt: bool) -> tuple[str, list[tuple[int, int]]]:
+    def _render(self, messages, add_generation_prompt: bool, tools=None) -> tuple[str, list[tuple[int, int]]]:
         blocks, spans = [], []
         context = dict(
             self._variables,
             messages=[dict(m) for m in messages],
-            tools=None,
+            tools=tools,
             documents=None,
             add_generation_prompt=add_generation_prompt,
         )
@@ -191,10 +192,15 @@ class HFChatTemplate:
         found = [(p, -len(t)) for t in self._stop_texts if (p := text.find(t, start, stop)) >= 0]
         return (min(found)[0], min(found)[0] - min(found)[1]) if found else None
 
-    def prompt(self, messages: list[dict]) -> np.ndarray:
-        """The conversation (ending with a user turn) and the template's generation prompt."""
-        check_messages(messages, for_prompt=True)
-        return np.asarray(self.tok.encode(self._text(messages, add_generation_prompt=True)), np.int32)
+    def prompt(self, messages: list[dict], tools: list[dict] | None = None) -> np.ndarray:
+        """The conversation (ending with a user turn, or with tools a tool turn) and the template's
+        generation prompt. tools: OpenAI's function definitions, passed as transformers'
+        apply_chat_template(tools=...) passes them; turns may then hold tool calls and results."""
+        if tools is None and not any(m.get("tool_calls") or m.get("role") == "tool" for m in messages):
+            check_messages(messages, for_prompt=True)
+        else:
+            _check_tool_turns(messages)
+        return np.asarray(self.tok.encode(self._text(messages, True, tools)), np.int32)
 
     def answer_text(self, ids) -> str:
         """The text of generated ids, up to the first stop id."""
@@ -215,6 +221,22 @@ class HFChatTemplate:
             if found:
                 return (min(found)[2],)
         return tuple(self._specials[t] for t in END_OF_TURN if t in self._specials and t in self._source)
+
+
+def _check_tool_turns(messages) -> None:
+    """check_messages for a conversation with tools: a tool role, assistant turns of calls only
+    (empty content), and a tool result may end the prompt. ValueError naming the first bad turn."""
+    if not isinstance(messages, list) or not messages or not all(isinstance(m, dict) for m in messages):
+        raise ValueError("'messages' must be a non-empty list of objects")
+    for i, m in enumerate(messages):
+        role, content = m.get("role"), m.get("content")
+        if role not in ROLES + ("tool",):
+            raise ValueError(f"messages[{i}]: role {role!r} is not one of {', '.join(ROLES)}, tool")
+        blank_ok = role == "tool" or (role == "assistant" and m.get("tool_calls"))
+        if not isinstance(content, str) or not (content or blank_ok):
+            raise ValueError(f"messages[{i}] ({role}): content must be a non-empty string")
+    if messages[-1]["role"] not in ("user", "tool"):
+        raise ValueError(f"the last message has role '{messages[-1]['role']}'; expected a user or tool turn")
 
 
 def _line(e: Exception) -> str:

@@ -14,12 +14,16 @@ from __future__ import annotations
 
 import functools
 import json
+import re
 
 import numpy as np
 
 from lm.errors import UserError
 
 COMPACT = {"whitespace_flexible": False}
+# the spacing of json.dumps' defaults, which chat templates' tojson writes: tool-call arguments as
+# a model saw them in training
+SPACED = {"whitespace_flexible": False, "item_separator": ", ", "key_separator": ": "}
 
 
 def schema_of(response_format: dict) -> dict | None:
@@ -50,6 +54,32 @@ def grammar_of(schema: dict) -> str:
     if error:
         raise UserError(f"'response_format' schema: {error}")
     return grammar
+
+
+def json_lark(schema: dict) -> str:
+    """A JSON schema as a piece of a lark grammar (lark_grammar's), written with SPACED's spacing."""
+    given = schema.get("x-guidance")
+    return "%json " + json.dumps({**schema, "x-guidance": {**(given if isinstance(given, dict) else {}), **SPACED}})
+
+
+def lark_grammar(lark: str) -> str:
+    """The llguidance grammar of a lark text (pieces from json_lark allowed); one it cannot take:
+    UserError with its reason."""
+    import llguidance
+
+    try:
+        grammar = llguidance.LLMatcher.grammar_from_lark(lark)
+    except ValueError as e:
+        raise UserError(_reason(str(e))) from None
+    error = llguidance.LLMatcher.validate_grammar(grammar)
+    if error:
+        raise UserError(_reason(error))
+    return grammar
+
+
+def _reason(error: str) -> str:
+    """llguidance's first line, without the position in the lark text (the caller's, not the user's)."""
+    return re.sub(r"^at \d+\(\d+\): ", "", error.strip().splitlines()[0])
 
 
 class Vocabulary:

@@ -44,6 +44,7 @@ from lm.infer.serve.protocol import (
     parse_request,
     usage,
 )
+from lm.infer.serve.tools import ToolError, ToolPlan, finish_reason, plan
 
 POLL_S = 0.25  # how often a plain request checks that its client is still there
 RETRY_AFTER_S = 1
@@ -162,8 +163,9 @@ class Limits:
             )
 
 
-def _submit(backend: Backend, req) -> Stream:
-    """The request's Stream, after the checks that need the tokenizer (prompt, context)."""
+def _submit(backend: Backend, req) -> tuple[Stream, ToolPlan | None]:
+    """The request's Stream, after the checks that need the tokenizer (prompt, context), and how
+    its tools are served (None: it has none)."""
     if req.model != backend.model_name:
         raise RequestError(
             f"model '{req.model}' does not exist; this server serves '{backend.model_name}'",
@@ -171,9 +173,14 @@ def _submit(backend: Backend, req) -> Stream:
             status=404,
             code="model_not_found",
         )
+    try:
+        tools = plan(req.tools, getattr(backend, "tool_syntax", None), req.schema) if req.tools else None
+    except ToolError as e:
+        raise RequestError(str(e), e.param) from None
     param = "prompt" if req.kind == "completion" else "messages"
     try:
-        ids, template_stop = backend.prompt_ids(prompt=req.prompt, messages=req.messages)
+        rendered = {"tools": tools.tools} if tools else {}
+        ids, template_stop = backend.prompt_ids(prompt=req.prompt, messages=req.messages, **rendered)
     except (ValueError, UserError) as e:
         raise RequestError(f"'{param}': {e}", param) from None
     if not ids:
@@ -206,11 +213,12 @@ def _submit(backend: Backend, req) -> Stream:
     except UserError as e:
         raise RequestError(str(e)) from None
     try:
-        grammar = grammar_of(req.schema) if req.schema is not None else None
+        grammar = grammar_of(req.schema) if req.schema is not None else tools.grammar if tools else None
     except UserError as e:
         raise RequestError(str(e), "response_format") from None
+    kept = {"keep": tools.keep} if tools and tools.keep else {}
     try:
-        return backend.submit(ids, sampling, req.stop + tuple(template_stop), grammar)
+        return backend.submit(ids, sampling, req.stop + tuple(template_stop), grammar, **kept), tools
     except UserError as e:  # the backend takes no more requests
         raise RequestError(str(e), status=503, code="unavailable", kind="server_error") from None
 
@@ -226,11 +234,11 @@ async def _answer(backend: Backend, inflight: Inflight, limits: Limits, request:
     check_content_type(request.headers.get("content-type"))
     req = parse_request(await request.body(), kind)
     limits.admit()
-    stream = _submit(backend, req)
+    stream, tools = _submit(backend, req)
     tracker = Tracker(limits.metrics, stream.prompt_tokens, arrived)
     rid, created = new_id(kind), now()
     if req.stream:
-        events = _events(stream, inflight, tracker, req, rid, created, backend.model_name)
+        events = _events(stream, inflight, tracker, req, rid, created, backend.model_name, tools)
         return StreamingResponse(events, media_type="text/event-stream", headers={"Cache-Control": "no-cache"})
     texts, tokens, finish = [], 0, None
     watcher = asyncio.create_task(_cancel_when_gone(request, stream))
@@ -249,28 +257,36 @@ async def _answer(backend: Backend, inflight: Inflight, limits: Limits, request:
         watcher.cancel()
     if finish == "cancelled" and await request.is_disconnected():  # nobody reads this
         return JSONResponse(error_body("the client disconnected"), status_code=499)
-    return completion_body(
-        kind, rid, created, backend.model_name, "".join(texts), finish, usage(stream.prompt_tokens, tokens)
-    )
+    text, calls = "".join(texts), None
+    if tools is not None and (answer := tools.answer()) is not None:
+        text, calls = answer.whole(text)
+    used = usage(stream.prompt_tokens, tokens)
+    return completion_body(kind, rid, created, backend.model_name, text, finish_reason(finish, calls), used, calls)
 
 
 async def _events(
-    stream: Stream, inflight: Inflight, tracker: Tracker, req, rid: str, created: int, model: str
+    stream: Stream, inflight: Inflight, tracker: Tracker, req, rid: str, created: int, model: str, tools=None
 ) -> AsyncIterator[str]:
-    """Server-sent events: (chat: the assistant role first) a chunk per piece of text, one with the
-    finish reason, the usage chunk if asked for, then [DONE]. An aborted stream ends with the
-    error event and [DONE]: OpenAI's SDKs raise on it, so a cut text never passes for a whole one."""
-    tokens = 0
+    """Server-sent events: (chat: the assistant role first) a chunk per piece of text, (with tools)
+    one with the tool calls, one with the finish reason, the usage chunk if asked for, then [DONE].
+    An aborted stream ends with the error event and [DONE]: OpenAI's SDKs raise on it, so a cut
+    text never passes for a whole one."""
+    tokens, answer = 0, tools.answer() if tools is not None else None
     chunk = functools.partial(chunk_body, req.kind, rid, created, model, include_usage=req.include_usage)
     try:
         if req.kind == "chat":
             yield _event(chunk("", None, role=True))
         async for delta in _deltas(stream, inflight, tracker):
             tokens += len(delta.token_ids)
-            if delta.text:
-                yield _event(chunk(delta.text, None))
+            if text := answer.add(delta.text) if answer is not None else delta.text:
+                yield _event(chunk(text, None))
             if delta.finish_reason is not None:
-                yield _event(chunk("", delta.finish_reason))
+                rest, calls = answer.end() if answer is not None else ("", None)
+                if rest and not (calls and rest.isspace()):
+                    yield _event(chunk(rest, None))
+                if calls:
+                    yield _event(chunk("", None, tool_calls=calls))
+                yield _event(chunk("", finish_reason(delta.finish_reason, calls)))
         if req.include_usage:
             yield _event(chunk(None, None) | {"usage": usage(stream.prompt_tokens, tokens)})
     except Aborted:

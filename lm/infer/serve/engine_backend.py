@@ -19,6 +19,7 @@ from lm.infer.grammar import vocabulary
 from lm.infer.sampling import SamplingParams
 from lm.infer.serve.backend import FINISH, Delta
 from lm.infer.serve.metrics import Load
+from lm.infer.serve.tools import ToolSyntax
 from lm.infer.stops import StopWatch
 
 
@@ -55,6 +56,23 @@ class EngineStream:
         self.request.cancelled = True
 
 
+class Keeping:
+    """A tokenizer whose decode writes the `keep` special ids as their text (tool-call markers
+    that plain decoding drops), each piece between them decoded as usual."""
+
+    def __init__(self, tokenizer, keep: dict[int, str]):
+        self.tokenizer, self.keep = tokenizer, keep
+
+    def decode(self, ids) -> str:
+        ids = [int(t) for t in np.asarray(ids).reshape(-1)]
+        cuts = [j for j, t in enumerate(ids) if t in self.keep]
+        pieces, start = [], 0
+        for j in cuts:
+            pieces += [self.tokenizer.decode(ids[start:j]), self.keep[ids[j]]]
+            start = j + 1
+        return "".join(pieces) + self.tokenizer.decode(ids[start:])
+
+
 class EngineBackend:
     """A loaded model on its mesh behind one engine. Every request ends at the chat template's stop
     ids (EOS, and the end-of-turn marker when the tokenizer has it as a control token)."""
@@ -66,19 +84,22 @@ class EngineBackend:
             raise UserError(f"--max-model-len {context}: expected 1 to {most} (the model's context)")
         self.context = context or most
         self.template = ChatTemplate.for_tokenizer(self.tokenizer)
+        specials = self.tokenizer.special_tokens() if hasattr(self.tokenizer, "special_tokens") else {}
+        self.tool_syntax = ToolSyntax.of(getattr(self.template, "source", None), specials)
         built = session.built
         self.vocab_size = built.spec.vocab_size
         engine = Engine(built.module, max_len=self.context, config=config, mesh=built.mesh, rules=built.rules)
         self.service = EngineService(engine, session.params)
 
-    def prompt_ids(self, prompt=None, messages=None):
+    def prompt_ids(self, prompt=None, messages=None, tools=None):
         if messages is None:
             return [int(t) for t in self.tokenizer.encode(prompt)], ()
-        return chat.prompt_ids(self.template, messages), tuple(self.template.stop_strings)
+        return chat.prompt_ids(self.template, messages, tools), tuple(self.template.stop_strings)
 
-    def submit(self, prompt_ids, sampling, stop, grammar=None) -> EngineStream:
+    def submit(self, prompt_ids, sampling, stop, grammar=None, keep=None) -> EngineStream:
         eos = tuple(self.template.stop_ids)
-        stream = EngineStream(self.tokenizer, prompt_ids, sampling, tuple(stop), eos)
+        tokenizer = Keeping(self.tokenizer, keep) if keep else self.tokenizer
+        stream = EngineStream(tokenizer, prompt_ids, sampling, tuple(stop), eos)
         if grammar is not None:
             stream.request.constraint = vocabulary(self.tokenizer, self.vocab_size, eos).constraint(grammar)
         self.service.submit(stream.request)
@@ -101,7 +122,7 @@ class EngineBackend:
 
 def make_backend(loaded, args) -> EngineBackend:
     """The backend `lm serve` runs: a loaded model and the command's flags (quantize, slots,
-    page_size, max_model_len, model_name; kv_int8 and no_prefix_cache when given)."""
+    page_size, max_model_len, model_name; kv_cache and no_prefix_cache when given)."""
     from lm.infer.session import Session
 
     # a request arriving mid-call waits for the call to end: every call is a short block
@@ -109,7 +130,7 @@ def make_backend(loaded, args) -> EngineBackend:
         slots=args.slots,
         page_size=args.page_size,
         idle_block=16,
-        kv_int8=getattr(args, "kv_int8", False),
+        kv_cache=getattr(args, "kv_cache", ""),
         prefix_cache=not getattr(args, "no_prefix_cache", False),
     )
     return EngineBackend(Session(loaded, quantize=args.quantize), args.model_name, args.max_model_len, config)

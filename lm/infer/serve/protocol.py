@@ -2,9 +2,10 @@
 naming the field), and the JSON of completions, chunks, usage and errors.
 
 Fields OpenAI does not define are refused (400 naming them), as OpenAI's own API does, and so
-are OpenAI fields this server does not implement when they ask for something (logprobs, tools,
-penalties, ...); at their neutral value (null, 0, false) they are accepted. A body nested deeper
-than MAX_DEPTH is refused before it is parsed (the size limit, MAX_BODY, is the Guard's).
+are OpenAI fields this server does not implement when they ask for something (logprobs,
+penalties, ...); at their neutral value (null, 0, false) they are accepted. Tools and tool turns
+are read by lm.infer.serve.tools. A body nested deeper than MAX_DEPTH is refused before it is
+parsed (the size limit, MAX_BODY, is the Guard's).
 """
 
 from __future__ import annotations
@@ -19,6 +20,7 @@ import numpy as np
 
 from lm.errors import UserError
 from lm.infer.grammar import schema_of
+from lm.infer.serve.tools import ToolError, ToolRequest, chat_turn, read_tools
 
 MAX_STOP = 4  # stop strings per request, as OpenAI allows
 MAX_BODY = 8 * 2**20  # bytes in a request body: the longest context's prompt, JSON-escaped, fits many times over
@@ -45,7 +47,10 @@ _SAMPLING = (
 )
 KNOWN = {
     "completion": frozenset(_SAMPLING + ("prompt", "response_format")),  # response_format: an extension here
-    "chat": frozenset(_SAMPLING + ("messages", "max_completion_tokens", "response_format")),
+    "chat": frozenset(
+        _SAMPLING
+        + ("messages", "max_completion_tokens", "response_format", "tools", "tool_choice", "parallel_tool_calls")
+    ),
 }
 # OpenAI fields not implemented: accepted only at a value that asks for nothing
 NEUTRAL = {
@@ -64,9 +69,6 @@ NEUTRAL = {
         "presence_penalty": (0,),
         "frequency_penalty": (0,),
         "logit_bias": ({},),
-        "tools": ([],),
-        "tool_choice": ("none",),
-        "parallel_tool_calls": (True, False),
         "store": (False,),
         "metadata": ({},),
     },
@@ -113,6 +115,7 @@ class Request:
     stream: bool
     include_usage: bool
     schema: dict | None = None  # the JSON schema the answer must follow (response_format; None: free text)
+    tools: ToolRequest | None = None  # chat: the functions the model may call, and tool_choice
 
 
 def _type_name(value) -> str:
@@ -200,7 +203,7 @@ def _messages(body: dict) -> list[dict]:
                 f"messages[{i}] is {_type_name(m)}; expected an object with 'role' and 'content'", "messages"
             )
         role = "system" if m.get("role") == "developer" else m.get("role")  # OpenAI's newer name for system
-        out.append({"role": role, "content": _content(m.get("content"), i)})
+        out.append(chat_turn(m, role, _content(m.get("content"), i), i))
     return out
 
 
@@ -291,11 +294,15 @@ def parse_request(raw: bytes, kind: str) -> Request:
         schema = schema_of(response_format) if response_format is not None else None
     except UserError as e:
         raise RequestError(str(e), "response_format") from None
+    try:
+        messages, tools = (_messages(body), read_tools(body)) if kind == "chat" else (None, None)
+    except ToolError as e:
+        raise RequestError(str(e), e.param) from None
     return Request(
         kind,
         model,
         _prompt(body) if kind == "completion" else None,
-        _messages(body) if kind == "chat" else None,
+        messages,
         max_tokens,
         float(temperature),
         float(top_p),
@@ -306,6 +313,7 @@ def parse_request(raw: bytes, kind: str) -> Request:
         stream,
         include_usage,
         schema,
+        tools,
     )
 
 
@@ -329,16 +337,14 @@ def _envelope(kind: str, rid: str, created: int, model: str, chunk: bool) -> dic
     return {"id": rid, "object": names[kind], "created": created, "model": model}
 
 
-def completion_body(kind: str, rid: str, created: int, model: str, text: str, finish: str, used: dict) -> dict:
+def completion_body(
+    kind: str, rid: str, created: int, model: str, text: str | None, finish: str, used: dict, tool_calls=None
+) -> dict:
     if kind == "completion":
         choice = {"index": 0, "text": text, "logprobs": None, "finish_reason": finish}
     else:
-        choice = {
-            "index": 0,
-            "message": {"role": "assistant", "content": text},
-            "logprobs": None,
-            "finish_reason": finish,
-        }
+        message = {"role": "assistant", "content": text} | ({"tool_calls": tool_calls} if tool_calls else {})
+        choice = {"index": 0, "message": message, "logprobs": None, "finish_reason": finish}
     return _envelope(kind, rid, created, model, False) | {"choices": [choice], "usage": used}
 
 
@@ -351,9 +357,11 @@ def chunk_body(
     finish: str | None,
     include_usage: bool,
     role: bool = False,
+    tool_calls: list | None = None,
 ) -> dict:
     """A streamed piece: new text, or "" with the finish reason. text=None: the closing usage chunk
-    (no choices; the caller adds the usage). role: chat's opening chunk."""
+    (no choices; the caller adds the usage). role: chat's opening chunk. tool_calls: a chat
+    answer's calls, whole, each with its index."""
     body = _envelope(kind, rid, created, model, True)
     if text is None:
         return body | {"choices": []}
@@ -361,6 +369,8 @@ def chunk_body(
         choice = {"index": 0, "text": text, "logprobs": None, "finish_reason": finish}
     else:
         delta = {"role": "assistant", "content": text} if role else ({"content": text} if text else {})
+        if tool_calls:
+            delta = {"tool_calls": [{"index": i} | call for i, call in enumerate(tool_calls)]}
         choice = {"index": 0, "delta": delta, "logprobs": None, "finish_reason": finish}
     return body | {"choices": [choice]} | ({"usage": None} if include_usage else {})
 

@@ -306,14 +306,34 @@ def exit_code(rows: list[dict]) -> int:
 
 
 DECODE_TARGET = 2.0  # the engine's new tokens/s over transformers' generate, same device
+CEILING_TARGET = 0.75  # batch 1: share of the memory-bandwidth ceiling (weight bytes / bandwidth per token)
 
 
 def decode_rows(path) -> list[dict]:
-    """Rows from bench/decode_throughput.py's JSON: the engine against the static decoder and generate."""
+    """Rows from bench/decode_throughput.py's JSON: the engine against the static decoder (target:
+    at least its speed), generate, and at batch 1 the memory-bandwidth ceiling; with the share of the
+    time the device sat idle, now and before decoding stayed on the device."""
     rows = []
     for r in json.loads(pathlib.Path(path).read_text()):
-        check = f"decode batch {r['batch']}, {r['new_tokens']} new tokens"
-        figure = f"engine {r['ours_tokens_per_s']:.0f} tok/s, static {r['static_tokens_per_s']:.0f}"
+        check = (
+            f"decode {r.get('weight_bytes', 0) / 2**30:.2f} GiB of weights, batch {r['batch']}, {r['new_tokens']} new"
+        )
+        static = r["ours_tokens_per_s"] / r["static_tokens_per_s"]
+        figure = (
+            f"engine {r['ours_tokens_per_s']:.0f} tok/s ({static:.2f}x static, idle {r['idle']:.0%}; before "
+            f"{r['before_tokens_per_s']:.0f} tok/s, idle {r['idle_before']:.0%})"
+        )
+        rows.append(row(check + ": engine vs static", "pass" if static >= 1 else "below", figure, ">= 1.0x static"))
+        if r["batch"] == 1 and "share_of_ceiling" in r:
+            share = r["share_of_ceiling"]
+            rows.append(
+                row(
+                    check + ": bandwidth ceiling",
+                    "pass" if share >= CEILING_TARGET else "below",
+                    f"{share:.0%} of {r['bandwidth_ceiling_tokens_per_s']:.0f} tok/s",
+                    f">= {CEILING_TARGET:.0%}",
+                )
+            )
         if "ours_vs_peer" not in r:
             rows.append(row(check, "skip", figure + "; no transformers peer", f">= {DECODE_TARGET}x generate"))
             continue

@@ -23,7 +23,9 @@
 # 4. Throughput: bench/train_throughput.py's bf16 train step, MFU against the chip's vendor bf16 peak
 #    (lm/plan/hardware.py), or against the measured matmul peak when the chip is unknown (the row says so).
 # 5. Decode: bench/decode_throughput.py, the engine against the static decoder and transformers'
-#    `generate` on the same accelerator (target: 2x generate; below it the row says "below", not FAIL).
+#    `generate` on the same accelerator (targets: 2x generate, 1x the static decoder; below them the
+#    row says "below", not FAIL), then a 1B bf16 model at batch 1, 16 and 64 (target at batch 1: 75%
+#    of the memory-bandwidth ceiling).
 # 6. MFU: bench/mfu.py, lm's bf16 train step at GPT-2-124M, Llama-3.2-1B and Llama-3-8B-layer shapes
 #    against a torch.compile peer in the same rounds (PEER_PYTHON, or PYTHON, with torch); the figure
 #    gives each shape's MFU (vendor peak) and lm/peer ratio, and whether the H100/H200 targets are met.
@@ -95,6 +97,14 @@ if XLA_PYTHON_CLIENT_PREALLOCATE=false "$py" bench/decode_throughput.py --rounds
     check decode --figures "$work/decode.json"
 else
     check record --check "decode step" --rc 1 --figure "crashed: see the log above"
+fi
+if [[ $quick != 1 ]]; then  # a 1B-parameter bf16 model (Llama-3.2-1B's shape), engine and static only
+    if XLA_PYTHON_CLIENT_PREALLOCATE=false "$py" bench/decode_throughput.py --shape 1b --dtype bfloat16 \
+            --rounds 2 --batches 1,16,64 --new-tokens 256 --out "$work/decode_1b.json"; then
+        check decode --figures "$work/decode_1b.json"
+    else
+        check record --check "decode 1b step" --rc 1 --figure "crashed: see the log above"
+    fi
 fi
 
 echo "== mfu"

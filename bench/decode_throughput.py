@@ -12,6 +12,10 @@ loop's condition read after every step); for both it prints the share of the wal
 sat idle (the host's time between calls: 1 - the time from each call's launch to its results).
 
     PYTHONPATH=. python bench/decode_throughput.py [--rounds 2] [--peer-python /tmp/hf-venv/bin/python]
+    PYTHONPATH=. python bench/decode_throughput.py --shape 1b --dtype bfloat16 --batches 1,16,64  # a GPU
+
+On a known accelerator (lm.plan.hardware) each row also gives the memory-bandwidth ceiling
+(batch x bandwidth / weight bytes: every step reads every weight once) and the share of it reached.
 
 The recompute baseline is one jitted full forward pass over a fixed buffer of prompt + new
 tokens per new token (one compile, as lm's sampler did before the cache): its cost per token is
@@ -49,9 +53,16 @@ from lm.infer.engine.engine import Engine, EngineConfig, Request  # noqa: E402
 from lm.infer.sampling import SamplingParams  # noqa: E402
 from lm.model.spec import ModelSpec  # noqa: E402
 from lm.model.transformer import Transformer, init_params  # noqa: E402
+from lm.plan.hardware import chip_of_kind  # noqa: E402
 from tests.reference.static_decoder import StaticGenerator  # noqa: E402
 
-SHAPE = dict(vocab=2048, d_model=384, layers=6, heads=6, kv_heads=2, d_ff=1024)
+SHAPES = {
+    "small": dict(vocab=2048, d_model=384, layers=6, heads=6, kv_heads=2, d_ff=1024),
+    # Llama-3.2-1B's shape (1.24B parameters, tied embeddings): for an accelerator
+    "1b": dict(vocab=128256, d_model=2048, layers=16, heads=32, kv_heads=8, d_ff=8192),
+}
+SHAPE = dict(SHAPES["small"])  # the shape measured (--shape)
+DTYPE = ["float32"]  # params and compute (--dtype)
 PROMPT = 16
 PEER = pathlib.Path(__file__).resolve().parent / "hf_generate_peer.py"
 
@@ -67,6 +78,7 @@ def spec(max_len: int) -> ModelSpec:
         d_ff=s["d_ff"],
         max_seq_len=max_len,
         attention="reference",
+        compute_dtype=DTYPE[0],
     )
     return ModelSpec.from_config(m)
 
@@ -86,7 +98,11 @@ class Ours:
 
     def __init__(self, batch: int, new: int):
         self.model = Transformer(spec(PROMPT + new))
-        self.params = jax.jit(lambda k: nn.unbox(init_params(self.model, k)))(jax.random.PRNGKey(0))
+        dtype = jnp.dtype(DTYPE[0])
+        self.params = jax.jit(lambda k: jax.tree.map(lambda x: x.astype(dtype), nn.unbox(init_params(self.model, k))))(
+            jax.random.PRNGKey(0)
+        )
+        self.weight_bytes = sum(x.size * x.dtype.itemsize for x in jax.tree.leaves(self.params))
         self.sampling = SamplingParams(max_new_tokens=new, temperature=0)
         self.static = StaticGenerator(self.model, self.params, self.sampling, eos_id=-1)
         self.prompts, self.tokens = prompts(batch), batch * new
@@ -148,6 +164,8 @@ def peer(python: str, batch: int, new: int, device: str = "cpu") -> float | None
         "1",
         "--device",
         device,
+        "--dtype",
+        DTYPE[0],
         *flags,
     ]
     done = subprocess.run(
@@ -166,8 +184,13 @@ def main():
     p.add_argument("--peer-device", default="cpu", help="where the peer runs: cpu, or cuda beside a GPU run of ours")
     p.add_argument("--batches", default="1,16")
     p.add_argument("--new-tokens", default="256,1024")
+    p.add_argument("--shape", choices=tuple(SHAPES), default="small", help="the model (1b: for an accelerator)")
+    p.add_argument("--dtype", choices=("float32", "bfloat16"), default="float32", help="params and compute")
     p.add_argument("--out", help="write the figures as JSON here")
     args = p.parse_args()
+    SHAPE.update(SHAPES[args.shape])
+    DTYPE[0] = args.dtype
+    chip = chip_of_kind(jax.devices()[0].device_kind)
     rows = []
     for batch in [int(x) for x in args.batches.split(",")]:
         for new in [int(x) for x in args.new_tokens.split(",")]:
@@ -193,6 +216,10 @@ def main():
                 "static_rounds": static,
             }
             row["cache_vs_recompute"] = row["ours_tokens_per_s"] / recompute
+            row["weight_bytes"] = ours.weight_bytes
+            if chip is not None:  # every step reads every weight once: the batch-1 ceiling
+                row["bandwidth_ceiling_tokens_per_s"] = batch * chip.hbm_bytes_per_s / ours.weight_bytes
+                row["share_of_ceiling"] = row["ours_tokens_per_s"] / row["bandwidth_ceiling_tokens_per_s"]
             if theirs and None not in theirs:
                 row |= {
                     "peer_tokens_per_s": statistics.median(theirs),

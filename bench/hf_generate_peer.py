@@ -32,6 +32,7 @@ def main():
         p.add_argument(f"--{name}", type=int, default=default)
     p.add_argument("--rope-theta", type=float, default=10000.0)
     p.add_argument("--device", default="cpu", help="cpu, or cuda on a GPU host")
+    p.add_argument("--dtype", default="float32", choices=("float32", "bfloat16"), help="weights and compute")
     args = p.parse_args()
 
     import torch
@@ -54,7 +55,7 @@ def main():
         eos_token_id=2,
         pad_token_id=0,
     )
-    model = LlamaForCausalLM(config).eval().to(args.device)
+    model = LlamaForCausalLM(config).eval().to(args.device, getattr(torch, args.dtype))
     ids = torch.randint(3, args.vocab, (args.batch, args.prompt_len)).to(args.device)
     mask = torch.ones_like(ids)
     sync = torch.cuda.synchronize if args.device.startswith("cuda") else (lambda: None)

@@ -132,3 +132,19 @@ def test_no_accelerator_is_a_clear_error_unless_allowed():
         text=True,
     )
     assert proc.returncode == 2 and "make install" in proc.stderr
+
+
+def test_decode_rows_hold_the_engine_to_the_static_decoder_and_the_bandwidth_ceiling(tmp_path):
+    figures = [
+        dict(batch=1, new_tokens=256, ours_tokens_per_s=900.0, static_tokens_per_s=1000.0, before_tokens_per_s=500.0)
+        | dict(idle=0.02, idle_before=0.4, weight_bytes=2**31, bandwidth_ceiling_tokens_per_s=1000.0)
+        | dict(share_of_ceiling=0.9, peer_tokens_per_s=300.0, ours_vs_peer=3.0),
+        dict(batch=16, new_tokens=256, ours_tokens_per_s=1100.0, static_tokens_per_s=1000.0, before_tokens_per_s=700.0)
+        | dict(idle=0.01, idle_before=0.3),
+    ]
+    path = tmp_path / "decode.json"
+    path.write_text(json.dumps(figures))
+    rows = ac.decode_rows(path)
+    # 0.9x static, 90% of the ceiling, 3x generate; 1.1x static, no generate measured
+    assert [r["result"] for r in rows] == ["below", "pass", "pass", "pass", "skip"]
+    assert "idle 2%" in rows[0]["figure"] and "idle 40%" in rows[0]["figure"]

@@ -21,7 +21,8 @@ from lm.config.core import from_section, require
 # (each response's mean, then the mean over responses) | dr_grpo (over responses x
 # max_new_tokens) | bnpo (over each micro-batch's tokens); importance_sampling_level: token |
 # sequence (GSPO: one ratio per response, exp of the mean log-ratio). eval_prompts held-out
-# prompts are answered greedily at every eval.
+# prompts are answered greedily at every eval. speculate: prompt-lookup drafts per response and
+# decode step while sampling (0: off; the responses' distribution is unchanged).
 DEFAULTS = dict(
     algo="grpo",
     prompts_per_step=8,
@@ -48,6 +49,7 @@ DEFAULTS = dict(
     value_clip=0.2,
     whiten=True,
     eval_prompts=256,
+    speculate=0,
 )
 
 LOSS_TYPES = ("dapo", "grpo", "dr_grpo", "bnpo")
@@ -110,7 +112,7 @@ def check(c) -> None:
         r.group_size,
         "GRPO compares the responses to one prompt: at least 2",
     )
-    for key in ("beta", "eps_low", "eps_high", "adv_eps", "vf_coef", "value_clip", "truncation_penalty"):
+    for key in ("speculate", "beta", "eps_low", "eps_high", "adv_eps", "vf_coef", "value_clip", "truncation_penalty"):
         require(r[key] >= 0, f"rl.{key}", r[key], "expected >= 0")
     require(
         r.temperature > 0,

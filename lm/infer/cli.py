@@ -66,11 +66,11 @@ def add_parser(sub) -> None:
     p.add_argument(
         "--draft",
         metavar="WORKDIR|EXPORT|ngram",
-        help="speculative decoding at batch 1 on one device (a --prompts file is decoded one prompt at "
-        "a time; --batch-size is ignored): drafts from a smaller model with the same tokenizer (an "
-        "`lm train` workdir, an `lm export` or a Hugging Face directory), or 'ngram' for prompt "
-        "lookup (the tokens that followed the context's last 3, 2 or 1 tokens earlier on). Greedy "
-        "output is unchanged; sampled output has the same distribution",
+        help="speculative decoding: 'ngram' for prompt lookup (the tokens that followed the context's "
+        "last 3, 2 or 1 tokens earlier on) in the engine, every prompt of the batch at once; or drafts "
+        "from a smaller model with the same tokenizer (an `lm train` workdir, an `lm export` or a "
+        "Hugging Face directory) at batch 1 on one device (a --prompts file is decoded one prompt at a "
+        "time; --batch-size is ignored). Greedy output is unchanged; sampled output has the same distribution",
     )
     p.add_argument("--draft-k", type=int, help=f"with --draft: tokens drafted per step (>= 1; default {DRAFT_K})")
     p.add_argument(
@@ -125,13 +125,16 @@ def run(args, overrides=()) -> int:
         raise UserError("--prompt is empty; give at least one character of text")
     if args.draft is None and args.draft_k is not None:
         raise UserError("--draft-k needs --draft (a draft model's workdir or export, or 'ngram')")
-    if args.draft is not None and (args.quantize != "none" or args.kv_cache):
+    ngram = args.draft == "ngram"
+    if ngram and args.draft_k is not None and args.draft_k < 1:
+        raise UserError(f"speculative decoding: k={args.draft_k}: expected an integer >= 1 (drafted tokens per step)")
+    if args.draft is not None and not ngram and (args.quantize != "none" or args.kv_cache):
         raise UserError(
-            "--quantize and --kv-cache work with the engine, not with --draft (speculative decoding): drop one"
+            "--quantize and --kv-cache work with the engine, not with --draft MODEL (speculative decoding): drop one"
         )
     rows = read_prompts(args.prompts, args.chat) if args.prompts else None
     loaded = load_trained(args.workdir, args.params, args.tokenizer)
-    generate = _Speculative(args, loaded, sampling) if args.draft else _plain(args, loaded, sampling)
+    generate = _Speculative(args, loaded, sampling) if args.draft and not ngram else _plain(args, loaded, sampling)
     # every process decodes every prompt (the model spans them all, and the same seed draws the
     # same tokens); process 0 alone shows and writes the results
     main = is_main()
@@ -174,7 +177,8 @@ def _plain(args, loaded, sampling):
     """generate(prompts, stream=None) -> result dicts, through a Session on the config's mesh."""
     from lm.infer.session import Session
 
-    session = Session(loaded, quantize=args.quantize, slots=args.batch_size, kv_cache=args.kv_cache)
+    k = (DRAFT_K if args.draft_k is None else args.draft_k) if args.draft == "ngram" else 0
+    session = Session(loaded, quantize=args.quantize, slots=args.batch_size, kv_cache=args.kv_cache, speculate=k)
     stop = tuple(args.stop)
 
     def generate(prompts: list, **kw):

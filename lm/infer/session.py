@@ -17,11 +17,21 @@ class Session:
     keeps one compiled generator per sampling setting. quantize: "int8" or "int4" weight-only
     quantization (lm.model.quant), applied weight by weight as the params are placed. slots: the
     engine's requests decoded together (default: every prompt of a call at once); kv_cache: the KV
-    cache's pages as "int8" or "fp8" ("": the compute dtype)."""
+    cache's pages as "int8" or "fp8" ("": the compute dtype); speculate: prompt-lookup drafts per
+    row and step (0: off)."""
 
-    def __init__(self, loaded, devices=None, quantize: str | None = None, slots: int | None = None, kv_cache: str = ""):
+    def __init__(
+        self,
+        loaded,
+        devices=None,
+        quantize: str | None = None,
+        slots: int | None = None,
+        kv_cache: str = "",
+        speculate: int = 0,
+    ):
         self.loaded, self.tokenizer = loaded, loaded.tokenizer
-        self.config = EngineConfig(slots=slots or 16, kv_cache=kv_cache) if slots or kv_cache else None
+        engine = dict(kv_cache=kv_cache, speculate=speculate)
+        self.config = EngineConfig(slots=slots or 16, **engine) if slots or kv_cache or speculate else None
         self.built = build_model(loaded.config, devices, rules=rules_table(loaded.config))
         self.built.check(loaded.params, loaded.source)
         self.params = place_params(self.built, loaded.params, quantize)

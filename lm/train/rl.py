@@ -133,7 +133,7 @@ class Rl(Stage):
         settings = RlSettings.from_config(r)
         template = ChatTemplate.for_tokenizer(ctx.init.tokenizer)
         sampling = SamplingParams(max_new_tokens=r.max_new_tokens, temperature=r.temperature, top_p=r.top_p)
-        sampler = Sampler(run, sampling, template.stop_ids, c.data.seq_len)
+        sampler = Sampler(run, sampling, template.stop_ids, c.data.seq_len, c.rl.speculate)
         self.scorer = Scorer(run, settings.algo == "ppo")
         self.step = rl_step.RlStep(run, ctx.frozen, prompts, rewards, sampler, self.scorer, template, settings, r)
         # Every process reads the whole prompt batch (the same seed draws the same one): each samples

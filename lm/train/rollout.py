@@ -18,6 +18,7 @@ import jax
 import numpy as np
 from jax.sharding import NamedSharding, PartitionSpec
 
+from lm.infer.engine.engine import EngineConfig
 from lm.infer.generate import Generation, Generator
 from lm.infer.sampling import SamplingParams
 from lm.model.apply import logits_of
@@ -65,8 +66,9 @@ class Sampler:
     """The policy's responses to prompts, on the run's mesh: the generating model is the plain
     decoder (adapters folded in, no value head) over the current params."""
 
-    def __init__(self, run, sampling: SamplingParams, eos_id, seq_len: int):
+    def __init__(self, run, sampling: SamplingParams, eos_id, seq_len: int, speculate: int = 0):
         spec = run.model.spec.without_lora()
+        self.speculate = speculate  # prompt-lookup drafts per row and step (lm.infer.engine.spec_steps; 0: off)
         self.model = run.model.clone(spec=spec, scalar_head=False)
         self.run, self.sampling, self.eos_id, self.seq_len = run, sampling, eos_id, seq_len
         m = run.config.model
@@ -91,6 +93,7 @@ class Sampler:
             max_len=self.seq_len,
             mesh=self.run.mesh,
             rules=self.run.rules,
+            config=EngineConfig(slots=len(prompts), speculate=self.speculate) if self.speculate else None,
         )
         return generator(prompts, rng=rng)
 

@@ -14,6 +14,7 @@ from __future__ import annotations
 
 import collections
 import dataclasses
+import functools
 import time
 
 import jax
@@ -25,6 +26,7 @@ from lm.infer.engine.pool import Placement, abstract_pool, init_pool, page_copie
 from lm.infer.engine.prefix import PrefixReuse, array_refs, same_arrays
 from lm.infer.engine.request import MAX_EOS, EngineConfig, Request, check_prompt
 from lm.infer.engine.rows import RowSettings
+from lm.infer.engine.spec_steps import compiled_speculative
 from lm.infer.engine.steps import NO_TOKEN, compiled, steps_between_checks
 from lm.infer.sampling import SamplingParams
 from lm.model.paged import Paging
@@ -77,10 +79,13 @@ class Engine:
         self.model = model.clone(paging=self.paging, unstacked=self.unstack)
         self.every = config.check_every or steps_between_checks()
         block = _round_up(max(config.decode_block, config.idle_block), self.every)
-        self._prefill, self._decode = compiled(self.model, block, self.every)
         # a decode call over every slot's whole table reads a slot-major pool in place
         in_place = model.clone(paging=dataclasses.replace(self.paging, in_place=True), unstacked=self.unstack)
-        self._decode_in_place = compiled(in_place, block, self.every)[1] if self.slot_major else None
+        self._prefill, plain = compiled(self.model, block, self.every)
+        self._programs = {False: (plain, compiled(in_place, block, self.every)[1] if self.slot_major else None)}
+        if config.speculate:  # (a grammar's rows decode one token per step: the plain programs)
+            spec = functools.partial(compiled_speculative, n=block, every=self.every, k=config.speculate)
+            self._programs[True] = (spec(self.model), spec(in_place) if self.slot_major else None)
         self._prepare = _unstack if self.unstack else (lambda p: p)
         self.allocator = PageAllocator(pages, ps, self.table_width if self.slot_major else 0)
         self.prefix = PrefixReuse(ps) if config.prefix_cache else None
@@ -106,6 +111,12 @@ class Engine:
             keys=np.zeros((s, 2), np.uint32),
             eos=np.full((s, MAX_EOS), -1, np.int32),
         )
+        if self.config.speculate:  # each row's tokens at their positions (drafts come from them), draft counts
+            self.state |= dict(
+                history=np.zeros((s, self.max_len + self.config.speculate + 1), np.int32),
+                proposed=np.zeros(s, np.int32),
+                accepted=np.zeros(s, np.int32),
+            )
         self.settings = RowSettings.empty(s, self.model.spec.vocab_size)
 
     # ---- requests ----------------------------------------------------------------------------
@@ -248,6 +259,9 @@ class Engine:
                 self.state["count"][s], self.state["left"][s] = 1, r.sampling.max_new_tokens
                 self.state["keys"][s], self.state["eos"][s] = r.key, -1
                 self.state["eos"][s, : len(r.eos)] = r.eos
+                if "history" in self.state:
+                    self.state["history"][s] = 0
+                    self.state["history"][s, : len(r.prompt) + 1] = r.prompt + [int(tokens[i])]
                 self.settings.set(s, r.sampling, self._advance(r, tokens[i]))
                 self._device = None
 
@@ -256,12 +270,13 @@ class Engine:
         live = self.state["live"]
         host_work = self.waiting or any(r is not None and r.written < len(r.prompt) for r in self.running)
         steps = cfg.decode_block if host_work else max(cfg.decode_block, cfg.idle_block)
+        speculate = bool(cfg.speculate)
         if any(self.running[s].constraint is not None for s in np.flatnonzero(live)):
-            steps = 1  # a grammar's mask holds for one token
+            steps, speculate = 1, False  # a grammar's mask holds for one token
         steps = _round_up(min(steps, int(self.state["left"][live].max())), self.every)
-        reach = int((self.state["pos"][live] + steps).max())
+        reach = int((self.state["pos"][live] + min(steps * (1 + cfg.speculate * speculate), self.max_len)).max())
         table_w = bucket(-(-min(reach, self.max_len) // cfg.page_size), max(1, self.table_width // 8), self.table_width)
-        table_w, decode = self.decode_program(table_w)
+        table_w, decode = self.decode_program(table_w, speculate)
         put = self.place.put
         if self._device is None:  # rows changed on the host: send them; else the last call's output goes back in
             self._device = {k: put(v) for k, v in self.state.items()} | {
@@ -306,16 +321,24 @@ class Engine:
         r.constraint.advance(int(token))
         return r.constraint.mask()
 
-    def decode_program(self, table_w: int):
+    def decode_program(self, table_w: int, speculate: bool = False):
         """(table width, compiled decode block) of a decode call whose rows reach `table_w` pages."""
+        gathering, in_place = self._programs[speculate]
         if self.slot_major and table_w > self.table_width // 2:  # reading in place beats gathering most pages
-            return self.table_width, self._decode_in_place
-        return table_w, self._decode
+            return self.table_width, in_place
+        return table_w, gathering
+
+    @property
+    def acceptance(self) -> tuple[int, int]:
+        """Speculation's drafts (proposed, accepted) over every request so far."""
+        if "proposed" not in self.state:
+            return 0, 0
+        return int(self.state["proposed"].sum()), int(self.state["accepted"].sum())
 
     def abstract_decode(self, params):
         """(compiled decode block, its abstract arguments) of a call over every slot's whole page
         table, for compiling ahead of time: params as given (ShapeDtypeStructs), nothing allocated."""
-        width, decode = self.decode_program(self.table_width)
+        width, decode = self.decode_program(self.table_width, bool(self.config.speculate))
         put = self.place.abstract
         state = {k: put(v) for k, v in self.state.items()} | {
             "settings": {k: put(v) for k, v in self.settings.arrays().items()}

@@ -24,7 +24,8 @@ class EngineConfig:
     server keeps it at decode_block so a request arriving mid-call waits less). A call also ends
     as soon as a row ends, so a freed slot is filled and an answer returned at once. check_every:
     decode steps between the device loop's checks whether to go on (0: the backend's default,
-    lm.infer.engine.steps.steps_between_checks); kv_cache: "" (the compute dtype), "int8" or "fp8" pages
+    lm.infer.engine.steps.steps_between_checks); speculate: drafts per row and step by prompt lookup
+    (0: off; lm.infer.engine.spec_steps); kv_cache: "" (the compute dtype), "int8" or "fp8" pages
     (lm.model.paged); prefix_cache: reuse the pages
     of prompt prefixes already in the pool (lm.infer.engine.prefix)."""
 
@@ -36,12 +37,15 @@ class EngineConfig:
     idle_block: int = 256
     check_every: int = 0
     kv_cache: str = ""
+    speculate: int = 0
     prefix_cache: bool = True
 
     def __post_init__(self):
         for name in ("slots", "page_size", "chunk", "decode_block", "idle_block"):
             if getattr(self, name) < 1:
                 raise UserError(f"engine: {name}={getattr(self, name)}: expected at least 1")
+        if self.speculate < 0:
+            raise UserError(f"engine: speculate={self.speculate}: expected >= 0 (drafted tokens per step; 0 = off)")
         if self.check_every < 0:
             raise UserError(f"engine: check_every={self.check_every}: expected >= 0 (0 = the backend's default)")
         if self.kv_cache not in KV_DTYPES:

@@ -57,16 +57,10 @@ def decode_block(model, n: int, every: int, params, cache, state, table, limit):
     ends when the steps are spent or as soon as a row has ended (its slot can take a waiting request,
     its caller gets its answer)."""
     rows = state["tokens"].shape[0]
-    limit = jnp.minimum(limit, n)
-    started = state["live"]
-
-    def cond(c):
-        live = c["s"]["live"]
-        return (c["i"] < limit) & ~jnp.any(started & ~live)
 
     def step(_, c):
         s, i = c["s"], c["i"]
-        live = s["live"] & (i < limit)  # steps past the limit (a fixed count overshooting it) do nothing
+        live = s["live"] & (i < c["limit"])  # steps past the limit (a fixed count overshooting it) do nothing
         out = c["out"].at[:, i].set(jnp.where(live, s["tokens"], NO_TOKEN), mode="drop")
         out_logp = c["out_logp"].at[:, i].set(jnp.where(live, s["logp"], 0.0), mode="drop")
         ended = jnp.any(s["tokens"][:, None] == s["eos"], axis=-1) | (s["left"] <= 1)
@@ -79,24 +73,34 @@ def decode_block(model, n: int, every: int, params, cache, state, table, limit):
             tokens=jnp.where(feed, tokens, s["tokens"]),
             logp=jnp.where(feed, logp, s["logp"]),
             pos=s["pos"] + feed,
-            live=jnp.where(i < limit, feed, s["live"]),
+            live=jnp.where(i < c["limit"], feed, s["live"]),
             count=s["count"] + feed,
             left=s["left"] - live,
         )
-        return dict(cache=cache, s=s, i=i + 1, out=out, out_logp=out_logp)
-
-    def body(c):
-        return jax.lax.fori_loop(0, every, step, c) if every > 1 else step(0, c)
+        return c | dict(cache=cache, s=s, i=i + 1, out=out, out_logp=out_logp)
 
     start = dict(
         cache=cache,
         s=state,
-        i=jnp.zeros((), jnp.int32),
         out=jnp.full((rows, n), NO_TOKEN, jnp.int32),
         out_logp=jnp.zeros((rows, n), jnp.float32),
     )
-    end = jax.lax.while_loop(cond, body, start)
+    end = run_steps(step, start, state["live"], jnp.minimum(limit, n), every)
     return end["cache"], end["s"], end["out"], end["out_logp"]
+
+
+def run_steps(step, start: dict, started, limit, every: int) -> dict:
+    """The device loop of a decode block: step(_, carry) -> carry (carry holds the state `s`, the
+    step index `i` and `limit`) runs in fixed counts of `every` steps while fewer than `limit` steps
+    have run and no row of `started` (live at the start) has ended."""
+
+    def cond(c):
+        return (c["i"] < c["limit"]) & ~jnp.any(started & ~c["s"]["live"])
+
+    def body(c):
+        return jax.lax.fori_loop(0, every, step, c) if every > 1 else step(0, c)
+
+    return jax.lax.while_loop(cond, body, start | dict(i=jnp.zeros((), jnp.int32), limit=limit))
 
 
 def steps_between_checks() -> int:

@@ -36,6 +36,14 @@ def add_parser(sub) -> None:
         "the cache memory of bfloat16 (default: the compute dtype)",
     )
     p.add_argument(
+        "--speculate",
+        type=int,
+        default=0,
+        metavar="K",
+        help="draft K tokens per request and step by prompt lookup and verify them in one pass (0: off); "
+        "greedy answers are unchanged, sampled ones keep their distribution",
+    )
+    p.add_argument(
         "--no-prefix-cache",
         action="store_true",
         help="prefill every prompt whole (by default full pages of prompts seen before are reused)",

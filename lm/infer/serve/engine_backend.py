@@ -122,7 +122,7 @@ class EngineBackend:
 
 def make_backend(loaded, args) -> EngineBackend:
     """The backend `lm serve` runs: a loaded model and the command's flags (quantize, slots,
-    page_size, max_model_len, model_name; kv_cache and no_prefix_cache when given)."""
+    page_size, max_model_len, model_name; kv_cache, speculate and no_prefix_cache when given)."""
     from lm.infer.session import Session
 
     # a request arriving mid-call waits for the call to end: every call is a short block
@@ -131,6 +131,7 @@ def make_backend(loaded, args) -> EngineBackend:
         page_size=args.page_size,
         idle_block=16,
         kv_cache=getattr(args, "kv_cache", ""),
+        speculate=getattr(args, "speculate", 0),
         prefix_cache=not getattr(args, "no_prefix_cache", False),
     )
     return EngineBackend(Session(loaded, quantize=args.quantize), args.model_name, args.max_model_len, config)

@@ -498,19 +498,20 @@ def test_a_missing_extra_and_bad_flags_are_one_line_errors(export, monkeypatch, 
     assert "--api-key (or $LM_API_KEY) is empty" in capsys.readouterr().err
 
 
-def test_the_served_engine_takes_quantized_weights_and_int8_pages(export):
+def test_the_served_engine_takes_quantized_weights_int8_pages_and_speculation(export):
     from lm.infer.serve.engine_backend import make_backend
     from lm.model.qtensor import QTensor
     from lm.store.load import load_trained
 
     args = argparse.Namespace(
-        quantize="int8", kv_cache="int8", slots=2, page_size=8, max_model_len=None, model_name="tiny"
+        quantize="int8", kv_cache="int8", speculate=2, slots=2, page_size=8, max_model_len=None, model_name="tiny"
     )
     backend = make_backend(load_trained(params=str(export)), args)
     try:
         engine = backend.service.engine
         leaves = jax.tree.leaves(backend.service.params, is_leaf=lambda x: isinstance(x, QTensor))
         assert any(isinstance(x, QTensor) for x in leaves) and engine.paging.kv == "int8"
+        assert engine.config.speculate == 2
         ids, _ = backend.prompt_ids(prompt="Hello")
         deltas = list(backend.submit(ids, SamplingParams(max_new_tokens=4, temperature=0), ()))
         assert sum(len(d.token_ids) for d in deltas) == 4 and deltas[-1].finish_reason == "length"

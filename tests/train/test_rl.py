@@ -418,3 +418,21 @@ def test_rewards_weigh_functions_and_a_reward_model_and_penalise_truncation(tmp_
     for spec in ("no_such_module:fn", "lm.data.synthetic:no_such_fn", "missing.py:fn", "nocolon"):
         with pytest.raises(UserError, match="rl.rewards"):
             parse_rewards(spec)
+
+
+def test_a_speculating_sampler_gives_the_plain_greedy_responses():
+    """rl.speculate: prompt-lookup drafts while sampling; at temperature 0 the responses and
+    their log-probs are the plain sampler's."""
+    c = config(beta=0.0)
+    run = build_rl_run(c, devices=jax.devices()[:1])
+    state, frozen = run.init(seed=5)
+    prompts, template = prompt_set()
+    greedy = SamplingParams(max_new_tokens=c.rl.max_new_tokens, temperature=0)
+    ids = [list(map(int, p[:n])) for p, n in zip(prompts.ids, prompts.lengths)]
+    out = {}
+    for k in (0, 3):
+        sampler = Sampler(run, greedy, template.stop_ids, c.data.seq_len, speculate=k)
+        out[k] = sampler(sampler.params(state.params, frozen), ids, jax.random.PRNGKey(0))
+    assert [x.tolist() for x in out[3].ids] == [x.tolist() for x in out[0].ids]
+    for a, b in zip(out[3].logprobs, out[0].logprobs):
+        np.testing.assert_allclose(a, b, rtol=1e-4, atol=1e-4)

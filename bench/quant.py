@@ -3,9 +3,11 @@
 For each variant of the same checkpoint (`lm.model.quant.quantize_for_inference`) it prints the
 held-out bits per byte of the pretraining text and the exact match of greedy chat answers on
 the held-out task (both through lm.eval, as `lm eval` and the demo score them), the weight
-memory (all params, and the leaves that get quantized) with its ratio to float, and greedy
-decode tokens/s at batch 1 and 16 (the variants alternate in rounds; medians and the median
-ratio to float within a round).
+memory (all params, and the leaves that get quantized) with its ratio to float, greedy decode
+tokens/s at batch 1 and 16 (the variants alternate in rounds; medians and the median ratio to
+float within a round), and what this backend compiles one int8 product to at those batches (the
+ops of the program: on XLA:CPU a "__ynn_fusion" with an s32 output is the s8 x s8 dot reading
+the int8 weight in place; a float output the size of the weight would be a dequantized copy).
 
     PYTHONPATH=. python bench/quant.py [--run runs/demo-hf/sft] [--rounds 3] [--new-tokens 64]
     PYTHONPATH=. python bench/quant.py --random d_model=2048,n_layers=24 [--dtype bfloat16]
@@ -22,6 +24,7 @@ from __future__ import annotations
 import argparse
 import json
 import pathlib
+import re
 import statistics
 import sys
 import time
@@ -36,7 +39,8 @@ from lm.config import base_config, rules_table  # noqa: E402
 from lm.infer.generate import Generator  # noqa: E402
 from lm.infer.sampling import SamplingParams  # noqa: E402
 from lm.model.build import build_model  # noqa: E402
-from lm.model.quant import CONTRACTING, quantize_for_inference, weight_bytes  # noqa: E402
+from lm.model.qdot import qdot  # noqa: E402
+from lm.model.quant import CONTRACTING, quantize, quantize_for_inference, weight_bytes  # noqa: E402
 from lm.model.transformer import init_params  # noqa: E402
 
 MODES = ("int8", "int4")
@@ -102,6 +106,24 @@ def decode_speed(built, params: dict, prompts: list, batch: int, new: int, round
         }
         for m, s in speed.items()
     }
+
+
+def product_ops(built, rows: int) -> list[str]:
+    """What this backend compiles one int8 product to (x [rows, 1, d_model] @ w_up [d_model, d_ff]
+    as the model runs it): each op of the program's entry, as `op(fusion kind) -> output`. An s8
+    operand of the dot (a "__ynn_fusion" with an s32 output on XLA:CPU) means no float weight."""
+    s = built.spec
+    q = quantize(jnp.zeros((s.d_model, s.mlp.d_ff)), 8, *CONTRACTING["w_up"])
+    x = jnp.zeros((rows, 1, s.d_model), s.dtype)
+    fn = jax.jit(lambda x, q: qdot("btd,df->btf", x, q, int_dot=s.cpu_kernels))
+    ops = []
+    for line in fn.lower(x, q).compile().as_text().split("ENTRY")[1].splitlines():
+        m = re.match(r"\s*(?:ROOT )?%\S+ = (\S+?)(?:\{[^}]*\})? (\w[\w-]*)\(", line)
+        if not m or m.group(2) in ("parameter", "constant", "bitcast", "tuple", "get-tuple-element"):
+            continue
+        kind = re.search(r'"kind":"(\w+)"', line) or re.search(r"kind=(\w+)", line)
+        ops.append(f"{m.group(2)}({kind.group(1)}) -> {m.group(1)}" if kind else f"{m.group(2)} -> {m.group(1)}")
+    return ops
 
 
 def demo(args) -> tuple[dict, dict, dict, list]:
@@ -182,6 +204,8 @@ def main():
     }
     for b, s in speeds.items():
         print(json.dumps({"batch": b, "new_tokens": args.new_tokens} | s), flush=True)
+    for b in speeds:
+        print(f"int8 product at batch {b} ({built.spec.compute_dtype}): " + "; ".join(product_ops(built, b)))
 
     print(
         f"\n{jax.devices()[0].device_kind} x{len(jax.devices())}; decode: greedy, {args.new_tokens} new tokens, "

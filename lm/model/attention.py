@@ -180,7 +180,7 @@ class Attention(nn.Module):
 
         heads = {"wq": (a.n_heads, "q_heads"), "wk": (a.n_kv_heads, "kv_heads"), "wv": (a.n_kv_heads, "kv_heads")}
         ws = [
-            param(self, name, init, (s.d_model, n, a.head_dim), ("embed", axis, "head_dim"))
+            param(self, name, init, (s.d_model, n, a.head_dim), ("embed", axis, "head_dim"), quantized=True)
             for name, (n, axis) in heads.items()
         ]
         qkv = matmuls(s, x, ["btd,dnh->btnh"] * 3, ws)  # x is kept once for the three backward products
@@ -213,7 +213,8 @@ class Attention(nn.Module):
             window = None if local is None else jnp.where(local, a.sliding_window, x.shape[1] + 1)
             y = attend(q, k, v, segment_ids, a.kernel, window, a.scale, a.softcap, self.part, local, a.sliding_window)
         y = c(y, ("batch", "length", "act_heads", None))
-        wo = param(self, "wo", out_init, (a.n_heads, a.head_dim, s.d_model), ("q_heads", "head_dim", "embed"))
+        wo_names = ("q_heads", "head_dim", "embed")
+        wo = param(self, "wo", out_init, (a.n_heads, a.head_dim, s.d_model), wo_names, quantized=True)
         if self.decode:  # heads flattened on both sides: XLA:CPU would otherwise re-lay-out wo every step
             b, t = y.shape[:2]
             out = matmul(s, "btf,fd->btd", y.reshape(b, t, -1), wo.reshape(-1, s.d_model))

@@ -1,5 +1,6 @@
 """Building blocks: logically-partitioned params, norms, MLPs, sharding constraints, and the
-matmul / norm kernels of the two paths (plain einsum + autodiff, or `lm.model.cpu_kernels`)."""
+matmul / norm kernels of the two paths (plain einsum + autodiff, or `lm.model.cpu_kernels`);
+a quantized weight's products go through `lm.model.qdot`."""
 
 from __future__ import annotations
 
@@ -13,6 +14,8 @@ from jax.sharding import Mesh, NamedSharding
 from lm.model import cpu_kernels
 from lm.model.lora import lora_delta, targeted
 from lm.model.params import param
+from lm.model.qdot import qdot
+from lm.model.qtensor import QTensor
 from lm.model.spec import ModelSpec
 
 
@@ -32,7 +35,10 @@ class Partitioning:
 
 def matmuls(spec: ModelSpec, x: jax.Array, specs, weights, out_dtype: str | None = None) -> tuple[jax.Array, ...]:
     """`jnp.einsum(s, x, w)` for each (s, w) in x's dtype with float32 accumulation; float32
-    weights are cast to x's dtype for the product and get their gradients in float32."""
+    weights are cast to x's dtype for the product and get their gradients in float32. Quantized
+    weights (QTensor) multiply through `qdot` (int8 x int8 on the CPU kernel path)."""
+    if any(isinstance(w, QTensor) for w in weights):
+        return tuple(qdot(s, x, w, out_dtype, int_dot=spec.cpu_kernels) for s, w in zip(specs, weights))
     if spec.cpu_kernels:
         return cpu_kernels.matmuls(x, specs, weights, out_dtype)
     out = jnp.dtype(out_dtype or x.dtype)
@@ -48,10 +54,10 @@ def matmul(spec: ModelSpec, s: str, x: jax.Array, w: jax.Array, out_dtype: str |
 
 def swiglu_down(spec: ModelSpec, gate: jax.Array, up: jax.Array, w: jax.Array) -> jax.Array:
     """(silu(gate) * up) @ w, the product in float32 rounded once to the compute dtype."""
-    if spec.cpu_kernels:
+    if spec.cpu_kernels and not isinstance(w, QTensor):
         return cpu_kernels.swiglu_down(gate, up, w)
     h = (nn.silu(gate.astype(jnp.float32)) * up.astype(jnp.float32)).astype(gate.dtype)
-    return jnp.einsum("btf,fd->btd", h, w.astype(gate.dtype), preferred_element_type=jnp.float32).astype(gate.dtype)
+    return qdot("btf,fd->btd", h, w, int_dot=spec.cpu_kernels)
 
 
 def scale_norm(spec: ModelSpec, x: jax.Array, scale: jax.Array) -> jax.Array:
@@ -99,7 +105,7 @@ class Mlp(nn.Module):
         names_in, names_out = ("embed", "mlp"), ("mlp", "embed")
 
         def dense_in(*names):
-            ws = [param(self, n, init, (s.d_model, s.mlp.d_ff), names_in) for n in names]
+            ws = [param(self, n, init, (s.d_model, s.mlp.d_ff), names_in, quantized=True) for n in names]
             hs = matmuls(s, x, ["btd,df->btf"] * len(names), ws)
             hs = [
                 h + lora_delta(self, s, n, x, "btd,df->btf", (s.d_model, s.mlp.d_ff), names_in) if targeted(s, n) else h
@@ -112,7 +118,7 @@ class Mlp(nn.Module):
                 ]
             return [self.part.constrain(h, ("batch", "length", "act_mlp")) for h in hs]
 
-        w_out = lambda: param(self, "w_down", out_init, (s.mlp.d_ff, s.d_model), names_out)
+        w_out = lambda: param(self, "w_down", out_init, (s.mlp.d_ff, s.d_model), names_out, quantized=True)
         if s.mlp.kind == "swiglu":
             gate, up = dense_in("w_gate", "w_up")
             y = swiglu_down(s, gate, up, w_out())

@@ -13,15 +13,16 @@ from lm.errors import UserError
 from lm.model.qtensor import QTensor
 
 
-def param(module: nn.Module, name: str, init, shape, names) -> jax.Array:
+def param(module: nn.Module, name: str, init, shape, names, quantized: bool = False) -> jax.Array | QTensor:
     """A float32 param annotated with logical axis names. A quantized one (a `QTensor` in the
-    given params) comes back dequantized to the module's compute dtype, here where it is used."""
+    given params) comes back as it is stored when the caller multiplies with it through
+    `lm.model.qdot` (`quantized=True`), else dequantized to the module's compute dtype."""
     if module.has_variable("params", name):
         stored = module.get_variable("params", name)
         if isinstance(stored, QTensor):
             if stored.shape != tuple(shape):
                 raise UserError(f"quantized param {name}: shape {stored.shape}, the model expects {tuple(shape)}")
-            return stored.dequantize(module.spec.dtype)
+            return stored if quantized else stored.dequantize(module.spec.dtype)
     return module.param(name, nn.with_logical_partitioning(init, names), shape, jnp.float32)
 
 

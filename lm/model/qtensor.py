@@ -13,8 +13,10 @@ slicing off a leading layer axis in a scan changes nothing), then its output axe
   values per byte (input 2i in the low nibble, 2i + 1 in the high one). Packing by hand keeps
   it 4 bits on every backend: XLA:CPU stores jnp.int4 in a byte per value.
 
-`lm.model.params.param` dequantizes a stored QTensor where the layer reads it, so a scanned
-model holds one layer's float weights at a time.
+A layer's matmul reads a stored QTensor as it is (`lm.model.params.param(..., quantized=True)`)
+and multiplies with it through `lm.model.qdot`, which builds no float weight; other readers get
+it dequantized where they read it. `T`, `reshape` (of the contracting axes) and `take` (rows of a
+leading axis) give the views the layers take of a float weight.
 """
 
 from __future__ import annotations
@@ -47,6 +49,42 @@ class QTensor:
     @property
     def nbytes(self) -> int:
         return int(self.values.nbytes + self.scale.nbytes)
+
+    @property
+    def T(self) -> QTensor:
+        """A 2-D weight transposed (the embedding table [vocab, d] read as the LM head [d, vocab])."""
+        if self.values.ndim != 2 or len(self.k_shape) != 1:
+            raise ValueError(f"QTensor.T: a 2-D weight with one contracting axis, not {self.shape}")
+        return QTensor(self.values.T, self.scale.T, self.bits, -1 - (2 + self.axis), self.k_shape, self.group)
+
+    def reshape(self, *shape) -> QTensor:
+        """The same weight with its contracting axes merged or split, its other axes as they are
+        (attention's output projection [heads, head_dim, d] read as [heads * head_dim, d])."""
+        full, n_k = self.shape, len(self.k_shape)
+        p = len(full) + self.axis
+        lead, outs = full[:p], full[p + n_k :]
+        shape = tuple(shape[0]) if len(shape) == 1 and isinstance(shape[0], (tuple, list)) else tuple(shape)
+        known = math.prod(n for n in shape if n != -1)
+        shape = tuple(math.prod(full) // known if n == -1 else n for n in shape)
+        k_shape = shape[len(lead) : len(shape) - len(outs)]
+        if (
+            shape[: len(lead)] != lead
+            or shape[len(shape) - len(outs) :] != outs
+            or math.prod(k_shape) != math.prod(self.k_shape)
+        ):
+            raise ValueError(f"QTensor.reshape {full} -> {shape}: only the contracting axes {self.k_shape} may change")
+        axis = -len(k_shape) - len(outs)
+        if self.bits == 4:  # stored with the contracting axes already flattened
+            return QTensor(self.values, self.scale, 4, axis, k_shape, self.group)
+        scale = self.scale.reshape(lead + (1,) * len(k_shape) + outs)
+        return QTensor(self.values.reshape(shape), scale, 8, axis, k_shape, 0)
+
+    def take(self, ids: jax.Array) -> QTensor:
+        """The entries `ids` of the first axis (a leading one: the embedding table's rows), still quantized."""
+        if len(self.shape) + self.axis < 1:
+            raise ValueError(f"QTensor.take: the first axis of {self.shape} is a contracting one")
+        take = lambda a: jnp.take(a, ids, axis=0)
+        return QTensor(take(self.values), take(self.scale), self.bits, self.axis, self.k_shape, self.group)
 
     def dequantize(self, dtype=jnp.float32) -> jax.Array:
         """The float weight (products and scaling in float32, rounded once to `dtype`)."""

@@ -1,16 +1,17 @@
 """Weight-only quantization for inference: int8 per output channel, int4 in groups of inputs.
 
 `quantize_for_inference(built, params, mode)` turns a model's float params into placed params
-whose large matmul weights are `QTensor`s (lm.model.qtensor: the layout and the dequantization);
-`lm.model.params.param` dequantizes each one to the compute dtype where its layer reads it, so
-the decoder, the KV-cache decode step and every caller of `model.apply` run on them unchanged.
+whose large matmul weights are `QTensor`s (lm.model.qtensor: the layout and the dequantization).
+The layers multiply with them through `lm.model.qdot` (int8: the scale after the dot, no float
+weight; int4 and MoE experts: dequantized where read), so the decoder, the KV-cache decode step
+and every caller of `model.apply` run on them unchanged.
 
 What is quantized (`CONTRACTING`): attention wq/wk/wv/wo, the MLP's w_gate/w_up/w_in/w_down, the
 untied LM head and the embedding table. The table is quantized per row (int4: in groups along
 d_model): tied, it is the LM head, a matmul read whole on every step; untied, it is still often
 the largest single tensor, and a row's scale serves the lookup as it serves the head (the lookup
-then dequantizes the whole table for its rows: one table-sized pass per call). Norms, biases,
-LoRA adapters, learned position tables and the scalar head stay as they are.
+takes its rows' values and scales and dequantizes those alone). Norms, biases, LoRA adapters,
+learned position tables and the scalar head stay as they are.
 
 - int8: symmetric, scale = max |w| / 127 over the contracting axes, one per output channel.
 - int4: symmetric, scale = max |w| / 7 per group of `GROUP` consecutive inputs (the contracting
@@ -192,6 +193,22 @@ def quantize_for_inference(built, params: dict, mode: str) -> dict:
         return _quantizer(bits, axis, n_k, out)(place_leaf(x, sharding))
 
     return _map_named(one, params, _subtree(built.param_shardings, params))
+
+
+def abstract_quantized(built, mode: str) -> dict:
+    """The quantized params of `built`'s model as ShapeDtypeStructs with their shardings (QTensors
+    of them for the quantized weights): a quantized program compiled ahead of time takes these."""
+    bits = bits_of(mode)
+
+    def one(path, a, sharding):
+        if path[-1] not in CONTRACTING:
+            return jax.ShapeDtypeStruct(a.shape, a.dtype, sharding=sharding)
+        q = _abstract(bits, *CONTRACTING[path[-1]], tuple(a.shape))
+        return jax.tree.map(
+            lambda x, sh: jax.ShapeDtypeStruct(x.shape, x.dtype, sharding=sh), q, quantized_sharding(q, sharding)
+        )
+
+    return _map_named(one, built.abstract_params(), built.param_shardings)
 
 
 def place_quantized_leaf(q: QTensor, sharding: NamedSharding) -> QTensor:

@@ -21,6 +21,7 @@ from lm.model.moe import MoE
 from lm.model.paged import Paging, slots_and_mask
 from lm.model.params import param
 from lm.model.pipeline import is_pipelined, pipeline_blocks
+from lm.model.qdot import take_rows
 from lm.model.rope import spec_tables
 from lm.model.spec import ModelSpec
 
@@ -113,10 +114,11 @@ class Transformer(nn.Module):
     def _embed(self, inputs, positions):
         """Token embeddings (scaled, plus learned positions where the spec says) -> (x, table)."""
         s, c = self.spec, self.part.constrain
-        embedding = param(self, "embedding", normal(s.init_std), (s.vocab_size, s.d_model), ("vocab", "embed"))
+        shape = (s.vocab_size, s.d_model)
+        embedding = param(self, "embedding", normal(s.init_std), shape, ("vocab", "embed"), quantized=True)
         # Gather the fsdp-split table first (as FSDP does for every weight); a vocab-split
         # lookup then stays local per shard instead of replicating the whole activation.
-        x = jnp.take(c(embedding, ("vocab", None)), inputs, axis=0).astype(s.dtype)
+        x = take_rows(c(embedding, ("vocab", None)), inputs, s.dtype)
         if s.embed_scale:
             x = x * jnp.asarray(s.d_model**0.5, s.dtype)
         if s.position == "learned":
@@ -178,7 +180,7 @@ class Transformer(nn.Module):
         head = (
             embedding.T
             if s.tie_embeddings
-            else param(self, "head", normal(s.init_std), (s.d_model, s.vocab_size), ("embed", "vocab"))
+            else param(self, "head", normal(s.init_std), (s.d_model, s.vocab_size), ("embed", "vocab"), quantized=True)
         )
         logits = c(matmul(s, "btd,dv->btv", x, head, out_dtype="float32"), ("batch", "length", "act_vocab"))
         logits = softcap(logits, s.final_softcap)

@@ -80,8 +80,8 @@ def test_eval_scores_the_quantized_model(export, tmp_path, capsys):  # noqa: F81
 def test_refusals(export, tmp_path, capsys):  # noqa: F811
     assert main(["export", "--params", str(export), "--quantize", "int8", "--out", str(tmp_path / "dir")]) == 2
     assert "expected a file ending in .safetensors" in capsys.readouterr().err
-    assert main(["sample", "--params", str(export), "--prompt", "x", "--quantize", "int8", "--draft", "ngram"]) == 2
-    assert "not with --draft" in capsys.readouterr().err
+    assert main(["sample", "--params", str(export), "--prompt", "x", "--quantize", "int8", "--draft", str(export)]) == 2
+    assert "not with --draft MODEL" in capsys.readouterr().err
 
 
 def test_int8_kv_pages_sample(export, capsys):  # noqa: F811

@@ -50,9 +50,9 @@ def model_params():
     return model, random_params(model, seed=3)
 
 
-def forward(model, params):
-    ids = jnp.asarray(IDS)
-    pos = jnp.broadcast_to(jnp.arange(IDS.shape[1], dtype=jnp.int32), IDS.shape)
+def forward(model, params, ids=IDS):
+    ids = jnp.asarray(ids)
+    pos = jnp.broadcast_to(jnp.arange(ids.shape[1], dtype=jnp.int32), ids.shape)
     return np.asarray(jax.jit(lambda p: model.apply({"params": p}, ids, jnp.ones_like(ids), pos))(params))
 
 

@@ -50,6 +50,17 @@ def add_model_source(p, required: bool = True, run: str = RUN_HELP, params: str 
     return src
 
 
+def add_kv_cache(p: argparse.ArgumentParser) -> None:
+    """--kv-cache, as `lm sample` and `lm serve` take it (lm.infer.engine.request.EngineConfig.kv_cache)."""
+    p.add_argument(
+        "--kv-cache",
+        choices=("int8", "fp8"),
+        default="",
+        help="the KV cache's pages as int8 (a scale per token and kv head) or float8 e4m3: about half "
+        "the cache memory of bfloat16 (default: the compute dtype)",
+    )
+
+
 def add_distributed(p: argparse.ArgumentParser) -> None:
     """The multi-host flags every verb that runs a model takes (`start_distributed` acts on them)."""
     g = p.add_argument_group(

@@ -12,7 +12,7 @@ import sys
 from lm.data.jsonl import read_jsonl
 from lm.errors import UserError
 from lm.outputs import atomic_open, check_out
-from lm.verb import add_distributed, add_model_source, is_main, start_distributed
+from lm.verb import add_distributed, add_kv_cache, add_model_source, is_main, start_distributed
 
 BATCH = 16  # prompts decoded together from a --prompts file
 DRAFT_K = 4  # tokens drafted per speculative step
@@ -56,13 +56,7 @@ def add_parser(sub) -> None:
         default="none",
         help="weight-only quantization: int8 per output channel, int4 per group of 128 inputs",
     )
-    p.add_argument(
-        "--kv-cache",
-        choices=("int8", "fp8"),
-        default="",
-        help="the KV cache's pages as int8 (a scale per token and kv head) or float8 e4m3: about half "
-        "the cache memory of bfloat16 (default: the compute dtype)",
-    )
+    add_kv_cache(p)
     p.add_argument(
         "--draft",
         metavar="WORKDIR|EXPORT|ngram",

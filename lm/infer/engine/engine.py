@@ -175,7 +175,7 @@ class Engine:
             if self.prefix is not None and self.prefix.owed:
                 src, dst = self.prefix.copies(self.paging.pages, bucket(self.prefix.owed, 8, 1 << 30))
                 self.pool = self._copy_pages(self.pool, self.place.put(src), self.place.put(dst))
-            prefilling = [r for r in self.running if r is not None and r.written < len(r.prompt)]
+            prefilling = self._prefilling()
             if prefilling:
                 self._prefill_chunks(params, prefilling)
             if not waited:
@@ -183,13 +183,17 @@ class Engine:
         if self.state["live"].any():
             self._decode_block(params)
 
+    def _prefilling(self) -> list[Request]:
+        """The running requests whose prompts are not all in the pool yet."""
+        return [r for r in self.running if r is not None and r.written < len(r.prompt)]
+
     def _admit(self) -> bool:
         """Admits what fits; True if a request waits for a prefix a running prefill is writing."""
         for r in list(self.waiting):
             if r.cancelled:
                 self.waiting.remove(r)
                 self._finish(r, "cancelled")
-        prefilling = [r for r in self.running if r is not None and r.written < len(r.prompt)]
+        prefilling = self._prefilling()
         waited, filling = False, self.prefix.filling(prefilling) if self.prefix is not None else set()
         for r in list(self.waiting):
             if None not in self.running:
@@ -268,7 +272,7 @@ class Engine:
     def _decode_block(self, params) -> None:
         cfg = self.config
         live = self.state["live"]
-        host_work = self.waiting or any(r is not None and r.written < len(r.prompt) for r in self.running)
+        host_work = self.waiting or self._prefilling()
         steps = cfg.decode_block if host_work else max(cfg.decode_block, cfg.idle_block)
         speculate = bool(cfg.speculate)
         if any(self.running[s].constraint is not None for s in np.flatnonzero(live)):

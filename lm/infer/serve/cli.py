@@ -7,7 +7,7 @@ import sys
 
 from lm.errors import UserError
 from lm.infer.serve.protocol import MAX_BODY, MAX_WAITING
-from lm.verb import add_model_source
+from lm.verb import add_kv_cache, add_model_source
 
 GRACE_S = 30.0  # after SIGTERM/SIGINT: how long running requests may take before they are aborted
 
@@ -28,13 +28,7 @@ def add_parser(sub) -> None:
     p.add_argument("--quantize", choices=("none", "int8", "int4"), default="none", help="weight quantization")
     p.add_argument("--slots", type=int, default=16, help="requests decoded together")
     p.add_argument("--page-size", type=int, default=16, help="positions per KV-cache page")
-    p.add_argument(
-        "--kv-cache",
-        choices=("int8", "fp8"),
-        default="",
-        help="the KV cache's pages as int8 (a scale per token and kv head) or float8 e4m3: about half "
-        "the cache memory of bfloat16 (default: the compute dtype)",
-    )
+    add_kv_cache(p)
     p.add_argument(
         "--speculate",
         type=int,

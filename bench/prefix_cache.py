@@ -5,9 +5,11 @@ The small Llama of decode_throughput.py (random weights, greedy). For each share
 tail; an engine with `EngineConfig(prefix_cache=...)` on or off has already served one request with
 that prefix, then a new request's time to its first token (max_new_tokens=1: prefill and the
 first pending token) is measured. A group: G samples of one prompt admitted together, each
-`--new` tokens (the later samples wait for the first prefill, then copy its pages). Rounds alternate
-cache on and off; medians, the on/off ratio and the hit rate (prompt tokens not prefilled) are
-printed. Asserts that both give the same greedy tokens; nothing about time.
+`--new` tokens (the later samples wait for the first prefill, then copy its pages into their own
+slot-major pages, or in a shared pool (`EngineConfig.pages` > 0) read the very same pages: the
+peak of pages held shows what sharing saves). Rounds alternate cache on and off; medians, the
+on/off ratio and the hit rate (prompt tokens not prefilled) are printed. Asserts that all give the
+same greedy tokens; nothing about time.
 
     PYTHONPATH=. python bench/prefix_cache.py [--prompt 512] [--rounds 3] [--group 8] [--new 32]
 """
@@ -35,8 +37,11 @@ from lm.infer.sampling import SamplingParams  # noqa: E402
 from lm.model.transformer import Transformer, init_params  # noqa: E402
 
 
-def timed(engine, params, prompts, new: int):
-    requests = [Request(list(p), SamplingParams(max_new_tokens=new, temperature=0), eos=(-1,)) for p in prompts]
+def timed(engine, params, prompts, new: int, peak=None):
+    """(seconds, greedy ids); `peak` (a list) gets the most pages held while tokens came out."""
+    held = lambda *_: peak.append(engine.allocator.capacity - engine.allocator.free)  # noqa: E731
+    sampling = SamplingParams(max_new_tokens=new, temperature=0)
+    requests = [Request(list(p), sampling, eos=(-1,), on_tokens=held if peak is not None else None) for p in prompts]
     start = time.perf_counter()
     engine.run(params, requests)
     return time.perf_counter() - start, [r.ids for r in requests]
@@ -79,21 +84,26 @@ def main() -> None:
             assert ids == want, "the cache changed a greedy token"
         off, on = statistics.median(times[False]), statistics.median(times[True])
         print(f"| {share:.0%} | {1e3 * off:.1f} ms | {1e3 * on:.1f} ms | {on / off:.2f} | {hits[-1]:.0%} |")
-    group = {False: [], True: []}
+    pages = a.group * engines[True].table_width + 1  # a shared pool as large as the slot-major one
+    pooled = Engine(model, max_len=model.spec.max_seq_len, config=EngineConfig(slots=a.group, pages=pages))
+    runs = {"cache off": engines[False], "cache on (copies)": engines[True], "cache on, shared pool": pooled}
+    group, peaks = {name: [] for name in runs}, {name: [] for name in runs}
     for round_ in range(a.rounds + 1):
         prompt = tokens(a.prompt)
-        for on, engine in engines.items():
-            took, ids = timed(engine, params, [prompt] * a.group, a.new)
-            group[on].append(took) if round_ else None
-            want = ids if not on else want
-        assert ids == want, "the cache changed a greedy token"
-    off, on = statistics.median(group[False]), statistics.median(group[True])
+        for name, engine in runs.items():
+            took, ids = timed(engine, params, [prompt] * a.group, a.new, peaks[name])
+            group[name].append(took) if round_ else None
+            want = ids if name == "cache off" else want
+            assert ids == want, "the cache changed a greedy token"
     rate = a.group * a.new
-    print(
-        f"\ngroup of {a.group} samples of one {a.prompt}-token prompt, {a.new} new tokens each: "
-        f"cache off {1e3 * off:.0f} ms ({rate / off:.0f} tok/s), on {1e3 * on:.0f} ms ({rate / on:.0f} tok/s): "
-        f"on/off {on / off:.2f}; hit rate over the run {engines[True].prefix.hit_rate:.0%}"
-    )
+    print(f"\ngroup of {a.group} samples of one {a.prompt}-token prompt, {a.new} new tokens each:")
+    print("| engine | time | tok/s | vs cache off | most pages held | hit rate |")
+    print("|---|---:|---:|---:|---:|---:|")
+    off = statistics.median(group["cache off"])
+    for name, engine in runs.items():
+        t = statistics.median(group[name])
+        hit = f"{engine.prefix.hit_rate:.0%}" if engine.prefix is not None else "-"
+        print(f"| {name} | {1e3 * t:.0f} ms | {rate / t:.0f} | {t / off:.2f} | {max(peaks[name])} | {hit} |")
 
 
 if __name__ == "__main__":

@@ -203,9 +203,8 @@ class Engine:
                 waited = True
                 continue  # a running prefill is writing more of its prefix: it waits for it to be cached
             slot = self.running.index(None)
-            if found:
-                self.allocator.touch(found)  # the pages to copy from are handed out last
-            pages = self.allocator.take(len(r.prompt) + r.sampling.max_new_tokens, slot)
+            shared = () if self.slot_major else found  # slot-major: the prefix is copied into the slot's pages
+            pages = self.allocator.take(len(r.prompt) + r.sampling.max_new_tokens, slot, shared)
             if pages is None:
                 break  # the oldest admissible request waits for pages; the ones behind it keep their order
             self.waiting.remove(r)

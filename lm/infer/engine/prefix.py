@@ -6,12 +6,15 @@ prompt).
 A page's key hashes the key of the page before it and the page's own tokens (a hash chain), so one
 key names a whole prefix, never a page's tokens alone. A request takes the longest chain of its
 prompt's full pages found here, leaving at least its last prompt token to prefill (the first new
-token is chosen from that position's logits). The engine copies those pages into the request's own
-pages on the device, all of a step's admissions in one gather and one scatter: a copy rather than a
-shared page, so a slot-major pool is still read in place by the decode steps, and a request never
-depends on another's pages once admitted. A page is forgotten when it is handed to a request (it
-will be overwritten); the engine clears everything when the params change (keys are valid for one
-set of params).
+token is chosen from that position's logits).
+
+In a shared pool (`EngineConfig.pages` > 0) the request's page table points at those very pages:
+they are read-only (a request writes only positions past its cached prefix), held by every
+request that reads them (lm.infer.engine.pages counts holders) and free only when none does; a
+free page keeps its key until it is handed out again, least recently used first. In the
+slot-major pool (a slot's pages are its own, read in place by the decode steps) the engine copies
+them into the request's pages instead, all of a step's admissions in one gather and one scatter.
+The engine clears everything when the params change (keys are valid for one set of params).
 """
 
 from __future__ import annotations
@@ -118,10 +121,10 @@ class PrefixReuse(PrefixCache):
         return None if len(found) < len(keys) and keys[len(found)] in filling else found
 
     def take(self, r, found: list[int], filling: set) -> None:
-        """Starts admitted request `r` (its pages given) after the prefix in pages `found`,
-        copied into its own; its other prompt pages join `filling`."""
+        """Starts admitted request `r` (its pages given) after the prefix in pages `found`: its
+        first pages if shared, else copied into them; its other prompt pages join `filling`."""
         self.count(len(r.prompt), len(found))
-        moved = [(src, dst) for src, dst in zip(found, r.pages) if src != dst]  # a slot's own earlier prefix stays
+        moved = [(src, dst) for src, dst in zip(found, r.pages) if src != dst]  # none if shared or the slot's own
         self.forget([dst for _, dst in moved] + r.pages[len(found) :])  # about to be overwritten
         self._copies += moved
         r.written = len(found) * self.page_size

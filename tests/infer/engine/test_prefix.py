@@ -126,3 +126,26 @@ def test_the_copier_reads_every_page_before_writing_any():
         want = was.copy()
         want[..., rows(2), :], want[..., rows(3), :] = was[..., rows(1), :], was[..., rows(2), :]
         np.testing.assert_array_equal(got, want)
+
+
+def test_a_shared_pool_holds_a_cached_prefix_once_for_every_request_reading_it():
+    """Three requests of one prompt need 3 x 5 pages; 13 free pages hold them all at once only if
+    the 3 pages of their shared prefix are held once (by every request reading them) and not copied."""
+    model, params = model_params()
+    prompts = [SYSTEM + [i] for i in range(3)]  # 14 tokens + 6 new: 5 pages each, 3 of them the prefix
+    want = run(engine(False, pages=14), params, prompts)
+    e = engine(True, pages=14)
+    seen = []
+
+    def look(ids, logps):  # while tokens come out: who runs, which pages they share
+        running = [r for r in e.running if r is not None]
+        shared = set.intersection(*(set(r.pages) for r in running))
+        seen.append((len(running), shared, [e.allocator.holders(p) for p in shared], e.allocator.free))
+
+    requests = [Request(list(p), GREEDY, eos=(-1,), on_tokens=look) for p in prompts]
+    assert_same(e.run(params, requests), want)
+    running, shared, holders, free = max(seen, key=lambda x: x[0])
+    assert running == 3 and len(shared) == 3 and holders == [3, 3, 3] and free == 13 - 3 - 3 * 2
+    assert e.prefix.stats["hit_tokens"] == 2 * 3 * 4 and e.prefix.owed == 0
+    assert e.allocator.free == e.allocator.capacity and all(e.allocator.holders(p) == 0 for p in range(14))
+    assert len(e.prefix) >= 3  # released pages keep their keys until they are handed out again

@@ -12,25 +12,40 @@ With a tokenizer that has the chat roles as control tokens (ours, see
 tokenizers (the byte tokenizer, foreign .model files) get the same strings encoded
 as plain text.
 
+Tools (OpenAI's function definitions) are listed in the system turn, one JSON definition a
+line; an assistant's calls follow its content as `<tool_call>\\n{"name": ..., "arguments": {...}}
+\\n</tool_call>` blocks (the Hermes/Qwen syntax, which lm.infer.serve.tools parses back), and a
+tool's result is a `<|tool|>` turn. A tokenizer trained before `<|tool|>` was a control token
+writes that one marker as plain text.
+
 Markers, separators and contents are encoded separately and concatenated, so a
 token never straddles a marker and a content, and the loss mask is exact: 1 on the
-assistant's content and its end marker (the model must learn to stop), 0 elsewhere.
+assistant's content (its calls included) and its end marker (the model must learn to stop),
+0 elsewhere (tool results included).
 """
 
 from __future__ import annotations
 
+import json
 import sys
 
 import numpy as np
 
-from lm.data.messages import ROLES, TRAIN_ON, check_messages  # noqa: F401 (check_messages: re-exported)
+from lm.data.messages import TRAIN_ON, check_messages, tool_calls  # noqa: F401 (check_messages: re-exported)
 from lm.data.spm import CHAT_TOKENS
 from lm.errors import UserError
 
 END = "<|end|>"
 VERSION = 1  # bump when the rendered ids change for the same messages (cache keys use it)
 
-_MARKERS = dict(zip(ROLES + ("end",), CHAT_TOKENS))
+_MARKERS = dict(zip(("system", "user", "assistant", "end", "tool"), CHAT_TOKENS))
+_REQUIRED = 4  # the tool marker may be missing from a tokenizer (trained before it): plain text then
+CALL_OPEN, CALL_CLOSE = "<tool_call>\n", "\n</tool_call>"
+TOOLS_INTRO = "You may call these tools, given one JSON definition per line:"
+TOOLS_HOW = (
+    'To call one, write <tool_call>\n{"name": NAME, "arguments": {...}}\n</tool_call> (one block per call); '
+    "its result comes back in a tool turn."
+)
 _warned: set[str] = set()  # tokenizers already reported as lacking chat tokens
 
 
@@ -38,6 +53,8 @@ class ChatTemplate:
     """Renders conversations for one tokenizer. Build it with `for_tokenizer`."""
 
     key = VERSION  # names the rendering in cache keys
+    # what lm.infer.serve.tools reads a tool-call syntax from (a jinja template's text for HF templates)
+    source = "lm chat template: tools in the system turn, calls as <tool_call> JSON </tool_call>, <|tool|> results"
 
     def __init__(self, tok, markers: dict[str, np.ndarray], special: bool):
         self.tok, self.special = tok, special
@@ -56,7 +73,11 @@ class ChatTemplate:
             return HFChatTemplate(tok, source)
         ids = _special_ids(tok)
         if ids is not None:
-            return cls(tok, {k: np.array([i], np.int32) for k, i in zip(_MARKERS, ids)}, special=True)
+            markers = {
+                k: np.array([i], np.int32) if i is not None else _ids(tok.encode(t))
+                for (k, t), i in zip(_MARKERS.items(), ids)
+            }
+            return cls(tok, markers, special=True)
         name = getattr(tok, "name", type(tok).__name__)
         if tok.fingerprint() not in _warned:
             _warned.add(tok.fingerprint())
@@ -88,26 +109,27 @@ class ChatTemplate:
             (self.newline, 0.0),
         ]
 
-    def render(self, messages: list[dict], train_on: str = "all") -> tuple[np.ndarray, np.ndarray]:
+    def _turns(self, messages: list[dict], trained) -> list[tuple[np.ndarray, float]]:
+        parts = [(self.bos, 0.0)]
+        for i, m in enumerate(messages):
+            parts += self._turn(m["role"], content_text(m, i), 1.0 if trained(i, m) else 0.0)
+        return parts
+
+    def render(self, messages: list[dict], train_on: str = "all", tools=None) -> tuple[np.ndarray, np.ndarray]:
         """(ids int32[n], weights float32[n]): weight 1 on the trained assistant turns' content and
         end marker ("all": every assistant turn, "last": the last one), 0 elsewhere."""
         if train_on not in TRAIN_ON:
             raise UserError(f"chat template: train_on='{train_on}'; expected one of {', '.join(TRAIN_ON)}")
         check_messages(messages, for_training=True)
+        messages = with_tools(messages, tools)
         last = max(i for i, m in enumerate(messages) if m["role"] == "assistant")
-        parts = [(self.bos, 0.0)]
-        for i, m in enumerate(messages):
-            trained = m["role"] == "assistant" and (train_on == "all" or i == last)
-            parts += self._turn(m["role"], m["content"], 1.0 if trained else 0.0)
-        return _join(parts)
+        return _join(self._turns(messages, lambda i, m: m["role"] == "assistant" and (train_on == "all" or i == last)))
 
-    def prompt(self, messages: list[dict]) -> np.ndarray:
-        """The conversation (ending with a user turn) and an open assistant turn: generation
-        continues with the answer."""
+    def prompt(self, messages: list[dict], tools: list[dict] | None = None) -> np.ndarray:
+        """The conversation (ending with a user turn or a tool's result) and an open assistant
+        turn: generation continues with the answer. tools: OpenAI's function definitions."""
         check_messages(messages, for_prompt=True)
-        parts = [(self.bos, 0.0)]
-        for m in messages:
-            parts += self._turn(m["role"], m["content"], 0.0)
+        parts = self._turns(with_tools(messages, tools), lambda i, m: False)
         parts += [(self.markers["assistant"], 0.0), (self.newline, 0.0)]
         return _join(parts)[0]
 
@@ -120,9 +142,9 @@ class ChatTemplate:
 
 
 def prompt_ids(template, conversation, tools: list[dict] | None = None) -> list[int]:
-    """The ONE chat-prompt encoder: a conversation (messages ending with a user turn, or a string:
-    one user turn) -> the prompt ids with the template's generation prompt. Bad messages: ValueError.
-    tools (OpenAI's function definitions): only a model's own template (HFChatTemplate) renders them."""
+    """The ONE chat-prompt encoder: a conversation (messages ending with a user turn or a tool's
+    result, or a string: one user turn) -> the prompt ids with the template's generation prompt.
+    tools: OpenAI's function definitions. Bad messages: ValueError."""
     messages = [{"role": "user", "content": conversation}] if isinstance(conversation, str) else conversation
     return [int(t) for t in (template.prompt(messages) if tools is None else template.prompt(messages, tools))]
 
@@ -140,14 +162,39 @@ def chat_prompts(tokenizer, conversations: list) -> tuple[list[list[int]], ChatT
     return out, template
 
 
-def _special_ids(tok) -> list[int] | None:
-    """The chat tokens' control ids, or None if the tokenizer lacks any of them."""
+def _special_ids(tok) -> list[int | None] | None:
+    """The chat tokens' control ids, or None if the tokenizer lacks one of the first four (a
+    missing tool marker is None: written as plain text)."""
     if not hasattr(tok, "special_id"):
         return None
-    try:
-        return [tok.special_id(t) for t in CHAT_TOKENS]
-    except UserError:
-        return None
+    ids = []
+    for i, t in enumerate(CHAT_TOKENS):
+        try:
+            ids.append(tok.special_id(t))
+        except UserError:
+            if i < _REQUIRED:
+                return None
+            ids.append(None)
+    return ids
+
+
+def with_tools(messages: list[dict], tools) -> list[dict]:
+    """The messages with the tools' definitions in the system turn (a new first turn if none)."""
+    if not tools:
+        return messages
+    listed = "\n".join([TOOLS_INTRO] + [json.dumps(t, ensure_ascii=False) for t in tools] + [TOOLS_HOW])
+    if messages[0]["role"] == "system":
+        return [dict(messages[0], content=messages[0]["content"] + "\n\n" + listed)] + messages[1:]
+    return [{"role": "system", "content": listed}] + messages
+
+
+def content_text(m: dict, i: int = 0) -> str:
+    """A message's text as our template writes it: an assistant's calls after its content."""
+    calls = [
+        CALL_OPEN + json.dumps({"name": name, "arguments": args}, ensure_ascii=False) + CALL_CLOSE
+        for name, args in tool_calls(m, i)
+    ]
+    return "\n".join(([m["content"]] if m["content"] else []) + calls)
 
 
 def _ids(x) -> np.ndarray:

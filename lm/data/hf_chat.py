@@ -23,7 +23,7 @@ from datetime import datetime
 
 import numpy as np
 
-from lm.data.messages import ROLES, TRAIN_ON, check_messages
+from lm.data.messages import TRAIN_ON, check_messages
 from lm.errors import UserError
 
 VERSION = 1  # bump when the rendered ids or weights change for the same template and messages
@@ -196,10 +196,7 @@ class HFChatTemplate:
         """The conversation (ending with a user turn, or with tools a tool turn) and the template's
         generation prompt. tools: OpenAI's function definitions, passed as transformers'
         apply_chat_template(tools=...) passes them; turns may then hold tool calls and results."""
-        if tools is None and not any(m.get("tool_calls") or m.get("role") == "tool" for m in messages):
-            check_messages(messages, for_prompt=True)
-        else:
-            _check_tool_turns(messages)
+        check_messages(messages, for_prompt=True)
         return np.asarray(self.tok.encode(self._text(messages, True, tools)), np.int32)
 
     def answer_text(self, ids) -> str:
@@ -221,22 +218,6 @@ class HFChatTemplate:
             if found:
                 return (min(found)[2],)
         return tuple(self._specials[t] for t in END_OF_TURN if t in self._specials and t in self._source)
-
-
-def _check_tool_turns(messages) -> None:
-    """check_messages for a conversation with tools: a tool role, assistant turns of calls only
-    (empty content), and a tool result may end the prompt. ValueError naming the first bad turn."""
-    if not isinstance(messages, list) or not messages or not all(isinstance(m, dict) for m in messages):
-        raise ValueError("'messages' must be a non-empty list of objects")
-    for i, m in enumerate(messages):
-        role, content = m.get("role"), m.get("content")
-        if role not in ROLES + ("tool",):
-            raise ValueError(f"messages[{i}]: role {role!r} is not one of {', '.join(ROLES)}, tool")
-        blank_ok = role == "tool" or (role == "assistant" and m.get("tool_calls"))
-        if not isinstance(content, str) or not (content or blank_ok):
-            raise ValueError(f"messages[{i}] ({role}): content must be a non-empty string")
-    if messages[-1]["role"] not in ("user", "tool"):
-        raise ValueError(f"the last message has role '{messages[-1]['role']}'; expected a user or tool turn")
 
 
 def _line(e: Exception) -> str:

@@ -1,8 +1,16 @@
-"""Conversations as every chat template takes them: roles, what to train on, and validation."""
+"""Conversations as every chat template takes them: roles, tool calls, what to train on, and validation.
+
+Messages follow OpenAI's chat format: {"role", "content"}, where an assistant turn may also hold
+`tool_calls` ([{"type": "function", "id": ..., "function": {"name": ..., "arguments": {...} or a
+JSON string}}]; its content may then be empty) and a `tool` turn holds a tool's result (its
+content may be empty; `tool_call_id` and `name` are passed to the template as given).
+"""
 
 from __future__ import annotations
 
-ROLES = ("system", "user", "assistant")
+import json
+
+ROLES = ("system", "user", "assistant", "tool")
 TRAIN_ON = ("all", "last")
 
 
@@ -23,13 +31,47 @@ def check_messages(messages, *, for_training: bool = False, for_prompt: bool = F
                 f"messages[{i}] ({m['role']}): content is {type(content).__name__} "
                 f"{_short(content)}; expected a non-empty string"
             )
-        if not content:
+        if m.get("tool_calls") is not None:
+            if m["role"] != "assistant":
+                raise ValueError(f"messages[{i}] ({m['role']}): only an assistant turn holds tool_calls")
+            tool_calls(m, i)
+        if not content and not (m["role"] == "tool" or m.get("tool_calls")):
             raise ValueError(f"messages[{i}] ({m['role']}): content is empty; expected a non-empty string")
     roles = [m["role"] for m in messages]
     if for_training and "assistant" not in roles:
         raise ValueError(f"no assistant turn (roles: {', '.join(roles)}); expected at least one to train on")
-    if for_prompt and roles[-1] != "user":
-        raise ValueError(f"the last message has role '{roles[-1]}'; expected a user turn to end a prompt")
+    if for_prompt and roles[-1] not in ("user", "tool"):
+        raise ValueError(
+            f"the last message has role '{roles[-1]}'; expected a user turn (or a tool result) to end a prompt"
+        )
+
+
+def tool_calls(message: dict, i: int = 0) -> list[tuple[str, dict]]:
+    """(name, arguments) of each call of an assistant turn's `tool_calls` (OpenAI's shape; the
+    arguments an object or a JSON string of one). ValueError naming the bad call."""
+    calls = message.get("tool_calls") or []
+    if not isinstance(calls, list):
+        raise ValueError(f"messages[{i}]: tool_calls is {type(calls).__name__}; expected a list")
+    out = []
+    for j, call in enumerate(calls):
+        fn = call.get("function") if isinstance(call, dict) else None
+        name = fn.get("name") if isinstance(fn, dict) else None
+        if not isinstance(name, str) or not name:
+            raise ValueError(
+                f"messages[{i}].tool_calls[{j}]: expected {{'function': {{'name': ..., 'arguments': ...}}}}"
+            )
+        args = fn.get("arguments", {})
+        if isinstance(args, str):
+            try:
+                args = json.loads(args) if args.strip() else {}
+            except json.JSONDecodeError as e:
+                raise ValueError(f"messages[{i}].tool_calls[{j}] ({name}): arguments are not JSON ({e})") from None
+        if not isinstance(args, dict):
+            raise ValueError(
+                f"messages[{i}].tool_calls[{j}] ({name}): arguments are {_short(args)}; expected an object"
+            )
+        out.append((name, args))
+    return out
 
 
 def _short(value, limit: int = 40) -> str:

@@ -28,7 +28,7 @@ import numpy as np
 from lm.errors import UserError
 from lm.outputs import write_bytes
 
-CHAT_TOKENS = ("<|system|>", "<|user|>", "<|assistant|>", "<|end|>")
+CHAT_TOKENS = ("<|system|>", "<|user|>", "<|assistant|>", "<|end|>", "<|tool|>")
 SPACE_MARK = "\u2581"  # how sentencepiece spells a space inside its pieces
 # Fixed ids for models we train: unk, bos, eos, pad first, then the chat roles.
 UNK_ID, BOS_ID, EOS_ID, PAD_ID = 0, 1, 2, 3

@@ -1,6 +1,7 @@
 """The chat template: ids and loss weights against masks written out by hand, control-token
 markers with a trained sentencepiece model, prompts, stops, and message validation."""
 
+import json
 import sysconfig
 from pathlib import Path
 
@@ -172,3 +173,101 @@ def test_a_prompt_must_end_with_a_user_turn():
     with pytest.raises(ValueError, match="the last message has role .assistant.; expected a user turn"):
         template.prompt(CONVO)
     template.prompt(CONVO[:2])  # no assistant turn needed
+
+
+WEATHER = {
+    "type": "function",
+    "function": {
+        "name": "weather",
+        "description": "Today's weather in a city",
+        "parameters": {"type": "object", "properties": {"city": {"type": "string"}}, "required": ["city"]},
+    },
+}
+TOOL_CONVO = [
+    {"role": "user", "content": "Paris?"},
+    {
+        "role": "assistant",
+        "content": "",
+        "tool_calls": [
+            {"type": "function", "id": "c1", "function": {"name": "weather", "arguments": '{"city": "Paris"}'}}
+        ],
+    },
+    {"role": "tool", "tool_call_id": "c1", "content": "rain"},
+    {"role": "assistant", "content": "It rains."},
+]
+
+
+def test_tools_calls_and_results_with_plain_text_markers():
+    """Tools listed in a system turn, a call as a <tool_call> block (trained), a result as a tool turn (not)."""
+    template = ChatTemplate.for_tokenizer(ByteTokenizer())
+    ids, weights = template.render(TOOL_CONVO, tools=[WEATHER])
+    listed = "\n".join([chat.TOOLS_INTRO, json.dumps(WEATHER), chat.TOOLS_HOW])
+    call = '<tool_call>\n{"name": "weather", "arguments": {"city": "Paris"}}\n</tool_call>'
+    want_ids, want_weights = by_hand(
+        [
+            (f"<|system|>\n{listed}<|end|>\n", 0),
+            ("<|user|>\nParis?<|end|>\n", 0),
+            ("<|assistant|>\n", 0),
+            (call + "<|end|>", 1),
+            ("\n<|tool|>\nrain<|end|>\n", 0),
+            ("<|assistant|>\n", 0),
+            ("It rains.<|end|>", 1),
+            ("\n", 0),
+        ]
+    )
+    np.testing.assert_array_equal(ids, want_ids)
+    np.testing.assert_array_equal(weights, want_weights)
+    prompt = template.prompt(TOOL_CONVO[:3], tools=[WEATHER])  # a tool's result ends a prompt
+    np.testing.assert_array_equal(prompt, ids[: len(prompt)])
+    assert ByteTokenizer().decode(prompt[-len("<|assistant|>\n") :]) == "<|assistant|>\n"
+    system = [{"role": "system", "content": "Be brief."}]  # tools join an existing system turn
+    text = ByteTokenizer().decode(template.prompt(system + TOOL_CONVO[:1], tools=[WEATHER]))
+    assert text.startswith(f"<|system|>\nBe brief.\n\n{listed}<|end|>\n<|user|>\nParis?")
+
+
+def test_our_calls_parse_back_with_the_servers_syntax():
+    from lm.infer.serve.tools import ToolSyntax, parse
+
+    syntax = ToolSyntax.of(ChatTemplate.source, {})
+    assert syntax.renders and syntax.family.name == "hermes"
+    content, calls = parse(syntax.family, "Let me look.\n" + chat.content_text(TOOL_CONVO[1]), {"weather"})
+    assert content.strip() == "Let me look."
+    assert [(c["function"]["name"], json.loads(c["function"]["arguments"])) for c in calls] == [
+        ("weather", {"city": "Paris"})
+    ]
+
+
+def test_the_tool_marker_is_one_id_and_plain_text_for_a_tokenizer_without_it(spm_tok):
+    tool = spm_tok.special_id("<|tool|>")
+    ids = ChatTemplate.for_tokenizer(spm_tok).prompt(TOOL_CONVO[:3])
+    assert list(ids).count(tool) == 1
+
+    class Older:  # a tokenizer trained before <|tool|> was a control token
+        def __getattr__(self, name):
+            return getattr(spm_tok, name)
+
+        def special_id(self, token):
+            if token == "<|tool|>":
+                raise UserError("no <|tool|>")
+            return spm_tok.special_id(token)
+
+    template = ChatTemplate.for_tokenizer(Older())
+    assert template.special and template.markers["user"].tolist() == [spm_tok.special_id("<|user|>")]
+    assert template.markers["tool"].tolist() == list(spm_tok.encode("<|tool|>"))
+
+
+@pytest.mark.parametrize(
+    "message, error",
+    [
+        ({"role": "user", "content": "x", "tool_calls": []}, r"only an assistant turn holds tool_calls"),
+        ({"role": "assistant", "content": "", "tool_calls": [{"function": {}}]}, r"tool_calls\[0\]: expected"),
+        (
+            {"role": "assistant", "content": "", "tool_calls": [{"function": {"name": "f", "arguments": "{x"}}]},
+            r"tool_calls\[0\] \(f\): arguments are not JSON",
+        ),
+        ({"role": "assistant", "content": ""}, r"content is empty"),
+    ],
+)
+def test_bad_tool_turns_name_the_call(message, error):
+    with pytest.raises(ValueError, match=error):
+        chat.check_messages([{"role": "user", "content": "q"}, message], for_training=True)

@@ -101,8 +101,8 @@ def test_digits_split(tok):
 
 
 def test_special_id_missing_names_token(tok):
-    with pytest.raises(UserError, match=re.escape("<|tool|>")):
-        tok.special_id("<|tool|>")
+    with pytest.raises(UserError, match=re.escape("<|nope|>")):
+        tok.special_id("<|nope|>")
 
 
 def test_retrain_is_byte_identical(tok, tmp_path):

@@ -209,7 +209,7 @@ BAD = [
     ('{"text": "hi"}', r"keys \['text'\]; expected 'messages'"),
     (
         '{"messages": [{"role": "bot", "content": "x"}, {"role": "assistant", "content": "y"}]}',
-        r"messages\[0\]: role 'bot' is not one of system, user, assistant",
+        r"messages\[0\]: role 'bot' is not one of system, user, assistant, tool",
     ),
     (
         '{"messages": [{"role": "user", "content": "x"}, {"role": "assistant", "content": ""}]}',

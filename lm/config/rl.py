@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import dataclasses
+import urllib.parse
 
 from lm.config.core import from_section, require
 
@@ -23,6 +24,11 @@ from lm.config.core import from_section, require
 # sequence (GSPO: one ratio per response, exp of the mean log-ratio). eval_prompts held-out
 # prompts are answered greedily at every eval. speculate: prompt-lookup drafts per response and
 # decode step while sampling (0: off; the responses' distribution is unchanged).
+# reward_url: an HTTP endpoint scoring each rollout batch (lm.train.reward_http), times
+# reward_weight; reward_timeout seconds per request, reward_retries more tries (backoff) on
+# connection errors, timeouts, 5xx and 429. max_reward_failures: the share of rollouts whose
+# reward may fail (endpoint down after its retries, or null rows; they leave the update) before
+# the run stops; 0 stops at the first.
 DEFAULTS = dict(
     algo="grpo",
     prompts_per_step=8,
@@ -34,6 +40,11 @@ DEFAULTS = dict(
     reward_model="",
     reward_model_weight=1.0,
     truncation_penalty=0.0,
+    reward_url="",
+    reward_weight=1.0,
+    reward_timeout=60.0,
+    reward_retries=3,
+    max_reward_failures=0.05,
     epochs=1,
     minibatches=1,
     beta=0.04,
@@ -122,3 +133,28 @@ def check(c) -> None:
     )
     require(0 < r.top_p <= 1, "rl.top_p", r.top_p, "expected a fraction in (0, 1]")
     require(0 <= r.gamma <= 1 and 0 <= r.lam <= 1, "rl.gamma/rl.lam", (r.gamma, r.lam), "expected values in [0, 1]")
+    check_rewards(r)
+
+
+def check_rewards(r) -> None:
+    """The endpoint's keys and the failure share."""
+    if r.reward_url:
+        parts = urllib.parse.urlsplit(r.reward_url)
+        try:
+            port_ok = parts.port is None or parts.port > 0
+        except ValueError:  # a port that is not a number
+            port_ok = False
+        require(
+            parts.scheme in ("http", "https") and bool(parts.hostname) and port_ok,
+            "rl.reward_url",
+            r.reward_url,
+            "expected an http:// or https:// URL (or '' for none)",
+        )
+    require(r.reward_timeout > 0, "rl.reward_timeout", r.reward_timeout, "expected seconds > 0")
+    require(r.reward_retries >= 0, "rl.reward_retries", r.reward_retries, "expected an integer >= 0")
+    require(
+        0 <= r.max_reward_failures <= 1,
+        "rl.max_reward_failures",
+        r.max_reward_failures,
+        "expected a share in [0, 1] of the rollouts whose reward may fail",
+    )

@@ -12,9 +12,19 @@ response texts; columns: every other key of the prompt lines, one list per key (
 `rl.reward_model` (an `lm reward` run or export) adds its score of the whole conversation,
 times `rl.reward_model_weight`. Each source's raw rewards are logged as `reward/<name>`.
 
+`rl.reward_url` adds an HTTP endpoint's rewards (lm.train.reward_http), times `rl.reward_weight`,
+logged as `reward/http`.
+
 A function that raises stops the run with its own traceback; to name the completion that made it
 raise, it is then called again on each completion alone. A value that is not a finite number, or
 a list of the wrong length, stops the run naming the completion or the counts.
+
+Rewards from outside fail in ways no code of the user's can fix: an endpoint that stays down
+after its retries, or that answers null for a row. Such a row's reward is NaN here, never a
+stand-in 0 (a fake 0 would shift its group's mean and std): the row is left out of the update
+(lm.train.rl_step), counted per source, and `RewardFailures` stops the run once the share of
+failed rollouts passes `rl.max_reward_failures`. A failed source of weight 0 (logged only)
+excludes no row.
 """
 
 from __future__ import annotations
@@ -30,6 +40,9 @@ from lm.config.userfn import load_function
 from lm.errors import UserError
 from lm.infer.score import RewardScorer
 from lm.store.load import load_init
+from lm.train.reward_http import HttpReward
+
+HTTP_NAME = "http"  # the endpoint's source name: reward/http
 
 
 @dataclasses.dataclass
@@ -37,7 +50,8 @@ class RewardFn:
     name: str
     fn: Callable
     weight: float
-    target: str = ""  # as written in rl.rewards (module:function or file.py:function)
+    target: str = ""  # as written in rl.rewards (module:function or file.py:function), or the URL
+    external: bool = False  # a service (lm.train.reward_http): None rows fail, its UserErrors pass through
 
     def label(self) -> str:
         return f"'{self.name}'" + (f" ({self.target})" if self.target and self.target != self.name else "")
@@ -71,15 +85,29 @@ class Rewards:
         model=None,
     ):
         if not functions and scorer is None and model is None:
-            raise UserError("rl: no reward; set rl.rewards (module:function) and/or rl.reward_model")
+            raise UserError("rl: no reward; set rl.rewards (module:function), rl.reward_url and/or rl.reward_model")
+        names = [f.name for f in functions] + (["reward_model"] if scorer is not None or model is not None else [])
+        twice = sorted({n for n in names if names.count(n) > 1})
+        if twice:
+            raise UserError(f"rl.rewards: two reward sources named {twice[0]!r}; each is logged as reward/<name>")
         self.functions, self.scorer, self.scorer_weight = functions, scorer, scorer_weight
         self.truncation_penalty, self.model = truncation_penalty, model
+        self.errors: dict[str, str] = {}  # why each source's rows failed in the last call
 
     @classmethod
     def from_config(cls, r) -> Rewards:
-        """The functions (imported now) and the reward model (read now, placed by `place`)."""
+        """The functions (imported now), the endpoint and the reward model (read now, placed by `place`)."""
         model = load_init(r.reward_model) if r.reward_model else None
-        return cls(parse_rewards(r.rewards), None, r.reward_model_weight, r.truncation_penalty, model)
+        functions = parse_rewards(r.rewards)
+        if r.reward_url:
+            endpoint = HttpReward(r.reward_url, r.reward_timeout, r.reward_retries)
+            functions.append(RewardFn(HTTP_NAME, endpoint, r.reward_weight, r.reward_url, external=True))
+        return cls(functions, None, r.reward_model_weight, r.truncation_penalty, model)
+
+    @property
+    def failable(self) -> list[str]:
+        """The sources whose rows may fail (counted as reward/<name>/failed)."""
+        return [f.name for f in self.functions if f.external] + (["reward_model"] if self.scorer is not None else [])
 
     def place(self, mesh) -> None:
         """The reward model, frozen, on the policy's mesh (its own architecture and rule table)."""
@@ -106,16 +134,29 @@ class Rewards:
             if self.functions
             else ()
         )
+        weights = {}
         for f, v in zip(self.functions, values):
-            parts[f.name] = v
-            total += f.weight * v
+            parts[f.name], weights[f.name] = v, f.weight
         if self.scorer is not None:
             conversations = [m + [{"role": "assistant", "content": c}] for m, c in zip(messages, completions)]
             parts["reward_model"] = self.scorer.score(conversations).astype(np.float64)
-            total += self.scorer_weight * parts["reward_model"]
+            weights["reward_model"] = self.scorer_weight
+        for name, v in parts.items():
+            if weights[name]:  # NaN (a failed row) stays NaN in the total; a weight-0 source is logged only
+                total += weights[name] * v
         if self.truncation_penalty:
             total -= self.truncation_penalty * truncated.astype(np.float64)
+        self.errors = self._errors(parts)
         return total.astype(np.float32), parts
+
+    def _errors(self, parts: dict) -> dict[str, str]:
+        """Why each source failed on some rows of the last call (process 0 alone knows an endpoint's)."""
+        out = {f.name: f.fn.last_error for f in self.functions if f.external and getattr(f.fn, "last_error", "")}
+        for name, v in parts.items():
+            if name not in out and np.isnan(v).any():
+                label = next((f.label() for f in self.functions if f.name == name), f"'{name}'")
+                out[name] = f"{label} failed on {int(np.isnan(v).sum())} of {len(v)} completions"
+        return out
 
 
 def on_main(compute: Callable[[], np.ndarray], shape: tuple[int, ...]) -> np.ndarray:
@@ -144,6 +185,8 @@ def on_main(compute: Callable[[], np.ndarray], shape: tuple[int, ...]) -> np.nda
 def call_reward(f: RewardFn, prompts: list, completions: list[str], columns: dict) -> np.ndarray:
     """A user's reward function on a batch -> its rewards [N]; a UserError naming the function and
     the completion when it raises (with its traceback) or returns something other than N finite floats."""
+    if f.external:  # its errors already name the service; a failed row is None (NaN here)
+        return reward_values(f, f.fn(prompts, completions, **columns), len(completions))
     try:
         out = f.fn(prompts, completions, **columns)
     except Exception as e:
@@ -165,6 +208,9 @@ def reward_values(f: RewardFn, out, n: int) -> np.ndarray:
         raise UserError(f"{head} {len(out)} values for {n} completions; expected one float per completion")
     values = np.zeros(n, np.float64)
     for i, v in enumerate(out):
+        if v is None and f.external:
+            values[i] = np.nan  # failed: the row leaves the update (see the module doc)
+            continue
         try:
             values[i] = float(v)
         except (TypeError, ValueError):

@@ -39,6 +39,7 @@ SUMMARY_KEYS = (
     "update_tokens_per_s",
     "sampling_share",
     "eval_reward",
+    "reward_failed_share",
     "compile_s",
 )
 

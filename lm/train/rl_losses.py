@@ -49,13 +49,19 @@ ALGOS = ("grpo", "ppo")
 
 def group_advantages(rewards: np.ndarray, group: int, scale: bool = True, eps: float = 1e-4) -> np.ndarray:
     """[P * G] rewards, G consecutive samples per prompt -> (r - group mean) / (group std + eps)
-    (the sample std, as TRL); scale=False leaves out the division (Dr. GRPO)."""
+    (the sample std, as TRL); scale=False leaves out the division (Dr. GRPO).
+
+    A NaN reward (it failed, lm.train.rewards) leaves its row out: advantage 0, and the group's
+    mean and std are those of the other rows; a group with fewer than 2 rewards has none."""
     r = np.asarray(rewards, np.float64).reshape(-1, group)
-    adv = r - r.mean(axis=1, keepdims=True)
+    ok = np.isfinite(r)
+    n = ok.sum(axis=1, keepdims=True)
+    mean = np.where(ok, r, 0.0).sum(axis=1, keepdims=True) / np.maximum(n, 1)
+    adv = np.where(ok, r - mean, 0.0)
     if scale:
-        std = r.std(axis=1, ddof=1, keepdims=True) if group > 1 else np.zeros_like(adv[:, :1])
+        std = np.sqrt(np.square(adv).sum(axis=1, keepdims=True) / np.maximum(n - 1, 1))
         adv = adv / (std + eps)
-    return adv.reshape(-1).astype(np.float32)
+    return np.where(n >= 2, adv, 0.0).reshape(-1).astype(np.float32)
 
 
 def gae(rewards: np.ndarray, values: np.ndarray, mask: np.ndarray, gamma: float, lam: float):
@@ -79,6 +85,8 @@ def gae(rewards: np.ndarray, values: np.ndarray, mask: np.ndarray, gamma: float,
 def whiten(x: np.ndarray, mask: np.ndarray, eps: float = 1e-8) -> np.ndarray:
     """x with mean 0 and std 1 over the masked-in entries (zero elsewhere)."""
     m = mask > 0
+    if not m.any():
+        return np.zeros_like(x, np.float32)
     mean, std = x[m].mean(), x[m].std()
     return np.where(m, (x - mean) / (std + eps), 0.0).astype(np.float32)
 

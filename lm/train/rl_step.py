@@ -19,6 +19,7 @@ import jax
 import numpy as np
 
 from lm.infer.sampling import SamplingParams
+from lm.train.reward_failures import RewardFailures, failed_rows, finite_mean, source_failures
 from lm.train.rl_losses import RlSettings, gae, group_advantages, whiten
 from lm.train.rollout import Rollouts, layout
 
@@ -38,7 +39,8 @@ def extra_fields(settings: RlSettings) -> dict:
 
 
 def advantages(settings: RlSettings, ro: Rollouts, rewards: np.ndarray, scored: dict, group: int) -> tuple[dict, dict]:
-    """(per-token fields for the update, metrics) of scored rollouts."""
+    """(per-token fields for the update, metrics) of scored rollouts. A row whose reward is NaN
+    (failed) must have its loss mask already zero: GRPO leaves it out of its group's statistics."""
     mask = ro.rows["loss_mask"]
     if settings.algo == "grpo":
         adv = group_advantages(rewards, group, settings.scale_rewards, settings.adv_eps)
@@ -46,13 +48,13 @@ def advantages(settings: RlSettings, ro: Rollouts, rewards: np.ndarray, scored: 
     kl = np.where(mask > 0, ro.rows["old_logp"] - scored["ref_logp"], 0.0) if "ref_logp" in scored else 0.0 * mask
     token_rewards = -settings.beta * kl
     last = np.maximum(mask.shape[1] - 1 - np.argmax(mask[:, ::-1] > 0, axis=1), 0)
-    token_rewards[np.arange(len(rewards)), last] += rewards
+    token_rewards[np.arange(len(rewards)), last] += np.where(np.isfinite(rewards), rewards, 0.0)  # NaN: masked out
     values = scored["old_values"]
     adv, returns = gae(token_rewards, values, mask, settings.gamma, settings.lam)
     if settings.whiten:
         adv = whiten(adv, mask)
     m = mask > 0
-    var = returns[m].var()
+    var = returns[m].var() if m.any() else 0.0
     explained = float(1.0 - (returns[m] - values[m]).var() / var) if var > 0 else 0.0
     fields = {"advantages": adv, "returns": returns, "old_values": values}
     return fields, {
@@ -76,6 +78,7 @@ class RlStep:
         self.update = run.bind(run.train_step(self.signature), frozen)
         self.placer = run.placer(self.signature)
         self.score_placer = run.placer(run.signature(rows))
+        self.failures = RewardFailures(r.max_reward_failures)
 
     def __call__(self, state, batch):
         step = int(jax.device_get(state.step)) // self.run.updates_per_step
@@ -94,6 +97,8 @@ class RlStep:
             ro.truncated,
             [self.prompts.columns[i] for i in index],
         )
+        failed = self.failures.record(total, parts, self.rewards.failable, self.rewards.errors)
+        ro.rows["loss_mask"] = ro.rows["loss_mask"] * ~failed_rows(total)[:, None]  # failed rewards: no update
         scored = self.scorer(state.params, self.frozen, ro.rows, self.score_placer)
         if "old_logp" in scored:  # at a temperature other than 1: the policy's own pass, not the sampler's
             ro.rows["old_logp"] = scored.pop("old_logp")
@@ -102,7 +107,7 @@ class RlStep:
         t1 = time.perf_counter()
         state, updates = self._updates(state, rows, rng)
         t_update = time.perf_counter() - t1
-        return state, self._metrics(ro, total, parts, updates, extra, t_sample, t_update)
+        return state, self._metrics(ro, total, parts, updates, extra | failed, t_sample, t_update)
 
     def _updates(self, state, rows: dict, rng):
         n = len(rows["inputs"])
@@ -129,12 +134,12 @@ class RlStep:
         }
         out["update_skipped"] = float(sum(u["update_skipped"] for u in updates))
         out |= extra
-        groups = total.reshape(-1, self.group)
+        ok = np.isfinite(total)
         out |= {
-            "reward": float(total.mean()),
-            "reward_std": float(total.std()),
-            "zero_std_groups": float(np.mean(groups.std(axis=1) == 0)),
-            **{f"reward/{k}": float(v.mean()) for k, v in parts.items()},
+            "reward": finite_mean(total),
+            "reward_std": float(total[ok].std()) if ok.any() else float("nan"),
+            "zero_std_groups": zero_std_share(total, self.group),
+            **{f"reward/{k}": finite_mean(v) for k, v in parts.items()},
             "response_length": float(ro.lengths.mean()),
             "truncated": float(ro.truncated.mean()),
             "rollout_tokens_per_s": float(ro.lengths.sum() / max(t_sample, 1e-9)),
@@ -147,6 +152,13 @@ class RlStep:
             "sampling_share": float(t_sample / max(t_sample + t_update, 1e-9)),
         }
         return out
+
+
+def zero_std_share(total: np.ndarray, group: int) -> float:
+    """The share of groups with no signal: all their rewards equal, or fewer than 2 that did not fail."""
+    groups = total.reshape(-1, group)
+    flat = [g[np.isfinite(g)] for g in groups]
+    return float(np.mean([len(g) < 2 or g.std() == 0 for g in flat]))
 
 
 def greedy(sampling: SamplingParams) -> SamplingParams:
@@ -176,11 +188,14 @@ def evaluator(step: RlStep, prompts, limit: int, batch_size: int):
             totals.append(total), lengths.append([len(x) for x in gen.ids]), truncated.append(cut)
             for k, v in parts.items():
                 parts_all.setdefault(k, []).append(v)
+        parts_all = {k: np.concatenate(v) for k, v in parts_all.items()}
         out = {
-            "eval_reward": float(np.concatenate(totals).mean()),
+            "eval_reward": finite_mean(np.concatenate(totals)),  # over the answers whose rewards did not fail
+            "eval_reward_failed": float(failed_rows(np.concatenate(totals)).sum()),
             "eval_response_length": float(np.concatenate(lengths).mean()),
             "eval_truncated": float(np.concatenate(truncated).mean()),
         }
-        return out | {f"eval_reward/{k}": float(np.concatenate(v).mean()) for k, v in parts_all.items()}
+        out |= source_failures(parts_all, step.rewards.failable, prefix="eval_reward")
+        return out | {f"eval_reward/{k}": finite_mean(v) for k, v in parts_all.items()}
 
     return evaluate

@@ -133,6 +133,15 @@ class ChatTemplate:
         parts += [(self.markers["assistant"], 0.0), (self.newline, 0.0)]
         return _join(parts)[0]
 
+    def continuation(self, messages: list[dict], new: list[dict], tools=None) -> np.ndarray:
+        """The ids that follow a generated answer ended by a stop id: `messages` is the conversation
+        through that answer, `new` the turns after it (tool results, a user's reply); then the
+        open assistant turn. A multi-turn episode so keeps the very ids it sampled (it never
+        re-encodes its answers)."""
+        check_messages(messages + new, for_prompt=True)
+        parts = [(self.newline, 0.0)] + self._turns(new, lambda i, m: False)[1:]
+        return _join(parts + [(self.markers["assistant"], 0.0), (self.newline, 0.0)])[0]
+
     def answer_text(self, ids) -> str:
         """The text of generated ids, up to the first end marker (or EOS)."""
         ids = np.asarray(ids).reshape(-1)

@@ -199,6 +199,21 @@ class HFChatTemplate:
         check_messages(messages, for_prompt=True)
         return np.asarray(self.tok.encode(self._text(messages, True, tools)), np.int32)
 
+    def continuation(self, messages: list[dict], new: list[dict], tools=None) -> np.ndarray:
+        """As `ChatTemplate.continuation`: the text the template writes after the answer's
+        end-of-turn token (which the answer's ids end with) up to the generation prompt, encoded.
+        A template whose earlier turns render otherwise once followed (one that drops earlier
+        reasoning) cannot continue an episode: UserError."""
+        check_messages(messages + new, for_prompt=True)
+        before, after = self._text(messages, False, tools), self._text(messages + new, True, tools)
+        end = max((before.rfind(t) + len(t) for t in self._stop_texts if t in before), default=-1)
+        if end < 0 or not after.startswith(before[:end]):
+            raise UserError(
+                f"chat template '{self._origin}': a conversation followed by more turns does not render as "
+                "its continuation (the template rewrites earlier turns); it cannot run multi-turn episodes"
+            )
+        return np.asarray(self.tok.encode(after[end:]), np.int32)
+
     def answer_text(self, ids) -> str:
         """The text of generated ids, up to the first stop id."""
         ids = np.asarray(ids).reshape(-1)

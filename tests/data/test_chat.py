@@ -271,3 +271,15 @@ def test_the_tool_marker_is_one_id_and_plain_text_for_a_tokenizer_without_it(spm
 def test_bad_tool_turns_name_the_call(message, error):
     with pytest.raises(ValueError, match=error):
         chat.check_messages([{"role": "user", "content": "q"}, message], for_training=True)
+
+
+@pytest.mark.parametrize("tokenizer", ["bytes", "spm"])
+def test_an_episode_continues_with_the_ids_of_the_next_prompt(tokenizer, spm_tok):
+    """Prompt + the answer's ids (its end marker last) + the continuation = the next turn's prompt."""
+    tok = ByteTokenizer() if tokenizer == "bytes" else spm_tok
+    template = ChatTemplate.for_tokenizer(tok)
+    convo = TOOL_CONVO[:3] + [{"role": "user", "content": "And Rome?"}]
+    prompt = template.prompt(convo[:1], tools=[WEATHER])
+    answer = list(tok.encode(chat.content_text(convo[1]))) + list(template.markers["end"])
+    episode = np.concatenate([prompt, answer, template.continuation(convo[:2], convo[2:], tools=[WEATHER])])
+    np.testing.assert_array_equal(episode, template.prompt(convo, tools=[WEATHER]))

@@ -232,3 +232,28 @@ def test_bad_inputs(gemma_tokenizer, tmp_path):
     broken = with_template(gemma_tokenizer, tmp_path, "{% for m in messages %}{{ m.content }")
     with pytest.raises(UserError, match=f"chat template '{broken / 'chat_template.jinja'}': .*line 1"):
         template_of(broken)
+
+
+@pytest.mark.parametrize("name", NAMES)
+def test_an_episode_continues_with_the_ids_of_the_next_prompt(request, name):
+    """The prompt, the answer's own ids (through its end-of-turn token), then the continuation:
+    the ids of the prompt of the whole conversation, for every published template here."""
+    template = template_of(request.getfixturevalue(name))
+    convo = CONVO[:3] + [{"role": "user", "content": "Thanks. And 3 + 4?"}]
+    prompt = template.prompt(convo[:2])
+    answer = template.tok.encode(convo[2]["content"].strip())  # the template trims it; a model would not write it
+    end = template._end_of_turn_ids()[0]
+    convo[2] = dict(convo[2], content=convo[2]["content"].strip())
+    episode = np.concatenate([prompt, answer, [end], template.continuation(convo[:3], convo[3:])])
+    np.testing.assert_array_equal(episode, template.prompt(convo))
+
+
+def test_a_template_that_rewrites_earlier_turns_cannot_continue(llama3_tokenizer, tmp_path):
+    template = template_of(with_template(llama3_tokenizer, tmp_path, DROPS_THINKING))
+    convo = [
+        {"role": "user", "content": "Hi"},
+        {"role": "assistant", "content": "<think>greet</think>Hello"},
+        {"role": "user", "content": "Bye"},
+    ]
+    with pytest.raises(UserError, match="does not render as its continuation"):
+        template.continuation(convo[:2], convo[2:])

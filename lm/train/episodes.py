@@ -1,0 +1,166 @@
+"""Multi-turn episodes through the engine: each episode's answers are sampled, its environment
+(lm.train.environments) answers them (tool results, a user's reply), and the next answer is
+sampled after the episode's ids so far, until the environment ends it or a limit does.
+
+An episode is one row of ids: its prompt, each sampled answer as sampled (its end-of-turn id
+included: the ids are never re-encoded from text), and between answers the chat template's
+continuation (`template.continuation`: the new turns and the next generation prompt). Only the
+sampled ids are trained on; their log-probs are the sampler's. Every episode advances as soon
+as its own answer ends, while the others keep generating (no barrier between turns), and each
+next prompt starts with the whole previous one, so the engine's prefix cache finds its pages
+(lm.infer.engine.prefix) rather than prefilling the conversation again.
+
+Limits end an episode with a counted reason, never a crash: `done` (the environment ended it),
+`length` (an answer reached max_new_tokens), `turns`, `tokens` (the next prompt would not fit),
+`tool_time` (the environment's step ran past its time limit: its result is dropped).
+"""
+
+from __future__ import annotations
+
+import concurrent.futures
+import dataclasses
+
+import jax
+import numpy as np
+
+from lm.infer.engine.engine import Request
+from lm.infer.sampling import SamplingParams
+from lm.infer.serve.tools import ToolSyntax, parse
+
+END_REASONS = ("done", "length", "turns", "tokens", "tool_time")
+
+
+@dataclasses.dataclass(frozen=True)
+class Limits:
+    turns: int = 4  # answers per episode
+    tokens: int = 0  # ids per episode (0: the engine's max_len)
+    tool_seconds: float = 30.0  # the environment's time per step
+
+
+@dataclasses.dataclass
+class Episode:
+    env: object
+    messages: list[dict]
+    tools: list[dict] | None
+    ids: list[int]
+    trained: list[bool]
+    logps: list[float]
+    key: np.ndarray
+    rewards: dict[str, float] = dataclasses.field(default_factory=dict)
+    turns: int = 0
+    tool_calls: int = 0
+    end: str | None = None
+
+    @property
+    def reward(self) -> float:
+        return float(sum(self.rewards.values()))
+
+
+class EpisodeRunner:
+    """Runs a batch of episodes over one engine (whose prefix cache serves the later turns)."""
+
+    def __init__(self, engine, template, sampling: SamplingParams, limits: Limits = Limits()):
+        self.engine, self.template, self.sampling, self.limits = engine, template, sampling, limits
+        specials = template.tok.special_tokens() if hasattr(template.tok, "special_tokens") else {}
+        self.syntax = ToolSyntax.of(getattr(template, "source", None), specials)
+        self.max_len = min(limits.tokens or engine.max_len, engine.max_len)
+        self._pool = concurrent.futures.ThreadPoolExecutor(max_workers=4, thread_name_prefix="env")
+
+    def __call__(self, params, make_env, examples: list[dict], rng) -> list[Episode]:
+        keys = np.asarray(jax.vmap(lambda i: jax.random.fold_in(rng, i))(np.arange(len(examples))), np.uint32)
+        episodes, ended = [], []
+        for example, key in zip(examples, keys):
+            env = make_env()
+            messages = env.reset(example)
+            tools = [t.definition for t in getattr(env, "tools", [])] or None
+            ids = [int(i) for i in self.template.prompt(messages, tools)]
+            episodes.append(Episode(env, messages, tools, ids, [False] * len(ids), [0.0] * len(ids), key))
+        for ep in episodes:
+            self._submit(ep, ended)
+        prepared = self.engine.prepare(params)
+        while self.engine.busy:
+            self.engine.step(prepared)
+            while ended:
+                self._advance(*ended.pop(0), ended)
+        return episodes
+
+    def _submit(self, ep: Episode, ended: list) -> None:
+        room = self.max_len - len(ep.ids)
+        sampling = dataclasses.replace(self.sampling, max_new_tokens=min(self.sampling.max_new_tokens, room))
+        key = np.asarray(jax.random.fold_in(ep.key, ep.turns), np.uint32)
+        done = lambda r: ended.append((ep, r))  # noqa: E731 (processed between engine steps)
+        self.engine.add(Request(list(ep.ids), sampling, self.template.stop_ids, key=key, on_done=done))
+
+    def _advance(self, ep: Episode, r: Request, ended: list) -> None:
+        """One answer of `ep` is in: the environment's step, then the next answer or the end."""
+        ep.ids += r.ids
+        ep.trained += [True] * len(r.ids)
+        ep.logps += r.logps
+        ep.turns += 1
+        if r.finish != "eos":
+            ep.end = "length"
+            return
+        turn = self._turn(ep, r.ids)
+        future = self._pool.submit(ep.env.step, ep.messages + [turn], turn)
+        try:
+            step = future.result(timeout=self.limits.tool_seconds)
+        except concurrent.futures.TimeoutError:
+            ep.end = "tool_time"
+            return
+        for name, value in step.rewards.items():
+            ep.rewards[name] = ep.rewards.get(name, 0.0) + float(value)
+        if step.done or step.messages is None:
+            ep.end = "done"
+            return
+        if ep.turns >= self.limits.turns:
+            ep.end = "turns"
+            return
+        more = self.template.continuation(ep.messages + [turn], step.messages, ep.tools)
+        if len(ep.ids) + len(more) >= self.max_len:
+            ep.end = "tokens"
+            return
+        ep.messages += [turn] + step.messages
+        ep.ids += [int(i) for i in more]
+        ep.trained += [False] * len(more)
+        ep.logps += [0.0] * len(more)
+        self._submit(ep, ended)
+
+    def _turn(self, ep: Episode, ids) -> dict:
+        """The answer as an assistant message: its text, and its tool calls when the episode has tools."""
+        text = self.template.answer_text(ids)
+        family = self.syntax.family
+        if ep.tools and family is not None:
+            names = {t["function"]["name"] for t in ep.tools}
+            parsed = parse(family, text, names)
+            if parsed is not None:
+                ep.tool_calls += len(parsed[1])
+                return {"role": "assistant", "content": parsed[0].strip(), "tool_calls": parsed[1]}
+        return {"role": "assistant", "content": text}
+
+
+def episode_rows(episodes: list[Episode], seq_len: int) -> dict:
+    """Update rows [B, seq_len] of episodes: the text contract, `loss_mask` on the sampled ids
+    (as targets), `old_logp` their sampling log-probs. Ids past seq_len are cut (and untrained)."""
+    b = len(episodes)
+    rows = {k: np.zeros((b, seq_len), np.int32) for k in ("inputs", "targets", "segment_ids", "positions")}
+    rows["loss_mask"] = np.zeros((b, seq_len), np.float32)
+    rows["old_logp"] = np.zeros((b, seq_len), np.float32)
+    for i, ep in enumerate(episodes):
+        ids = np.asarray(ep.ids[: seq_len + 1], np.int32)
+        n = len(ids) - 1
+        rows["inputs"][i, :n], rows["targets"][i, :n] = ids[:-1], ids[1:]
+        rows["segment_ids"][i, :n], rows["positions"][i, :n] = 1, np.arange(n)
+        rows["loss_mask"][i, :n] = np.asarray(ep.trained[1 : n + 1], np.float32)
+        rows["old_logp"][i, :n] = np.asarray(ep.logps[1 : n + 1], np.float32) * rows["loss_mask"][i, :n]
+    return rows
+
+
+def episode_metrics(episodes: list[Episode]) -> dict:
+    """Turns, tool calls, ids and end reasons (shares) of a batch of episodes."""
+    n = max(1, len(episodes))
+    out = {
+        "episode/turns": float(np.mean([e.turns for e in episodes])),
+        "episode/tool_calls": float(np.mean([e.tool_calls for e in episodes])),
+        "episode/length": float(np.mean([len(e.ids) for e in episodes])),
+    }
+    return out | {f"episode/end/{reason}": sum(e.end == reason for e in episodes) / n for reason in END_REASONS}

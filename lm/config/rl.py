@@ -29,6 +29,11 @@ from lm.config.core import from_section, require
 # connection errors, timeouts, 5xx and 429. max_reward_failures: the share of rollouts whose
 # reward may fail (endpoint down after its retries, or null rows; they leave the update) before
 # the run stops; 0 stops at the first.
+# environment: multi-turn episodes (lm.train.environments: `calculator`, module:Class or file.py:Class;
+# '' = one answer per prompt, scored by the rewards above): each answer may call the environment's
+# tools or get a reply, up to max_turns answers and max_episode_tokens ids (0: data.seq_len), each
+# environment step within tool_seconds; its steps give the rewards (rl.rewards, reward_url and
+# reward_model stay empty).
 DEFAULTS = dict(
     algo="grpo",
     prompts_per_step=8,
@@ -61,6 +66,10 @@ DEFAULTS = dict(
     whiten=True,
     eval_prompts=256,
     speculate=0,
+    environment="",
+    max_turns=4,
+    max_episode_tokens=0,
+    tool_seconds=30.0,
 )
 
 LOSS_TYPES = ("dapo", "grpo", "dr_grpo", "bnpo")
@@ -109,6 +118,7 @@ def check(c) -> None:
         "epochs",
         "minibatches",
         "eval_prompts",
+        "max_turns",
     ):
         require(r[key] >= 1, f"rl.{key}", r[key], "expected a positive integer")
     require(
@@ -134,6 +144,26 @@ def check(c) -> None:
     require(0 < r.top_p <= 1, "rl.top_p", r.top_p, "expected a fraction in (0, 1]")
     require(0 <= r.gamma <= 1 and 0 <= r.lam <= 1, "rl.gamma/rl.lam", (r.gamma, r.lam), "expected values in [0, 1]")
     check_rewards(r)
+    check_environment(c)
+
+
+def check_environment(c) -> None:
+    r = c.rl
+    require(
+        0 <= r.max_episode_tokens <= c.data.seq_len,
+        "rl.max_episode_tokens",
+        r.max_episode_tokens,
+        f"expected 0 (data.seq_len) up to data.seq_len={c.data.seq_len}",
+    )
+    require(r.tool_seconds > 0, "rl.tool_seconds", r.tool_seconds, "expected seconds > 0")
+    scored = [k for k in ("rewards", "reward_url", "reward_model") if r[k]]
+    require(
+        not (r.environment and scored),
+        "rl.environment",
+        r.environment,
+        f"gives the rewards itself; leave rl.{scored[0] if scored else 'rewards'} empty (or wrap the functions in "
+        "lm.train.environments.SingleTurn)",
+    )
 
 
 def check_rewards(r) -> None:

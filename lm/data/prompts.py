@@ -48,6 +48,10 @@ class PromptSet:
     def tokens(self, i: int) -> list[int]:
         return self.ids[i, : self.lengths[i]].tolist()
 
+    def example(self, i: int) -> dict:
+        """Prompt i as an RL environment's example (lm.train.environments): its chat messages and columns."""
+        return {"messages": self.messages[i], **self.columns[i]}
+
 
 def parse_prompt(record) -> tuple[object, list[dict], dict]:
     """One JSONL record (a line's JSON value) -> (raw prompt, its chat messages, the other columns);

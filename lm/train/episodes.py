@@ -23,9 +23,11 @@ import dataclasses
 import jax
 import numpy as np
 
-from lm.infer.engine.engine import Request
+from lm.errors import UserError
+from lm.infer.engine.engine import Engine, EngineConfig, Request
 from lm.infer.sampling import SamplingParams
 from lm.infer.serve.tools import ToolSyntax, parse
+from lm.train.rollout import Rollouts
 
 END_REASONS = ("done", "length", "turns", "tokens", "tool_time")
 
@@ -76,7 +78,10 @@ class EpisodeRunner:
             ids = [int(i) for i in self.template.prompt(messages, tools)]
             episodes.append(Episode(env, messages, tools, ids, [False] * len(ids), [0.0] * len(ids), key))
         for ep in episodes:
-            self._submit(ep, ended)
+            if len(ep.ids) < self.max_len:
+                self._submit(ep, ended)
+            else:  # the opening prompt (tools listed) leaves no room for an answer
+                ep.end = "tokens"
         prepared = self.engine.prepare(params)
         while self.engine.busy:
             self.engine.step(prepared)
@@ -164,3 +169,38 @@ def episode_metrics(episodes: list[Episode]) -> dict:
         "episode/length": float(np.mean([len(e.ids) for e in episodes])),
     }
     return out | {f"episode/end/{reason}": sum(e.end == reason for e in episodes) / n for reason in END_REASONS}
+
+
+class EpisodeRollouts:
+    """The multi-turn rollouts of an RL step (lm.train.rl_step): episodes of the policy on the
+    run's mesh, one engine per call (its prefix cache serves the later turns), as update rows
+    with their rewards (each term on its own) and the episodes' metrics."""
+
+    def __init__(self, sampler, template, make_env, limits: Limits, seq_len: int, truncation_penalty: float = 0.0):
+        self.sampler, self.template, self.make_env, self.limits = sampler, template, make_env, limits
+        self.seq_len, self.truncation_penalty = seq_len, truncation_penalty
+
+    def __call__(self, params, examples: list[dict], rng, sampling: SamplingParams | None = None):
+        """(Rollouts, total reward [N], {term: [N]}, metrics)."""
+        run = self.sampler.run
+        slots = len(examples)
+        engine = Engine(
+            self.sampler.model, max_len=self.seq_len, config=EngineConfig(slots=slots), mesh=run.mesh, rules=run.rules
+        )
+        runner = EpisodeRunner(engine, self.template, sampling or self.sampler.sampling, self.limits)
+        episodes = runner(params, self.make_env, examples, rng)
+        if not any(e.turns for e in episodes):
+            longest = max(len(e.ids) for e in episodes)
+            raise UserError(
+                f"rl.environment: no episode had room for an answer: opening prompts (the environment's tools "
+                f"listed) take up to {longest} tokens of the {runner.max_len} an episode may hold; raise "
+                "data.seq_len (and the model's context) or rl.max_episode_tokens"
+            )
+        rows = episode_rows(episodes, self.seq_len)
+        sampled = [np.asarray([i for i, t in zip(e.ids, e.trained) if t], np.int32) for e in episodes]
+        ro = Rollouts(rows, sampled, [e.end for e in episodes])
+        terms = sorted({k for e in episodes for k in e.rewards})
+        parts = {k: np.array([e.rewards.get(k, 0.0) for e in episodes], np.float64) for k in terms}
+        total = np.array([e.reward for e in episodes], np.float64) - self.truncation_penalty * ro.truncated
+        metrics = episode_metrics(episodes) | {"prefix_hit_rate": engine.prefix.hit_rate}
+        return ro, total.astype(np.float32), parts, metrics

@@ -23,6 +23,8 @@ from lm.model.build import reward_model
 from lm.model.lora import is_adapter, is_adapter_or_head
 from lm.model.transformer import Transformer
 from lm.train import rl_step
+from lm.train.environments import environment_factory
+from lm.train.episodes import EpisodeRollouts, Limits
 from lm.train.metrics import plot_rl
 from lm.train.rewards import Rewards
 from lm.train.rl_losses import RlSettings, rl_loss
@@ -116,6 +118,8 @@ class Rl(Stage):
         prompts = _prompts(f.data, ctx.init, ctx.config)
         print(f"rl prompts {f.data}: {describe(prompts.stats)}")
         heldout = _prompts(f.eval_data, ctx.init, ctx.config, limit=r.eval_prompts) if f.eval_data else None
+        if r.environment:  # its steps give the rewards; made now so a bad name fails before the model loads
+            return prompts, heldout, environment_factory(r.environment)
         return prompts, heldout, Rewards.from_config(r)
 
     def configure(self, ctx):
@@ -130,13 +134,20 @@ class Rl(Stage):
     def batches(self, ctx):
         c, r, run = ctx.config, ctx.config.rl, ctx.run
         prompts, _, rewards = ctx.data
-        rewards.place(run.mesh)
         settings = RlSettings.from_config(r)
         template = ChatTemplate.for_tokenizer(ctx.init.tokenizer)
         sampling = SamplingParams(max_new_tokens=r.max_new_tokens, temperature=r.temperature, top_p=r.top_p)
         sampler = Sampler(run, sampling, template.stop_ids, c.data.seq_len, c.rl.speculate)
         self.scorer = Scorer(run, settings.algo == "ppo")
-        self.step = rl_step.RlStep(run, ctx.frozen, prompts, rewards, sampler, self.scorer, template, settings, r)
+        episodes = None
+        if r.environment:
+            limits = Limits(r.max_turns, r.max_episode_tokens, r.tool_seconds)
+            episodes = EpisodeRollouts(sampler, template, rewards, limits, c.data.seq_len, r.truncation_penalty)
+            rewards = None
+        else:
+            rewards.place(run.mesh)
+        args = (run, ctx.frozen, prompts, rewards, sampler, self.scorer, template, settings, r)
+        self.step = rl_step.RlStep(*args, episodes=episodes)
         # Every process reads the whole prompt batch (the same seed draws the same one): each samples
         # all rollouts on the shared mesh and feeds the update rows its devices hold (lm.train.rl_step).
         data_iter = iter(

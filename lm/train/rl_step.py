@@ -67,8 +67,11 @@ def advantages(settings: RlSettings, ro: Rollouts, rewards: np.ndarray, scored: 
 class RlStep:
     """`step(state, prompt batch) -> (state, metrics)` for lm.train.fit (see the module doc)."""
 
-    def __init__(self, run, frozen, prompts, rewards, sampler, scorer, template, settings: RlSettings, r):
+    def __init__(
+        self, run, frozen, prompts, rewards, sampler, scorer, template, settings: RlSettings, r, episodes=None
+    ):
         self.run, self.frozen, self.prompts, self.rewards = run, frozen, prompts, rewards
+        self.episodes = episodes  # lm.train.episodes.EpisodeRollouts (rl.environment), else one answer per prompt
         self.sampler, self.scorer, self.template, self.settings = sampler, scorer, template, settings
         self.group, self.epochs, self.minibatches = r.group_size, r.epochs, r.minibatches
         self.seed = run.config.train.seed
@@ -84,21 +87,26 @@ class RlStep:
         step = int(jax.device_get(state.step)) // self.run.updates_per_step
         rng = jax.random.fold_in(jax.random.PRNGKey(self.seed), step)
         index = [int(i) for i in np.asarray(batch["index"]) for _ in range(self.group)]
-        prompt_ids = [self.prompts.tokens(i) for i in index]
+        params = self.sampler.params(state.params, self.frozen)
         t0 = time.perf_counter()
-        generation = self.sampler(self.sampler.params(state.params, self.frozen), prompt_ids, rng)
-        t_sample = time.perf_counter() - t0
-        ro = layout(prompt_ids, generation, self.run.config.data.seq_len)
-        completions = [self.template.answer_text(ids) for ids in ro.responses]
-        total, parts = self.rewards(
-            [self.prompts.prompts[i] for i in index],
-            [self.prompts.messages[i] for i in index],
-            completions,
-            ro.truncated,
-            [self.prompts.columns[i] for i in index],
-        )
-        failed = self.failures.record(total, parts, self.rewards.failable, self.rewards.errors)
-        ro.rows["loss_mask"] = ro.rows["loss_mask"] * ~failed_rows(total)[:, None]  # failed rewards: no update
+        if self.episodes is not None:  # multi-turn: the environment's steps give the rewards
+            ro, total, parts, counts = self.episodes(params, [self.prompts.example(i) for i in index], rng)
+            t_sample = time.perf_counter() - t0
+        else:
+            prompt_ids = [self.prompts.tokens(i) for i in index]
+            generation = self.sampler(params, prompt_ids, rng)
+            t_sample = time.perf_counter() - t0
+            ro = layout(prompt_ids, generation, self.run.config.data.seq_len)
+            completions = [self.template.answer_text(ids) for ids in ro.responses]
+            total, parts = self.rewards(
+                [self.prompts.prompts[i] for i in index],
+                [self.prompts.messages[i] for i in index],
+                completions,
+                ro.truncated,
+                [self.prompts.columns[i] for i in index],
+            )
+            counts = self.failures.record(total, parts, self.rewards.failable, self.rewards.errors)
+            ro.rows["loss_mask"] = ro.rows["loss_mask"] * ~failed_rows(total)[:, None]  # failed rewards: no update
         scored = self.scorer(state.params, self.frozen, ro.rows, self.score_placer)
         if "old_logp" in scored:  # at a temperature other than 1: the policy's own pass, not the sampler's
             ro.rows["old_logp"] = scored.pop("old_logp")
@@ -107,7 +115,7 @@ class RlStep:
         t1 = time.perf_counter()
         state, updates = self._updates(state, rows, rng)
         t_update = time.perf_counter() - t1
-        return state, self._metrics(ro, total, parts, updates, extra | failed, t_sample, t_update)
+        return state, self._metrics(ro, total, parts, updates, extra | counts, t_sample, t_update)
 
     def _updates(self, state, rows: dict, rng):
         n = len(rows["inputs"])
@@ -172,6 +180,8 @@ def evaluator(step: RlStep, prompts, limit: int, batch_size: int):
 
     def evaluate(state):
         params = step.sampler.params(state.params, step.frozen)
+        if step.episodes is not None:
+            return _evaluate_episodes(step, params, prompts, n, batch_size, sampling)
         totals, parts_all, lengths, truncated = [], {}, [], []
         for s in range(0, n, batch_size):
             idx = list(range(s, min(s + batch_size, n)))
@@ -199,3 +209,21 @@ def evaluator(step: RlStep, prompts, limit: int, batch_size: int):
         return out | {f"eval_reward/{k}": finite_mean(v) for k, v in parts_all.items()}
 
     return evaluate
+
+
+def _evaluate_episodes(step: RlStep, params, prompts, n: int, batch_size: int, sampling) -> dict:
+    """Held-out greedy episodes: their mean reward and terms, lengths and how they ended."""
+    totals, parts_all, lengths, metrics = [], {}, [], []
+    for s in range(0, n, batch_size):
+        examples = [prompts.example(i) for i in range(s, min(s + batch_size, n))]
+        ro, total, parts, counts = step.episodes(params, examples, jax.random.PRNGKey(0), sampling)
+        totals.append(total), lengths.append(ro.lengths), metrics.append((len(examples), counts))
+        for k, v in parts.items():
+            parts_all.setdefault(k, []).append(v)
+    out = {
+        "eval_reward": float(np.concatenate(totals).mean()),
+        "eval_response_length": float(np.concatenate(lengths).mean()),
+    }
+    out |= {f"eval_reward/{k}": float(np.concatenate(v).mean()) for k, v in parts_all.items()}
+    weight = sum(m for m, _ in metrics)
+    return out | {f"eval_{k}": sum(m * c[k] for m, c in metrics) / weight for k in metrics[0][1]}

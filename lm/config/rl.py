@@ -34,6 +34,10 @@ from lm.config.core import from_section, require
 # tools or get a reply, up to max_turns answers and max_episode_tokens ids (0: data.seq_len), each
 # environment step within tool_seconds; its steps give the rewards (rl.rewards, reward_url and
 # reward_model stay empty).
+# max_staleness: k > 0 samples the rollouts of step s+k with the params of step s while step s
+# updates (lm.train.rl_async; 0: sample, then update, in turn); the loss corrects for the policy
+# that sampled them with importance weights pi_current / pi_sampler per token, is_correction: tis
+# (truncated at is_cap) | mis (tokens past is_cap left out) | none.
 DEFAULTS = dict(
     algo="grpo",
     prompts_per_step=8,
@@ -70,6 +74,9 @@ DEFAULTS = dict(
     max_turns=4,
     max_episode_tokens=0,
     tool_seconds=30.0,
+    max_staleness=0,
+    is_correction="tis",
+    is_cap=2.0,
 )
 
 LOSS_TYPES = ("dapo", "grpo", "dr_grpo", "bnpo")
@@ -77,6 +84,7 @@ CHOICES = dict(
     algo=("grpo", "ppo"),
     loss_type=LOSS_TYPES,
     importance_sampling_level=("token", "sequence"),
+    is_correction=("tis", "mis", "none"),
 )
 
 
@@ -99,6 +107,9 @@ class RlSettings:
     vf_coef: float
     value_clip: float
     whiten: bool
+    max_staleness: int
+    is_correction: str
+    is_cap: float
 
     @classmethod
     def from_config(cls, r) -> RlSettings:
@@ -156,6 +167,14 @@ def check_environment(c) -> None:
         f"expected 0 (data.seq_len) up to data.seq_len={c.data.seq_len}",
     )
     require(r.tool_seconds > 0, "rl.tool_seconds", r.tool_seconds, "expected seconds > 0")
+    require(r.max_staleness >= 0, "rl.max_staleness", r.max_staleness, "expected an integer >= 0 (0: synchronous)")
+    require(r.is_cap >= 1, "rl.is_cap", r.is_cap, "expected >= 1 (the largest importance weight kept)")
+    require(
+        r.max_staleness == 0 or r.temperature == 1.0,
+        "rl.max_staleness",
+        r.max_staleness,
+        "needs rl.temperature=1 (the sampler records the log-probs of the untempered distribution)",
+    )
     scored = [k for k in ("rewards", "reward_url", "reward_model") if r[k]]
     require(
         not (r.environment and scored),

@@ -138,7 +138,7 @@ class Rl(Stage):
         template = ChatTemplate.for_tokenizer(ctx.init.tokenizer)
         sampling = SamplingParams(max_new_tokens=r.max_new_tokens, temperature=r.temperature, top_p=r.top_p)
         sampler = Sampler(run, sampling, template.stop_ids, c.data.seq_len, c.rl.speculate)
-        self.scorer = Scorer(run, settings.algo == "ppo")
+        self.scorer = Scorer(run, settings.algo == "ppo", with_policy=r.max_staleness > 0)
         episodes = None
         if r.environment:
             limits = Limits(r.max_turns, r.max_episode_tokens, r.tool_seconds)
@@ -159,6 +159,8 @@ class Rl(Stage):
                 pack=False,
             )
         )
+        if r.max_staleness:  # rollouts sampled ahead while the updates run (lm.train.rl_async)
+            data_iter = self.step.pipelined(data_iter)
         return data_iter, self.step.signature, self.step
 
     def evaluator(self, ctx):

@@ -6,6 +6,9 @@ on the response tokens) plus per-token fields aligned with `targets`:
   advantages  GRPO: the row's group-relative advantage on every response token; PPO: GAE
   ref_logp    the frozen reference's log-probs (GRPO with beta > 0: the k3 KL term)
   old_values, returns   PPO's value-head outputs at sampling time and its targets
+  is_weight   with stale rollouts (rl.max_staleness > 0, lm.train.rl_async): old_logp is then
+              the current params' (the proximal policy) and each token's policy term is
+              weighted by pi_old / pi_sampler, truncated or masked at rl.is_cap
 Every log-prob (the policy's here, old_logp and ref_logp from lm.train.rollout) is taken at the
 sampling temperature, log softmax(logits / temperature), as TRL does: the ratio then compares
 the policy with the distribution the rollouts were drawn from (top-p's cut aside).
@@ -178,6 +181,8 @@ def rl_loss(model, settings: RlSettings):
         logp, _ = target_logprobs(logits, batch["targets"])
         ratio = importance_ratio(logp, batch["old_logp"], mask, s.importance_sampling_level)
         pg, clipped = policy_terms(ratio, batch["advantages"], s.eps_low, s.eps_high)
+        if "is_weight" in batch:  # rollouts sampled by older params (lm.train.rl_async): their correction
+            pg = pg * batch["is_weight"]
         per_token, extra = pg, {}
         if ppo:
             vloss, vclipped = value_terms(values, batch["old_values"], batch["returns"], s.value_clip)

@@ -20,6 +20,7 @@ import numpy as np
 
 from lm.infer.sampling import SamplingParams
 from lm.train.reward_failures import RewardFailures, failed_rows, finite_mean, source_failures
+from lm.train.rl_async import Lookahead, Pipeline, Rollout
 from lm.train.rl_losses import RlSettings, gae, group_advantages, whiten
 from lm.train.rollout import Rollouts, layout
 
@@ -30,7 +31,7 @@ TOKEN_METRICS = ("policy_loss", "kl", "clip_fraction", "ratio", "entropy", "valu
 
 def extra_fields(settings: RlSettings) -> dict:
     """Per-token fields of the update rows beyond the text contract: {name: dtype}."""
-    names = ["old_logp", "advantages"]
+    names = ["old_logp", "advantages"] + (["is_weight"] if settings.max_staleness else [])
     if settings.algo == "ppo":
         names += ["old_values", "returns"]
     elif settings.needs_reference:
@@ -82,40 +83,61 @@ class RlStep:
         self.placer = run.placer(self.signature)
         self.score_placer = run.placer(run.signature(rows))
         self.failures = RewardFailures(r.max_reward_failures)
+        self.pipeline = None  # rl.max_staleness > 0: rollouts sampled ahead (`pipelined`)
+
+    def pipelined(self, stream) -> Lookahead:
+        """The prompt stream the loop reads when rollouts are sampled ahead (rl.max_staleness > 0)."""
+        self.pipeline = Pipeline(self.produce, self.settings.max_staleness)
+        return Lookahead(stream, self.pipeline)
 
     def __call__(self, state, batch):
         step = int(jax.device_get(state.step)) // self.run.updates_per_step
         rng = jax.random.fold_in(jax.random.PRNGKey(self.seed), step)
-        index = [int(i) for i in np.asarray(batch["index"]) for _ in range(self.group)]
         params = self.sampler.params(state.params, self.frozen)
-        t0 = time.perf_counter()
-        if self.episodes is not None:  # multi-turn: the environment's steps give the rewards
-            ro, total, parts, counts = self.episodes(params, [self.prompts.example(i) for i in index], rng)
-            t_sample = time.perf_counter() - t0
+        if self.pipeline is not None:  # sampled ahead, by the params of step - rl.max_staleness at the oldest
+            t0 = time.perf_counter()
+            rollout = self.pipeline.take(step, batch, params)
+            waited = time.perf_counter() - t0
         else:
-            prompt_ids = [self.prompts.tokens(i) for i in index]
-            generation = self.sampler(params, prompt_ids, rng)
-            t_sample = time.perf_counter() - t0
-            ro = layout(prompt_ids, generation, self.run.config.data.seq_len)
-            completions = [self.template.answer_text(ids) for ids in ro.responses]
-            total, parts = self.rewards(
-                [self.prompts.prompts[i] for i in index],
-                [self.prompts.messages[i] for i in index],
-                completions,
-                ro.truncated,
-                [self.prompts.columns[i] for i in index],
-            )
-            counts = self.failures.record(total, parts, self.rewards.failable, self.rewards.errors)
-            ro.rows["loss_mask"] = ro.rows["loss_mask"] * ~failed_rows(total)[:, None]  # failed rewards: no update
+            rollout = self.produce(params, batch, step)
+        ro, total = rollout.ro, rollout.total
         scored = self.scorer(state.params, self.frozen, ro.rows, self.score_placer)
+        extra = dict(rollout.counts)
+        if self.pipeline is not None:  # this policy is the proximal one; the sampler's is older
+            ro.rows["is_weight"], weights = importance_weights(self.settings, ro.rows, scored["old_logp"])
+            extra |= weights | {"staleness": float(step - rollout.version), "rollout_wait_s": waited}
         if "old_logp" in scored:  # at a temperature other than 1: the policy's own pass, not the sampler's
             ro.rows["old_logp"] = scored.pop("old_logp")
-        fields, extra = advantages(self.settings, ro, total, scored, self.group)
+        fields, more = advantages(self.settings, ro, total, scored, self.group)
         rows = ro.rows | fields
         t1 = time.perf_counter()
         state, updates = self._updates(state, rows, rng)
         t_update = time.perf_counter() - t1
-        return state, self._metrics(ro, total, parts, updates, extra | counts, t_sample, t_update)
+        return state, self._metrics(ro, total, rollout.parts, updates, extra | more, rollout.seconds, t_update)
+
+    def produce(self, params, batch, step: int) -> Rollout:
+        """The scored rollouts of one step's prompt batch, sampled with `params` (the policy's)."""
+        rng = jax.random.fold_in(jax.random.PRNGKey(self.seed), step)
+        index = [int(i) for i in np.asarray(batch["index"]) for _ in range(self.group)]
+        t0 = time.perf_counter()
+        if self.episodes is not None:  # multi-turn: the environment's steps give the rewards
+            ro, total, parts, counts = self.episodes(params, [self.prompts.example(i) for i in index], rng)
+            return Rollout(ro, total, parts, counts, time.perf_counter() - t0, step)
+        prompt_ids = [self.prompts.tokens(i) for i in index]
+        generation = self.sampler(params, prompt_ids, rng)
+        seconds = time.perf_counter() - t0
+        ro = layout(prompt_ids, generation, self.run.config.data.seq_len)
+        completions = [self.template.answer_text(ids) for ids in ro.responses]
+        total, parts = self.rewards(
+            [self.prompts.prompts[i] for i in index],
+            [self.prompts.messages[i] for i in index],
+            completions,
+            ro.truncated,
+            [self.prompts.columns[i] for i in index],
+        )
+        counts = self.failures.record(total, parts, self.rewards.failable, self.rewards.errors)
+        ro.rows["loss_mask"] = ro.rows["loss_mask"] * ~failed_rows(total)[:, None]  # failed rewards: no update
+        return Rollout(ro, total, parts, counts, seconds, step)
 
     def _updates(self, state, rows: dict, rng):
         n = len(rows["inputs"])
@@ -160,6 +182,27 @@ class RlStep:
             "sampling_share": float(t_sample / max(t_sample + t_update, 1e-9)),
         }
         return out
+
+
+def importance_weights(settings: RlSettings, rows: dict, current_logp: np.ndarray) -> tuple[np.ndarray, dict]:
+    """(per-token weights pi_current / pi_sampler of stale rollouts, their metrics): truncated at
+    rl.is_cap (tis), tokens past it left out (mis), or 1 (none)."""
+    mask = rows["loss_mask"] > 0
+    w = np.exp(np.clip(current_logp - rows["old_logp"], -30.0, 30.0)) * mask
+    past = (w > settings.is_cap) & mask
+    if settings.is_correction == "tis":
+        kept = np.minimum(w, settings.is_cap)
+    elif settings.is_correction == "mis":
+        kept = np.where(past, 0.0, w)
+    else:
+        kept = mask.astype(np.float64)
+    n = max(int(mask.sum()), 1)
+    metrics = {
+        "is_weight_mean": float(w.sum() / n),
+        "is_weight_max": float(w.max()) if mask.any() else 0.0,
+        "is_capped_fraction": float(past.sum() / n),
+    }
+    return kept.astype(np.float32), metrics
 
 
 def zero_std_share(total: np.ndarray, group: int) -> float:

@@ -104,10 +104,11 @@ class Scorer:
     rl.temperature other than 1, the policy's own log-probs at that temperature (`old_logp`: the
     sampler reports the untempered ones). Log-probs are at rl.temperature (lm.train.rl_losses)."""
 
-    def __init__(self, run, with_values: bool):
+    def __init__(self, run, with_values: bool, with_policy: bool = False):
         self.temperature = run.config.rl.temperature
         self.with_reference, self.with_values = "reference" in run.frozen, with_values
-        self.with_policy = with_policy = self.temperature != 1.0
+        # the policy's own log-probs: at a temperature other than 1, or asked for (stale rollouts' proximal policy)
+        self.with_policy = with_policy = with_policy or self.temperature != 1.0
         model, rep, t = run.model, NamedSharding(run.mesh, PartitionSpec()), self.temperature
         reference = run.frozen["reference"].built.module if self.with_reference else None
 

@@ -5,10 +5,14 @@ sampled after the episode's ids so far, until the environment ends it or a limit
 An episode is one row of ids: its prompt, each sampled answer as sampled (its end-of-turn id
 included: the ids are never re-encoded from text), and between answers the chat template's
 continuation (`template.continuation`: the new turns and the next generation prompt). Only the
-sampled ids are trained on; their log-probs are the sampler's. Every episode advances as soon
-as its own answer ends, while the others keep generating (no barrier between turns), and each
-next prompt starts with the whole previous one, so the engine's prefix cache finds its pages
+sampled ids are trained on; their log-probs are the sampler's. An episode's next answer is
+queued once its environment has answered, while the other episodes keep generating (no barrier
+between turns), and each next prompt starts with the whole previous one, so the engine's prefix cache finds its pages
 (lm.infer.engine.prefix) rather than prefilling the conversation again.
+
+The environments' steps of the answers that ended in the same engine step run at once, on
+threads; the episodes then go on in the order their answers ended, so a run does not depend on
+how long the steps took (within their limit).
 
 Limits end an episode with a counted reason, never a crash: `done` (the environment ended it),
 `length` (an answer reached max_new_tokens), `turns`, `tokens` (the next prompt would not fit),
@@ -19,6 +23,7 @@ from __future__ import annotations
 
 import concurrent.futures
 import dataclasses
+import time
 
 import jax
 import numpy as np
@@ -66,7 +71,7 @@ class EpisodeRunner:
         specials = template.tok.special_tokens() if hasattr(template.tok, "special_tokens") else {}
         self.syntax = ToolSyntax.of(getattr(template, "source", None), specials)
         self.max_len = min(limits.tokens or engine.max_len, engine.max_len)
-        self._pool = concurrent.futures.ThreadPoolExecutor(max_workers=4, thread_name_prefix="env")
+        self._pool = None  # the environments' steps run here, each within limits.tool_seconds
 
     def __call__(self, params, make_env, examples: list[dict], rng) -> list[Episode]:
         keys = np.asarray(jax.vmap(lambda i: jax.random.fold_in(rng, i))(np.arange(len(examples))), np.uint32)
@@ -83,10 +88,14 @@ class EpisodeRunner:
             else:  # the opening prompt (tools listed) leaves no room for an answer
                 ep.end = "tokens"
         prepared = self.engine.prepare(params)
-        while self.engine.busy:
-            self.engine.step(prepared)
-            while ended:
-                self._advance(*ended.pop(0), ended)
+        self._pool = concurrent.futures.ThreadPoolExecutor(max_workers=len(episodes), thread_name_prefix="env")
+        try:
+            while self.engine.busy:
+                self.engine.step(prepared)
+                answered, ended[:] = list(ended), []
+                self._advance(answered, ended)
+        finally:  # a step past its time limit is left to finish on its own; nothing waits for it
+            self._pool.shutdown(wait=False, cancel_futures=True)
         return episodes
 
     def _submit(self, ep: Episode, ended: list) -> None:
@@ -96,22 +105,31 @@ class EpisodeRunner:
         done = lambda r: ended.append((ep, r))  # noqa: E731 (processed between engine steps)
         self.engine.add(Request(list(ep.ids), sampling, self.template.stop_ids, key=key, on_done=done))
 
-    def _advance(self, ep: Episode, r: Request, ended: list) -> None:
-        """One answer of `ep` is in: the environment's step, then the next answer or the end."""
-        ep.ids += r.ids
-        ep.trained += [True] * len(r.ids)
-        ep.logps += r.logps
-        ep.turns += 1
-        if r.finish != "eos":
-            ep.end = "length"
-            return
-        turn = self._turn(ep, r.ids)
-        future = self._pool.submit(ep.env.step, ep.messages + [turn], turn)
-        try:
-            step = future.result(timeout=self.limits.tool_seconds)
-        except concurrent.futures.TimeoutError:
-            ep.end = "tool_time"
-            return
+    def _advance(self, answered: list, ended: list) -> None:
+        """The answers that ended in one engine step: their environments' steps run at once (each
+        within limits.tool_seconds), then each episode, in the order its answer ended, asks for
+        its next answer or ends (so a run does not depend on the steps' timing)."""
+        stepping = []
+        for ep, r in answered:
+            ep.ids += r.ids
+            ep.trained += [True] * len(r.ids)
+            ep.logps += r.logps
+            ep.turns += 1
+            if r.finish != "eos":
+                ep.end = "length"
+                continue
+            turn = self._turn(ep, r.ids)
+            stepping.append((ep, turn, self._pool.submit(ep.env.step, ep.messages + [turn], turn)))
+        deadline = time.monotonic() + self.limits.tool_seconds
+        for ep, turn, future in stepping:
+            try:
+                step = future.result(timeout=max(0.0, deadline - time.monotonic()))
+            except concurrent.futures.TimeoutError:
+                ep.end = "tool_time"
+                continue
+            self._continue(ep, turn, step, ended)
+
+    def _continue(self, ep: Episode, turn: dict, step, ended: list) -> None:
         for name, value in step.rewards.items():
             ep.rewards[name] = ep.rewards.get(name, 0.0) + float(value)
         if step.done or step.messages is None:

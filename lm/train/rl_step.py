@@ -9,6 +9,10 @@
 
 The step's sampling key is fold_in(seed, step), and the minibatch order a permutation drawn
 from it, so a resumed run repeats exactly what the killed one would have done.
+
+With rl.environment the rollouts are multi-turn episodes whose environment gives the rewards
+(lm.train.episodes); with rl.max_staleness > 0 they are sampled ahead by older params on a
+worker thread (lm.train.rl_async) and the update weighs them by pi_current / pi_sampler.
 """
 
 from __future__ import annotations

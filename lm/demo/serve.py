@@ -13,10 +13,8 @@ import numpy as np
 from lm.data.chat import chat_prompts
 from lm.eval.answers import exact_match, read_conversations
 from lm.infer.engine.engine import EngineConfig
-from lm.infer.generate import Generator
 from lm.infer.sampling import SamplingParams
 from lm.infer.session import Session
-from lm.infer.speculative import DraftModel, SpeculativeDecoder, on_one_device
 from lm.model.quant import weight_bytes
 from lm.store.load import load_trained
 
@@ -102,21 +100,22 @@ def _quantized(loaded, conversations: list) -> dict:
 
 
 def _speculative(loaded, student, conversations: list) -> dict:
-    """Greedy answers with the student (or prompt lookup) drafting 4 tokens per target pass, against
-    plain greedy decoding: identical tokens, and how many drafts the target kept."""
+    """Greedy answers with the student (or prompt lookup) drafting 4 tokens per row and target pass
+    in the engine, against plain greedy decoding: identical tokens, and how many drafts the target
+    kept."""
     prompts, template = chat_prompts(loaded.tokenizer, [c[:-1] for c in conversations])
-    model, params = on_one_device(loaded)
     greedy = SamplingParams(max_new_tokens=MAX_NEW, temperature=0)
-    plain = Generator(model, params, greedy, eos_id=template.stop_ids)(prompts)  # the engine
+    plain = Session(loaded).generator(greedy, template.stop_ids)(prompts)
     out = {}
-    for name, draft in (("student", DraftModel(*on_one_device(student))), ("ngram", "ngram")):
-        spec = SpeculativeDecoder(model, params, greedy, draft=draft, k=4, eos_id=template.stop_ids)(prompts)
+    for name, draft in (("student", student), ("ngram", None)):
+        generator = Session(loaded, speculate=4, draft=draft).generator(greedy, template.stop_ids)
+        spec, drafted = generator(prompts), generator.drafted
         same = sum(np.array_equal(a, b) for a, b in zip(spec.ids, plain.ids))
         out[name] = {
             "n": len(prompts),
             "same_as_plain": int(same),
-            "acceptance": spec.acceptance_rate,
-            "tokens_per_call": spec.tokens_per_call,
+            "acceptance": drafted["accepted"] / max(drafted["proposed"], 1),
+            "tokens_per_call": (drafted["accepted"] + drafted["passes"]) / max(drafted["passes"], 1),
         }
     return out
 

@@ -1,5 +1,5 @@
 """`lm sample`: completions from a trained run or an export, one prompt (streamed) or a JSONL file;
-with --draft, by speculative decoding (lm.infer.speculative)."""
+with --draft, by speculative decoding in the engine (lm.infer.engine.spec_steps)."""
 
 from __future__ import annotations
 
@@ -60,11 +60,11 @@ def add_parser(sub) -> None:
     p.add_argument(
         "--draft",
         metavar="WORKDIR|EXPORT|ngram",
-        help="speculative decoding: 'ngram' for prompt lookup (the tokens that followed the context's "
-        "last 3, 2 or 1 tokens earlier on) in the engine, every prompt of the batch at once; or drafts "
+        help="speculative decoding in the engine, every prompt of the batch at once: 'ngram' for prompt "
+        "lookup (the tokens that followed the context's last 3, 2 or 1 tokens earlier on), or drafts "
         "from a smaller model with the same tokenizer (an `lm train` workdir, an `lm export` or a "
-        "Hugging Face directory) at batch 1 on one device (a --prompts file is decoded one prompt at a "
-        "time; --batch-size is ignored). Greedy output is unchanged; sampled output has the same distribution",
+        "Hugging Face directory) on the same mesh. Greedy output is unchanged; sampled output has the "
+        "same distribution",
     )
     p.add_argument("--draft-k", type=int, help=f"with --draft: tokens drafted per step (>= 1; default {DRAFT_K})")
     p.add_argument(
@@ -119,16 +119,11 @@ def run(args, overrides=()) -> int:
         raise UserError("--prompt is empty; give at least one character of text")
     if args.draft is None and args.draft_k is not None:
         raise UserError("--draft-k needs --draft (a draft model's workdir or export, or 'ngram')")
-    ngram = args.draft == "ngram"
-    if ngram and args.draft_k is not None and args.draft_k < 1:
+    if args.draft_k is not None and args.draft_k < 1:
         raise UserError(f"speculative decoding: k={args.draft_k}: expected an integer >= 1 (drafted tokens per step)")
-    if args.draft is not None and not ngram and (args.quantize != "none" or args.kv_cache):
-        raise UserError(
-            "--quantize and --kv-cache work with the engine, not with --draft MODEL (speculative decoding): drop one"
-        )
     rows = read_prompts(args.prompts, args.chat) if args.prompts else None
     loaded = load_trained(args.workdir, args.params, args.tokenizer)
-    generate = _Speculative(args, loaded, sampling) if args.draft and not ngram else _plain(args, loaded, sampling)
+    generate = _Generate(args, loaded, sampling)
     # every process decodes every prompt (the model spans them all, and the same seed draws the
     # same tokens); process 0 alone shows and writes the results
     main = is_main()
@@ -167,81 +162,32 @@ def run(args, overrides=()) -> int:
     return 0
 
 
-def _plain(args, loaded, sampling):
-    """generate(prompts, stream=None) -> result dicts, through a Session on the config's mesh."""
-    from lm.infer.session import Session
-
-    k = (DRAFT_K if args.draft_k is None else args.draft_k) if args.draft == "ngram" else 0
-    session = Session(loaded, quantize=args.quantize, slots=args.batch_size, kv_cache=args.kv_cache, speculate=k)
-    stop = tuple(args.stop)
-
-    def generate(prompts: list, **kw):
-        if not args.chat:
-            return session.complete(prompts, sampling, stop=stop, **kw)
-        return session.chat(prompts, sampling, stop=stop, **kw)
-
-    return generate
-
-
-class _Speculative:
-    """generate(prompts, stream=None) -> result dicts, by speculative decoding; `note` sums up
-    the drafts kept so far (for the closing line on stderr)."""
+class _Generate:
+    """generate(prompts, stream=None) -> result dicts, through a Session on the config's mesh
+    (with --draft, speculating); `note` sums up the drafts kept (for the closing line on stderr)."""
 
     def __init__(self, args, loaded, sampling):
-        from lm.infer.speculative import NGRAM, DraftModel, on_one_device
-        from lm.store.load import load_trained
+        from lm.infer.session import Session, load_draft
 
-        self.args, self.sampling, self.tokenizer = args, sampling, loaded.tokenizer
-        self.model, self.params = on_one_device(loaded)
-        if args.draft == NGRAM:
-            self.draft = NGRAM
-        else:
-            path = pathlib.Path(args.draft)
-            run_dir = (path / "checkpoints").is_dir()
-            other = load_trained(args.draft if run_dir else None, None if run_dir else args.draft)
-            self.draft = DraftModel(*on_one_device(other))
-        self.k = DRAFT_K if args.draft_k is None else args.draft_k
-        self._decoders: dict = {}
-        self.make(loaded.tokenizer.eos_id)  # bad --draft-k or vocabularies fail before any prompt
-        self.proposed = self.accepted = self.calls = self.tokens = 0
-
-    def __call__(self, prompts: list, stream=None) -> list[dict]:
-        from lm.data.chat import chat_prompts
-        from lm.infer.text import complete, complete_ids
-
-        stop = tuple(self.args.stop)
-        if not self.args.chat:
-            return complete(self._counted(self.make(self.tokenizer.eos_id)), self.tokenizer, prompts, stop, stream)
-        encoded, template = chat_prompts(self.tokenizer, prompts)
-        return complete_ids(
-            self._counted(self.make(template.stop_ids)), self.tokenizer, encoded, stop + template.stop_strings, stream
+        k = 0 if args.draft is None else DRAFT_K if args.draft_k is None else args.draft_k
+        draft = None if args.draft in (None, "ngram") else load_draft(args.draft)
+        self.args, self.sampling, self.speculating = args, sampling, bool(k)
+        self.session = Session(
+            loaded, quantize=args.quantize, slots=args.batch_size, kv_cache=args.kv_cache, speculate=k, draft=draft
         )
 
-    def make(self, eos_id):
-        """The decoder stopping at `eos_id` (one per end-of-answer set: plain or chat)."""
-        from lm.infer.speculative import SpeculativeDecoder
-
-        if eos_id not in self._decoders:
-            self._decoders[eos_id] = SpeculativeDecoder(
-                self.model, self.params, self.sampling, draft=self.draft, k=self.k, eos_id=eos_id
-            )
-        return self._decoders[eos_id]
-
-    def _counted(self, decoder):
-        def call(prompts, **kw):
-            result = decoder(prompts, **kw)
-            self.proposed += result.proposed
-            self.accepted += result.accepted
-            self.calls += result.target_calls
-            self.tokens += sum(len(i) for i in result.ids)
-            return result
-
-        return call
+    def __call__(self, prompts: list, **kw) -> list[dict]:
+        stop, session = tuple(self.args.stop), self.session
+        if not self.args.chat:
+            return session.complete(prompts, self.sampling, stop=stop, **kw)
+        return session.chat(prompts, self.sampling, stop=stop, **kw)
 
     @property
     def note(self) -> str:
-        rate = self.accepted / max(self.proposed, 1)
+        if not self.speculating:
+            return ""
+        proposed, accepted, passes = (self.session.drafted[name] for name in ("proposed", "accepted", "passes"))
         return (
-            f"; speculative: {self.accepted}/{self.proposed} drafts kept ({rate:.0%}), "
-            f"{self.tokens / max(self.calls, 1):.2f} tokens per target call"
+            f"; speculative: {accepted}/{proposed} drafts kept ({accepted / max(proposed, 1):.0%}), "
+            f"{(accepted + passes) / max(passes, 1):.2f} tokens per target pass"
         )

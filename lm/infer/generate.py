@@ -44,7 +44,9 @@ class Generator:
 
     max_len: the positions a prompt and its new tokens may take (default and upper bound: the
     model's context, see `generation_context`). config: the engine's slots, pages and blocks
-    (default: one slot per prompt, pages for every slot's whole context).
+    (default: one slot per prompt, pages for every slot's whole context). draft: a draft model
+    proposing `config.speculate` tokens per row and step (params: a (target, draft) pair);
+    `drafted` sums what speculation proposed, kept and verified over every call.
     """
 
     def __init__(
@@ -59,6 +61,7 @@ class Generator:
         rules=(),
         unstack: bool | None = None,
         config: EngineConfig | None = None,
+        draft=None,
     ):
         self.eos_id = tuple(int(i) for i in eos_id) if isinstance(eos_id, (tuple, list)) else (int(eos_id),)
         self.model, self.params, self.sampling = model, params, sampling
@@ -68,11 +71,19 @@ class Generator:
                 f"generation: max_len {self.max_len} exceeds the model's context ({model.spec.max_seq_len} positions)"
             )
         self.mesh, self.rules, self.unstack, self.config = mesh, rules, unstack, config
+        self.draft = draft
+        self.drafted = dict(proposed=0, accepted=0, passes=0)
 
     def engine(self, n_prompts: int) -> Engine:
         config = self.config or EngineConfig(slots=max(1, n_prompts))
         return Engine(
-            self.model, max_len=self.max_len, config=config, mesh=self.mesh, rules=self.rules, unstack=self.unstack
+            self.model,
+            max_len=self.max_len,
+            config=config,
+            mesh=self.mesh,
+            rules=self.rules,
+            unstack=self.unstack,
+            draft=self.draft,
         )
 
     def check(self, prompts: list) -> None:
@@ -102,7 +113,11 @@ class Generator:
             )
             for i, p in enumerate(prompts)
         ]
-        self.engine(len(prompts)).run(self.params, requests)
+        engine = self.engine(len(prompts))
+        engine.run(self.params, requests)
+        proposed, accepted = engine.acceptance
+        for name, n in (("proposed", proposed), ("accepted", accepted), ("passes", engine.verify_passes)):
+            self.drafted[name] += n
         return Generation(
             [np.asarray(r.ids, np.int32) for r in requests],
             [np.asarray(r.logps, np.float32) for r in requests],

@@ -21,8 +21,9 @@ import jax
 import numpy as np
 
 from lm.errors import UserError
+from lm.infer.engine.draft_steps import check_draft, draft_programs, paired_pool
 from lm.infer.engine.pages import PageAllocator
-from lm.infer.engine.pool import Placement, abstract_pool, init_pool, page_copier
+from lm.infer.engine.pool import Placement, page_copier
 from lm.infer.engine.prefix import PrefixReuse, array_refs, same_arrays
 from lm.infer.engine.request import MAX_EOS, EngineConfig, Request, check_prompt
 from lm.infer.engine.rows import RowSettings
@@ -50,7 +51,9 @@ def bucket(n: int, low: int, high: int) -> int:
 class Engine:
     """Continuous batching over one model on one mesh (or one device). `step(params)` runs one
     iteration; `run(params, requests)` runs until those requests end (offline use);
-    lm.infer.engine.service runs steps on a thread for a server."""
+    lm.infer.engine.service runs steps on a thread for a server. draft: a smaller model with the
+    target's vocabulary that proposes the `config.speculate` drafts per row and step (default:
+    prompt lookup); with one, every `params` given is a (target params, draft params) pair."""
 
     def __init__(
         self,
@@ -61,6 +64,7 @@ class Engine:
         mesh=None,
         rules=(),
         unstack: bool | None = None,
+        draft=None,
     ):
         if max_len > model.spec.max_seq_len:
             raise UserError(
@@ -90,12 +94,31 @@ class Engine:
         self.allocator = PageAllocator(pages, ps, self.table_width if self.slot_major else 0)
         self.prefix = PrefixReuse(ps) if config.prefix_cache else None
         self._copy_pages = page_copier(self.model)
+        self.draft = None
+        if draft is not None:
+            self._use_draft(draft, block)
         self._prepared = None  # (weak references to the leaves of the params given, those params prepared)
         self.pool = None  # created on first use
         self.waiting: collections.deque[Request] = collections.deque()
         self.running: list[Request | None] = [None] * self.slots
         self.device_s = 0.0  # time from each call's launch to its results on the host (the rest: device idle)
         self._reset_rows()
+
+    def _use_draft(self, draft, block: int) -> None:
+        """Drafts from a smaller model (lm.infer.engine.draft_steps): its own pool under the target's
+        page tables; params and pools become (target, draft) pairs."""
+        check_draft(self.model, draft, self.max_len, self.config.speculate)
+        self.draft = draft.clone(paging=self.paging, unstacked=self.unstack)
+        programs = draft_programs(self.model, self.draft, block, self.every, self.config.speculate, self.slot_major)
+        self._prefill, self._copy_pages, self._programs = programs.prefill, programs.copy, programs.decode
+        one = self._prepare
+
+        def prepare(pair):
+            if not (isinstance(pair, tuple) and len(pair) == 2):
+                raise TypeError("an engine with a draft model takes (target params, draft params)")
+            return one(pair[0]), one(pair[1])
+
+        self._prepare = prepare
 
     def _reset_rows(self):
         s = self.slots
@@ -116,6 +139,7 @@ class Engine:
                 history=np.zeros((s, self.max_len + self.config.speculate + 1), np.int32),
                 proposed=np.zeros(s, np.int32),
                 accepted=np.zeros(s, np.int32),
+                passes=np.zeros(s, np.int32),
             )
         self.settings = RowSettings.empty(s, self.model.spec.vocab_size)
 
@@ -165,7 +189,7 @@ class Engine:
     def step(self, params) -> None:
         """Admit, prefill one chunk of every unfinished prompt, decode one block."""
         if self.pool is None:
-            self.pool = init_pool(self.model, self.place)
+            self.pool = paired_pool(self.model, self.draft, self.place)
         if self.prefix is not None:
             self.prefix.belongs_to(params)
         for r in [r for r in self.running if r is not None and r.cancelled]:
@@ -338,6 +362,11 @@ class Engine:
             return 0, 0
         return int(self.state["proposed"].sum()), int(self.state["accepted"].sum())
 
+    @property
+    def verify_passes(self) -> int:
+        """Speculation's target passes over every request so far (counted per row it fed)."""
+        return int(self.state["passes"].sum()) if "passes" in self.state else 0
+
     def abstract_decode(self, params):
         """(compiled decode block, its abstract arguments) of a call over every slot's whole page
         table, for compiling ahead of time: params as given (ShapeDtypeStructs), nothing allocated."""
@@ -347,7 +376,8 @@ class Engine:
             "settings": {k: put(v) for k, v in self.settings.arrays().items()}
         }
         limit = jax.ShapeDtypeStruct((), np.int32, sharding=self.place.sharding(()))
-        return decode, (params, abstract_pool(self.model, self.place), state, put(self.table[:, :width]), limit)
+        pool = paired_pool(self.model, self.draft, self.place, abstract=True)
+        return decode, (params, pool, state, put(self.table[:, :width]), limit)
 
     def _release(self, r: Request, reason: str) -> None:
         if self.prefix is not None and r.written == len(r.prompt):  # the fed tokens: all but the last emitted

@@ -24,10 +24,10 @@ class EngineConfig:
     server keeps it at decode_block so a request arriving mid-call waits less). A call also ends
     as soon as a row ends, so a freed slot is filled and an answer returned at once. check_every:
     decode steps between the device loop's checks whether to go on (0: the backend's default,
-    lm.infer.engine.steps.steps_between_checks); speculate: drafts per row and step by prompt lookup
-    (0: off; lm.infer.engine.spec_steps); kv_cache: "" (the compute dtype), "int8" or "fp8" pages
-    (lm.model.paged); prefix_cache: reuse the pages
-    of prompt prefixes already in the pool (lm.infer.engine.prefix)."""
+    lm.infer.engine.steps.steps_between_checks); speculate: drafts per row and step, by prompt
+    lookup or by the engine's draft model (0: off; lm.infer.engine.spec_steps); kv_cache: "" (the
+    compute dtype), "int8" or "fp8" pages (lm.model.paged); prefix_cache: reuse the pages of prompt
+    prefixes already in the pool (lm.infer.engine.prefix)."""
 
     slots: int = 16
     page_size: int = 16

@@ -24,7 +24,7 @@ def forward(model, params, cache, ids, seg, pos, table, logits_at=None):
     """Writes a chunk of tokens [R, W] (segment 0 = padding, written nowhere) at positions `pos` of
     the sequences whose pages are `table` [R, pages] into the pool -> (float32 logits [R, W, V], or
     [R, 1, V] at index `logits_at` [R] of each row; the pool). Every step of the engine runs it, and
-    speculative decoding scores its drafts with it (lm.infer.speculative)."""
+    speculative decoding scores its drafts with it (lm.infer.engine.spec_steps)."""
     logits, updated = model.apply(
         {"params": params, "cache": cache},
         ids,

@@ -34,8 +34,14 @@ def add_parser(sub) -> None:
         type=int,
         default=0,
         metavar="K",
-        help="draft K tokens per request and step by prompt lookup and verify them in one pass (0: off); "
-        "greedy answers are unchanged, sampled ones keep their distribution",
+        help="draft K tokens per request and step (by prompt lookup, or by --draft's model) and verify them "
+        "in one pass (0: off; with --draft: 4); greedy answers are unchanged, sampled ones keep their distribution",
+    )
+    p.add_argument(
+        "--draft",
+        metavar="WORKDIR|EXPORT",
+        help="speculate with drafts from this smaller model with the same tokenizer (an `lm train` workdir, "
+        "an `lm export` or a Hugging Face directory) instead of prompt lookup",
     )
     p.add_argument(
         "--no-prefix-cache",

@@ -22,6 +22,8 @@ from lm.infer.serve.metrics import Load
 from lm.infer.serve.tools import ToolSyntax
 from lm.infer.stops import StopWatch
 
+DRAFT_K = 4  # tokens a draft model proposes per request and step when --speculate is not given
+
 
 class EngineStream:
     """One request's Deltas: text that can no longer change (never a stop string or the start of
@@ -88,8 +90,15 @@ class EngineBackend:
         self.tool_syntax = ToolSyntax.of(getattr(self.template, "source", None), specials)
         built = session.built
         self.vocab_size = built.spec.vocab_size
-        engine = Engine(built.module, max_len=self.context, config=config, mesh=built.mesh, rules=built.rules)
-        self.service = EngineService(engine, session.params)
+        engine = Engine(
+            built.module,
+            max_len=self.context,
+            config=config,
+            mesh=built.mesh,
+            rules=built.rules,
+            draft=session.draft_module,
+        )
+        self.service = EngineService(engine, session.engine_params)
 
     def prompt_ids(self, prompt=None, messages=None, tools=None):
         if messages is None:
@@ -122,8 +131,12 @@ class EngineBackend:
 
 def make_backend(loaded, args) -> EngineBackend:
     """The backend `lm serve` runs: a loaded model and the command's flags (quantize, slots,
-    page_size, max_model_len, model_name; kv_cache, speculate and no_prefix_cache when given)."""
-    from lm.infer.session import Session
+    page_size, max_model_len, model_name; kv_cache, speculate, draft and no_prefix_cache when given).
+    A draft model speculates DRAFT_K tokens per step unless --speculate says how many."""
+    from lm.infer.session import Session, load_draft
+
+    draft = getattr(args, "draft", None)
+    speculate = getattr(args, "speculate", 0) or (DRAFT_K if draft else 0)
 
     # a request arriving mid-call waits for the call to end: every call is a short block
     config = EngineConfig(
@@ -131,7 +144,8 @@ def make_backend(loaded, args) -> EngineBackend:
         page_size=args.page_size,
         idle_block=16,
         kv_cache=getattr(args, "kv_cache", ""),
-        speculate=getattr(args, "speculate", 0),
+        speculate=speculate,
         prefix_cache=not getattr(args, "no_prefix_cache", False),
     )
-    return EngineBackend(Session(loaded, quantize=args.quantize), args.model_name, args.max_model_len, config)
+    session = Session(loaded, quantize=args.quantize, draft=load_draft(draft) if draft else None)
+    return EngineBackend(session, args.model_name, args.max_model_len, config)

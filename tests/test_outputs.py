@@ -267,7 +267,7 @@ def test_sample_refuses_replaces_and_survives_an_interrupt(small_base, prompts, 
     (tmp_path / "afile").write_text("x")
     assert sample(small_base, prompts, tmp_path / "afile" / "o.jsonl") == 2
     one_line_error(capsys, "is a file, not a directory")
-    plain = infer_cli._plain
+    plain = infer_cli._Generate
 
     def interrupted(args, loaded, sampling):
         def generate(prompts, **kw):
@@ -276,10 +276,10 @@ def test_sample_refuses_replaces_and_survives_an_interrupt(small_base, prompts, 
 
         return generate
 
-    monkeypatch.setattr(infer_cli, "_plain", interrupted)
+    monkeypatch.setattr(infer_cli, "_Generate", interrupted)
     assert sample(small_base, prompts, out, "--overwrite") == 130
     assert out.read_text() == "earlier results\n" and leftovers(tmp_path) == []
-    monkeypatch.setattr(infer_cli, "_plain", plain)
+    monkeypatch.setattr(infer_cli, "_Generate", plain)
     assert sample(small_base, prompts, out, "--overwrite") == 0
     rows = [json.loads(line) for line in out.read_text().splitlines()]
     assert [r["prompt"] for r in rows] == ["def", "import"] and leftovers(tmp_path) == []

@@ -83,6 +83,8 @@ def test_stale_rollouts_are_those_of_the_older_params_and_the_first_ratio_is_one
         state, m = step(state, next(stream))
         policies.append(jax.device_get(step.sampler.params(state.params, step.frozen)))
         metrics.append(m)
+    for future in step.pipeline.pending.values():  # step 3's was launched at step 2, on the worker
+        future.result()
     assert sorted(seen) == [0, 1, 2, 3] and [m["staleness"] for m in metrics] == [0.0, 1.0, 1.0]
     for s, version in ((0, 0), (1, 0), (2, 1)):  # steps 0 and 1: the initial params; step 2: after step 1
         same(seen[s][0], policies[version])

@@ -38,6 +38,8 @@ from lm.config.core import from_section, require
 # updates (lm.train.rl_async; 0: sample, then update, in turn); the loss corrects for the policy
 # that sampled them with importance weights pi_current / pi_sampler per token, is_correction: tis
 # (truncated at is_cap) | mis (tokens past is_cap left out) | none.
+# generation_devices: g > 0 samples on the last g devices (a mesh of data x generation_tensor)
+# and trains on the others (mesh.*); the params are copied across after every update. 0: one mesh.
 DEFAULTS = dict(
     algo="grpo",
     prompts_per_step=8,
@@ -77,6 +79,8 @@ DEFAULTS = dict(
     max_staleness=0,
     is_correction="tis",
     is_cap=2.0,
+    generation_devices=0,
+    generation_tensor=1,
 )
 
 LOSS_TYPES = ("dapo", "grpo", "dr_grpo", "bnpo")
@@ -168,13 +172,14 @@ def check_environment(c) -> None:
     )
     require(r.tool_seconds > 0, "rl.tool_seconds", r.tool_seconds, "expected seconds > 0")
     require(r.max_staleness >= 0, "rl.max_staleness", r.max_staleness, "expected an integer >= 0 (0: synchronous)")
-    require(r.is_cap >= 1, "rl.is_cap", r.is_cap, "expected >= 1 (the largest importance weight kept)")
+    require(r.generation_devices >= 0, "rl.generation_devices", r.generation_devices, "expected an integer >= 0")
     require(
-        r.max_staleness == 0 or r.temperature == 1.0,
-        "rl.max_staleness",
-        r.max_staleness,
-        "needs rl.temperature=1 (the sampler records the log-probs of the untempered distribution)",
+        r.generation_tensor >= 1 and (r.generation_devices == 0 or r.generation_devices % r.generation_tensor == 0),
+        "rl.generation_tensor",
+        r.generation_tensor,
+        f"expected a positive divisor of rl.generation_devices={r.generation_devices}",
     )
+    require(r.is_cap >= 1, "rl.is_cap", r.is_cap, "expected >= 1 (the largest importance weight kept)")
     scored = [k for k in ("rewards", "reward_url", "reward_model") if r[k]]
     require(
         not (r.environment and scored),

@@ -200,11 +200,8 @@ class EpisodeRollouts:
 
     def __call__(self, params, examples: list[dict], rng, sampling: SamplingParams | None = None):
         """(Rollouts, total reward [N], {term: [N]}, metrics)."""
-        run = self.sampler.run
-        slots = len(examples)
-        engine = Engine(
-            self.sampler.model, max_len=self.seq_len, config=EngineConfig(slots=slots), mesh=run.mesh, rules=run.rules
-        )
+        s, slots = self.sampler, len(examples)
+        engine = Engine(s.model, max_len=self.seq_len, config=EngineConfig(slots=slots), mesh=s.mesh, rules=s.rules)
         runner = EpisodeRunner(engine, self.template, sampling or self.sampler.sampling, self.limits)
         episodes = runner(params, self.make_env, examples, rng)
         if not any(e.turns for e in episodes):

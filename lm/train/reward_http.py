@@ -7,10 +7,14 @@ Request (JSON, `Content-Type: application/json`), the information a reward funct
 Response: `{"rewards": [float | null, ...]}`, one entry per completion, in order. A `null` says
 that this row's reward failed (the row is left out of the update, lm.train.rewards).
 
-Connection errors, timeouts, 5xx and 429 are retried `retries` times with exponential backoff;
-when they persist the whole batch's rewards fail (every row null) and the reason is kept. Any
-other 4xx, or a response that is not the JSON above, is a UserError naming the URL and what was
-wrong: those are mistakes that retrying does not mend.
+With the environment variable LM_REWARD_API_KEY set, each request carries `Authorization: Bearer
+<its value>` (a key kept out of configs, which runs save).
+
+Connection errors, timeouts, 5xx and 429 are retried `retries` times with exponential backoff
+(or after the seconds of the answer's `Retry-After`, up to MAX_BACKOFF_S); when they persist
+the whole batch's rewards fail (every row null) and the reason is kept. Any other 4xx, or a
+response that is not the JSON above, is a UserError naming the URL and what was wrong: those are
+mistakes that retrying does not mend.
 """
 
 from __future__ import annotations
@@ -18,6 +22,7 @@ from __future__ import annotations
 import http.client
 import json
 import math
+import os
 import time
 import urllib.error
 import urllib.parse
@@ -48,8 +53,16 @@ def valid_url(url: str) -> bool:
     return parts.scheme in ("http", "https") and bool(parts.hostname) and port_ok
 
 
+API_KEY_ENV = "LM_REWARD_API_KEY"
+
+
 class RetriableError(Exception):
-    """A failure worth another try (connection, timeout, 5xx, 429)."""
+    """A failure worth another try (connection, timeout, 5xx, 429); `after`: the seconds the
+    endpoint asked to wait (Retry-After), else None."""
+
+    def __init__(self, message: str, after: float | None = None):
+        super().__init__(message)
+        self.after = after
 
 
 class HttpReward:
@@ -62,14 +75,15 @@ class HttpReward:
 
     def __call__(self, prompts: list, completions: list[str], **columns) -> list[float | None]:
         body = self._body(prompts, completions, columns)
-        reasons = []
+        reasons, after = [], None
         for attempt in range(self.retries + 1):
             if attempt:
-                time.sleep(min(self.backoff * 2 ** (attempt - 1), MAX_BACKOFF_S))
+                time.sleep(min(self.backoff * 2 ** (attempt - 1) if after is None else after, MAX_BACKOFF_S))
             try:
                 out = self._parse(self._post(body), len(completions))
             except RetriableError as e:
                 reasons.append(str(e))
+                after = e.after
                 continue
             failed = sum(v is None for v in out)
             self.last_error = f"{self.url} returned null for {failed} of {len(out)} completions" if failed else ""
@@ -86,15 +100,16 @@ class HttpReward:
             raise UserError(f"rl.reward_url: cannot send the rollouts to {self.url} as JSON: {e}") from None
 
     def _post(self, body: bytes) -> bytes:
-        request = urllib.request.Request(
-            self.url, data=body, method="POST", headers={"Content-Type": "application/json"}
-        )
+        headers = {"Content-Type": "application/json"}
+        if os.environ.get(API_KEY_ENV):
+            headers["Authorization"] = f"Bearer {os.environ[API_KEY_ENV]}"
+        request = urllib.request.Request(self.url, data=body, method="POST", headers=headers)
         try:
             with urllib.request.urlopen(request, timeout=self.timeout) as response:
                 return response.read()
         except urllib.error.HTTPError as e:
             if e.code >= 500 or e.code in RETRIED_STATUS:
-                raise RetriableError(f"HTTP {e.code} {e.reason}") from None
+                raise RetriableError(f"HTTP {e.code} {e.reason}", retry_after(e.headers.get("Retry-After"))) from None
             detail = _snippet(e.read())
             raise UserError(
                 f"rl.reward_url: {self.url} answered HTTP {e.code} {e.reason}"
@@ -132,6 +147,15 @@ class HttpReward:
             if not ok:
                 raise bad(f"{_snippet(json.dumps(v).encode())} for completion {i}")
         return [None if v is None else float(v) for v in rewards]
+
+
+def retry_after(value: str | None) -> float | None:
+    """The seconds of a Retry-After header given in seconds (an HTTP date is not followed), else None."""
+    try:
+        seconds = float(value) if value is not None else None
+    except ValueError:
+        return None
+    return seconds if seconds is not None and math.isfinite(seconds) and seconds >= 0 else None
 
 
 def _no_constant(name: str):

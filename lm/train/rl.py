@@ -12,16 +12,20 @@ exact match of the init and the tuned model's greedy answers.
 
 from __future__ import annotations
 
+import jax
+
 from lm.config import with_values
 from lm.data.chat import ChatTemplate
 from lm.data.pipeline import Source, train_dataset
 from lm.data.prompts import PromptSet, describe, read_prompts
+from lm.errors import UserError
 from lm.eval.answers import compare_answers
 from lm.infer.sampling import SamplingParams
 from lm.model import counts
 from lm.model.build import reward_model
 from lm.model.lora import is_adapter, is_adapter_or_head
 from lm.model.transformer import Transformer
+from lm.sharding import SIMULATE_HINT, make_mesh
 from lm.train import rl_step
 from lm.train.environments import environment_factory
 from lm.train.episodes import EpisodeRollouts, Limits
@@ -71,9 +75,31 @@ def compiled_step(config, devices, spec):
     return run, run.signature(extra={k: ((t,), dt) for k, dt in fields.items()})
 
 
+def split_devices(config, devices=None) -> tuple[list, object]:
+    """(the devices that train, the generation mesh or None): with rl.generation_devices = g
+    the last g devices generate, on a mesh of data x rl.generation_tensor."""
+    devices = list(jax.devices() if devices is None else devices)
+    g, r = config.rl.generation_devices, config.rl
+    if not g:
+        return devices, None
+    if jax.process_count() > 1:
+        raise UserError(
+            f"rl.generation_devices={g}: generation on devices of its own runs in one process "
+            f"(this run has {jax.process_count()}); set rl.generation_devices=0"
+        )
+    if g >= len(devices):
+        raise UserError(
+            f"rl.generation_devices={g} leaves none of the {len(devices)} devices to train on; "
+            f"expected fewer than {len(devices)}. {SIMULATE_HINT}"
+        )
+    return devices[:-g], make_mesh({"data": -1, "tensor": r.generation_tensor}, devices[-g:])
+
+
 def build_rl_run(config, devices=None):
-    """The run of `lm rl`: the policy (with a value head for PPO), its loss and the reference."""
+    """The run of `lm rl`: the policy (with a value head for PPO), its loss and the reference,
+    on the devices that train (`split_devices`)."""
     config = rl_config(config)
+    devices, _ = split_devices(config, devices)
     r, settings = config.rl, RlSettings.from_config(config.rl)
     lora = config.model.lora_rank > 0
     model_fn = reward_model if r.algo == "ppo" else Transformer  # PPO's value head is a scalar head
@@ -137,7 +163,8 @@ class Rl(Stage):
         settings = RlSettings.from_config(r)
         template = ChatTemplate.for_tokenizer(ctx.init.tokenizer)
         sampling = SamplingParams(max_new_tokens=r.max_new_tokens, temperature=r.temperature, top_p=r.top_p)
-        sampler = Sampler(run, sampling, template.stop_ids, c.data.seq_len, c.rl.speculate)
+        _, generation_mesh = split_devices(c)
+        sampler = Sampler(run, sampling, template.stop_ids, c.data.seq_len, c.rl.speculate, generation_mesh)
         self.scorer = Scorer(run, settings.algo == "ppo", with_policy=r.max_staleness > 0)
         episodes = None
         if r.environment:

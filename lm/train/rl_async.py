@@ -5,7 +5,8 @@ Step s trains on rollouts sampled with the params of step max(0, s - k): a fixed
 is the same whatever the timing of the two threads, and k = 0 is the synchronous run (the RL
 step then takes none of this path). At step s the pipeline launches every step in s..s+k not
 yet launched (k + 1 at the first step, then one a step) on a worker thread, with a copy of the
-params (the update donates its own), then waits for step s's. The last k steps' launches sample
+params (the update donates its own; with rl.generation_devices the copy on the generation
+devices), then waits for step s's. The last k steps' launches sample
 for steps past the run's end: a run extended later (more train.steps, --resume) trains on them,
 as an uninterrupted longer run would. With several processes the
 rollouts are sampled in turn on the main thread instead (two threads issuing collectives could
@@ -27,7 +28,6 @@ import io
 import json
 
 import jax
-import jax.numpy as jnp
 import numpy as np
 
 from lm.train.rollout import Rollouts
@@ -45,14 +45,11 @@ class Rollout:
     version: int
 
 
-_copy = jax.jit(lambda tree: jax.tree.map(jnp.copy, tree))
-
-
 class Pipeline:
     """Rollouts of the steps ahead: `produce(params, batch, step) -> Rollout`."""
 
-    def __init__(self, produce, k: int, overlap: bool | None = None):
-        self.produce, self.k = produce, k
+    def __init__(self, produce, k: int, snapshot, overlap: bool | None = None):
+        self.produce, self.k, self.snapshot = produce, k, snapshot  # snapshot: params the update cannot overwrite
         self.overlap = jax.process_count() == 1 if overlap is None else overlap
         self._worker = concurrent.futures.ThreadPoolExecutor(1, thread_name_prefix="rollouts") if self.overlap else None
         self.pending: dict[int, concurrent.futures.Future] = {}
@@ -61,7 +58,7 @@ class Pipeline:
     def take(self, step: int, batch, params) -> Rollout:
         """Step `step`'s rollouts, after launching those of the steps up to step + k with `params`."""
         todo = [j for j in range(step, step + self.k + 1) if j not in self.pending]
-        snapshot = _copy(params) if todo else None
+        snapshot = self.snapshot(params) if todo else None
         for j in todo:
             b = batch if j == step else self.ahead.peek(j - step - 1)
             self.pending[j] = self._launch(snapshot, b, j, step)

@@ -91,10 +91,11 @@ class RlStep:
 
     def pipelined(self, stream) -> Lookahead:
         """The prompt stream the loop reads when rollouts are sampled ahead (rl.max_staleness > 0)."""
-        self.pipeline = Pipeline(self.produce, self.settings.max_staleness)
+        self.pipeline = Pipeline(self.produce, self.settings.max_staleness, self.sampler.snapshot)
         return Lookahead(stream, self.pipeline)
 
     def __call__(self, state, batch):
+        t_start = time.perf_counter()
         step = int(jax.device_get(state.step)) // self.run.updates_per_step
         rng = jax.random.fold_in(jax.random.PRNGKey(self.seed), step)
         params = self.sampler.params(state.params, self.frozen)
@@ -117,6 +118,8 @@ class RlStep:
         t1 = time.perf_counter()
         state, updates = self._updates(state, rows, rng)
         t_update = time.perf_counter() - t1
+        if self.pipeline is not None:  # the learner's share of the step spent waiting for rollouts
+            extra["rollout_wait_share"] = waited / max(time.perf_counter() - t_start, 1e-9)
         return state, self._metrics(ro, total, rollout.parts, updates, extra | more, rollout.seconds, t_update)
 
     def produce(self, params, batch, step: int) -> Rollout:
@@ -126,11 +129,12 @@ class RlStep:
         t0 = time.perf_counter()
         if self.episodes is not None:  # multi-turn: the environment's steps give the rewards
             ro, total, parts, counts = self.episodes(params, [self.prompts.example(i) for i in index], rng)
+            ro = self._behaviour(params, ro)
             return Rollout(ro, total, parts, counts, time.perf_counter() - t0, step)
         prompt_ids = [self.prompts.tokens(i) for i in index]
         generation = self.sampler(params, prompt_ids, rng)
         seconds = time.perf_counter() - t0
-        ro = layout(prompt_ids, generation, self.run.config.data.seq_len)
+        ro = self._behaviour(params, layout(prompt_ids, generation, self.run.config.data.seq_len))
         completions = [self.template.answer_text(ids) for ids in ro.responses]
         total, parts = self.rewards(
             [self.prompts.prompts[i] for i in index],
@@ -142,6 +146,13 @@ class RlStep:
         counts = self.failures.record(total, parts, self.rewards.failable, self.rewards.errors)
         ro.rows["loss_mask"] = ro.rows["loss_mask"] * ~failed_rows(total)[:, None]  # failed rewards: no update
         return Rollout(ro, total, parts, counts, seconds, step)
+
+    def _behaviour(self, params, ro: Rollouts) -> Rollouts:
+        """Sampled ahead at an rl.temperature other than 1: the sampler's log-probs at that
+        temperature (the importance weights' denominator; the engine reports untempered ones)."""
+        if self.pipeline is not None and self.settings.temperature != 1.0:
+            ro.rows["old_logp"] = self.sampler.logprobs(params, ro.rows, self.settings.temperature)
+        return ro
 
     def _updates(self, state, rows: dict, rng):
         n = len(rows["inputs"])

@@ -15,6 +15,7 @@ from __future__ import annotations
 import dataclasses
 
 import jax
+import jax.numpy as jnp
 import numpy as np
 from jax.sharding import NamedSharding, PartitionSpec
 
@@ -22,11 +23,15 @@ from lm.infer.engine.engine import EngineConfig
 from lm.infer.generate import Generation, Generator
 from lm.infer.sampling import SamplingParams
 from lm.model.apply import logits_of
+from lm.model.layers import Partitioning
 from lm.model.lora import merge_lora
 from lm.model.params import merge_trees
+from lm.model.transformer import abstract_params
+from lm.sharding import param_shardings
 from lm.train.rl_losses import tempered_logprobs
 
 SCORE_FIELDS = ("inputs", "targets", "loss_mask", "segment_ids", "positions")
+_copy = jax.jit(lambda tree: jax.tree.map(jnp.copy, tree))
 
 
 @dataclasses.dataclass
@@ -63,14 +68,19 @@ def layout(prompts: list[list[int]], generation: Generation, seq_len: int) -> Ro
 
 
 class Sampler:
-    """The policy's responses to prompts, on the run's mesh: the generating model is the plain
-    decoder (adapters folded in, no value head) over the current params."""
+    """The policy's responses to prompts: the generating model is the plain decoder (adapters
+    folded in, no value head) over the current params, on the run's mesh or on a mesh of its own
+    (`mesh`: other devices, rl.generation_devices), where `params` copies the policy across."""
 
-    def __init__(self, run, sampling: SamplingParams, eos_id, seq_len: int, speculate: int = 0):
+    def __init__(self, run, sampling: SamplingParams, eos_id, seq_len: int, speculate: int = 0, mesh=None):
         spec = run.model.spec.without_lora()
         self.speculate = speculate  # prompt-lookup drafts per row and step (lm.infer.engine.spec_steps; 0: off)
-        self.model = run.model.clone(spec=spec, scalar_head=False)
+        self.own_mesh = mesh is not None
+        self.mesh, self.rules = mesh or run.mesh, run.rules
+        self.model = run.model.clone(spec=spec, scalar_head=False, part=Partitioning(self.mesh, run.rules))
         self.run, self.sampling, self.eos_id, self.seq_len = run, sampling, eos_id, seq_len
+        self._logprobs = None
+        self._placement = param_shardings(abstract_params(self.model), self.mesh, run.rules) if mesh else None
         m = run.config.model
         lora, alpha, rank = m.lora_rank > 0, m.lora_alpha, m.lora_rank
 
@@ -82,7 +92,24 @@ class Sampler:
         self._policy = jax.jit(policy)
 
     def params(self, state_params, frozen):
-        return self._policy(state_params, frozen)
+        """The policy's params where generation reads them (on its own mesh: a copy)."""
+        policy = self._policy(state_params, frozen)
+        return policy if self._placement is None else jax.device_put(policy, self._placement)
+
+    def logprobs(self, params, rows: dict, temperature: float) -> np.ndarray:
+        """The sampled tokens' log-probs under `params` at `temperature` (the engine reports the
+        untempered ones), on the generation mesh; zero outside the loss mask."""
+        if self._logprobs is None:
+            model, t = self.model, temperature
+            self._logprobs = jax.jit(lambda p, r: tempered_logprobs(logits_of(model, p, r), r["targets"], t))
+        placed = jax.device_put(
+            {k: rows[k] for k in SCORE_FIELDS if k != "loss_mask"}, NamedSharding(self.mesh, PartitionSpec())
+        )
+        return np.asarray(jax.device_get(self._logprobs(params, placed)), np.float32) * rows["loss_mask"]
+
+    def snapshot(self, params):
+        """Params the update cannot overwrite (it donates its own): on the run's mesh, a copy."""
+        return params if self.own_mesh else _copy(params)
 
     def __call__(self, params, prompts: list[list[int]], rng, sampling: SamplingParams | None = None) -> Generation:
         generator = Generator(
@@ -91,8 +118,8 @@ class Sampler:
             sampling or self.sampling,
             eos_id=self.eos_id,
             max_len=self.seq_len,
-            mesh=self.run.mesh,
-            rules=self.run.rules,
+            mesh=self.mesh,
+            rules=self.rules,
             config=EngineConfig(slots=len(prompts), speculate=self.speculate) if self.speculate else None,
         )
         return generator(prompts, rng=rng)

@@ -1,6 +1,6 @@
-"""`lm rl`, `lm eval` and `lm sample` in 2 processes x 4 devices give what 1 process x 8 devices
-gives (jax.distributed on localhost). One driver process per process runs the three verbs in turn,
-so jax starts once per process."""
+"""`lm rl` (its rollouts sampled one step ahead), `lm eval` and `lm sample` in 2 processes x 4
+devices give what 1 process x 8 devices gives (jax.distributed on localhost). One driver process
+per process runs the three verbs in turn, so jax starts once per process."""
 
 import json
 import os
@@ -56,7 +56,7 @@ def inputs(tmp_path_factory):
 
 
 def start(base, inputs, out, n_proc: int) -> list:
-    """lm rl (one GRPO step of two updates), lm eval (three task kinds) and lm sample in `n_proc`
+    """lm rl (two GRPO steps of two updates, rl.max_staleness=1), lm eval (three task kinds) and lm sample in `n_proc`
     processes of 8 // n_proc devices each."""
     out.mkdir()
     (out / "rewards.py").write_text(REWARD)
@@ -72,10 +72,11 @@ def start(base, inputs, out, n_proc: int) -> list:
         f"{out / 'rewards.py'}:overlap",
         "--workdir",
         str(out / "rl"),
-        "--config.train.steps=1",
+        "--config.train.steps=2",
         "--config.optim.warmup_steps=0",
+        "--config.rl.max_staleness=1",
         *COMMON,
-    ]  # no warmup: the two updates move the params
+    ]  # no warmup: the updates move the params; step 1 trains on rollouts sampled ahead by step 0's params
     evaluate = [
         "eval",
         "--workdir",
@@ -140,7 +141,7 @@ def results(out, procs: list):
 
 def numbers(row: dict) -> dict:
     """The metrics that follow from the computation (not timings)."""
-    timed = ("_per_s", "sampling_share", "compile_s", "mfu", "peak_flops", "flops_per_token")
+    timed = ("_per_s", "sampling_share", "rollout_wait", "compile_s", "mfu", "peak_flops", "flops_per_token")
     return {k: v for k, v in row.items() if isinstance(v, (int, float)) and not any(t in k for t in timed)}
 
 

@@ -2,7 +2,8 @@
 
 Each POST is recorded (its JSON body); `script` is a list of replies used in order (the last one
 repeats): a status, a body (bytes, or a callable of the request's JSON giving a JSON value) and
-a hang (the handler waits until the server closes: a timeout on the client's side)."""
+a hang (the handler waits until the server closes: a timeout on the client's side), and headers
+to send; each request's headers are kept too."""
 
 from __future__ import annotations
 
@@ -18,6 +19,7 @@ class Reply:
     status: int = 200
     body: bytes | Callable[[dict], Any] = b'{"rewards": []}'
     hang: bool = False
+    headers: dict = dataclasses.field(default_factory=dict)  # sent with the reply
 
 
 def digit_share(batch: dict) -> dict:
@@ -27,6 +29,7 @@ def digit_share(batch: dict) -> dict:
 class RewardServer:
     def __init__(self, *script: Reply):
         self.script, self.requests = list(script) or [Reply(body=digit_share)], []
+        self.headers: list[dict] = []  # each request's headers
         self.release, self.lock = threading.Event(), threading.Lock()
         server = self
 
@@ -35,6 +38,7 @@ class RewardServer:
                 batch = json.loads(self.rfile.read(int(self.headers["Content-Length"])))
                 with server.lock:
                     server.requests.append(batch)
+                    server.headers.append(dict(self.headers))
                     reply = server.script[min(len(server.requests), len(server.script)) - 1]
                 if reply.hang:
                     server.release.wait(120)
@@ -43,6 +47,8 @@ class RewardServer:
                 self.send_response(reply.status)
                 self.send_header("Content-Type", "application/json")
                 self.send_header("Content-Length", str(len(body)))
+                for name, value in reply.headers.items():
+                    self.send_header(name, value)
                 self.end_headers()
                 self.wfile.write(body)
 

@@ -16,7 +16,7 @@ from lm.config import base_config
 from lm.config.rl import check_rewards
 from lm.errors import UserError
 from lm.train.reward_failures import RewardFailures
-from lm.train.reward_http import HttpReward
+from lm.train.reward_http import HttpReward, retry_after
 from lm.train.rewards import RewardFn, Rewards
 from tests.train.rewards_server import Reply, RewardServer
 
@@ -49,6 +49,28 @@ def test_a_503_is_retried_then_the_answer_counts():
         reward = endpoint(server)
         assert reward(PROMPTS, COMPLETIONS) == [0.5, 0.5, 0.5]
     assert len(server.requests) == 3 and reward.last_error == ""
+
+
+def test_a_429_waits_the_seconds_its_retry_after_asks_and_the_key_goes_as_a_bearer_token(monkeypatch):
+    slept = []
+    monkeypatch.setattr("lm.train.reward_http.time.sleep", slept.append)
+    monkeypatch.setenv("LM_REWARD_API_KEY", "k-123")
+    ok = Reply(body=lambda b: {"rewards": [1.0] * len(b["completions"])})
+    with RewardServer(Reply(429, b"slow down", headers={"Retry-After": "7"}), Reply(503, b""), ok) as server:
+        assert endpoint(server, backoff=0.25)(PROMPTS, COMPLETIONS) == [1.0, 1.0, 1.0]
+    assert slept == [7.0, 0.5]  # the asked 7 s, then the backoff's second wait (no Retry-After)
+    assert [h.get("Authorization") for h in server.headers] == ["Bearer k-123"] * 3
+    monkeypatch.delenv("LM_REWARD_API_KEY")
+    with RewardServer(ok) as server:
+        endpoint(server)(PROMPTS, COMPLETIONS)
+    assert "Authorization" not in server.headers[0]
+
+
+@pytest.mark.parametrize(
+    "value, seconds", [("3", 3.0), ("0.5", 0.5), ("Wed, 21 Oct 2026 07:28:00 GMT", None), ("-1", None)]
+)
+def test_retry_after_in_seconds_only(value, seconds):
+    assert retry_after(value) == seconds
 
 
 def test_a_timeout_is_retried_then_the_batch_fails_with_its_reason():

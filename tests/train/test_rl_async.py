@@ -11,8 +11,6 @@ import jax
 import numpy as np
 import pytest
 
-from lm.config import validate
-from lm.errors import UserError
 from lm.infer.sampling import SamplingParams
 from lm.train.rewards import RewardFn, Rewards
 from lm.train.rl import build_rl_run
@@ -39,13 +37,13 @@ class Stream:
         self.pos = state["pos"]
 
 
-def make(k: int, overlap: bool | None = None):
-    c = config(beta=0.1, max_staleness=k)
+def make(k: int, overlap: bool | None = None, temperature: float = 1.0):
+    c = config(beta=0.1, max_staleness=k, temperature=temperature)
     run = build_rl_run(c, devices=jax.devices()[:1])
     base = build_rl_run(config(beta=0.0), devices=jax.devices()[:1]).init_state(seed=1).params
     state, frozen = run.init(seed=5, base=jax.device_get(base))
     prompts, template = prompt_set()
-    sampling = SamplingParams(max_new_tokens=c.rl.max_new_tokens, temperature=1.0)
+    sampling = SamplingParams(max_new_tokens=c.rl.max_new_tokens, temperature=temperature)
     sampler = Sampler(run, sampling, template.stop_ids, c.data.seq_len)
     scorer = Scorer(run, False, with_policy=k > 0)
     rewards = Rewards([RewardFn("digits", digit_share, 1.0)])
@@ -113,7 +111,10 @@ def test_a_resumed_run_equals_the_uninterrupted_one_and_sampling_in_turn_equals_
     same(in_turn.params, whole.params)
 
 
-def test_stale_rollouts_need_temperature_one():
-    c = config(beta=0.1, max_staleness=1, temperature=0.7)
-    with pytest.raises(UserError, match="rl.max_staleness.*rl.temperature=1"):
-        validate(c)
+def test_at_another_temperature_the_weights_divide_by_the_samplers_tempered_log_probs():
+    step, state, stream = make(1, temperature=0.7)
+    _, metrics = train(step, state, stream, 2)
+    # step 0 was sampled by the current params: pi_current / pi_sampler at 0.7 is 1 (untempered: not)
+    assert metrics[0]["is_weight_mean"] == pytest.approx(1.0, abs=1e-4)
+    assert metrics[0]["is_weight_max"] == pytest.approx(1.0, abs=1e-3)
+    assert abs(metrics[1]["is_weight_mean"] - 1.0) > 1e-5

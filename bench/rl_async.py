@@ -76,7 +76,7 @@ def one_run(args, rl_args, k: int) -> tuple[float, float]:
     scorer = base.Scorer(run, False, with_policy=k > 0)
     rewards = base.Rewards([base.RewardFn("digits", slow_reward, 1.0)])
     step = base.RlStep(run, frozen, prompts, rewards, sampler, scorer, template, settings, c.rl)
-    stream = step.pipelined(Stream(rl_args.prompts)) if k else Stream(rl_args.prompts)
+    stream = step.stream(Stream(rl_args.prompts))
     times, waits = [], []
     for i in range(args.steps):
         t0 = time.perf_counter()

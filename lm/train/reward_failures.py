@@ -1,9 +1,9 @@
 """Rollouts whose reward failed: counted, reported, and a stop once there are too many.
 
 A failed reward is NaN (lm.train.rewards); its row leaves the update (lm.train.rl_step). The
-count runs from the start (or resumption) of the run; the run stops with one line naming the
-sources and why they failed once the failed rollouts pass `rl.max_reward_failures` of those
-scored. 0 stops at the first failure.
+count runs from the start of the run (a checkpoint holds it, with the prompt stream's state);
+the run stops with one line naming the sources and why they failed once the failed rollouts
+pass `rl.max_reward_failures` of those scored. 0 stops at the first failure.
 """
 
 from __future__ import annotations
@@ -48,3 +48,9 @@ class RewardFailures:
                 f"{self.max_share:g}): {reasons}"
             )
         return {"reward_failed": float(failed), "reward_failed_share": share} | source_failures(parts, failable)
+
+    def state(self) -> dict:
+        return {"failed": self.failed, "seen": self.seen}
+
+    def restore(self, state: dict) -> None:
+        self.failed, self.seen = int(state["failed"]), int(state["seen"])

@@ -186,9 +186,8 @@ class Rl(Stage):
                 pack=False,
             )
         )
-        if r.max_staleness:  # rollouts sampled ahead while the updates run (lm.train.rl_async)
-            data_iter = self.step.pipelined(data_iter)
-        return data_iter, self.step.signature, self.step
+        # with rl.max_staleness > 0 rollouts are sampled ahead while the updates run (lm.train.rl_async)
+        return self.step.stream(data_iter), self.step.signature, self.step
 
     def evaluator(self, ctx):
         heldout = ctx.data[1]

@@ -43,6 +43,7 @@ class Rollout:
     counts: dict
     seconds: float
     version: int
+    errors: dict = dataclasses.field(default_factory=dict)  # why the failed rewards failed, by source
 
 
 class Pipeline:
@@ -90,12 +91,14 @@ class Pipeline:
 
 class Lookahead:
     """The prompt stream as the loop reads it (`next`), with the batches after the loop's read
-    ahead (`peek`), and a state that is the stream's after the loop's last batch plus the
-    pipeline's rollouts of the steps ahead."""
+    ahead (`peek`), and a state that is the stream's after the loop's last batch, the
+    pipeline's rollouts of the steps ahead (if any) and the failed rewards' count (`failures`:
+    lm.train.reward_failures.RewardFailures)."""
 
-    def __init__(self, stream, pipeline: Pipeline):
-        self.stream, self.pipeline = stream, pipeline
-        pipeline.ahead = self
+    def __init__(self, stream, pipeline: Pipeline | None, failures=None):
+        self.stream, self.pipeline, self.failures = stream, pipeline, failures
+        if pipeline is not None:
+            pipeline.ahead = self
         self._ahead: list = []  # (batch, the stream's state after it)
         self._seen = stream.get_state()
 
@@ -120,13 +123,19 @@ class Lookahead:
     def get_state(self) -> bytes:
         """JSON bytes (how grain's checkpoint handler saves an iterator that is not its own)."""
         seen = self._seen.decode() if isinstance(self._seen, bytes) else self._seen
-        return json.dumps({"stream": seen, "rollouts": self.pipeline.state()}).encode()
+        state = {"stream": seen, "rollouts": self.pipeline.state() if self.pipeline else {}}
+        return json.dumps(state | ({"failures": self.failures.state()} if self.failures else {})).encode()
 
     def set_state(self, state) -> None:
         state = json.loads(state) if isinstance(state, (bytes, str)) else state
+        if not (isinstance(state, dict) and {"stream", "rollouts"} <= set(state)):
+            state = {"stream": state, "rollouts": {}}  # saved by a run whose stream was the prompts' own
         self.stream.set_state(state["stream"])
         self._seen, self._ahead = state["stream"], []
-        self.pipeline.restore(state["rollouts"])
+        if self.pipeline is not None:
+            self.pipeline.restore(state["rollouts"])
+        if self.failures is not None and "failures" in state:
+            self.failures.restore(state["failures"])
 
     def start_prefetch(self) -> None:  # (grain's handler calls it after a restore)
         if hasattr(self.stream, "start_prefetch"):

@@ -89,10 +89,12 @@ class RlStep:
         self.failures = RewardFailures(r.max_reward_failures)
         self.pipeline = None  # rl.max_staleness > 0: rollouts sampled ahead (`pipelined`)
 
-    def pipelined(self, stream) -> Lookahead:
-        """The prompt stream the loop reads when rollouts are sampled ahead (rl.max_staleness > 0)."""
-        self.pipeline = Pipeline(self.produce, self.settings.max_staleness, self.sampler.snapshot)
-        return Lookahead(stream, self.pipeline)
+    def stream(self, prompt_batches) -> Lookahead:
+        """The prompt stream the loop reads: its checkpointed state holds the failed rewards'
+        count and, with rl.max_staleness > 0, the rollouts sampled ahead (lm.train.rl_async)."""
+        k = self.settings.max_staleness
+        self.pipeline = Pipeline(self.produce, k, self.sampler.snapshot) if k else None
+        return Lookahead(prompt_batches, self.pipeline, self.failures)
 
     def __call__(self, state, batch):
         t_start = time.perf_counter()
@@ -108,6 +110,8 @@ class RlStep:
         ro, total = rollout.ro, rollout.total
         scored = self.scorer(state.params, self.frozen, ro.rows, self.score_placer)
         extra = dict(rollout.counts)
+        if self.episodes is None:  # counted as trained (not as sampled ahead): a checkpoint holds the count
+            extra |= self.failures.record(total, rollout.parts, self.rewards.failable, rollout.errors)
         if self.pipeline is not None:  # this policy is the proximal one; the sampler's is older
             ro.rows["is_weight"], weights = importance_weights(self.settings, ro.rows, scored["old_logp"])
             extra |= weights | {"staleness": float(step - rollout.version), "rollout_wait_s": waited}
@@ -143,9 +147,8 @@ class RlStep:
             ro.truncated,
             [self.prompts.columns[i] for i in index],
         )
-        counts = self.failures.record(total, parts, self.rewards.failable, self.rewards.errors)
         ro.rows["loss_mask"] = ro.rows["loss_mask"] * ~failed_rows(total)[:, None]  # failed rewards: no update
-        return Rollout(ro, total, parts, counts, seconds, step)
+        return Rollout(ro, total, parts, {}, seconds, step, errors=dict(self.rewards.errors))
 
     def _behaviour(self, params, ro: Rollouts) -> Rollouts:
         """Sampled ahead at an rl.temperature other than 1: the sampler's log-probs at that

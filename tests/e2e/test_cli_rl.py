@@ -231,14 +231,17 @@ def test_reward_function_error_starts_on_its_own_line_after_the_progress_bar(sma
 
 @pytest.mark.slow
 def test_stale_rollouts_resume_exactly_through_checkpoints(small_base, task, tmp_path):
-    """rl.max_staleness=1: the rollouts sampled ahead go into the checkpoint with the prompt stream."""
-    straight, split, stale = tmp_path / "straight", tmp_path / "split", "--config.rl.max_staleness=1"
-    assert run(small_base, task, straight, 4, stale) == 0
+    """rl.max_staleness=1, sampled on 4 devices of their own: the rollouts sampled ahead go into the
+    checkpoint with the prompt stream."""
+    straight, split = tmp_path / "straight", tmp_path / "split"
+    stale = ("--config.rl.max_staleness=1", "--config.rl.generation_devices=4")
+    assert run(small_base, task, straight, 4, *stale) == 0
     logged = [json.loads(line) for line in (straight / "metrics.jsonl").read_text().splitlines()]
     logged = [r for r in logged if "reward" in r]
     assert [r["staleness"] for r in logged] == [0.0, 1.0, 1.0, 1.0]
-    assert all({"is_weight_mean", "is_weight_max", "is_capped_fraction", "rollout_wait_s"} <= r.keys() for r in logged)
-    assert run(small_base, task, split, 2, stale) == 0
-    assert run(small_base, task, split, 4, stale, "--resume") == 0
+    expected = {"is_weight_mean", "is_weight_max", "is_capped_fraction", "rollout_wait_s", "rollout_wait_share"}
+    assert all(expected <= r.keys() for r in logged)
+    assert run(small_base, task, split, 2, *stale) == 0
+    assert run(small_base, task, split, 4, *stale, "--resume") == 0
     for x, y in zip(jax.tree.leaves(final_params(straight, 4)), jax.tree.leaves(final_params(split, 4))):
         np.testing.assert_array_equal(x, y)

@@ -48,7 +48,7 @@ def make(k: int, overlap: bool | None = None, temperature: float = 1.0):
     scorer = Scorer(run, False, with_policy=k > 0)
     rewards = Rewards([RewardFn("digits", digit_share, 1.0)])
     step = RlStep(run, frozen, prompts, rewards, sampler, scorer, template, RlSettings.from_config(c.rl), c.rl)
-    stream = step.pipelined(Stream()) if k else Stream()
+    stream = step.stream(Stream())
     if k and overlap is not None:
         step.pipeline.overlap, step.pipeline._worker = overlap, step.pipeline._worker if overlap else None
     return step, state, stream

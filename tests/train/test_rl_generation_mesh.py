@@ -34,7 +34,7 @@ def make(k: int, g: int = 4):
     rewards = Rewards([RewardFn("digits", digit_share, 1.0)])
     scorer = Scorer(run, False, with_policy=k > 0)
     step = RlStep(run, frozen, prompts, rewards, sampler, scorer, template, RlSettings.from_config(c.rl), c.rl)
-    stream = step.pipelined(Stream()) if k else Stream()
+    stream = step.stream(Stream())
     return step, state, stream
 
 

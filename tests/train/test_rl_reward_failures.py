@@ -18,6 +18,7 @@ from lm.train.rl_step import RlStep, advantages, evaluator
 from lm.train.rollout import Rollouts, Sampler, Scorer
 from tests.train.rewards_server import Reply, RewardServer, digit_share
 from tests.train.test_rl import config, prompt_set, rl_settings
+from tests.train.test_rl_async import Stream
 
 
 def test_a_failed_reward_leaves_its_group_as_if_the_row_were_not_there():
@@ -97,6 +98,22 @@ def test_an_rl_step_scored_by_an_endpoint_trains_without_its_null_rows():
         "rl: the rewards of 16 of 16 rollouts failed this step (17 of 32, 53.1%, since the run started; "
         f"rl.max_reward_failures=0.1): {server.url} returned null for 16 of 16 completions"
     )
+
+
+def test_the_failure_count_is_in_the_checkpointed_stream_state_and_goes_on_after_a_resume():
+    with RewardServer(Reply(body=null_for_the_first_row)) as server:
+        state, step, _, _ = endpoint_step(server.url, max_failures=0.1)
+        stream = step.stream(Stream())
+        state, m = step(state, next(stream))
+        saved = json.loads(stream.get_state())
+        assert saved["failures"] == {"failed": 1, "seen": 16} and saved["stream"] == {"pos": 1}
+        _, resumed, _, _ = endpoint_step(server.url, max_failures=0.1)
+        stream = resumed.stream(Stream())
+        stream.set_state(json.dumps(saved).encode())
+        _, m = resumed(state, next(stream))
+    assert m["reward_failed_share"] == pytest.approx(2 / 32)  # counted since the run started, not the resume
+    stream.set_state({"pos": 3})  # a checkpoint written when the stream was the prompts' own
+    assert stream.stream.pos == 3 and json.loads(stream.get_state())["failures"] == {"failed": 2, "seen": 32}
 
 
 @pytest.mark.slow

@@ -15,6 +15,7 @@ VERBS = {
     "train",
     "sft",
     "dpo",
+    "kto",
     "reward",
     "rl",
     "distill",

@@ -7,7 +7,8 @@ import dataclasses
 from lm.config.core import from_section, require
 
 # loss sigmoid (DPO; label_smoothing > 0: conservative DPO) | ipo | simpo (no reference,
-# length-normalised, margin simpo_gamma); beta 0: the loss's own default (LOSS_BETA);
+# length-normalised, margin simpo_gamma) | orpo (no reference: the chosen NLL plus beta times the
+# odds-ratio term; start from a base model, no SFT first); beta 0: the loss's own default (LOSS_BETA);
 # rpo_alpha: weight of an NLL term on the chosen response, averaged per chosen response
 # (rpo_nll=per_response, the RPO paper's) or over the chosen tokens of the batch (per_token,
 # TRL's); reference: live (the init model runs beside the policy, frozen, in the compute dtype;
@@ -22,9 +23,9 @@ DEFAULTS = dict(
     reference="live",
 )
 
-# each loss's beta when dpo.beta is 0: TRL's 0.1 for DPO and IPO; SimPO's authors' 2.0 (with
-# simpo_gamma 1.0: their gamma / beta ratio of 0.5)
-LOSS_BETA = dict(sigmoid=0.1, ipo=0.1, simpo=2.0)
+# each loss's beta when dpo.beta is 0: TRL's 0.1 for DPO, IPO and ORPO (its lambda); SimPO's
+# authors' 2.0 (with simpo_gamma 1.0: their gamma / beta ratio of 0.5)
+LOSS_BETA = dict(sigmoid=0.1, ipo=0.1, simpo=2.0, orpo=0.1)
 
 CHOICES = dict(loss=tuple(LOSS_BETA), rpo_nll=("per_response", "per_token"), reference=("live", "precomputed"))
 
@@ -51,7 +52,7 @@ class DpoSettings:
 
     @property
     def needs_reference(self) -> bool:
-        return self.loss != "simpo"
+        return self.loss not in ("simpo", "orpo")
 
 
 def check(c) -> None:
@@ -68,6 +69,12 @@ def check(c) -> None:
         "dpo.label_smoothing",
         d.label_smoothing,
         f"applies to dpo.loss='sigmoid' only (dpo.loss is '{d.loss}')",
+    )
+    require(
+        d.rpo_alpha == 0.0 or d.loss != "orpo",
+        "dpo.rpo_alpha",
+        d.rpo_alpha,
+        "must be 0 with dpo.loss='orpo' (ORPO's NLL term is its own)",
     )
     for key in ("rpo_alpha", "simpo_gamma"):
         require(d[key] >= 0, f"dpo.{key}", d[key], "expected >= 0")

@@ -6,7 +6,22 @@ from __future__ import annotations
 import copy
 import dataclasses
 
-from lm.config import checkpoint, curate, data, distill, dpo, finetune, mesh, model, optim, pairs, reward, rl, train
+from lm.config import (
+    checkpoint,
+    curate,
+    data,
+    distill,
+    dpo,
+    finetune,
+    kto,
+    mesh,
+    model,
+    optim,
+    pairs,
+    reward,
+    rl,
+    train,
+)
 from lm.config import eval as eval_
 from lm.config.core import ConfigDict, apply_overrides, check_choices, load_file, merge
 from lm.config.frozen import Section, freeze_into, section_class, thaw
@@ -22,6 +37,7 @@ SECTIONS = {
     "finetune": finetune,
     "pairs": pairs,
     "dpo": dpo,
+    "kto": kto,
     "reward": reward,
     "rl": rl,
     "distill": distill,

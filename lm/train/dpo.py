@@ -1,5 +1,5 @@
-"""`lm dpo`: direct preference optimisation (and IPO, SimPO, conservative DPO, RPO) from a trained
-model on preference pairs (lm.train.pair_losses for the losses).
+"""`lm dpo`: direct preference optimisation (and IPO, SimPO, ORPO, conservative DPO, RPO) from a
+trained model on preference pairs (lm.train.pair_losses for the losses).
 
 The reference is the init model, frozen. `dpo.reference` picks how it is held:
   live         it runs beside the policy every step: a copy of the init params in the compute
@@ -9,7 +9,7 @@ The reference is the init model, frozen. `dpo.reference` picks how it is held:
                fed as a per-pair field: the step holds one model. They are kept in the workdir
                with a record of the pairs and the model they came from; a resume reuses them
                only while both are the same.
-SimPO needs no reference. Metrics carry TRL's names (rewards/chosen, rewards/margins, ...), on
+SimPO and ORPO need no reference. Metrics carry TRL's names (rewards/chosen, rewards/margins, ...), on
 the held-out pairs too; at the end the held-out metrics of the init and the tuned model are
 printed, and with `finetune.eval_answers` the exact match of their greedy answers.
 """
@@ -55,7 +55,7 @@ RECORD = "record"  # the array in REF_FILE that holds reference_record as JSON
 
 def reference_mode(config) -> str:
     """live | adapters_off | precomputed | none (see the module doc)."""
-    if config.dpo.loss == "simpo":
+    if not DpoSettings.from_config(config.dpo).needs_reference:  # simpo, orpo
         return "none"
     if config.dpo.reference == "precomputed":
         return "precomputed"
@@ -89,7 +89,7 @@ def base_shardings(run):
 def reference_logps(run, base: dict, rows, batch_size: int) -> np.ndarray:
     """[N, 2] summed response log-probs of the init model over every pair, in one pass."""
     model, shardings = plain(run.model), base_shardings(run)
-    signature = run.signature(batch_size, pairs=True, extra=pairs.PAIR_EXTRA)
+    signature = run.signature(batch_size, pairs=True)  # the text fields only: a row's margin or label is not read
     placer = run.placer(signature)
     rep = NamedSharding(run.mesh, PartitionSpec())
     fn = jax.jit(
@@ -98,7 +98,8 @@ def reference_logps(run, base: dict, rows, batch_size: int) -> np.ndarray:
         out_shardings=rep,
     )
     params = jax.tree.map(place_leaf, base, subtree(shardings, base))  # shard by shard (lazy leaves too)
-    out = [np.asarray(jax.device_get(fn(params, placer.from_global(b)))) for b in ready_batches(rows, batch_size)]
+    batches = ({k: b[k] for k in signature} for b in ready_batches(rows, batch_size))
+    out = [np.asarray(jax.device_get(fn(params, placer.from_global(b)))) for b in batches]
     return np.concatenate(out)[: len(rows)].astype(np.float32)
 
 
@@ -246,8 +247,11 @@ class Dpo(pairs.PairStage):
     def build(self, ctx):
         return build_dpo_run(ctx.config)
 
+    def reference_mode(self, config) -> str:
+        return reference_mode(config)
+
     def fields(self, ctx):
-        if reference_mode(ctx.config) != "precomputed":
+        if self.reference_mode(ctx.config) != "precomputed":
             return {}, None, None
         train, held = _precomputed(ctx)
         return (
@@ -258,7 +262,7 @@ class Dpo(pairs.PairStage):
 
     def flops_per_token(self, ctx):
         flops = counts.flops_per_token(ctx.config.model, ctx.config.data.seq_len)
-        if reference_mode(ctx.config) in ("live", "adapters_off"):
+        if self.reference_mode(ctx.config) in ("live", "adapters_off"):
             flops *= 4 / 3  # the reference's forward pass: 2N beside the policy's 6N
         return flops
 

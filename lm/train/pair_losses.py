@@ -12,6 +12,9 @@ the summed response log-probs:
   sigmoid  -(1 - eps) log sigmoid(beta z) - eps log sigmoid(-beta z)  (eps > 0: conservative DPO)
   ipo      (z_avg - 1 / (2 beta))^2, z_avg from per-token averaged log-probs (Azar et al. 2023)
   simpo    -log sigmoid(beta (log pi(c) / |c| - log pi(r) / |r|) - gamma), no reference (Meng et al. 2024)
+  orpo     NLL(c) - beta log sigmoid(log odds(c) - log odds(r)), odds(y) = P / (1 - P) with P the
+           per-token mean probability exp(log pi(y) / |y|); no reference (Hong et al. 2024). The NLL
+           is TRL's: the summed chosen NLL over the chosen tokens of the micro-batch
 beta is dpo.beta or, when that is 0, the loss's default (lm.config.dpo.LOSS_BETA).
 Plus, when rpo_alpha > 0 (RPO, Pang et al. 2024), rpo_alpha times the chosen responses' NLL:
   per_response  each pair's chosen NLL / |c| (the paper's), so the step adds the mean over pairs
@@ -19,7 +22,7 @@ Plus, when rpo_alpha > 0 (RPO, Pang et al. 2024), rpo_alpha times the chosen res
                 pair (TRL's: a mean over the chosen tokens of its per-device batch); with
                 train.micro_batches > 1 the step adds the pair-weighted mean of the micro-batches'
                 token means, which depends on the split, as TRL's does under accumulation
-The implicit rewards are beta (log pi - log ref) (simpo: beta log pi / length).
+The implicit rewards are beta (log pi - log ref) (simpo, orpo: beta log pi / length).
 """
 
 from __future__ import annotations
@@ -31,7 +34,7 @@ from lm.config.dpo import DpoSettings
 from lm.model.apply import add_aux, forward, last_real, sequence_logprobs
 
 TEXT_FIELDS = ("inputs", "targets", "loss_mask", "segment_ids", "positions")
-DPO_LOSSES = ("sigmoid", "ipo", "simpo")
+DPO_LOSSES = ("sigmoid", "ipo", "simpo", "orpo")
 
 
 def flat_pairs(batch: dict) -> dict:
@@ -52,6 +55,9 @@ def dpo_terms(s: DpoSettings, logp, ref, count):
     """Per pair: (loss [B], chosen reward [B], rejected reward [B]) from [B, 2] summed log-probs
     of the policy and the reference (ignored by simpo) and response token counts."""
     n, beta = jnp.maximum(count, 1.0), s.loss_beta  # padding pairs have no tokens: keep their terms finite
+    if s.loss == "orpo":  # its NLL term is its own: rpo_alpha stays 0
+        rewards = beta * logp / n
+        return chosen_nll("per_token", logp, count) - beta * jax.nn.log_sigmoid(log_odds(logp, count)), *rewards.T
     if s.loss == "simpo":
         rewards = beta * logp / n
         loss = -jax.nn.log_sigmoid(rewards[:, 0] - rewards[:, 1] - s.simpo_gamma)
@@ -70,6 +76,15 @@ def dpo_terms(s: DpoSettings, logp, ref, count):
     if s.rpo_alpha > 0:
         loss = loss + s.rpo_alpha * chosen_nll(s.rpo_nll, logp, count)
     return loss, rewards[:, 0], rewards[:, 1]
+
+
+def log_odds(logp, count):
+    """ORPO's log odds ratio per pair [B]: log(odds(c) / odds(r)), odds(y) = P(y) / (1 - P(y)) with
+    P(y) = exp(the mean log-prob per token of y); log(1 - P) as log(-expm1(.)), with the mean kept
+    below 0 so that a response of probability 1 (or a padding pair) stays finite."""
+    mean = jnp.minimum(logp / jnp.maximum(count, 1.0), -1e-7)
+    log1m = jnp.log(-jnp.expm1(mean))
+    return (mean[:, 0] - mean[:, 1]) - (log1m[:, 0] - log1m[:, 1])
 
 
 def chosen_nll(mode: str, logp, count):
@@ -122,12 +137,20 @@ def dpo_loss(model, settings: DpoSettings, reference: str = "live"):
                 "logps/chosen": logp[:, 0],
                 "logps/rejected": logp[:, 1],
                 "logps/accuracies": (logp[:, 0] > logp[:, 1]).astype(jnp.float32),
-            },
+            }
+            | (orpo_metrics(logp, count) if settings.loss == "orpo" else {}),
         )
         tokens = jnp.sum(jnp.where(valid[:, None], count, 0.0))
         return add_aux(model, stats["loss_sum"], stats | {"pairs_total": stats["count"], "tokens_total": tokens}, aux)
 
     return loss_fn
+
+
+def orpo_metrics(logp, count) -> dict:
+    """TRL's ORPO metrics per pair: log sigmoid(log odds), the log odds and the chosen NLL."""
+    odds = log_odds(logp, count)
+    nll = chosen_nll("per_token", logp, count)
+    return {"log_odds_ratio": jax.nn.log_sigmoid(odds), "log_odds_chosen": odds, "nll_loss": nll}
 
 
 def reward_terms(r_chosen, r_rejected, margin, center_coef: float):

@@ -55,6 +55,7 @@ class PairStage(Stage):
 
     init_section = "finetune"
     eval_metrics: tuple = ("loss",)
+    row_fields: dict = PAIR_EXTRA  # the per-pair fields every row carries
 
     def check(self, config) -> None:
         require_data(
@@ -88,7 +89,7 @@ class PairStage(Stage):
     def batches(self, ctx):
         run, t, c = ctx.run, ctx.config.train, ctx.config
         extra, train_fields, self._held_fields = self.fields(ctx)
-        self._extra = PAIR_EXTRA | extra
+        self._extra = self.row_fields | extra
         signature = run.signature(pairs=True, extra=self._extra)
         rows = WithFields(ctx.data[0], train_fields) if train_fields else ctx.data[0]
         data_iter = iter(

@@ -161,11 +161,11 @@ _STAGES: list[StageEntry] = [
     ),
     StageEntry(
         "dpo",
-        "preference-tune a trained model on pairs (DPO, IPO, SimPO), fully or with LoRA",
+        "preference-tune a trained model on pairs (DPO, IPO, SimPO, ORPO), fully or with LoRA",
         "lm.train.dpo:dpo",
         "dpo",
         description="Direct preference optimisation from a run or an export (usually an `lm sft` run). Loss: "
-        "--config.dpo.loss=sigmoid|ipo|simpo, --config.dpo.beta; reference held live or precomputed: "
+        "--config.dpo.loss=sigmoid|ipo|simpo|orpo, --config.dpo.beta; reference held live or precomputed: "
         "--config.dpo.reference=live|precomputed.",
         data='JSONL pairs: {"prompt": TEXT or MESSAGES, "chosen": TEXT, "rejected": TEXT}',
         eval_data="held-out pairs: DPO metrics (rewards/accuracies, margins, ...) at every eval",
@@ -178,6 +178,28 @@ _STAGES: list[StageEntry] = [
                 rows_per_example=PAIR_ROWS,
                 reference="argument",
                 needs_reference="lm.train.dpo:needs_reference",
+            ),
+        ),
+        reads=(*READS_PAIRS, "eval_answers", *_ANSWERS),
+    ),
+    StageEntry(
+        "kto",
+        "preference-tune a trained model on unpaired good/bad examples (KTO), fully or with LoRA",
+        "lm.train.kto:kto",
+        "kto",
+        description="Kahneman-Tversky optimisation from a run or an export (usually an `lm sft` run) on "
+        "completions labelled desirable or not: --config.kto.beta, --config.kto.desirable_weight, "
+        "--config.kto.undesirable_weight; reference held live or precomputed: --config.kto.reference=live|precomputed.",
+        data='JSONL examples: {"prompt": TEXT or MESSAGES, "completion": TEXT, "label": true|false}',
+        eval_data="held-out examples: KTO metrics (kl, rewards/chosen, rewards/rejected) at every eval",
+        options=(EVAL_ANSWERS,),
+        steps=(
+            CompiledStep(
+                "kto",
+                "lm.train.kto:compiled_step",
+                passes=4,
+                rows_per_example=PAIR_ROWS,
+                reference="argument",
             ),
         ),
         reads=(*READS_PAIRS, "eval_answers", *_ANSWERS),

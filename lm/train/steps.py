@@ -64,10 +64,16 @@ def accumulate(loss_fn, params, batch, rng, n_micro: int, micro_shardings=None):
 
 def summarize(stats) -> dict:
     """Summed statistics -> means over the count (keys ending in _sum: per token, or per pair for
-    pair losses), totals per step (keys ending in _total) and the count as `tokens` unless a
-    `tokens_total` says otherwise; with `input_tokens`, the share of them left out of the loss."""
+    pair losses; over `<name>_count` instead where one is given, e.g. KTO's desirable examples),
+    totals per step (keys ending in _total) and the count as `tokens` unless a `tokens_total`
+    says otherwise; with `input_tokens`, the share of them left out of the loss."""
     count = jnp.maximum(stats["count"], 1.0)
-    out = {k[: -len("_sum")]: v / count for k, v in stats.items() if k.endswith("_sum")}
+
+    def mean(name: str, total):
+        own = stats.get(f"{name}_count")
+        return total / (count if own is None else jnp.maximum(own, 1.0))
+
+    out = {k[: -len("_sum")]: mean(k[: -len("_sum")], v) for k, v in stats.items() if k.endswith("_sum")}
     out |= {k[: -len("_total")]: v for k, v in stats.items() if k.endswith("_total")}
     out.setdefault("tokens", stats["count"])
     if "input_tokens" in out:

@@ -1,4 +1,4 @@
-"""`lm dpo` and `lm reward` end to end from a small pretrained run: TRL-named metrics on train and
+"""`lm dpo` (ORPO too), `lm kto` and `lm reward` end to end from a small pretrained run: TRL-named metrics on train and
 held-out pairs, the exact-match report, precomputed reference log-probs, exact resume with a live reference,
 reward scoring of pairs and texts, one-line errors naming file and line."""
 
@@ -10,6 +10,7 @@ import pytest
 
 from lm.cli import main
 from lm.data.synthetic import write_sort_pairs, write_sort_task
+from lm.data.unpaired import unpaired_from_pairs
 from tests.e2e.test_cli_train import final_params
 
 COMMON = [
@@ -95,8 +96,9 @@ def test_dpo_logs_trl_metrics_and_reports_held_out_pairs_and_answers(small_base,
 
 
 @pytest.mark.slow
-def test_live_reference_resumes_exactly(small_base, task, tmp_path):
-    pre = ["--config.dpo.loss=ipo"]  # the reference is re-supplied from --init on resume
+@pytest.mark.parametrize("loss", ["ipo", "orpo"])
+def test_live_reference_resumes_exactly(small_base, task, tmp_path, loss):
+    pre = [f"--config.dpo.loss={loss}"]  # ipo: the reference is re-supplied from --init on resume; orpo holds none
     straight, split = tmp_path / "straight", tmp_path / "split"
     assert run("dpo", small_base, task, straight, 6, *pre, held_out=False) == 0
     assert run("dpo", small_base, task, split, 3, *pre, held_out=False) == 0
@@ -136,3 +138,24 @@ def test_bad_pairs_are_one_line_naming_file_and_line(small_base, tmp_path, capsy
     assert len(errors) == 1 and f"{bad}:2" in errors[0] and "rejected" in errors[0]
     assert main(["reward", "score", "--workdir", str(small_base), "--texts", str(bad)]) == 2
     assert "not a reward model" in capsys.readouterr().err
+
+
+@pytest.mark.slow
+def test_kto_on_pairs_split_into_unpaired_examples_logs_trl_metrics_and_resumes_exactly(small_base, task, tmp_path):
+    data = {split: tmp_path / f"unpaired_{split}.jsonl" for split in ("train", "heldout")}
+    for split, path in data.items():
+        unpaired_from_pairs(task[split], path)
+    straight, split = tmp_path / "straight", tmp_path / "split"
+    assert run("kto", small_base, data, straight, 6) == 0
+    logged = rows(straight)
+    trained = [r for r in logged if "loss" in r]
+    names = {"kl", "rewards/chosen", "rewards/rejected", "logps/chosen", "logps/rejected", "count/chosen"}
+    assert trained and all(names <= r.keys() for r in trained)
+    assert all(r["count/chosen"] + r["count/rejected"] == 8 for r in trained)
+    assert any("eval_kl" in r for r in logged)
+    summary = json.loads((straight / "summary.json").read_text())
+    assert summary["data"]["desirable"] == summary["data"]["undesirable"] == 64
+    assert run("kto", small_base, data, split, 3) == 0
+    assert run("kto", small_base, data, split, 6, "--resume") == 0
+    for x, y in zip(jax.tree.leaves(final_params(straight, 6)), jax.tree.leaves(final_params(split, 6))):
+        np.testing.assert_array_equal(x, y)

@@ -19,7 +19,7 @@ from lm.data.tokenizer import ByteTokenizer
 from lm.errors import UserError
 from lm.model.apply import last_real, sequence_logprobs, sequence_scores
 from lm.train.dpo import build_dpo_run, reference_logps
-from lm.train.pair_losses import DpoSettings, dpo_loss, dpo_terms, reward_terms
+from lm.train.pair_losses import DpoSettings, dpo_loss, dpo_terms, log_odds, orpo_metrics, reward_terms
 from lm.train.pairs import PAIR_EXTRA
 from lm.train.reward import build_reward_run
 from lm.train.setup import build_run
@@ -87,6 +87,30 @@ def test_rpo_nll_per_response_or_over_the_batch_chosen_tokens():
     # what the step adds (the mean over the real pairs): 2 x 1.75 per response, 2 x 1.875 per token
     assert float(jnp.mean(per_response[:2] - dpo[:2])) == pytest.approx(3.5, rel=1e-6)
     assert float(jnp.mean(per_token[:2] - dpo[:2])) == pytest.approx(3.75, rel=1e-6)
+
+
+def test_orpo_from_the_papers_equations_and_trls_form():
+    # mean log-probs per token: chosen -3/2, rejected -5/4; odds = P / (1 - P), P = exp(mean)
+    odds = [math.exp(m) / (1.0 - math.exp(m)) for m in (-1.5, -1.25)]
+    ratio = math.log(odds[0] / odds[1])
+    loss, chosen, rejected = terms(loss="orpo", beta=0.25)
+    nll = 3.0 / 2.0  # the chosen NLL per chosen token
+    assert loss == pytest.approx(nll - 0.25 * log_sigmoid(ratio), rel=1e-6)
+    assert (chosen, rejected) == pytest.approx((0.25 * -1.5, 0.25 * -1.25))
+    # TRL's spelling of the same log odds: (c - r) - (log1p(-exp(c)) - log1p(-exp(r)))
+    c, r = -1.5, -1.25
+    trl = (c - r) - (math.log1p(-math.exp(c)) - math.log1p(-math.exp(r)))
+    logp, count = jnp.array(LOGP), jnp.array(COUNT)
+    assert float(log_odds(logp, count)[0]) == pytest.approx(trl, rel=1e-6)
+    assert float(orpo_metrics(logp, count)["log_odds_ratio"][0]) == pytest.approx(log_sigmoid(trl), rel=1e-6)
+
+
+def test_orpo_keeps_a_response_of_probability_one_finite():
+    logp, count = jnp.array([[0.0, -2.0], [0.0, 0.0]]), jnp.array([[3.0, 2.0], [0.0, 0.0]])  # a padding pair too
+    s = dataclasses.replace(DpoSettings.from_config(base_config().dpo), loss="orpo")
+    loss, _, _ = dpo_terms(s, logp, logp, count)
+    grads = jax.grad(lambda x: jnp.sum(dpo_terms(s, x, x, count)[0]))(logp)
+    assert np.all(np.isfinite(np.asarray(loss))) and np.all(np.isfinite(np.asarray(grads)))
 
 
 def test_beta_defaults_to_the_loss_types_own():
@@ -222,6 +246,26 @@ class _Rows:
         return {k: v[i] for k, v in self.batch.items()}
 
 
+def test_an_orpo_step_holds_no_reference_and_its_loss_is_the_nll_plus_the_odds_term_of_the_model(base):
+    batch = pair_batch()
+    run = build_dpo_run(config(loss="orpo"), devices=jax.devices()[:1])
+    assert "reference" not in run.frozen
+    _, m, _ = dpo_step(config(loss="orpo"), batch, base)
+    logits = run.model.apply(
+        {"params": base}, *(batch[k].reshape(-1, T) for k in ("inputs", "segment_ids", "positions"))
+    )
+    logp, count = sequence_logprobs(logits, batch["targets"].reshape(-1, T), batch["loss_mask"].reshape(-1, T))
+    logp, count = np.asarray(logp, np.float64).reshape(-1, 2), np.asarray(count, np.float64).reshape(-1, 2)
+    mean = logp / count
+    odds = (mean[:, 0] - mean[:, 1]) - (np.log1p(-np.exp(mean[:, 0])) - np.log1p(-np.exp(mean[:, 1])))
+    nll = -logp[:, 0].sum() / count[:, 0].sum()
+    beta = LOSS_BETA["orpo"]
+    expected = nll - beta * np.mean([log_sigmoid(x) for x in odds])
+    assert float(m["loss"]) == pytest.approx(expected, rel=1e-5)
+    assert float(m["nll_loss"]) == pytest.approx(nll, rel=1e-5)
+    assert float(m["log_odds_chosen"]) == pytest.approx(odds.mean(), rel=1e-4, abs=1e-6)
+
+
 def test_update_does_not_depend_on_the_micro_batch_split_simpo_holding_no_reference(base):
     one, m1, _ = dpo_step(config(loss="simpo"), pair_batch(), base)
     two, m2, _ = dpo_step(config(micro=2, loss="simpo"), pair_batch(), base)
@@ -278,12 +322,13 @@ def test_rpo_nll_under_micro_batches_matches_numpy(mode):
         assert abs(nll.sum() / n[:, 0].sum() - np.mean([nll[k::2].sum() / n[k::2, 0].sum() for k in range(2)])) > 0.01
 
 
-def test_dpo_on_a_2x2x2_mesh_equals_one_device(base):
-    c8 = config(pairs=8)
+@pytest.mark.parametrize("loss", ["sigmoid", "orpo"])
+def test_dpo_on_a_2x2x2_mesh_equals_one_device(base, loss):
+    c8 = config(pairs=8, loss=loss)
     c8.mesh.update(data=2, fsdp=2, tensor=2)
     batch = pair_batch(n_pad=0)
     batch = {k: np.concatenate([v, v]) for k, v in batch.items()}
-    one, m1, _ = dpo_step(config(pairs=8), batch, base)
+    one, m1, _ = dpo_step(config(pairs=8, loss=loss), batch, base)
     eight, m8, _ = dpo_step(c8, batch, base, devices=jax.devices()[:8])
     assert float(m8["loss"]) == pytest.approx(float(m1["loss"]), rel=1e-5)
     jax.tree.map(lambda a, b: np.testing.assert_allclose(a, b, rtol=1e-4, atol=1e-6), one, eight)

@@ -15,6 +15,7 @@ VERBS = {
     "train",
     "sft",
     "dpo",
+    "rft",
     "kto",
     "reward",
     "rl",

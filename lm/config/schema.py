@@ -19,6 +19,7 @@ from lm.config import (
     optim,
     pairs,
     reward,
+    rft,
     rl,
     train,
 )
@@ -40,6 +41,7 @@ SECTIONS = {
     "kto": kto,
     "reward": reward,
     "rl": rl,
+    "rft": rft,
     "distill": distill,
     "curate": curate,
 }

@@ -252,6 +252,28 @@ _STAGES: list[StageEntry] = [
         reads=READS_PROMPTS,
     ),
     StageEntry(
+        "rft",
+        "rejection-sampling fine-tuning: best of n sampled responses per prompt, kept above a reward threshold",
+        "lm.train.rft:rft",
+        "rft",
+        description="Best-of-n from a run or an export (usually an `lm sft` run): --config.rft.samples responses per "
+        "prompt, scored by lm rl's rewards (--rewards, --reward-model, --config.rl.reward_url); each prompt's best "
+        "above --config.rft.threshold is kept and fine-tuned on as `lm sft` does. Report: rft_report.json.",
+        data='JSONL prompts: {"prompt": TEXT or MESSAGES, ...} or {"messages": [...]} lines; '
+        "the other keys reach the reward functions",
+        eval_data="held-out conversations: response loss during training, exact match at the end",
+        options=(
+            ("--rewards", "reward functions or verifiers (sets rl.rewards)", "rl.rewards"),
+            (
+                "--reward-model",
+                "an `lm reward` run or export scoring the responses (sets rl.reward_model)",
+                "rl.reward_model",
+            ),
+        ),
+        defaults=(("finetune.epochs", 3.0),),
+        reads=READS_CHAT,
+    ),
+    StageEntry(
         "distill",
         "distil a frozen teacher into a student on conversations (forward/reverse KL, generalized JSD)",
         "lm.train.distill:distill",

@@ -16,6 +16,7 @@ VERBS = {
     "sft",
     "dpo",
     "rft",
+    "online-dpo",
     "kto",
     "reward",
     "rl",

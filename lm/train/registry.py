@@ -252,6 +252,32 @@ _STAGES: list[StageEntry] = [
         reads=READS_PROMPTS,
     ),
     StageEntry(
+        "online_dpo",
+        "online DPO: pairs sampled from the policy each step, ranked by rewards, one DPO update",
+        "lm.train.online_dpo:online_dpo",
+        "dpo",
+        verb="online-dpo",
+        description="Online DPO from a run or an export (usually an `lm sft` run): each step samples "
+        "--config.rl.group_size responses (2) to --config.rl.prompts_per_step prompts, ranks them with lm rl's "
+        "rewards (--rewards, --reward-model, --config.rl.reward_url) and takes a DPO update on each prompt's best "
+        "vs worst (--config.dpo.loss, --config.dpo.beta; the reference held live).",
+        data='JSONL prompts: {"prompt": TEXT or MESSAGES, ...} or {"messages": [...]} lines; '
+        "the other keys reach the reward functions",
+        eval_data="held-out prompts: mean reward of greedy answers at every eval",
+        plot="rl.png",
+        defaults=(("rl.group_size", 2), ("finetune.max_skipped_fraction", 0.01)),
+        options=(
+            ("--rewards", "reward functions or verifiers (sets rl.rewards)", "rl.rewards"),
+            (
+                "--reward-model",
+                "an `lm reward` run or export ranking the responses (sets rl.reward_model)",
+                "rl.reward_model",
+            ),
+            EVAL_ANSWERS,
+        ),
+        reads=READS_PROMPTS,
+    ),
+    StageEntry(
         "rft",
         "rejection-sampling fine-tuning: best of n sampled responses per prompt, kept above a reward threshold",
         "lm.train.rft:rft",

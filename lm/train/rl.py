@@ -157,14 +157,34 @@ class Rl(Stage):
     def stats(self, ctx) -> dict:
         return {"prompts": ctx.data[0].stats}
 
+    def make_sampler(self, ctx) -> tuple[ChatTemplate, Sampler]:
+        """The init model's chat template and the policy's sampler (rl.* sampling settings)."""
+        c, r = ctx.config, ctx.config.rl
+        template = ChatTemplate.for_tokenizer(ctx.init.tokenizer)
+        sampling = SamplingParams(max_new_tokens=r.max_new_tokens, temperature=r.temperature, top_p=r.top_p)
+        _, generation_mesh = split_devices(c)
+        return template, Sampler(ctx.run, sampling, template.stop_ids, c.data.seq_len, r.speculate, generation_mesh)
+
+    def prompt_stream(self, ctx, prompts):
+        """Batches of rl.prompts_per_step prompt indices. Every process reads the whole batch (the
+        same seed draws the same one): each samples all rollouts on the shared mesh and feeds the
+        update rows its devices hold (lm.train.rl_step)."""
+        c = ctx.config
+        return iter(
+            train_dataset(
+                [Source(c.finetune.data, prompts, 1.0)],
+                seq_len=c.data.seq_len,
+                global_batch=c.rl.prompts_per_step,
+                seed=c.train.seed,
+                pack=False,
+            )
+        )
+
     def batches(self, ctx):
         c, r, run = ctx.config, ctx.config.rl, ctx.run
         prompts, _, rewards = ctx.data
         settings = RlSettings.from_config(r)
-        template = ChatTemplate.for_tokenizer(ctx.init.tokenizer)
-        sampling = SamplingParams(max_new_tokens=r.max_new_tokens, temperature=r.temperature, top_p=r.top_p)
-        _, generation_mesh = split_devices(c)
-        sampler = Sampler(run, sampling, template.stop_ids, c.data.seq_len, c.rl.speculate, generation_mesh)
+        template, sampler = self.make_sampler(ctx)
         self.scorer = Scorer(run, settings.algo == "ppo", with_policy=r.max_staleness > 0)
         episodes = None
         if r.environment:
@@ -175,19 +195,8 @@ class Rl(Stage):
             rewards.place(run.mesh)
         args = (run, ctx.frozen, prompts, rewards, sampler, self.scorer, template, settings, r)
         self.step = rl_step.RlStep(*args, episodes=episodes)
-        # Every process reads the whole prompt batch (the same seed draws the same one): each samples
-        # all rollouts on the shared mesh and feeds the update rows its devices hold (lm.train.rl_step).
-        data_iter = iter(
-            train_dataset(
-                [Source(c.finetune.data, prompts, 1.0)],
-                seq_len=c.data.seq_len,
-                global_batch=r.prompts_per_step,
-                seed=c.train.seed,
-                pack=False,
-            )
-        )
         # with rl.max_staleness > 0 rollouts are sampled ahead while the updates run (lm.train.rl_async)
-        return self.step.stream(data_iter), self.step.signature, self.step
+        return self.step.stream(self.prompt_stream(ctx, prompts)), self.step.signature, self.step
 
     def evaluator(self, ctx):
         heldout = ctx.data[1]

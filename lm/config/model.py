@@ -58,7 +58,8 @@ PIPELINE = dict(
     pipeline_repeats=1,  # 1: GPipe; r > 1: circular, each stage holds r chunks of layers
 )
 
-# head_dim 0: d_model // n_heads. LoRA (lm.model.lora): rank 0 = off; targets among LORA_TARGETS.
+# head_dim 0: d_model // n_heads. LoRA (lm.model.lora): rank 0 = off; targets among LORA_TARGETS;
+# lora_base_quant: how the frozen base's layer weights are held (QLoRA: nf4 | int4, lm.model.quant).
 DEFAULTS = dict(
     vocab_size=320,
     d_model=128,
@@ -84,6 +85,7 @@ DEFAULTS = dict(
     lora_alpha=16.0,
     lora_dropout=0.0,
     lora_targets=LORA_TARGETS,
+    lora_base_quant="none",
     **ARCHITECTURE,
     **MOE,
     **PIPELINE,
@@ -103,6 +105,7 @@ CHOICES = dict(
     # autodiff, which XLA fuses on GPU/TPU; "auto": cpu on the CPU backend, plain elsewhere
     kernels=("auto", "cpu", "plain"),
     router_score=("softmax", "sigmoid"),
+    lora_base_quant=("none", "nf4", "int4"),
 )
 
 
@@ -136,6 +139,12 @@ def check(c) -> None:
         "model.lora_targets",
         m.lora_targets,
         f"expected names among {LORA_TARGETS}",
+    )
+    require(
+        m.lora_base_quant == "none" or m.lora_rank > 0,
+        "model.lora_base_quant",
+        m.lora_base_quant,
+        "quantizes the frozen base of a LoRA run: set model.lora_rank > 0 too",
     )
     require(m.n_heads % m.n_kv_heads == 0, "model.n_kv_heads", m.n_kv_heads, f"must divide model.n_heads={m.n_heads}")
     require(

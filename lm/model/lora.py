@@ -17,6 +17,7 @@ import jax.numpy as jnp
 import numpy as np
 
 from lm.model.params import param
+from lm.model.qtensor import QTensor
 
 SUFFIX_A, SUFFIX_B = "_lora_a", "_lora_b"
 
@@ -75,7 +76,8 @@ def merge_lora(params: dict, alpha: float, rank: int) -> dict:
     """Params with every adapter pair folded into its weight (W + alpha/r * A B) and removed.
 
     Works on stacked (scanned) and unstacked layers alike: leading axes of W that A does not
-    contract are batch axes of the product. Float32 throughout.
+    contract are batch axes of the product. Float32 throughout; a 4-bit base weight (QLoRA) is
+    dequantized first, adapted or not, so the result is a plain float model.
     """
     out = {}
     for key, value in params.items():
@@ -83,6 +85,8 @@ def merge_lora(params: dict, alpha: float, rank: int) -> dict:
             if key.endswith((SUFFIX_A, SUFFIX_B)):
                 continue
             a, b = params.get(key + SUFFIX_A), params.get(key + SUFFIX_B)
+            if isinstance(value, QTensor):  # a QLoRA base: the weights it trained against, in float32
+                value = value.dequantize(jnp.float32)
             out[key] = value if a is None else _fold(value, a, b, alpha / rank)
         else:
             out[key] = merge_lora(value, alpha, rank)

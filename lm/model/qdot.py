@@ -16,9 +16,12 @@ Two forms of that dot, one per kind of backend (`int_dot`: the model's CPU kerne
   ~14 bits (finer than bfloat16), so the product is that of dequantize-then-matmul to ~3e-5,
   and it makes a decode step's one row two, at no cost for a memory-bound product.
 
-int4 (two values per byte, a scale per group of inputs) is dequantized in the compute dtype
-where it is read, as before: unpacking the nibbles is itself a pass that writes the weight out
-on XLA:CPU, and per-group int8 dots after it made the decode step 5-9x slower than that.
+int4 and NF4 (two values per byte, a scale per group of inputs) are dequantized in the compute
+dtype where they are read, as before: unpacking the nibbles is itself a pass that writes the weight
+out on XLA:CPU, and per-group int8 dots after it made the decode step 5-9x slower than that. Their
+gradient (QLoRA: a frozen 4-bit base under trained adapters) dequantizes the weight again in the
+backward pass: plain autodiff would keep every layer's dequantized weight from the forward scan
+until the backward (a float copy of the whole base; measured on the tiny model without remat).
 
 The int8 x int8 product carries a custom gradient (that of x @ dequantized w): rounding x would
 otherwise give the activations a zero gradient.
@@ -52,11 +55,33 @@ def qdot(spec: str, x: jax.Array, w, out_dtype=None, int_dot: bool = False) -> j
         return jnp.einsum(spec, x, w.astype(x.dtype), preferred_element_type=jnp.float32).astype(out)
     xl, wl, ol, kl = _labels(spec, w)
     if w.bits == 4:
-        return jnp.einsum(spec, x, w.dequantize(x.dtype), preferred_element_type=jnp.float32).astype(out)
+        return _dequantized_dot(spec, x, w).astype(out)
     if int_dot:
         return _int_product(spec, x, w).astype(out)
     y = jnp.einsum(spec, x, w.values.astype(x.dtype), preferred_element_type=jnp.float32)
     return (y * _along(_squeeze(w.scale, wl, kl), _drop(wl, kl), ol)).astype(out)
+
+
+@functools.partial(jax.custom_vjp, nondiff_argnums=(0,))
+def _dequantized_dot(spec: str, x, w: QTensor) -> jax.Array:
+    return jnp.einsum(spec, x, w.dequantize(x.dtype), preferred_element_type=jnp.float32)
+
+
+def _dequantized_fwd(spec, x, w):
+    return _dequantized_dot(spec, x, w), (w, jnp.zeros((), x.dtype))  # the 4-bit weight, not its float copy
+
+
+def _dequantized_bwd(spec, saved, g):
+    w, like = saved
+    ins, ol = spec.split("->")
+    xl, wl = ins.split(",")
+    dx = jnp.einsum(
+        f"{ol},{wl}->{xl}", g.astype(like.dtype), w.dequantize(like.dtype), preferred_element_type=jnp.float32
+    )
+    return dx.astype(like.dtype), None  # a frozen weight: no gradient
+
+
+_dequantized_dot.defvjp(_dequantized_fwd, _dequantized_bwd)
 
 
 def take_rows(table, ids: jax.Array, dtype) -> jax.Array:

@@ -35,6 +35,7 @@ logits.
 
 from __future__ import annotations
 
+import dataclasses
 import functools
 import math
 
@@ -44,7 +45,7 @@ import numpy as np
 from jax.sharding import NamedSharding, PartitionSpec
 
 from lm.errors import UserError
-from lm.model.qtensor import QTensor, pack_int4
+from lm.model.qtensor import NF4, QTensor, pack_int4
 from lm.sharding import place_leaf, split_count
 
 MODES = {"int8": 8, "int4": 4}
@@ -71,8 +72,9 @@ def bits_of(mode: str) -> int:
     return MODES[mode]
 
 
-def quantize(w, bits: int, axis: int, n_k: int, group: int = GROUP) -> QTensor:
-    """One float weight -> QTensor (jnp: runs on device, under jit or not)."""
+def quantize(w, bits: int, axis: int, n_k: int, group: int = GROUP, code: str = "int", double: bool = False) -> QTensor:
+    """One float weight -> QTensor (jnp: runs on device, under jit or not). 4 bits: `code` int or
+    nf4, `double` for double-quantized scales (lm.model.qtensor)."""
     w = jnp.asarray(w).astype(jnp.float32)
     p = w.ndim + axis
     k_shape = tuple(w.shape[p : p + n_k])
@@ -86,10 +88,25 @@ def quantize(w, bits: int, axis: int, n_k: int, group: int = GROUP) -> QTensor:
     if k % 2:
         raise UserError(f"quantize int4: a weight of shape {w.shape} has {k} inputs; packing needs an even number")
     grouped = w.reshape(w.shape[:p] + (k // g, g) + w.shape[p + n_k :])
-    scale = _scale(jnp.max(jnp.abs(grouped), axis=p + 1), 7)
-    q = jnp.clip(jnp.round(grouped / jnp.expand_dims(scale, p + 1)), -7, 7)
+    scale = _scale(jnp.max(jnp.abs(grouped), axis=p + 1), 1 if code == "nf4" else 7)
+    scale_max = None
+    if double:  # values are rounded against the scale as it will be decoded
+        scale_max = jnp.max(scale, axis=p, keepdims=True)
+        # rounded up, less a hundredth of a step: a ratio within an ulp of a whole code must not
+        # round two ways in two programs (a mesh's and one device's compile divide differently)
+        scale = jnp.clip(jnp.ceil(scale / scale_max * 255 - 0.01), 1, 255).astype(jnp.uint8)
+    stored = QTensor(jnp.zeros((), jnp.uint8), scale, 4, axis, k_shape, g, code, scale_max)
+    x = grouped / jnp.expand_dims(stored.group_scale(), p + 1)
+    if code == "nf4":  # the nearest level: how many midpoints between levels lie below, as a signed nibble
+        # (elementwise compares, not jnp.searchsorted: its scan broke on sharded inputs)
+        q = sum((x > m).astype(jnp.int32) for m in NF4_MIDPOINTS) - 8
+    else:
+        q = jnp.clip(jnp.round(x), -7, 7)
     values = pack_int4(q.reshape(w.shape[:p] + (k,) + w.shape[p + n_k :]), p)
-    return QTensor(values, scale, 4, axis, k_shape, g)
+    return dataclasses.replace(stored, values=values)
+
+
+NF4_MIDPOINTS = tuple((a + b) / 2 for a, b in zip(NF4[:-1], NF4[1:]))
 
 
 def _scale(amax, top: int):
@@ -138,8 +155,9 @@ def quantize_params(params: dict, spec, mode: str) -> dict:
 
 
 @functools.lru_cache(maxsize=None)
-def _quantizer(bits: int, axis: int, n_k: int, out_shardings=None):
-    return jax.jit(functools.partial(quantize, bits=bits, axis=axis, n_k=n_k), out_shardings=out_shardings)
+def _quantizer(bits: int, axis: int, n_k: int, out_shardings=None, **how):
+    """how: quantize's group, code and double."""
+    return jax.jit(functools.partial(quantize, bits=bits, axis=axis, n_k=n_k, **how), out_shardings=out_shardings)
 
 
 # ---- placement ---------------------------------------------------------------------------------
@@ -164,12 +182,13 @@ def quantized_sharding(q: QTensor, sharding: NamedSharding) -> QTensor:
         reduced = spec[:p] + (None,) * n_k + spec[p + n_k :]
         return QTensor(fit(spec, q.values.shape), fit(reduced, q.scale.shape), q.bits, q.axis, q.k_shape, q.group)
     flat = spec[:p] + (spec[p],) + spec[p + n_k :]  # the flattened contracting axis follows the first one
-    return QTensor(fit(flat, q.values.shape), fit(flat, q.scale.shape), q.bits, q.axis, q.k_shape, q.group)
+    scale_max = None if q.scale_max is None else fit(flat, q.scale_max.shape)
+    return dataclasses.replace(q, values=fit(flat, q.values.shape), scale=fit(flat, q.scale.shape), scale_max=scale_max)
 
 
-def _abstract(bits: int, axis: int, n_k: int, shape: tuple) -> QTensor:
+def _abstract(bits: int, axis: int, n_k: int, shape: tuple, **how) -> QTensor:
     return jax.eval_shape(
-        functools.partial(quantize, bits=bits, axis=axis, n_k=n_k), jax.ShapeDtypeStruct(shape, jnp.float32)
+        functools.partial(quantize, bits=bits, axis=axis, n_k=n_k, **how), jax.ShapeDtypeStruct(shape, jnp.float32)
     )
 
 
@@ -213,8 +232,7 @@ def abstract_quantized(built, mode: str) -> dict:
 
 def place_quantized_leaf(q: QTensor, sharding: NamedSharding) -> QTensor:
     """A host QTensor (numpy values and scale) on the mesh: values and scale with their shardings."""
-    sh = quantized_sharding(q, sharding)
-    return QTensor(place_leaf(q.values, sh.values), place_leaf(q.scale, sh.scale), q.bits, q.axis, q.k_shape, q.group)
+    return jax.tree.map(place_leaf, q, quantized_sharding(q, sharding))
 
 
 def place_quantized(built, qparams: dict) -> dict:
@@ -226,6 +244,57 @@ def place_quantized(built, qparams: dict) -> dict:
 
 def _subtree(tree: dict, like: dict) -> dict:
     return {k: _subtree(tree[k], v) if isinstance(v, dict) else tree[k] for k, v in like.items()}
+
+
+# ---- the frozen base of a LoRA run (QLoRA) -----------------------------------------------------
+
+# model.lora_base_quant -> how its layers' weights are stored: 4 bits in groups of BASE_GROUP inputs
+# (QLoRA's NF4 block), with double-quantized scales (lm.model.qtensor). The embedding table and
+# the LM head stay as given, as QLoRA keeps them.
+BASE_QUANT = {"nf4": dict(code="nf4"), "int4": dict(code="int")}
+BASE_GROUP = 64
+BASE_WEIGHTS = ("wq", "wk", "wv", "wo", "w_gate", "w_up", "w_in", "w_down")
+
+
+def _base_how(mode: str) -> dict:
+    return dict(group=BASE_GROUP, double=True, **BASE_QUANT[mode])
+
+
+def quantize_base(built, base: dict, mode: str) -> dict:
+    """A LoRA run's frozen params (host, lazy or placed leaves) on `built`'s mesh, its layers'
+    weights 4-bit: placed, quantized on their devices and let go leaf by leaf."""
+    how = _base_how(mode)
+
+    def one(path, x, sharding):
+        if path[-1] not in BASE_WEIGHTS or is_quantized(x):
+            return place_quantized_leaf(x, sharding) if is_quantized(x) else place_leaf(x, sharding)
+        axis, n_k = CONTRACTING[path[-1]]
+        out = quantized_sharding(_abstract(4, axis, n_k, tuple(x.shape), **how), sharding)
+        return _quantizer(4, axis, n_k, out, **how)(place_leaf(x, sharding))
+
+    return _map_named(one, base, _subtree(built.param_shardings, base))
+
+
+def abstract_base(abstract: dict, shardings: dict, mode: str, dtype=None) -> dict:
+    """The frozen params' ShapeDtypeStructs with their shardings as `quantize_base` makes them
+    (QTensors of them for the 4-bit weights); other floating leaves in `dtype` when given.
+    mode "none": nothing quantized."""
+
+    def one(path, a, sharding):
+        if mode == "none" or path[-1] not in BASE_WEIGHTS:
+            dt = dtype if dtype is not None and jnp.issubdtype(a.dtype, jnp.floating) else a.dtype
+            return jax.ShapeDtypeStruct(a.shape, dt, sharding=sharding)
+        q = _abstract(4, *CONTRACTING[path[-1]], tuple(a.shape), **_base_how(mode))
+        return jax.tree.map(
+            lambda x, sh: jax.ShapeDtypeStruct(x.shape, x.dtype, sharding=sh), q, quantized_sharding(q, sharding)
+        )
+
+    return _map_named(one, abstract, shardings)
+
+
+def base_shardings(abstract: dict, shardings: dict, mode: str) -> dict:
+    """The shardings of the frozen params as `quantize_base` places them."""
+    return jax.tree.map(lambda a: a.sharding, abstract_base(abstract, shardings, mode))
 
 
 # ---- bytes and export --------------------------------------------------------------------------

@@ -7,7 +7,8 @@ compile of the real thing; nothing is allocated. Today's steps:
     pretrain   next-token loss, the whole model trained
     sft        the SFT loss, the whole model trained
     sft_lora   the SFT loss over LoRA adapters (model.lora_rank, 16 when the config has none); the
-               base frozen in the compute dtype (as an imported bf16 checkpoint stays)
+               base frozen in the compute dtype (as an imported bf16 checkpoint stays), or its
+               layers' weights 4-bit with model.lora_base_quant (QLoRA)
     dpo        DPO with a live reference (a frozen copy in the compute dtype), pairs per row
     rl         one GRPO/PPO update minibatch (rl.*), with the reference when the KL needs one
     decode     the generation engine's decode block: eval.batch_size slots against a paged KV pool
@@ -26,6 +27,7 @@ from lm.infer.engine.engine import Engine, EngineConfig
 from lm.infer.generate import generation_context
 from lm.model.build import build_model
 from lm.model.params import split_params
+from lm.model.quant import abstract_base
 from lm.model.spec import ModelSpec
 from lm.train.registry import compiled_step, load, step_names
 
@@ -62,7 +64,8 @@ def abstract_frozen(run, base_dtype) -> dict | None:
     out = {}
     if run.trainable is not None:
         base = split_params(run.built.abstract_params(), run.trainable)[1]
-        out["base"] = abstract(base, run.base_shardings, base_dtype)
+        floats = split_params(run.built.param_shardings, run.trainable)[1]
+        out["base"] = abstract_base(base, floats, run.base_quant, base_dtype)  # 4-bit layers under QLoRA
     for name, slot in run.frozen.items():
         out[name] = (
             out["base"]
@@ -98,7 +101,8 @@ def build_step(name: str, config, devices) -> StepBuild:
     step = compiled_step(name)
     dtype = config.model.compute_dtype
     lora_rank = (config.model.lora_rank or DEFAULT_LORA_RANK) if step.lora else 0
-    config = with_values(config, {"model.lora_rank": lora_rank})
+    base_quant = config.model.lora_base_quant if lora_rank else "none"  # QLoRA's base: LoRA steps only
+    config = with_values(config, {"model.lora_rank": lora_rank, "model.lora_base_quant": base_quant})
     if step.generation:
         return load(step.build)(config, devices)
     run, signature = load(step.build)(config, devices, _spec(config, devices))
@@ -109,7 +113,7 @@ def _decode(config, devices) -> StepBuild:
     """The engine's decode block (lm.infer.engine) over eval.batch_size slots, each holding a whole
     generation context in the paged pool: the program `lm sample`, `lm serve`, evaluation and RL
     rollouts decode with. Layers stay stacked (the CPU kernel path unstacks them at run time)."""
-    config = with_values(config, {"model.lora_rank": 0})
+    config = with_values(config, {"model.lora_rank": 0, "model.lora_base_quant": "none"})
     built = build_model(config, devices, rules=rules_table(config), spec=_spec(config, devices))
     engine = Engine(
         built.module,

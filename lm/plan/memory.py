@@ -3,7 +3,8 @@ renting a pod, and what `lm plan --compile` puts beside the TPU compiler's figur
 
 The state part is exact: every param's shape and logical axes come from the model itself
 (`jax.eval_shape` of its init: nothing is allocated), and the rule table says how many ways each
-is split on the mesh (params and Adam's moments in float32, frozen models in the compute dtype).
+is split on the mesh (params and Adam's moments in float32, frozen models in the compute dtype;
+a QLoRA base's layer weights at 4 bits plus their scales).
 The rest is a model of what the compiler keeps alive at the peak of a step, in the step's shapes
 (rows per device and micro-batch, sequence, widths split over `tensor`):
 
@@ -50,6 +51,7 @@ from lm.errors import UserError
 from lm.infer.generate import generation_context
 from lm.model import pipeline
 from lm.model.moe import capacity
+from lm.model.quant import BASE_GROUP, BASE_WEIGHTS, CONTRACTING
 from lm.model.spec import ModelSpec
 from lm.model.transformer import Transformer, abstract_params
 from lm.sharding import AXES, mesh_shape
@@ -123,6 +125,20 @@ def leaf_bytes(leaf: Leaf, rules: dict, mesh: dict, itemsize: int) -> int:
     return -(-leaf.size * itemsize // splits(leaf.names, rules, mesh))
 
 
+def frozen_bytes(leaf: Leaf, rules: dict, mesh: dict, itemsize: int, base_quant: str = "none") -> int:
+    """A LoRA base's param on one device: in the compute dtype, or under QLoRA (model.lora_base_quant)
+    a layer weight's 4-bit values, a uint8 scale code per group of inputs and a float32 scale per
+    output channel (lm.model.quant.quantize_base)."""
+    name = leaf.path.rsplit("'", 2)[-2]
+    if base_quant == "none" or name not in BASE_WEIGHTS:
+        return leaf_bytes(leaf, rules, mesh, itemsize)
+    axis, n_k = CONTRACTING[name]
+    p = len(leaf.shape) + axis
+    k = math.prod(leaf.shape[p : p + n_k])
+    per_weight = 0.5 + 1 / math.gcd(k, BASE_GROUP) + 4 / k
+    return -(-int(leaf.size * per_weight) // splits(leaf.names, rules, mesh))
+
+
 ARGUMENTS = ("params", "optimizer", "frozen base", "reference", "kv cache")  # what the step is given
 
 
@@ -172,7 +188,7 @@ def estimate(config, step: str, devices: int, lora_rank: int = 16, chip=None) ->
         "grads": state * (2 if config.train.micro_batches > 1 else 1),
     }
     if frozen:
-        parts["frozen base"] = sum(leaf_bytes(x, rules, mesh, compute) for x in frozen)
+        parts["frozen base"] = sum(frozen_bytes(x, rules, mesh, compute, m.lora_base_quant) for x in frozen)
     resident = {}
     if compiled.holds_reference(config):
         reference = sum(leaf_bytes(x, rules, mesh, compute) for x in leaves if not _is_adapter(x.path))

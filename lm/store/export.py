@@ -33,7 +33,7 @@ import jax
 import numpy as np
 import orbax.checkpoint as ocp
 
-from lm.config import rules_table
+from lm.config import rules_table, with_values
 from lm.errors import UserError
 from lm.model.build import build_model
 from lm.model.params import leaf_paths
@@ -72,7 +72,7 @@ def export_params(workdir, out, step: int | None = None, fmt: str | None = None,
         if not saved.get("model", {}).get("lora_rank"):
             raise UserError(f"lm export --merge: '{workdir}' has no LoRA adapters to merge (model.lora_rank=0)")
         source = f"run '{workdir}'"
-        plain, params = with_base(config_from(saved, source), params, source)
+        plain, params = merged(config_from(saved, source), params, source)
         saved = plain.to_dict()
     config = json.dumps(saved)
     if fmt == "safetensors":
@@ -101,7 +101,7 @@ def export_loaded(model: Loaded, out, fmt: str | None = None, merge: bool = Fals
     if merge:
         if not config.model.lora_rank:
             raise UserError(f"lm export --merge: {model.source} has no LoRA adapters to merge (model.lora_rank=0)")
-        config, params = with_base(config, params, model.source)
+        config, params = merged(config, params, model.source)
     saved = json.dumps(config.to_dict())
     leaves = list(zip(leaf_paths(params), jax.tree.leaves(params)))
     if fmt == "safetensors":
@@ -113,6 +113,13 @@ def export_loaded(model: Loaded, out, fmt: str | None = None, merge: bool = Fals
     _keep_tokenizer(model.tokenizer, beside)
     n = sum(int(np.prod(x.shape)) for _, x in leaves)
     return {"step": 0, "format": fmt, "params": n, "out": str(out)}
+
+
+def merged(config, params: dict, source: str):
+    """Adapters folded into their float base (finetune.init; a QLoRA run's too: the base as given,
+    not its 4-bit copy) -> (a plain model's config, params)."""
+    plain, params = with_base(config, params, source)
+    return with_values(plain, {"model.lora_base_quant": "none"}), params
 
 
 def quantized_out(out) -> pathlib.Path:
@@ -134,7 +141,7 @@ def export_quantized(model: Loaded, out, mode: str) -> dict:
     out = quantized_out(out)
     config = model.config
     if config.model.lora_rank:
-        config, params = with_base(config, model.params, model.source)
+        config, params = merged(config, model.params, model.source)
     else:
         params = model.params
     built = build_model(config, jax.devices()[:1], rules=rules_table(config))

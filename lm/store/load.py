@@ -103,7 +103,7 @@ def with_base(config, params: dict, source: str):
         params = merge_trees(params, load_init(init_of(config)).params)
     m = config.model
     merged = jax.tree.map(np.asarray, merge_lora(params, m.lora_alpha, m.lora_rank))
-    return with_values(config, {"model.lora_rank": 0}), merged
+    return with_values(config, {"model.lora_rank": 0, "model.lora_base_quant": "none"}), merged
 
 
 def load_init(init: str) -> Loaded:

@@ -163,7 +163,7 @@ class Kto(Dpo):
             "eval": after,
         } | {k: last.get(k) for k in ("loss", "kl", "tokens_per_s", "run_tokens_per_s", "compile_s")}
         if before or after:
-            print(pairs.eval_table("KTO: held-out examples", TABLE_KEYS, before, after, self.held_out_pairs(ctx)))
+            print(pairs.eval_table("KTO", TABLE_KEYS, before, after, self.held_out_pairs(ctx), "examples"))
         p = c.finetune
         if p.eval_answers:
             summary |= compare_answers(ctx.init, c, ctx.params, p.eval_answers, p.eval_examples, p.eval_max_new_tokens)

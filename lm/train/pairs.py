@@ -126,10 +126,10 @@ class PairStage(Stage):
         return min(ctx.config.pairs.eval_pairs, len(heldout)) if heldout is not None else None
 
 
-def eval_table(title: str, keys: tuple, before: dict, after: dict, n: int | None) -> str:
+def eval_table(title: str, keys: tuple, before: dict, after: dict, n: int | None, unit: str = "pairs") -> str:
     """Held-out metrics of the init and the tuned model, one line each."""
     head = f"{'model':<8}" + "".join(f" {k:>20}" for k in keys)
-    lines = [f"{title} ({n} held-out pairs)" if n else title, head]
+    lines = [f"{title} ({n} held-out {unit})" if n else title, head]
     for name, row in (("init", before), ("tuned", after)):
         cells = [row.get(f"eval_{k}") for k in keys]
         lines.append(f"{name:<8}" + "".join(f" {c:>20.4f}" if isinstance(c, float) else f" {'-':>20}" for c in cells))

@@ -21,6 +21,8 @@ from lm.data.pipeline import BATCH_DTYPES
 from lm.errors import UserError
 from lm.model.build import Built, ModelFn, build_model
 from lm.model.params import split_params, subtree
+from lm.model.quant import base_shardings as quantized_base_shardings
+from lm.model.quant import quantize_base
 from lm.model.spec import ModelSpec
 from lm.model.transformer import Transformer
 from lm.sharding import BatchPlacer, batch_shardings, place_leaf, split_count
@@ -86,9 +88,23 @@ class Run:
         seed = self.config.train.seed if seed is None else seed
         if base is not None:
             train_state.check_base(self.model, base, "the initial params")
-        state, own, _ = train_state.create_state(
-            self.model, self.optimizer, self.mesh, self.rules, seed, self.trainable, base
+        quantized = self.base_quant != "none"
+        given = base
+        if quantized and base is not None:  # the adapters given, if any; the base is quantized below
+            given = split_params(base, self.trainable)[0] or None
+        state, own, _ = train_state.create_state(  # a quantized base given: no float copy of it made
+            self.model,
+            self.optimizer,
+            self.mesh,
+            self.rules,
+            seed,
+            self.trainable,
+            given,
+            base is None or not quantized,
         )
+        if quantized:  # the given base's leaves quantized from where they are, one at a time
+            frozen = own if base is None else split_params(base, self.trainable)[1]
+            own = quantize_base(self.built, frozen, self.base_quant)
         return state, self._frozen(own, base, sources)
 
     def frozen_params(self, base: dict | None, sources: dict | None = None) -> dict | None:
@@ -99,7 +115,9 @@ class Run:
         if base is not None:
             train_state.check_base(self.model, base, "the initial params")
         own = None
-        if self.trainable:
+        if self.trainable and self.base_quant != "none":
+            own = quantize_base(self.built, split_params(base, self.trainable)[1], self.base_quant)
+        elif self.trainable:
             frozen = split_params(base, self.trainable)[1]
             own = jax.tree.map(place_leaf, frozen, subtree(self.base_shardings, frozen))
         return self._frozen(own, base, sources)
@@ -117,6 +135,11 @@ class Run:
                 slot.built.check(given, f"the params of the frozen model '{name}'", complete=True)
             out[name] = slot.built.place(subtree(given, slot.built.param_shardings), slot.dtype)
         return out or None
+
+    @property
+    def base_quant(self) -> str:
+        """How the LoRA base's layer weights are held: none | nf4 | int4 (model.lora_base_quant)."""
+        return self.config.model.lora_base_quant if self.trainable is not None else "none"
 
     @property
     def frozen_shardings(self) -> dict | None:
@@ -236,6 +259,9 @@ def build_run(
         per_step = schedule
         schedule = lambda count: per_step(count // updates_per_step)  # noqa: E731
     shardings, base_shardings = train_state.state_shardings(model, optimizer, mesh, rules, trainable)
+    if trainable is not None and config.model.lora_base_quant != "none":
+        frozen_abstract = split_params(built.abstract_params(), trainable)[1]
+        base_shardings = quantized_base_shardings(frozen_abstract, base_shardings, config.model.lora_base_quant)
     slots = {name: make(mesh) for name, make in (frozen or {}).items()}
     loss = loss or (lambda m: pretrain_loss(m, config.optim.z_loss))
     return Run(

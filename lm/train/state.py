@@ -76,18 +76,25 @@ def _init_fn(model, optimizer, trainable=None):
     return init
 
 
-def create_state(model, optimizer, mesh, rules, seed: int, trainable=None, base: dict | None = None):
+def create_state(
+    model, optimizer, mesh, rules, seed: int, trainable=None, base: dict | None = None, frozen_out: bool = True
+):
     """Returns (state, frozen, shardings); params are created on their devices, never gathered on
-    one. base: params (e.g. a pretrained model's) that replace the fresh ones where present."""
+    one. base: params (e.g. a pretrained model's) that replace the fresh ones where present.
+    frozen_out=False: no frozen params (None), never made (a caller that holds the frozen base in
+    another form, e.g. 4-bit, would otherwise hold a float copy of it for a moment)."""
     shardings, f_shard = state_shardings(model, optimizer, mesh, rules, trainable)
     init = _init_fn(model, optimizer, trainable)
+    outs = (shardings, f_shard)
+    if not frozen_out:  # what is not returned is never computed
+        init, outs = (lambda *args, _init=init: (_init(*args)[0], None)), (shardings, None)
     if base is None:
-        state, frozen = jax.jit(init, out_shardings=(shardings, f_shard))(jax.random.PRNGKey(seed))
+        state, frozen = jax.jit(init, out_shardings=outs)(jax.random.PRNGKey(seed))
     else:
         all_shard = merge_trees(shardings.params, f_shard)
         base_shard = jax.tree.map(lambda _, sh: sh, base, subtree(all_shard, base))
         base = jax.tree.map(place_leaf, base, base_shard)  # shard by shard: no whole host copy
-        state, frozen = jax.jit(init, in_shardings=(replicated(mesh), base_shard), out_shardings=(shardings, f_shard))(
+        state, frozen = jax.jit(init, in_shardings=(replicated(mesh), base_shard), out_shardings=outs)(
             jax.random.PRNGKey(seed), base
         )
     return state, frozen, shardings

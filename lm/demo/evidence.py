@@ -1,12 +1,14 @@
 """The demo's evidence table: the figures of lm.demo.pipeline's summary as text, one section per
 stage (pretraining against the unigram baseline, held-out response loss and exact match of every
-model, the preference and RL evidence, the evaluation suite's table, distillation, the TPU plan, the
+model, the preference and RL evidence, the rest of post-training (KTO, ORPO, RFT, QLoRA), the
+evaluation suite's table, distillation, the TPU plan, the
 Hugging Face export, serving and the mixture of experts).
 """
 
 from __future__ import annotations
 
 from lm.demo.moe import moe_lines
+from lm.demo.posttrain import post_training_lines
 from lm.demo.serve import serving_lines
 
 
@@ -27,6 +29,8 @@ def evidence(summary: dict, n_heldout: int) -> str:
         lines += _preference_lines(summary["preference"], n_heldout)
     if "rl" in summary:
         lines += _rl_lines(summary["rl"], n_heldout)
+    if summary.get("post"):
+        lines += post_training_lines(summary["post"])
     if "eval" in summary:
         from lm.eval.suite import table
 

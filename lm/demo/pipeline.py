@@ -8,17 +8,20 @@
 5. GRPO from the SFT model on the task's prompts, rewarded for the exact answer;
 6. distillation of the GRPO model into a student of half the width (pretrained the same way),
    beside the same student trained by SFT alone on the same data and steps;
-7. `lm eval` of every model on the same tasks (held-out bits per byte of the pretraining text,
+7. the rest of post-training (lm.demo.posttrain): KTO from the SFT model on the pairs split into
+   unpaired examples, ORPO from the pretrained model on the pairs, rejection-sampling fine-tuning
+   from the SFT model with the task's verifier, and QLoRA SFT over the pretrained model in NF4;
+8. `lm eval` of every model on the same tasks (held-out bits per byte of the pretraining text,
    exact match on the task) and a 13-gram contamination check of the task's held-out split;
-8. the GRPO model exported as a Hugging Face checkpoint, reloaded by transformers, answering 16
+9. the GRPO model exported as a Hugging Face checkpoint, reloaded by transformers, answering 16
    held-out prompts greedily as `lm sample --chat` does;
-9. serving (lm.demo.serve): the GRPO model behind `lm serve`'s OpenAI API answering held-out
+10. serving (lm.demo.serve): the GRPO model behind `lm serve`'s OpenAI API answering held-out
    prompts from 16 concurrent clients, quantized to int8 and int4, and decoded speculatively with
    the distilled student (and prompt lookup) as drafts;
-10. a mixture of experts (lm.demo.moe): the tiny model with 8 experts of half the MLP width, 2 per
+11. a mixture of experts (lm.demo.moe): the tiny model with 8 experts of half the MLP width, 2 per
    token (the dense model's active FLOPs), pretrained for 50 steps on the same batches, its
    held-out loss against the dense pretraining's at step 50, and its routing balance;
-11. one table: held-out response loss and exact-match accuracy of greedy answers, base vs SFT
+12. one table: held-out response loss and exact-match accuracy of greedy answers, base vs SFT
    vs SFT-LoRA vs DPO vs GRPO vs the half-width students, then the preference evidence on held-out pairs and the RL
    reward and KL (lm.demo.evidence); written to WORKDIR/demo_summary.json as well.
 """
@@ -32,6 +35,8 @@ from lm.config import load_config
 from lm.data.synthetic import write_sort_pairs, write_sort_task
 from lm.demo.evidence import evidence
 from lm.demo.moe import moe_pretraining
+from lm.demo.posttrain import MODELS as POST_MODELS
+from lm.demo.posttrain import post_training
 from lm.demo.serve import serving
 from lm.store.meta import init_config
 from lm.train.finetune import finetune_config
@@ -204,7 +209,9 @@ def _run_stages(
         **student,
     )
     distilled = stages.train(distill, config, root / "distilled")
+    post = post_training(stages, root, paths, pair_paths, sft_overrides, pair_overrides)
     summary = _summary(base, runs, preference, grpo, root)
+    summary["post"] = post | {"sft-lora": runs["sft-lora"]}
     summary["sft"] |= {
         "sft-half": _row(sft_half),
         "distilled": _row(distilled) | {"response_loss": distilled.get("eval_nll")},
@@ -216,18 +223,18 @@ def _run_stages(
         "response_loss": distilled.get("eval_nll"),
         "exact_match": distilled.get("exact_match"),
     }
-    stages.start(9, "evaluation", "evaluation of every model: held-out bits per byte, exact match, contamination")
+    stages.start(10, "evaluation", "evaluation of every model: held-out bits per byte, exact match, contamination")
     summary["eval"] = evaluate_all(root, paths)
-    stages.start(10, "export", "the GRPO model as a Hugging Face checkpoint, reloaded by transformers")
+    stages.start(11, "export", "the GRPO model as a Hugging Face checkpoint, reloaded by transformers")
     summary["hf"] = export_and_reload(root / "grpo", root / "grpo-hf", paths["heldout"])
-    stages.start(11, "TPU plan", "the pretraining step compiled for a TPU v5e-4 slice ahead of time (no TPU needed)")
+    stages.start(12, "TPU plan", "the pretraining step compiled for a TPU v5e-4 slice ahead of time (no TPU needed)")
     summary["tpu"] = plan_for_tpu(load_config(PRETRAIN_CONFIG, list(pretrain_overrides)), "v5e-4")
     stages.start(
-        12, "serving", "serving: the GRPO model behind the OpenAI API, quantized, and with speculative decoding"
+        13, "serving", "serving: the GRPO model behind the OpenAI API, quantized, and with speculative decoding"
     )
     summary["serve"] = serving(root, paths["heldout"])
     stages.start(
-        13, "mixture of experts", "a mixture of experts at the dense model's active FLOPs, beside the dense pretraining"
+        14, "mixture of experts", "a mixture of experts at the dense model's active FLOPs, beside the dense pretraining"
     )
     summary["moe"] = moe_pretraining(root, base_dir, show_progress=stages.show_progress, resume=stages.resume)
     stages.stop.enter("writing the demo's summary")  # a safe point: a stop in the last stage writes none
@@ -293,6 +300,7 @@ def evaluate_all(root: pathlib.Path, paths: dict) -> dict:
     specs = [f"heldout={heldout_shards[0]}?limit={suite.HELDOUT_TOKENS}", f"task={paths['heldout']}"]
     models = {"base": root / "pretrain"} | {name: root / name for name in ("sft", "sft-lora", "dpo", "grpo")}
     models |= {"sft-half": root / "sft-half", "distilled": root / "distilled"}
+    models |= {name: root / name for name in POST_MODELS}
     reports = suite.evaluate_models(models, specs, root / "eval")
     # the task's examples are 3 words ("sort 70931" + "01379"): each is checked whole
     found = check(

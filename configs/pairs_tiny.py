@@ -8,7 +8,7 @@ from lm.config import ConfigDict
 def get_config():
     c = ConfigDict()
     c.data = dict(seq_len=40)
-    c.finetune = dict(epochs=0.5, eval_examples=256, eval_max_new_tokens=16)
+    c.finetune = dict(epochs=0.5)  # (the answer length of --eval-answers is lm dpo's: not lm reward's)
     c.pairs = dict(eval_pairs=256)
     # RPO term: on pairs the SFT model already ranks right, plain DPO lowers the chosen answers too
     c.dpo = dict(loss="sigmoid", beta=0.1, rpo_alpha=1.0)

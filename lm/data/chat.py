@@ -31,7 +31,7 @@ import sys
 
 import numpy as np
 
-from lm.data.messages import TRAIN_ON, check_messages, tool_calls  # noqa: F401 (check_messages: re-exported)
+from lm.data.messages import TRAIN_ON, Example, check_messages, tool_calls  # noqa: F401 (check_messages: re-exported)
 from lm.data.spm import CHAT_TOKENS
 from lm.errors import UserError
 
@@ -124,6 +124,19 @@ class ChatTemplate:
         messages = with_tools(messages, tools)
         last = max(i for i, m in enumerate(messages) if m["role"] == "assistant")
         return _join(self._turns(messages, lambda i, m: m["role"] == "assistant" and (train_on == "all" or i == last)))
+
+    def examples(self, messages: list[dict], train_on: str = "all", since: int = 0) -> list[Example]:
+        """The training examples of a conversation, as lm.data.hf_chat.HFChatTemplate.examples: one example,
+        as this template renders a turn the same whatever follows it. Turns before messages[since]
+        are context (the prompt of a prompt-completion record)."""
+        if train_on not in TRAIN_ON:
+            raise UserError(f"chat template: train_on='{train_on}'; expected one of {', '.join(TRAIN_ON)}")
+        check_messages(messages, for_training=True)
+        turns = [i for i, m in enumerate(messages) if m["role"] == "assistant" and i >= since]
+        trained = set(turns if train_on == "all" else turns[-1:])
+        if not trained:
+            return []
+        return [Example(*_join(self._turns(messages, lambda i, m: i in trained)), len(trained))]
 
     def prompt(self, messages: list[dict], tools: list[dict] | None = None) -> np.ndarray:
         """The conversation (ending with a user turn or a tool's result) and an open assistant

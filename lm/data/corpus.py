@@ -17,7 +17,7 @@ import sysconfig
 from pathlib import Path
 from typing import Iterator
 
-from lm.data.jsonl import iter_jsonl
+from lm.data.records import iter_jsonl
 from lm.errors import UserError
 
 _GLOB_CHARS = set("*?[")

@@ -11,6 +11,12 @@ end-of-turn token after its content (the model must learn to stop). Every token 
 offsets overlap a span is weighted, so a token that a BPE merge makes straddle a turn boundary
 counts once. Templates whose prefixes do not render as prefixes (e.g. ones that drop earlier
 reasoning) use their `{% generation %}` blocks instead, or fail.
+
+Training examples (`examples`) follow what the model sees when it writes each turn: a turn is
+trained inside the whole conversation when the conversation renders it as it renders from its own
+prefix (the conversation through that turn, the turn last); a turn the template renders otherwise
+once the conversation goes on (Qwen3's drops an earlier turn's <think> reasoning) is trained as an
+example of its own: the conversation through that turn, weighted on that turn only.
 """
 
 from __future__ import annotations
@@ -23,10 +29,10 @@ from datetime import datetime
 
 import numpy as np
 
-from lm.data.messages import TRAIN_ON, check_messages
+from lm.data.messages import TRAIN_ON, Example, check_messages
 from lm.errors import UserError
 
-VERSION = 1  # bump when the rendered ids or weights change for the same template and messages
+VERSION = 2  # bump when the rendered ids or weights change for the same template and messages
 END_OF_TURN = ("<|im_end|>", "<|eot_id|>", "<end_of_turn>", "<|end|>")  # common names, when the probe says nothing
 _PROBE = [{"role": "user", "content": "Hi"}, {"role": "assistant", "content": "Hello"}]
 _TRACKED: ContextVar = ContextVar("generation_spans", default=None)  # (blocks so far, spans) of a render
@@ -135,27 +141,86 @@ class HFChatTemplate:
     def render(self, messages: list[dict], train_on: str = "all") -> tuple[np.ndarray, np.ndarray]:
         """(ids int32[n], weights float32[n]): weight 1 on the trained assistant turns' text and
         end-of-turn token ("all": every assistant turn, "last": the last one), 0 elsewhere."""
-        if train_on not in TRAIN_ON:
-            raise UserError(f"chat template: train_on='{train_on}'; expected one of {', '.join(TRAIN_ON)}")
-        check_messages(messages, for_training=True)
-        full, generated = self._render(messages, False)
-        turns = [i for i, m in enumerate(messages) if m["role"] == "assistant"]
-        trained = turns if train_on == "all" else turns[-1:]
+        trained, full, generated = self._start(messages, train_on)
         try:
             spans = [self._turn_span(messages, i, full) for i in trained]
         except _NotPrefix as e:
             if not generated:
-                raise UserError(
-                    f"chat template '{self._origin}': cannot find the assistant's text: {e}, and the "
-                    "template has no {% generation %} blocks to mark it"
-                ) from None
+                raise self._not_found(e) from None
             spans = generated if train_on == "all" else generated[-1:]
-        ids, offsets = self.tok.encode_offsets(full)
+        return self._weighted(full, spans)
+
+    def examples(self, messages: list[dict], train_on: str = "all", since: int = 0) -> list[Example]:
+        """The training examples of a conversation (lm.data.messages.Example): the whole conversation
+        with weight on the trained assistant turns it renders as they render from their own prefix,
+        then one example per trained turn it renders otherwise (the conversation through that turn,
+        only it weighted). Examples that would train no turn are left out. train_on as `render`;
+        turns before messages[since] are context (the prompt of a prompt-completion record)."""
+        trained, full, generated = self._start(messages, train_on, since)
+        in_place, own = [], []
+        for i in trained:
+            try:
+                text, span = self._own_span(messages, i)
+            except _NotPrefix as e:
+                if not generated:
+                    raise self._not_found(e) from None
+                turns = self._assistant_turns(messages)
+                if len(generated) == len(turns):  # a block per turn: the trained ones
+                    blocks = [span for span, t in zip(generated, turns) if t in trained]
+                else:
+                    blocks = generated if train_on == "all" else generated[-1:]
+                return [Example(*self._weighted(full, blocks), len(trained))]
+            if full[: span[1]] == text[: span[1]]:
+                in_place.append(span)
+            else:
+                own.append((text, span))
+        out = [Example(*self._weighted(full, in_place), len(in_place))] if in_place else []
+        return out + [Example(*self._weighted(text, [span]), 1, True) for text, span in own]
+
+    def _start(self, messages, train_on: str, since: int = 0) -> tuple[list[int], str, list]:
+        if train_on not in TRAIN_ON:
+            raise UserError(f"chat template: train_on='{train_on}'; expected one of {', '.join(TRAIN_ON)}")
+        check_messages(messages, for_training=True)
+        full, generated = self._render(messages, False)
+        turns = [i for i in self._assistant_turns(messages) if i >= since]
+        return (turns if train_on == "all" else turns[-1:]), full, generated
+
+    @staticmethod
+    def _assistant_turns(messages) -> list[int]:
+        return [i for i, m in enumerate(messages) if m["role"] == "assistant"]
+
+    def _not_found(self, e: Exception) -> UserError:
+        return UserError(
+            f"chat template '{self._origin}': cannot find the assistant's text: {e}, and the "
+            "template has no {% generation %} blocks to mark it"
+        )
+
+    def _weighted(self, text: str, spans) -> tuple[np.ndarray, np.ndarray]:
+        """The ids of `text`, weighted 1 where a token's characters overlap a span."""
+        ids, offsets = self.tok.encode_offsets(text)
         weights = np.zeros(len(ids), np.float32)
         for j, (start, end) in enumerate(offsets):
             if any(start < b and end > a for a, b in spans):
                 weights[j] = 1.0
         return np.asarray(ids, np.int32), weights
+
+    def _own_span(self, messages, i: int) -> tuple[str, tuple[int, int]]:
+        """messages[:i + 1] rendered (turn i last, as when the model writes it) and turn i's span
+        in it: from the end of its generation prompt to the end of the first end-of-turn token
+        after its content."""
+        try:
+            prompt = self._text(messages[:i], add_generation_prompt=True)
+            text = self._text(messages[: i + 1])
+        except UserError as e:
+            raise _NotPrefix(f"rendering the conversation up to messages[{i}] failed ({e})") from None
+        if not text.startswith(prompt):
+            raise _NotPrefix(
+                f"messages[:{i}] with the generation prompt do not render as a prefix of messages[:{i + 1}]"
+            )
+        content = messages[i]["content"].strip() or messages[i]["content"]
+        at = text.find(content, len(prompt))
+        end = self._first_end(text, at + len(content) if at >= 0 else len(prompt), len(text))
+        return text, (len(prompt), end[1] if end is not None else len(text))
 
     def _turn_span(self, messages, i: int, full: str) -> tuple[int, int]:
         """Where assistant turn i's text lies in `full`: from the end of its generation prompt to

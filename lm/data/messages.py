@@ -2,16 +2,29 @@
 
 Messages follow OpenAI's chat format: {"role", "content"}, where an assistant turn may also hold
 `tool_calls` ([{"type": "function", "id": ..., "function": {"name": ..., "arguments": {...} or a
-JSON string}}]; its content may then be empty) and a `tool` turn holds a tool's result (its
-content may be empty; `tool_call_id` and `name` are passed to the template as given).
+JSON string}}]) and a `tool` turn holds a tool's result (`tool_call_id` and `name` are passed to the
+template as given). An assistant's or a tool's content may be empty (rendered as transformers renders
+it: the turn's markers around nothing); a system's or a user's may not.
 """
 
 from __future__ import annotations
 
 import json
+from typing import NamedTuple
 
 ROLES = ("system", "user", "assistant", "tool")
 TRAIN_ON = ("all", "last")
+
+
+class Example(NamedTuple):
+    """A rendered training example: ids, loss weights, how many assistant turns it trains, and
+    whether it is a turn trained from its own prefix (the conversation through that turn) because
+    the template renders that turn otherwise once the conversation goes on."""
+
+    ids: object  # int32 [n]
+    weights: object  # float32 [n]
+    turns: int
+    own_prefix: bool = False
 
 
 def check_messages(messages, *, for_training: bool = False, for_prompt: bool = False) -> None:
@@ -35,7 +48,7 @@ def check_messages(messages, *, for_training: bool = False, for_prompt: bool = F
             if m["role"] != "assistant":
                 raise ValueError(f"messages[{i}] ({m['role']}): only an assistant turn holds tool_calls")
             tool_calls(m, i)
-        if not content and not (m["role"] == "tool" or m.get("tool_calls")):
+        if not content and m["role"] in ("system", "user"):
             raise ValueError(f"messages[{i}] ({m['role']}): content is empty; expected a non-empty string")
     roles = [m["role"] for m in messages]
     if for_training and "assistant" not in roles:

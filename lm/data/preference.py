@@ -1,12 +1,16 @@
-"""Preference pairs: JSONL -> tokenized, masked, padded, cached pairs (for `lm dpo`, `lm reward`).
+"""Preference pairs: records -> tokenized, masked, padded, cached pairs (for `lm dpo`, `lm reward`).
 
-Each non-blank line is one pair:
+The data is a records path (lm.data.records: JSONL, Parquet, Arrow, a datasets folder); each record
+is one pair, with its prompt explicit or implicit (TRL's forms, lm.data.conversations):
 
   {"prompt": STR or MESSAGES, "chosen": STR or [ASSISTANT MESSAGE], "rejected": ..., "margin": NUMBER}
+  {"chosen": MESSAGES, "rejected": MESSAGES, "margin": NUMBER}   (implicit prompt)
 
 A string prompt is one user turn; a list is chat messages ending with a user turn. A string
 response is one assistant turn; a one-element list holding an assistant message is TRL's
-conversational form of the same. margin (optional, default 0) is the reward model's.
+conversational form of the same. Without "prompt", chosen and rejected are whole conversations:
+the prompt is the messages both start with, and each goes on with one assistant message.
+margin (optional, default 0) is the reward model's.
 Each side is rendered with the one chat template (`lm.data.chat`) as prompt + response with
 `train_on="last"`: the loss mask is 1 on the response and its end marker only.
 
@@ -30,7 +34,8 @@ import numpy as np
 
 from lm.data import chat
 from lm.data.cache import cached_dir
-from lm.data.jsonl import ONE_OBJECT, iter_jsonl, read_jsonl
+from lm.data.conversations import Identical, pair_messages, prompt_messages  # noqa: F401 (this reader's names)
+from lm.data.records import ONE_OBJECT, iter_records, read_records, records_form
 from lm.data.sft import SftSettings, cache_key, fit
 from lm.data.tokens import write_json
 from lm.errors import UserError
@@ -49,10 +54,6 @@ STAT_KEYS = (
     "rejected_tokens",
     "total_tokens",
 )
-
-
-class Identical(ValueError):
-    """Chosen and rejected are the same response."""
 
 
 class PairExamples:
@@ -85,47 +86,9 @@ class PairExamples:
         return f"PairExamples('{self.path}', {len(self)} pairs)"
 
 
-def prompt_messages(prompt) -> list[dict]:
-    """A pair's prompt as chat messages ending with a user turn; ValueError if it is not one."""
-    if isinstance(prompt, str):
-        if not prompt:
-            raise ValueError("'prompt' is empty; expected a non-empty string or a list of messages")
-        return [{"role": "user", "content": prompt}]
-    if isinstance(prompt, list):
-        chat.check_messages(prompt, for_prompt=True)
-        return prompt
-    raise ValueError(f"'prompt' is {type(prompt).__name__}; expected a string or a list of chat messages")
-
-
-def _response(record: dict, key: str) -> dict:
-    value = record[key]
-    if (
-        isinstance(value, list)
-        and len(value) == 1
-        and isinstance(value[0], dict)
-        and value[0].get("role") == "assistant"
-    ):
-        value = value[0].get("content")
-    if not isinstance(value, str):
-        raise ValueError(
-            f'\'{key}\' is {type(value).__name__}; expected a string or [{{"role": "assistant", "content": ...}}]'
-        )
-    if not value:
-        raise ValueError(f"'{key}' is empty; expected a non-empty response")
-    return {"role": "assistant", "content": value}
-
-
 def parse_pair(record) -> tuple[list[dict], dict, dict, float]:
-    """One JSONL record (a line's JSON value) -> (prompt messages, chosen message, rejected message, margin)."""
-    if not isinstance(record, dict):
-        raise ValueError(f"a JSON {type(record).__name__}; expected an object with 'prompt', 'chosen', 'rejected'")
-    for key in ("prompt", "chosen", "rejected"):
-        if key not in record:
-            raise ValueError(
-                f"no '{key}' (keys: {', '.join(sorted(record))}); a pair needs 'prompt', 'chosen' and 'rejected'"
-            )
-    prompt = prompt_messages(record["prompt"])
-    chosen, rejected = _response(record, "chosen"), _response(record, "rejected")
+    """One record -> (prompt messages, chosen message, rejected message, margin)."""
+    prompt, chosen, rejected = pair_messages(record)
     if chosen["content"] == rejected["content"]:
         raise Identical("'chosen' and 'rejected' are identical; a pair needs two different responses")
     margin = record.get("margin", 0.0)
@@ -135,9 +98,9 @@ def parse_pair(record) -> tuple[list[dict], dict, dict, float]:
 
 
 def read_pairs(path, limit: int = 0) -> list[tuple]:
-    """The parsed pairs (parse_pair) of the first `limit` lines (0 = all); a bad line is a
-    UserError naming file and line."""
-    pairs = read_jsonl(path, parse_pair, what="preference pairs", expected=ONE_OBJECT, limit=limit)
+    """The parsed pairs (parse_pair) of the first `limit` records (0 = all); a bad record is a
+    UserError naming file and row."""
+    pairs = read_records(path, parse_pair, what="preference pairs", expected=ONE_OBJECT, limit=limit)
     return [pair for _, pair in pairs]
 
 
@@ -147,11 +110,10 @@ def pair_conversations(path, limit: int = 0) -> list[list[dict]]:
 
 
 def prepare_pairs(path, tokenizer, settings: SftSettings, cache_root) -> PairExamples:
-    """The pairs of a JSONL file, tokenized into the cache or reused from it."""
+    """The pairs of a records path, tokenized into the cache or reused from it."""
     settings.check()
     path = Path(path)
-    if not path.is_file():
-        raise UserError(f"pairs: '{path}' is not a file; expected a JSONL file of preference pairs")
+    records_form(path, "preference pairs")
     name = f"pairs-{tokenizer.name}-{cache_key(path, tokenizer, settings, _VERSION)}"
     out, built = cached_dir(Path(cache_root), name, lambda staging: _build(path, tokenizer, settings, staging))
     return PairExamples(out, settings.seq_len, built)
@@ -182,7 +144,7 @@ def tokenize_file(path: Path, tokenizer, settings: SftSettings) -> tuple[list, d
     stats = dict.fromkeys(STAT_KEYS, 0)
     pairs = []
 
-    def bad(error):  # a line that is not a pair: an error, or skipped and counted
+    def bad(error):  # a record that is not a pair: an error, or skipped and counted
         if settings.on_bad_record == "error":
             raise error
         stats["pairs_read"] += 1
@@ -192,7 +154,7 @@ def tokenize_file(path: Path, tokenizer, settings: SftSettings) -> tuple[list, d
         prompt, chosen, rejected, margin = parse_pair(record)
         return [template.render(prompt + [m], "last") for m in (chosen, rejected)], margin
 
-    for _, (sides, margin) in iter_jsonl(path, render, expected=ONE_OBJECT, on_error=bad):
+    for _, (sides, margin) in iter_records(path, render, expected=ONE_OBJECT, on_error=bad):
         stats["pairs_read"] += 1
         fitted = [fit(ids, w, settings) for ids, w in sides]
         if any(f is None for f in fitted):
@@ -223,8 +185,8 @@ def check_stats(path: Path, stats: dict, settings: SftSettings) -> None:
         )
     if stats["pairs_kept"] == 0:
         raise UserError(
-            f"{path}: no usable pair ({describe(stats)}); expected JSONL lines with 'prompt', "
-            "'chosen' and 'rejected' that fit data.seq_len"
+            f"{path}: no usable pair ({describe(stats)}); expected records with 'prompt', "
+            "'chosen' and 'rejected' (or 'chosen' and 'rejected' conversations sharing a prompt) that fit data.seq_len"
         )
 
 

@@ -1,13 +1,14 @@
-"""Prompts for RL (`lm rl`): JSONL lines -> chat prompts as token ids, and their other fields.
+"""Prompts for RL (`lm rl`): records -> chat prompts as token ids, and their other fields.
 
-A line is either {"prompt": str | chat messages, ...} or a chat record {"messages": [...]}
-whose trailing assistant turn is taken as the reference answer (the column `answer`), so an
-`lm sft` file doubles as an RL prompt set. Every other key of the line is a column that reward
-functions receive (e.g. "answer"). Prompts are rendered with the chat template and an open
-assistant turn (lm.data.chat.prompt_ids).
+The prompts are a records path (lm.data.records: JSONL, Parquet, Arrow, a datasets folder). A
+record is either {"prompt": str | chat messages, ...} (TRL's prompt column, standard or
+conversational) or a chat record {"messages": [...]} whose trailing assistant turn is taken as
+the reference answer (the column `answer`), so an `lm sft` file doubles as an RL prompt set.
+Every other key of the record is a column that reward functions receive (e.g. "answer").
+Prompts are rendered with the chat template and an open assistant turn (lm.data.chat.prompt_ids).
 
-Bad lines (malformed JSON, no prompt) and prompts leaving no room for `max_new_tokens` in
-`seq_len` are errors naming file and line, or skipped and counted with on_bad_record=skip;
+Bad records (malformed JSON, no prompt) and prompts leaving no room for `max_new_tokens` in
+`seq_len` are errors naming file and row, or skipped and counted with on_bad_record=skip;
 a set of which more than max_skipped_fraction is skipped fails.
 """
 
@@ -20,15 +21,15 @@ import numpy as np
 
 from lm.data import provenance
 from lm.data.chat import ChatTemplate, prompt_ids
-from lm.data.jsonl import ONE_OBJECT, iter_jsonl
-from lm.data.preference import prompt_messages
+from lm.data.conversations import prompt_messages
+from lm.data.records import ONE_OBJECT, fingerprint, iter_records, records_form
 from lm.errors import UserError
 
 
 @dataclasses.dataclass
 class PromptSet:
     """Prompts as padded ids [N, L] with lengths, the raw prompt (string or messages) as in the
-    file, its chat messages and the line's other keys (columns)."""
+    file, its chat messages and the record's other keys (columns)."""
 
     path: str
     ids: np.ndarray  # int32 [N, max_len], zero after each prompt
@@ -54,7 +55,7 @@ class PromptSet:
 
 
 def parse_prompt(record) -> tuple[object, list[dict], dict]:
-    """One JSONL record (a line's JSON value) -> (raw prompt, its chat messages, the other columns);
+    """One record -> (raw prompt, its chat messages, the other columns);
     ValueError saying what was expected."""
     if not isinstance(record, dict):
         raise ValueError(f"a JSON {type(record).__name__}; expected an object with 'prompt' or 'messages'")
@@ -84,11 +85,10 @@ def read_prompts(
     max_skipped_fraction: float = 0.01,
     limit: int = 0,
 ) -> PromptSet:
-    """The first `limit` (0 = all) usable prompts of a JSONL file."""
+    """The first `limit` (0 = all) usable prompts of a records path."""
     path = pathlib.Path(path)
-    if not path.is_file():
-        raise UserError(f"prompts: '{path}' is not a file; expected a JSONL file of prompts")
-    provenance.note_file("prompts", path)
+    records_form(path, "prompts")
+    provenance.note("prompts", fingerprint(path)[:16])
     template = ChatTemplate.for_tokenizer(tokenizer)
     room = seq_len - max_new_tokens
     if room < 1:
@@ -107,7 +107,7 @@ def read_prompts(
         except UserError as e:
             raise ValueError(str(e)) from None
 
-    for n, (prompt, messages, cols, tokens) in iter_jsonl(path, parse, expected=ONE_OBJECT, on_error=bad):
+    for n, (prompt, messages, cols, tokens) in iter_records(path, parse, expected=ONE_OBJECT, on_error=bad):
         stats["prompts_read"] += 1
         if len(tokens) > room:
             _bad(
@@ -125,7 +125,7 @@ def read_prompts(
     skipped = stats["skipped_bad_records"] + stats["skipped_too_long"]
     if not ids:
         raise UserError(
-            f"{path}: no usable prompt ({describe(stats)}); expected JSONL lines with 'prompt' "
+            f"{path}: no usable prompt ({describe(stats)}); expected records with 'prompt' "
             "or 'messages' whose prompt fits data.seq_len - rl.max_new_tokens"
         )
     if skipped > max_skipped_fraction * stats["prompts_read"]:
@@ -143,7 +143,7 @@ def read_prompts(
 
 def _bad(message: str, on_bad_record: str, stats: dict, key: str) -> None:
     if on_bad_record != "skip":
-        raise UserError(message + " (finetune.on_bad_record=skip skips and counts such lines)")
+        raise UserError(message + " (finetune.on_bad_record=skip skips and counts such records)")
     stats[key] += 1
 
 

@@ -1,21 +1,26 @@
-"""Supervised fine-tuning examples: JSONL conversations -> tokenized, masked, cached examples.
+"""Supervised fine-tuning examples: conversations -> tokenized, masked, cached examples.
 
-Each non-blank line is one example, in either format (detected per line):
+The data is a records path (lm.data.records: JSONL, Parquet, Arrow, a datasets folder); each record
+is one conversation, in any form of lm.data.conversations (detected per record):
 
-  chat         {"messages": [{"role": "system"|"user"|"assistant", "content": str}, ...]}
-  instruction  {"instruction": str, "input": str (optional), "output": str, "system": str (optional)}
+  chat               {"messages": [{"role": "system"|"user"|"assistant"|"tool", "content": str}, ...]}
+  prompt-completion  {"prompt": str | messages, "completion": str | messages} (TRL's two forms)
+  instruction        {"instruction": str, "input": str (optional), "output": str, "system": str (optional)}
 
-An instruction becomes a user turn (instruction, then "\\n\\n" + input when input is
-non-empty) and an assistant turn (output). Examples are rendered with the one chat
-template (`lm.data.chat`): the loss covers the assistant turns only.
+A prompt-completion record trains its completion only. An instruction becomes a user turn
+(instruction, then "\n\n" + input when input is non-empty) and an assistant turn (output).
+Conversations are rendered with the one chat template (`lm.data.chat`): the loss covers the
+assistant turns only. A template that renders an earlier assistant turn otherwise once the
+conversation goes on (Qwen3's drops its reasoning) trains that turn from its own prefix, as an
+example of its own (lm.data.hf_chat): every assistant turn is trained as the model writes it.
 
 An example of n tokens holds n-1 predictions; it fits a row when n-1 <= seq_len.
 Longer ones are dropped or cut (`SftSettings.truncation`), and every outcome is
 counted. An example left with no token to learn from is skipped, and too many of
 those is an error: a run must never train on silently empty masks.
 
-The result is cached (`lm.data.cache`) under a name fingerprinting the file's
-bytes, the tokenizer and the settings, as memory-mapped .npy files:
+The result is cached (`lm.data.cache`) under a name fingerprinting the data's bytes,
+the tokenizer and the settings, as memory-mapped .npy files:
 
   tokens.npy   int32, every example's ids back to back
   weights.npy  uint8, the loss weight of each token (0 or 1)
@@ -28,6 +33,7 @@ from __future__ import annotations
 import dataclasses
 import hashlib
 import json
+import sys
 from pathlib import Path
 
 import numpy as np
@@ -35,11 +41,15 @@ import numpy as np
 from lm.config.sft import SftSettings
 from lm.data import chat
 from lm.data.cache import cached_dir
-from lm.data.jsonl import ONE_OBJECT, iter_jsonl
+from lm.data.conversations import sft_example
+from lm.data.conversations import sft_messages as parse_record  # noqa: F401 (the reader's name for it)
+from lm.data.messages import Example
+from lm.data.records import ONE_OBJECT, fingerprint, iter_records, records_form
 from lm.data.tokens import write_json
 from lm.errors import UserError
 
-_VERSION = 1  # bump when the stored examples change for the same inputs and settings
+_VERSION = 2  # bump when the stored examples change for the same inputs and settings
+_NOTHING = Example(np.zeros(0, np.int32), np.zeros(0, np.float32), 0)  # a record that trains no turn
 STAT_KEYS = (
     "examples_read",
     "examples_kept",
@@ -48,6 +58,8 @@ STAT_KEYS = (
     "truncated_response",
     "skipped_empty_mask",
     "skipped_bad_records",
+    "turns_trained",
+    "turns_own_prefix",
     "response_tokens",
     "total_tokens",
 )
@@ -80,28 +92,23 @@ class SftExamples:
 
 
 def prepare_sft(path, tokenizer, settings: SftSettings, cache_root) -> SftExamples:
-    """The examples of a JSONL file, tokenized into the cache or reused from it."""
+    """The examples of a records path, tokenized into the cache or reused from it."""
     settings.check()
     path = Path(path)
-    if not path.is_file():
-        raise UserError(f"sft data: '{path}' is not a file; expected a JSONL file of conversations")
+    records_form(path, "conversations")
     name = f"sft-{tokenizer.name}-{cache_key(path, tokenizer, settings)}"
     out, built = cached_dir(Path(cache_root), name, lambda staging: _build(path, tokenizer, settings, staging))
     return SftExamples(out, settings.seq_len, built)
 
 
 def cache_key(path: Path, tokenizer, settings: SftSettings, version: int = _VERSION) -> str:
-    """A fingerprint of the file's bytes, the template, the tokenizer, the settings and `version`
+    """A fingerprint of the data's bytes, the template, the tokenizer, the settings and `version`
     (of the stored format)."""
-    digest = hashlib.sha256()
-    with open(path, "rb") as f:
-        for block in iter(lambda: f.read(1 << 20), b""):
-            digest.update(block)
     template = chat.ChatTemplate.for_tokenizer(tokenizer).key
     key = {
         "version": version,
         "template": template,
-        "file": digest.hexdigest(),
+        "file": fingerprint(path),
         "tokenizer": tokenizer.fingerprint(),
         "settings": dataclasses.asdict(settings),
     }
@@ -123,68 +130,52 @@ def _build(path: Path, tokenizer, settings: SftSettings, staging: Path) -> None:
 def tokenize_file(path: Path, tokenizer, settings: SftSettings) -> tuple[list, dict]:
     """([(ids, weights)] of the kept examples, counts).
 
-    examples_read = examples_kept + dropped_too_long + skipped_empty_mask + skipped_bad_records;
-    truncated_prompt / truncated_response count kept examples that were cut; total_tokens and
-    response_tokens count the kept examples' predictions and those in the loss.
+    examples_read = examples_kept + dropped_too_long + skipped_empty_mask + skipped_bad_records,
+    counting the examples the records render to (a conversation gives one more per turn trained
+    from its own prefix: turns_own_prefix); turns_trained counts the assistant turns of the kept
+    examples; truncated_prompt / truncated_response count kept examples that were cut;
+    total_tokens and response_tokens count the kept examples' predictions and those in the loss.
     """
     template = chat.ChatTemplate.for_tokenizer(tokenizer)
     stats = dict.fromkeys(STAT_KEYS, 0)
     examples = []
 
-    def bad(error):  # a line that is not an example: an error, or skipped and counted
+    def bad(error):  # a record that is not an example: an error, or skipped and counted
         if settings.on_bad_record == "error":
             raise error
         stats["examples_read"] += 1
         stats["skipped_bad_records"] += 1
 
     def render(record):
-        return template.render(parse_record(record), settings.train_on)
+        messages, since = sft_example(record)
+        return template.examples(messages, settings.train_on, since) or [_NOTHING]
 
-    for _, (ids, weights) in iter_jsonl(path, render, expected=ONE_OBJECT, on_error=bad):
-        stats["examples_read"] += 1
-        fitted = fit(ids, weights, settings)
-        if fitted is None:
-            stats["dropped_too_long"] += 1
-        elif not fitted[1][1:].any():
-            stats["skipped_empty_mask"] += 1
-        else:
-            stats["examples_kept"] += 1
-            if len(fitted[0]) < len(ids):
-                stats["truncated_prompt" if settings.truncation == "cut_prompt_left" else "truncated_response"] += 1
-            stats["total_tokens"] += len(fitted[0]) - 1
-            stats["response_tokens"] += int(fitted[1][1:].sum())
-            examples.append(fitted)
-    return examples, stats
-
-
-def parse_record(record) -> list[dict]:
-    """One JSONL record (a line's JSON value) -> chat messages; ValueError saying what was wrong
-    and what was expected."""
-    if not isinstance(record, dict):
-        raise ValueError(
-            f"a JSON {type(record).__name__}; expected an object with 'messages' (chat) "
-            "or 'instruction' and 'output' (instruction)"
+    for _, rendered in iter_records(path, render, expected=ONE_OBJECT, on_error=bad):
+        for ids, weights, turns, own_prefix in rendered:
+            stats["examples_read"] += 1
+            fitted = fit(ids, weights, settings)
+            if fitted is None:
+                stats["dropped_too_long"] += 1
+            elif not fitted[1][1:].any():
+                stats["skipped_empty_mask"] += 1
+            else:
+                stats["examples_kept"] += 1
+                stats["turns_trained"] += turns
+                stats["turns_own_prefix"] += int(own_prefix)
+                if len(fitted[0]) < len(ids):
+                    stats["truncated_prompt" if settings.truncation == "cut_prompt_left" else "truncated_response"] += 1
+                stats["total_tokens"] += len(fitted[0]) - 1
+                stats["response_tokens"] += int(fitted[1][1:].sum())
+                examples.append(fitted)
+    if stats["turns_own_prefix"]:
+        print(
+            f"sft data {path}: the chat template renders earlier assistant turns otherwise once the "
+            f"conversation goes on (e.g. drops their reasoning); {stats['turns_own_prefix']:,} of "
+            f"{stats['turns_trained']:,} trained turns were each trained from its own prefix, as an example of its own",
+            file=sys.stderr,
+            flush=True,
         )
-    if "messages" in record:
-        return record["messages"]
-    if "instruction" in record or "output" in record:
-        return _instruction_messages(record)
-    raise ValueError(f"keys {sorted(record)}; expected 'messages' (chat) or 'instruction' and 'output' (instruction)")
-
-
-def _instruction_messages(record: dict) -> list[dict]:
-    for key, required in (("instruction", True), ("output", True), ("input", False), ("system", False)):
-        if key not in record:
-            if required:
-                raise ValueError(f"no '{key}'; an instruction record needs 'instruction' and 'output' strings")
-        elif not isinstance(record[key], str):
-            raise ValueError(f"'{key}' is {type(record[key]).__name__}; expected a string")
-    for key in ("instruction", "output"):
-        if not record[key]:
-            raise ValueError(f"'{key}' is empty; expected a non-empty string")
-    user = record["instruction"] + ("\n\n" + record["input"] if record.get("input") else "")
-    system = [{"role": "system", "content": record["system"]}] if record.get("system") else []  # "" = none
-    return system + [{"role": "user", "content": user}, {"role": "assistant", "content": record["output"]}]
+    return examples, stats
 
 
 def fit(ids: np.ndarray, weights: np.ndarray, settings: SftSettings):
@@ -210,8 +201,8 @@ def check_stats(path: Path, stats: dict, settings: SftSettings) -> None:
         )
     if stats["examples_kept"] == 0:
         raise UserError(
-            f"{path}: no usable example ({describe(stats)}); expected JSONL lines with "
-            "'messages' or 'instruction' and 'output' that fit data.seq_len"
+            f"{path}: no usable example ({describe(stats)}); expected records with "
+            "'messages', 'prompt' and 'completion', or 'instruction' and 'output' that fit data.seq_len"
         )
 
 

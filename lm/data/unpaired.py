@@ -1,7 +1,8 @@
 """Unpaired examples for KTO: {"prompt", "completion", "label"} -> tokenized rows with a
 mismatched twin, cached (for `lm kto`).
 
-Each record is one example, TRL's unpaired preference form:
+The data is a records path (lm.data.records: JSONL, Parquet, Arrow, a datasets folder); each
+record is one example, TRL's unpaired preference form:
 
   {"prompt": STR or MESSAGES, "completion": STR or [ASSISTANT MESSAGE], "label": true | false}
 
@@ -28,9 +29,9 @@ import numpy as np
 
 from lm.data import chat
 from lm.data.cache import cached_dir
-from lm.data.jsonl import ONE_OBJECT, iter_jsonl
-from lm.data.preference import PairExamples, prompt_messages, read_pairs
-from lm.data.preference import _response as response_message  # noqa: PLC2701 (shared parsing)
+from lm.data.conversations import prompt_messages, response_message
+from lm.data.preference import PairExamples, read_pairs
+from lm.data.records import ONE_OBJECT, iter_records, records_form
 from lm.data.sft import SftSettings, cache_key, fit
 from lm.data.tokens import write_json
 from lm.errors import UserError
@@ -79,11 +80,10 @@ def parse_unpaired(record) -> tuple[list[dict], dict, bool]:
 
 
 def prepare_unpaired(path, tokenizer, settings: SftSettings, cache_root) -> UnpairedExamples:
-    """The examples of a JSONL file with their twins, tokenized into the cache or reused from it."""
+    """The examples of a records path with their twins, tokenized into the cache or reused from it."""
     settings.check()
     path = Path(path)
-    if not path.is_file():
-        raise UserError(f"kto: '{path}' is not a file; expected a JSONL file of unpaired examples")
+    records_form(path, "unpaired examples")
     name = f"unpaired-{tokenizer.name}-{cache_key(path, tokenizer, settings, _VERSION)}"
     out, built = cached_dir(Path(cache_root), name, lambda staging: _build(path, tokenizer, settings, staging))
     return UnpairedExamples(out, settings.seq_len, built)
@@ -120,7 +120,7 @@ def tokenize_file(path: Path, tokenizer, settings: SftSettings) -> tuple[list, d
         stats["examples_read"] += 1
         stats["skipped_bad_records"] += 1
 
-    for _, (prompt, completion, label) in iter_jsonl(path, parse_unpaired, expected=ONE_OBJECT, on_error=bad):
+    for _, (prompt, completion, label) in iter_records(path, parse_unpaired, expected=ONE_OBJECT, on_error=bad):
         stats["examples_read"] += 1
         fitted = fit(*template.render(prompt + [completion], "last"), settings)
         if fitted is None:
@@ -158,7 +158,7 @@ def check_stats(path: Path, stats: dict, settings: SftSettings) -> None:
         )
     if stats["examples_kept"] == 0:
         raise UserError(
-            f"{path}: no usable example ({describe(stats)}); expected JSONL lines with 'prompt', "
+            f"{path}: no usable example ({describe(stats)}); expected records with 'prompt', "
             "'completion' and 'label' (true or false) that fit data.seq_len"
         )
 

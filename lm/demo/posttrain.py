@@ -23,8 +23,15 @@ from lm.train.finetune import finetune_config
 PAIRS_CONFIG, SFT_CONFIG = "configs/pairs_tiny.py", "configs/sft_tiny.py"
 # KTO and RFT start from a model that already answers 9 in 10 right: small steps (at the pairs'
 # and SFT configs' rates both lowered its exact match); desirable 4/3 of undesirable, as KTO advises
-KTO = ["finetune.epochs=0.5", "optim.lr=3e-5", "kto.desirable_weight=1.33"]
-ORPO = ["dpo.loss=orpo", "dpo.rpo_alpha=0.0", "dpo.beta=0.1", "optim.lr=1e-3", "finetune.epochs=2.0"]
+KTO = ["finetune.epochs=0.5", "optim.lr=3e-5", "kto.desirable_weight=1.33", "finetune.eval_max_new_tokens=16"]
+ORPO = [
+    "dpo.loss=orpo",
+    "dpo.rpo_alpha=0.0",
+    "dpo.beta=0.1",
+    "optim.lr=1e-3",
+    "finetune.epochs=2.0",
+    "finetune.eval_max_new_tokens=16",
+]
 RFT = [
     "rft.samples=4",
     "rft.max_new_tokens=16",

@@ -9,7 +9,7 @@ import os
 import pathlib
 import sys
 
-from lm.data.jsonl import read_jsonl
+from lm.data.records import read_records
 from lm.errors import UserError
 from lm.outputs import atomic_open, check_out
 from lm.verb import add_distributed, add_kv_cache, add_model_source, is_main, start_distributed
@@ -78,7 +78,7 @@ def add_parser(sub) -> None:
 
 def read_prompts(path: str, chat: bool = False) -> list[dict]:
     file = pathlib.Path(path)
-    if not file.is_file():
+    if not file.exists():  # a file, or a datasets folder (lm.data.records)
         raise UserError(f"--prompts {path}: no such file")
 
     def prompt_row(row) -> dict:
@@ -92,8 +92,8 @@ def read_prompts(path: str, chat: bool = False) -> list[dict]:
         return row
 
     line = '{"prompt": TEXT} or {"messages": [...]}' if chat else '{"prompt": TEXT}'
-    rows = read_jsonl(
-        path, prompt_row, what="prompts", expected=f"one {line} object per line", bad_json="not valid JSON"
+    rows = read_records(
+        path, prompt_row, what="prompts", expected=f"one {line} object per line or row", bad_json="not valid JSON"
     )
     return [row for _, row in rows]
 

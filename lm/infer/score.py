@@ -16,9 +16,8 @@ from jax.sharding import NamedSharding, PartitionSpec
 
 from lm.config import rules_table
 from lm.data.chat import ChatTemplate
-from lm.data.jsonl import ONE_OBJECT, read_jsonl
-from lm.data.preference import prompt_messages
-from lm.data.sft import parse_record
+from lm.data.conversations import prompt_messages, sft_messages
+from lm.data.records import ONE_OBJECT, read_records
 from lm.errors import UserError
 from lm.model.apply import sequence_scores
 from lm.model.build import build_model, reward_model
@@ -87,8 +86,8 @@ class RewardScorer:
 
 
 def read_texts(path) -> list[list[dict]]:
-    """Conversations to score: JSONL lines {"prompt", "response"} or any `lm sft` line (chat
-    messages or instruction/output) ending with the assistant turn."""
+    """Conversations to score: records (lm.data.records) {"prompt", "response"} or any `lm sft`
+    record (chat messages, prompt/completion or instruction/output) ending with the assistant turn."""
 
     def conversation(record) -> list[dict]:
         if isinstance(record, dict) and "response" in record:
@@ -96,6 +95,6 @@ def read_texts(path) -> list[list[dict]]:
             if not isinstance(response, str) or not response:
                 raise ValueError("'response' must be a non-empty string")
             return prompt_messages(record.get("prompt")) + [{"role": "assistant", "content": response}]
-        return parse_record(record)
+        return sft_messages(record)
 
-    return [c for _, c in read_jsonl(path, conversation, what="conversations to score", expected=ONE_OBJECT)]
+    return [c for _, c in read_records(path, conversation, what="conversations to score", expected=ONE_OBJECT)]

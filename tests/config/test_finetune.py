@@ -17,7 +17,13 @@ from lm.train.registry import stages
 FINE_TUNING = [e.name for e in stages() if e.start == "init"]
 
 # each stage's values where they differ from the shared defaults: those of the sections it read before
-OWN = {"sft": {"epochs": 3.0}, "distill": {"epochs": 3.0}, "rl": {"max_skipped_fraction": 0.01}}
+OWN = {
+    "sft": {"epochs": 3.0},
+    "distill": {"epochs": 3.0},
+    "rl": {"max_skipped_fraction": 0.01},
+    "online_dpo": {"max_skipped_fraction": 0.01},
+    "rft": {"epochs": 3.0},
+}
 
 
 @pytest.mark.parametrize("stage", FINE_TUNING)

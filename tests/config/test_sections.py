@@ -78,7 +78,8 @@ def test_model_spec_reads_the_model_section_and_derives_head_dim_once():
     for name, part in zip(specs.PARTS, parts):  # a part's field from its key (CONFIG_KEYS where renamed)
         read += [(specs.CONFIG_KEYS[name].get(k, k), v) for k, v in dataclasses.asdict(part).items()]
     assert len(read) == len(dict(read)), "each key read once"
-    section = {k: v for k, v in m.to_dict().items() if k != "family"}  # where it came from: not the model's
+    # "family": where it came from; lora_base_quant: how a run holds the base (lm.train.setup)
+    section = {k: v for k, v in m.to_dict().items() if k not in ("family", "lora_base_quant")}
     assert dict(read) == section | {"head_dim": m.d_model // m.n_heads, "expert_d_ff": m.d_ff}
     assert counts.head_dim is specs.head_dim  # the model's one derivation; the config's checks agree:
     assert counts.head_dim(m) == lm.config.model.head_dim(m) == m.d_model // m.n_heads

@@ -265,12 +265,31 @@ def test_the_tool_marker_is_one_id_and_plain_text_for_a_tokenizer_without_it(spm
             {"role": "assistant", "content": "", "tool_calls": [{"function": {"name": "f", "arguments": "{x"}}]},
             r"tool_calls\[0\] \(f\): arguments are not JSON",
         ),
-        ({"role": "assistant", "content": ""}, r"content is empty"),
     ],
 )
 def test_bad_tool_turns_name_the_call(message, error):
     with pytest.raises(ValueError, match=error):
         chat.check_messages([{"role": "user", "content": "q"}, message], for_training=True)
+
+
+def test_an_empty_assistant_turn_renders_its_markers_and_trains_its_end():
+    template = ChatTemplate.for_tokenizer(ByteTokenizer())
+    convo = [{"role": "user", "content": "q"}, {"role": "assistant", "content": ""}]
+    ids, weights = template.render(convo)
+    want = by_hand([("<|user|>\nq<|end|>\n<|assistant|>\n", 0), ("<|end|>", 1), ("\n", 0)])
+    np.testing.assert_array_equal(ids, want[0])
+    np.testing.assert_array_equal(weights, want[1])
+    (example,) = template.examples(convo)
+    np.testing.assert_array_equal(example.ids, ids)
+    assert example.turns == 1 and not example.own_prefix
+
+
+def test_examples_train_from_since_on():
+    """A prompt-completion record: turns before `since` are context, whatever train_on says."""
+    template = ChatTemplate.for_tokenizer(ByteTokenizer())
+    (example,) = template.examples(CONVO, "all", since=3)
+    np.testing.assert_array_equal(example.weights, template.render(CONVO, "last")[1])
+    assert example.turns == 1 and template.examples(CONVO[:3], "all", since=3) == []
 
 
 @pytest.mark.parametrize("tokenizer", ["bytes", "spm"])

@@ -102,7 +102,7 @@ def test_over_long_pairs_are_dropped_or_cut_and_counted(tmp_path):
 def test_empty_file_and_missing_file(tmp_path):
     with pytest.raises(UserError, match="empty.jsonl: no usable pair"):
         prepare(tmp_path, jsonl(tmp_path / "empty.jsonl", []))
-    with pytest.raises(UserError, match="not a file"):
+    with pytest.raises(UserError, match="nope.jsonl: no such file or folder; expected .* holding preference pairs$"):
         prepare(tmp_path, tmp_path / "nope.jsonl")
 
 

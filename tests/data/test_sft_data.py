@@ -1,4 +1,4 @@
-"""SFT examples from JSONL: both formats, truncation policies and their counts, empty masks,
+"""SFT examples from JSONL: the formats, truncation policies and their counts, empty masks,
 bad records named by file and line, the cache, and packed rows through the grain pipeline."""
 
 import json
@@ -99,6 +99,8 @@ def test_chat_and_instruction_formats(tmp_path):
         "truncated_response": 0,
         "skipped_empty_mask": 0,
         "skipped_bad_records": 0,
+        "turns_trained": 5,
+        "turns_own_prefix": 0,
         "response_tokens": sum(map(len, ("Yo<|end|>", "Ciao<|end|>", "4<|end|>", "Hey<|end|>" * 2))),
         "total_tokens": sum(predictions),
     }
@@ -170,6 +172,8 @@ def test_cut_response_keeps_the_first_tokens_and_skips_empty_masks(tmp_path):
         "truncated_response": 1,
         "skipped_empty_mask": 1,
         "skipped_bad_records": 0,
+        "turns_trained": 3,
+        "turns_own_prefix": 0,
         "response_tokens": 12 + 28 + 12,
         "total_tokens": 49 + 64 + 49,
     }
@@ -199,7 +203,7 @@ def test_no_usable_example_is_an_error(tmp_path):
         prepare(tmp_path, jsonl(tmp_path / "long.jsonl", [LONG_PROMPT]), seq_len=64)
     with pytest.raises(UserError, match="blank.jsonl: no usable example"):
         prepare(tmp_path, jsonl(tmp_path / "blank.jsonl", ["", "  "]))
-    with pytest.raises(UserError, match="missing.jsonl' is not a file"):
+    with pytest.raises(UserError, match="missing.jsonl: no such file or folder"):
         prepare(tmp_path, tmp_path / "missing.jsonl")
 
 
@@ -207,13 +211,16 @@ BAD = [
     ('{"messages": [', "malformed JSON"),
     ("[1, 2]", "a JSON list; expected an object with 'messages'"),
     ('{"text": "hi"}', r"keys \['text'\]; expected 'messages'"),
+    ('{"prompt": "x"}', r"no 'completion' \(keys: prompt\); a prompt-completion record needs"),
+    ('{"prompt": 3, "completion": "y"}', r"'prompt' is int; expected a string or a list of chat messages"),
+    ('{"prompt": "x", "completion": [{"role": "user", "content": "y"}]}', r"'completion': no assistant turn"),
     (
         '{"messages": [{"role": "bot", "content": "x"}, {"role": "assistant", "content": "y"}]}',
         r"messages\[0\]: role 'bot' is not one of system, user, assistant, tool",
     ),
     (
-        '{"messages": [{"role": "user", "content": "x"}, {"role": "assistant", "content": ""}]}',
-        r"messages\[1\] \(assistant\): content is empty",
+        '{"messages": [{"role": "user", "content": ""}, {"role": "assistant", "content": "y"}]}',
+        r"messages\[0\] \(user\): content is empty",
     ),
     ('{"messages": [{"role": "user", "content": "x"}]}', "no assistant turn"),
     ('{"messages": "hi"}', "'messages' is str"),

@@ -2,11 +2,12 @@
 stage (pretraining against the unigram baseline, held-out response loss and exact match of every
 model, the preference and RL evidence, the rest of post-training (KTO, ORPO, RFT, QLoRA), the
 evaluation suite's table, distillation, the TPU plan, the
-Hugging Face export, serving and the mixture of experts).
+Hugging Face export, serving, the mixture of experts, tool use and asynchronous GRPO).
 """
 
 from __future__ import annotations
 
+from lm.demo.agent import staleness_lines, tool_use_lines
 from lm.demo.moe import moe_lines
 from lm.demo.posttrain import post_training_lines
 from lm.demo.serve import serving_lines
@@ -54,6 +55,10 @@ def evidence(summary: dict, n_heldout: int) -> str:
         lines += serving_lines(summary["serve"])
     if summary.get("moe"):
         lines += moe_lines(summary["moe"])
+    if summary.get("agent"):
+        lines += tool_use_lines(summary["agent"])
+    if summary.get("async_rl"):
+        lines += staleness_lines(summary["async_rl"])
     return "\n".join(lines)
 
 

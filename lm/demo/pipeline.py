@@ -21,7 +21,13 @@
 11. a mixture of experts (lm.demo.moe): the tiny model with 8 experts of half the MLP width, 2 per
    token (the dense model's active FLOPs), pretrained for 50 steps on the same batches, its
    held-out loss against the dense pretraining's at step 50, and its routing balance;
-12. one table: held-out response loss and exact-match accuracy of greedy answers, base vs SFT
+12. tool use and asynchronous RL (lm.demo.agent): multi-digit multiplication as chat
+   (lm.data.arithmetic), SFT from the pretrained model on conversations with the calculator
+   offered and without tools, then GRPO through the calculator environment; held-out exact match
+   with bootstrap intervals without the tool, with it, and after GRPO; and the sort task's GRPO
+   run beside the same run with rollouts sampled 1 and 2 steps ahead (rl.max_staleness): steps
+   per second, the learner's time waiting for rollouts, held-out reward curves in one plot;
+13. one table: held-out response loss and exact-match accuracy of greedy answers, base vs SFT
    vs SFT-LoRA vs DPO vs GRPO vs the half-width students, then the preference evidence on held-out pairs and the RL
    reward and KL (lm.demo.evidence); written to WORKDIR/demo_summary.json as well.
 """
@@ -33,6 +39,7 @@ import pathlib
 
 from lm.config import load_config
 from lm.data.synthetic import write_sort_pairs, write_sort_task
+from lm.demo.agent import staleness_runs, tool_use
 from lm.demo.evidence import evidence
 from lm.demo.moe import moe_pretraining
 from lm.demo.posttrain import MODELS as POST_MODELS
@@ -44,6 +51,7 @@ from lm.train.finetune import finetune_config
 PRETRAIN_CONFIG, SFT_CONFIG, PAIRS_CONFIG = "configs/tiny.py", "configs/sft_tiny.py", "configs/pairs_tiny.py"
 RL_CONFIG = "configs/rl_tiny.py"
 REWARD = ["optim.lr=1e-3"]
+ANSWERS = ["finetune.eval_max_new_tokens=16"]  # the sort task's answers are short: held-out exact match
 LORA = ["model.lora_rank=8", "model.lora_alpha=16.0", "optim.lr=1e-2", "finetune.epochs=1.5"]
 HALF = ["model.d_model=64", "model.d_ff=192"]  # the distillation student: half the tiny model's width
 DISTILL = ["distill.divergence=forward_kl", "distill.temperature=1.0"]
@@ -176,7 +184,12 @@ def _run_stages(
     keys = dict(init=sft_dir, data=str(pair_paths["train"]), eval_data=str(pair_paths["heldout"]))
     stages.start(5, "dpo", "DPO from the SFT model")
     config = finetune_config(
-        init_config(sft_dir), PAIRS_CONFIG, list(pair_overrides), "dpo", eval_answers=str(paths["heldout"]), **keys
+        init_config(sft_dir),
+        PAIRS_CONFIG,
+        [*ANSWERS, *pair_overrides],
+        "dpo",
+        eval_answers=str(paths["heldout"]),
+        **keys,
     )
     preference = {"dpo": stages.train(dpo, config, root / "dpo")}
     stages.start(6, "reward", "a reward model from the SFT model")
@@ -237,6 +250,12 @@ def _run_stages(
         14, "mixture of experts", "a mixture of experts at the dense model's active FLOPs, beside the dense pretraining"
     )
     summary["moe"] = moe_pretraining(root, base_dir, show_progress=stages.show_progress, resume=stages.resume)
+    stages.start(15, "tool use", "tool use: multiplication with a calculator, SFT then GRPO through the environment")
+    summary["agent"] = tool_use(stages, root / "agent", base_dir)
+    stages.start(15, "asynchronous GRPO", "asynchronous GRPO on the sort task: rl.max_staleness 0, 1, 2")
+    summary["async_rl"] = staleness_runs(
+        stages, root / "grpo-async", paths, root / "sft", rl_overrides, sync_dir=root / "grpo"
+    )
     stages.stop.enter("writing the demo's summary")  # a safe point: a stop in the last stage writes none
     text = evidence(summary, n_heldout)
     print("\n" + text)

@@ -29,12 +29,13 @@ from lm.train.environments import Tool, ToolUse, calculate
 from lm.train.episodes import EpisodeRunner, Limits
 from lm.train.finetune import finetune_config
 from lm.train.metrics import read_metrics
+from lm.train.rl import rl
+from lm.train.sft import sft
 
 SFT_CONFIG, RL_CONFIG = "configs/sft_tiny.py", "configs/agent_tiny.py"
 SORT_RL_CONFIG = "configs/rl_tiny.py"  # the demo's GRPO run (stage 7), beside its asynchronous variants
 STALENESS = (0, 1, 2)
 QUESTION = "What is 347 * 29?"
-ENVIRONMENT = "lm.demo.agent:ArithmeticTool"
 SFT = ["data.seq_len=256", "finetune.eval_examples=16", "finetune.eval_max_new_tokens=8"]
 BOOTSTRAP, LEVEL = 1000, 0.95
 
@@ -108,12 +109,9 @@ def greedy_episodes(
 
 
 def tool_use(stages, root: pathlib.Path, base_dir: pathlib.Path, sft_overrides=(), rl_overrides=(), **sizes) -> dict:
-    """A: the task written, SFT from the pretrained model, GRPO through the calculator; held-out
-    exact match of the SFT model without and with the tool and of the GRPO model with it.
-    `sizes`: write_arithmetic_task's counts."""
-    from lm.train.rl import rl  # lazy: jax after the CPU flags are set
-    from lm.train.sft import sft
-
+    """The task written, SFT from the pretrained model, GRPO through the calculator; held-out exact
+    match of the SFT model without and with the tool and of the GRPO model with it (and GRPO's
+    sampled reward over its first and last 5 steps). `sizes`: write_arithmetic_task's counts."""
     paths = write_arithmetic_task(root / "task", **sizes)
     base = str(pathlib.Path(base_dir).absolute())
     config = finetune_config(
@@ -171,12 +169,10 @@ def tool_use_lines(s: dict) -> list[str]:
 
 
 def staleness_runs(stages, root: pathlib.Path, paths: dict, sft_dir, rl_overrides=(), sync_dir=None) -> dict:
-    """B: GRPO on the sort task (stage 7's config) with rl.max_staleness k = 0, 1, 2 from the SFT
+    """GRPO on the sort task (stage 7's config) with rl.max_staleness k = 0, 1, 2 from the SFT
     model `sft_dir`; `sync_dir`: stage 7's own run, the k = 0 run when given (the same settings).
     Per run: steps per second, the learner's share of time waiting for rollouts, the held-out
     reward curve, and the final held-out exact match with its bootstrap interval."""
-    from lm.train.rl import rl
-
     sft_dir = str(pathlib.Path(sft_dir).absolute())
     runs = {}
     for k in STALENESS:

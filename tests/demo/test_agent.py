@@ -3,6 +3,7 @@ calls the task's conversations make, an episode's ids are the SFT conversation's
 summary helpers and evidence lines."""
 
 import json
+import pathlib
 
 import numpy as np
 import pytest
@@ -13,7 +14,7 @@ from lm.data.tokenizer import ByteTokenizer
 from lm.demo import agent
 from lm.demo.evidence import evidence
 from lm.infer.serve.tools import ToolSyntax, parse
-from lm.train.environments import tool_result
+from lm.train.environments import environment_factory, tool_result
 
 
 def test_the_environment_lists_the_tasks_tool_and_runs_its_calls():
@@ -31,6 +32,18 @@ def test_the_environment_lists_the_tasks_tool_and_runs_its_calls():
     for answer, reward in (("10063", 1.0), (" 10063\n", 1.0), ("10062", 0.0), ("The answer is 10063", 0.0)):
         step = env.step([], {"role": "assistant", "content": answer})
         assert step.done and step.rewards == {"correct": reward}
+
+
+def test_the_demos_rl_config_names_the_environment():
+    import importlib.util
+
+    path = pathlib.Path(__file__).resolve().parents[2] / "configs" / "agent_tiny.py"
+    spec = importlib.util.spec_from_file_location("agent_tiny", path)
+    module = importlib.util.module_from_spec(spec)
+    spec.loader.exec_module(module)
+    rl = module.get_config().rl
+    assert isinstance(environment_factory(rl.environment)(), agent.ArithmeticTool)
+    assert rl.max_new_tokens >= 48  # a call of the calculator takes ~40 tokens of the demo's tokenizer
 
 
 def test_an_episodes_ids_are_the_sft_conversations():

@@ -19,6 +19,7 @@ from lm.model.apply import sequence_logprobs
 from lm.train.dpo import reference_logps
 from lm.train.kto import LABEL, build_kto_run, kl_estimate, kto_terms
 from lm.train.setup import build_run
+from tests.train.test_pair_losses import _Rows
 
 T, V = 64, 264
 # (prompt, completion, desirable); each example's twin takes the completion before it
@@ -106,17 +107,6 @@ def logprobs(run, params, batch):
     )
     logp, _ = sequence_logprobs(logits, batch["targets"].reshape(-1, T), batch["loss_mask"].reshape(-1, T))
     return np.asarray(logp, np.float64).reshape(-1, 2)
-
-
-class _Rows:
-    def __init__(self, batch):
-        self.batch, self.seq_len = batch, T
-
-    def __len__(self):
-        return len(self.batch["inputs"])
-
-    def __getitem__(self, i):
-        return {k: v[i] for k, v in self.batch.items()}
 
 
 def test_a_step_is_numpy_over_the_models_log_probs_with_a_live_or_a_precomputed_reference(base):

@@ -110,6 +110,9 @@ def _same_rates(saved: dict, now: dict, updates: int) -> bool:
             warmup_steps=s["optim.warmup_steps"],
             min_lr_ratio=s["optim.min_lr_ratio"],
             decay_steps=part["optim.decay_steps"],
+            schedule=s.get("optim.schedule", "cosine"),
+            decay_fraction=s.get("optim.decay_fraction", 0.2),
+            decay_shape=s.get("optim.decay_shape", "linear"),
         )
         return np.asarray(make_schedule(o, part["train.steps"])(np.arange(updates)))
 

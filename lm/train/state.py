@@ -34,8 +34,15 @@ def state_shardings(model, optimizer, mesh, rules, trainable=None):
     boxed = abstract_params(model)
     p_shard, f_shard = split_params(param_shardings(boxed, mesh, rules), trainable)
     opt_abstract = jax.eval_shape(optimizer.init, split_params(nn.unbox(boxed), trainable)[0])
+    # a partitioned optimizer (Muon + AdamW) holds MaskedNode where a branch keeps no state
+    masked = lambda x: isinstance(x, optax.MaskedNode)  # noqa: E731
     o_shard = optax.tree_map_params(
-        optimizer, lambda _, s: s, opt_abstract, p_shard, transform_non_params=lambda _: replicated(mesh)
+        optimizer,
+        lambda leaf, s: leaf if masked(leaf) else s,
+        opt_abstract,
+        p_shard,
+        transform_non_params=lambda _: replicated(mesh),
+        is_leaf=masked,
     )
     rep = replicated(mesh)
     return TrainState(step=rep, params=p_shard, opt_state=o_shard, rng=rep), f_shard

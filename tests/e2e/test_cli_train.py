@@ -97,6 +97,20 @@ def test_train_writes_everything_and_resume_is_exact(tmp_path, corpus, capsys):
     assert {p: p.read_bytes() for p in split.rglob("*") if p.is_file()} == files
 
 
+@pytest.mark.slow
+def test_muon_with_warmup_stable_decay_resumes_exactly(tmp_path, corpus):
+    recipe = ["--config.optim.optimizer=muon", "--config.optim.schedule=wsd", "--config.optim.decay_fraction=0.5"]
+    straight, split = tmp_path / "straight", tmp_path / "split"
+    assert train(straight, corpus, 20, *recipe) == 0
+    assert train(split, corpus, 10, *recipe) == 0
+    assert train(split, corpus, 20, *recipe, "--resume") == 0
+    for x, y in zip(jax_leaves(final_params(straight, 20)), jax_leaves(final_params(split, 20))):
+        np.testing.assert_array_equal(x, y)
+    rows = [json.loads(line) for line in (straight / "metrics.jsonl").read_text().splitlines()]
+    lrs = {r["step"]: r["lr"] for r in rows if "lr" in r}
+    assert lrs[10] == pytest.approx(3e-3)  # the plateau (decay over the last half of decay_steps=40)
+
+
 def jax_leaves(tree):
     import jax
 

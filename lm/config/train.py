@@ -21,10 +21,13 @@ DEFAULTS = dict(
     spike_window=0,
     spike_threshold=8.0,
     max_rollbacks=3,
+    # the trained params' (and so their gradients' and Adam moments') dtype: float32 master weights,
+    # or bfloat16 throughout (half the state's memory; rounding can swallow small updates)
+    param_dtype="float32",
     init="",  # continued pretraining: a run, an export or a Hugging Face model to start from ("" = fresh)
 )
 
-CHOICES = dict(on_bad=("restore", "stop"))
+CHOICES = dict(on_bad=("restore", "stop"), param_dtype=("float32", "bfloat16"))
 
 
 def check(c) -> None:

@@ -55,6 +55,7 @@ from lm.model.quant import BASE_GROUP, BASE_WEIGHTS, CONTRACTING
 from lm.model.spec import ModelSpec
 from lm.model.transformer import Transformer, abstract_params
 from lm.sharding import AXES, mesh_shape
+from lm.train.optim import MUON_WEIGHTS
 from lm.train.registry import compiled_step
 
 ADAM_MOMENTS = 2  # float32 first and second moments per trained param
@@ -162,6 +163,13 @@ def mesh_sizes(config, devices: int) -> dict:
     return dict(zip(AXES, mesh_shape(config.mesh, devices)))
 
 
+def moments(optim, leaf: Leaf) -> int:
+    """Optimizer moments per trained param: Adam's two, Muon's one momentum for its matrices."""
+    name = leaf.path.rsplit("'", 2)[-2] if leaf.path.endswith("']") else leaf.path
+    muon = optim.optimizer == "muon" and name in MUON_WEIGHTS and len(leaf.shape) >= 2
+    return 1 if muon else ADAM_MOMENTS
+
+
 def _is_adapter(path: str) -> bool:
     return "lora_" in path
 
@@ -181,10 +189,11 @@ def estimate(config, step: str, devices: int, lora_rank: int = 16, chip=None) ->
         return _decode(config, spec, leaves, rules, mesh, compute)
     trained = [x for x in leaves if _is_adapter(x.path)] if lora else leaves
     frozen = [x for x in leaves if not _is_adapter(x.path)] if lora else []
-    state = sum(leaf_bytes(x, rules, mesh, 4) for x in trained)
+    itemsize = np.dtype(config.train.param_dtype).itemsize
+    state = sum(leaf_bytes(x, rules, mesh, itemsize) for x in trained)
     parts = {
         "params": state,
-        "optimizer": ADAM_MOMENTS * state,
+        "optimizer": sum(moments(config.optim, x) * leaf_bytes(x, rules, mesh, itemsize) for x in trained),
         "grads": state * (2 if config.train.micro_batches > 1 else 1),
     }
     if frozen:

@@ -101,6 +101,7 @@ class Run:
             self.trainable,
             given,
             base is None or not quantized,
+            self.config.train.param_dtype,
         )
         if quantized:  # the given base's leaves quantized from where they are, one at a time
             frozen = own if base is None else split_params(base, self.trainable)[1]
@@ -158,7 +159,9 @@ class Run:
 
     def abstract_state(self) -> train_state.TrainState:
         """ShapeDtypeStructs with their shardings: the restore target and the AOT input."""
-        return train_state.abstract_state(self.model, self.optimizer, self.state_shardings, self.trainable)
+        return train_state.abstract_state(
+            self.model, self.optimizer, self.state_shardings, self.trainable, self.config.train.param_dtype
+        )
 
     # ---- batches ---------------------------------------------------------------------------
 

@@ -71,11 +71,12 @@ def check_base(model, base: dict, source: str) -> None:
     check_fits(nn.unbox(abstract_params(model)), base, source)
 
 
-def _init_fn(model, optimizer, trainable=None):
+def _init_fn(model, optimizer, trainable=None, param_dtype: str = "float32"):
     def init(rng, base=None):
         param_rng, state_rng = jax.random.split(rng)
         params, frozen = split_params(nn.unbox(init_params(model, param_rng)), trainable)
         params, frozen = _with_base(params, base, cast=True), _with_base(frozen, base, cast=False)
+        params = jax.tree.map(lambda p: p.astype(param_dtype), params)
         return TrainState(
             step=jnp.zeros((), jnp.int32), params=params, opt_state=optimizer.init(params), rng=state_rng
         ), frozen
@@ -84,14 +85,23 @@ def _init_fn(model, optimizer, trainable=None):
 
 
 def create_state(
-    model, optimizer, mesh, rules, seed: int, trainable=None, base: dict | None = None, frozen_out: bool = True
+    model,
+    optimizer,
+    mesh,
+    rules,
+    seed: int,
+    trainable=None,
+    base: dict | None = None,
+    frozen_out: bool = True,
+    param_dtype: str = "float32",
 ):
     """Returns (state, frozen, shardings); params are created on their devices, never gathered on
     one. base: params (e.g. a pretrained model's) that replace the fresh ones where present.
     frozen_out=False: no frozen params (None), never made (a caller that holds the frozen base in
-    another form, e.g. 4-bit, would otherwise hold a float copy of it for a moment)."""
+    another form, e.g. 4-bit, would otherwise hold a float copy of it for a moment). param_dtype:
+    the trained params' dtype (train.param_dtype)."""
     shardings, f_shard = state_shardings(model, optimizer, mesh, rules, trainable)
-    init = _init_fn(model, optimizer, trainable)
+    init = _init_fn(model, optimizer, trainable, param_dtype)
     outs = (shardings, f_shard)
     if not frozen_out:  # what is not returned is never computed
         init, outs = (lambda *args, _init=init: (_init(*args)[0], None)), (shardings, None)
@@ -107,7 +117,7 @@ def create_state(
     return state, frozen, shardings
 
 
-def abstract_state(model, optimizer, shardings, trainable=None):
+def abstract_state(model, optimizer, shardings, trainable=None, param_dtype: str = "float32"):
     """ShapeDtypeStructs carrying the target shardings: the restore target for checkpoints."""
-    shapes = jax.eval_shape(_init_fn(model, optimizer, trainable), jax.random.PRNGKey(0))[0]
+    shapes = jax.eval_shape(_init_fn(model, optimizer, trainable, param_dtype), jax.random.PRNGKey(0))[0]
     return jax.tree.map(lambda s, sh: jax.ShapeDtypeStruct(s.shape, s.dtype, sharding=sh), shapes, shardings)

@@ -130,7 +130,8 @@ def make_train_step(
         base, models = frozen_view(frozen, frozen_modules or {})
         loss = lambda p, b, r: loss_fn(merge_trees(p, base), b, models, r)  # noqa: E731
         grads, stats = accumulate(loss, state.params, batch, step_rng, n_micro, micro_shardings)
-        grads = jax.tree.map(lambda g: g / jnp.maximum(stats["count"], 1.0), grads)
+        # in each param's dtype: a bfloat16 state (train.param_dtype) keeps bfloat16 moments
+        grads = jax.tree.map(lambda g, p: (g / jnp.maximum(stats["count"], 1.0)).astype(p.dtype), grads, state.params)
         grad_norm = optax.tree.norm(grads)
         lr = schedule(state.step)
         direction, opt_state = optimizer.update(grads, state.opt_state, state.params)

@@ -145,3 +145,17 @@ def test_muon_on_a_2x2x2_mesh_equals_one_device_and_logs_the_applied_rate():
     assert lr1 == lr8 == pytest.approx([float(run.schedule(i)) for i in range(3)])
     assert lr1 == pytest.approx([0.0, 1.5e-3, 3e-3])  # warmup of 2 steps to optim.lr
     jax.tree.map(lambda a, b: np.testing.assert_allclose(a, b, rtol=2e-4, atol=2e-6), one, eight)
+
+
+@pytest.mark.parametrize("optimizer", ["adamw", "muon"])
+@pytest.mark.parametrize("param_dtype", ["float32", "bfloat16"])
+def test_the_planner_counts_the_optimizer_state_the_run_holds(optimizer, param_dtype):
+    from lm.plan.memory import estimate
+
+    c = tiny()
+    c.optim.optimizer, c.train.param_dtype = optimizer, param_dtype
+    state = build_run(c, devices=jax.devices()[:1]).abstract_state()
+    held = lambda tree: sum(x.size * x.dtype.itemsize for x in jax.tree.leaves(tree) if x.ndim > 0)  # noqa: E731
+    parts = estimate(c, "pretrain", 1).parts
+    assert parts["params"] == held(state.params)
+    assert parts["optimizer"] == held(state.opt_state) - (12 if optimizer == "muon" else 0)  # Muon's 3 NS coefficients

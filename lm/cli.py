@@ -19,6 +19,7 @@ from lm.eval import contamination_cli, harness_cli
 from lm.infer import cli as infer_cli
 from lm.infer.serve import cli as serve_cli
 from lm.plan import cli as plan_cli
+from lm.plan import scale_cli
 from lm.store import cli as store_cli
 from lm.train import cli as train_cli
 from lm.train.faults import StopRequested, StopSignal, hard_exit
@@ -43,6 +44,7 @@ def all_verbs() -> tuple[Verb, ...]:
         data_cli.Tokenize,
         data_cli.Curate,
         plan_cli,
+        scale_cli,
         infer_cli,
         serve_cli,
         eval_cli,

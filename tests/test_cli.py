@@ -28,6 +28,7 @@ VERBS = {
     "tokenize",
     "curate",
     "plan",
+    "scale",
     "sample",
     "serve",
     "eval",

@@ -1,6 +1,7 @@
 """`lm plan`: params, FLOPs and per-device memory of a config's steps on a target; with --compile,
 each step compiled ahead of time for it (lm.plan.aot) with the compiler's figures beside the planner's;
-with --fit, the first setting that fits. This verb sits above lm.plan.aot."""
+with --fit, the first setting that fits; with --scaling, where the config sits against a fitted scaling law
+(lm.plan.scaling_report). This verb sits above lm.plan.aot."""
 
 from __future__ import annotations
 
@@ -32,6 +33,11 @@ def add_parser(sub) -> None:
         help="if a step does not fit, search remat, micro-batches and fsdp x tensor for the first "
         "setting that does, compiled to confirm",
     )
+    pl.add_argument(
+        "--scaling",
+        default="",
+        help="a scaling.json from `lm scale`: the config's N and D against the fitted optimum for its compute",
+    )
 
 
 def _steps(text: str) -> tuple:
@@ -61,7 +67,12 @@ def run(args, overrides) -> int:
     config = load_config(args.config, overrides)
     target = parse_target(args.target) if args.target else None
     steps = _steps(args.steps)
-    print(summary(config.model, config.data.seq_len))
+    t = config.train
+    print(summary(config.model, config.data.seq_len, train_tokens=t.steps * t.batch_size * config.data.seq_len))
+    if args.scaling:
+        from lm.plan.scaling_report import against, read_report
+
+        print(against(config, read_report(args.scaling)))
     if target is None:
         return 0
     # before jax is first imported: simulated CPU devices, or the CPU backend beside a TPU topology

@@ -22,9 +22,10 @@ def _human(x: float, units=("T", "B", "M", "K", "")) -> str:
     return f"{x:.0f}{units[-1]}"
 
 
-def summary(m, seq_len: int) -> str:
+def summary(m, seq_len: int, train_tokens: int | None = None) -> str:
     """A small human-readable table of parameters, FLOPs/token and token budget; for a mixture of
-    experts, total and active params and the bytes of the expert weights."""
+    experts, total and active params and the bytes of the expert weights. With `train_tokens` (a
+    run's train.steps x train.batch_size x data.seq_len), its tokens per (total) param."""
     rows = [(k, f"{v:,}") for k, v in param_breakdown(m).items()]
     total = f"{param_count(m):,} ({_human(param_count(m))})"
     if n_experts(m):
@@ -46,6 +47,11 @@ def summary(m, seq_len: int) -> str:
         (f"FLOPs/token @{seq_len}", f"{flops_per_token(m, seq_len):.3e}"),
         ("chinchilla tokens", _human(chinchilla_tokens(m))),
     ]
+    if train_tokens is not None:
+        rows += [
+            ("train tokens", f"{train_tokens:,} ({_human(train_tokens)})"),
+            ("tokens/param", f"{train_tokens / param_count(m):.1f} (Chinchilla's compute-optimal: ~20)"),
+        ]
     width = max(len(k) for k, _ in rows)
     return "\n".join(f"{k:<{width}}  {v}" for k, v in rows)
 

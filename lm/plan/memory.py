@@ -55,7 +55,6 @@ from lm.model.quant import BASE_GROUP, BASE_WEIGHTS, CONTRACTING
 from lm.model.spec import ModelSpec
 from lm.model.transformer import Transformer, abstract_params
 from lm.sharding import AXES, mesh_shape
-from lm.train.optim import MUON_WEIGHTS
 from lm.train.registry import compiled_step
 
 ADAM_MOMENTS = 2  # float32 first and second moments per trained param
@@ -90,6 +89,11 @@ class Leaf:
     path: str
     shape: tuple
     names: tuple  # logical axis per dimension
+
+    @property
+    def name(self) -> str:
+        """The param's own name: 'wq' of "['blocks']['attn']['wq']"."""
+        return self.path.rsplit("'", 2)[-2]
 
     @property
     def size(self) -> int:
@@ -130,10 +134,9 @@ def frozen_bytes(leaf: Leaf, rules: dict, mesh: dict, itemsize: int, base_quant:
     """A LoRA base's param on one device: in the compute dtype, or under QLoRA (model.lora_base_quant)
     a layer weight's 4-bit values, a uint8 scale code per group of inputs and a float32 scale per
     output channel (lm.model.quant.quantize_base)."""
-    name = leaf.path.rsplit("'", 2)[-2]
-    if base_quant == "none" or name not in BASE_WEIGHTS:
+    if base_quant == "none" or leaf.name not in BASE_WEIGHTS:
         return leaf_bytes(leaf, rules, mesh, itemsize)
-    axis, n_k = CONTRACTING[name]
+    axis, n_k = CONTRACTING[leaf.name]
     p = len(leaf.shape) + axis
     k = math.prod(leaf.shape[p : p + n_k])
     per_weight = 0.5 + 1 / math.gcd(k, BASE_GROUP) + 4 / k
@@ -165,8 +168,7 @@ def mesh_sizes(config, devices: int) -> dict:
 
 def moments(optim, leaf: Leaf) -> int:
     """Optimizer moments per trained param: Adam's two, Muon's one momentum for its matrices."""
-    name = leaf.path.rsplit("'", 2)[-2] if leaf.path.endswith("']") else leaf.path
-    muon = optim.optimizer == "muon" and name in MUON_WEIGHTS and len(leaf.shape) >= 2
+    muon = optim.optimizer == "muon" and leaf.name in BASE_WEIGHTS and len(leaf.shape) >= 2
     return 1 if muon else ADAM_MOMENTS
 
 

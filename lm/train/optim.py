@@ -16,16 +16,14 @@ matrices' rate is optim.muon_lr on the same schedule: their direction is scaled 
 
 from __future__ import annotations
 
+import math
+
 import jax
 import jax.numpy as jnp
 import optax
 from optax.contrib import MuonDimensionNumbers, scale_by_muon
 
-from lm.model.quant import CONTRACTING
-
-# the blocks' matrices that Muon trains; embeddings, the head, norms, biases, a MoE router and
-# LoRA adapters stay with AdamW
-MUON_WEIGHTS = ("wq", "wk", "wv", "wo", "w_gate", "w_up", "w_in", "w_down")
+from lm.model.quant import BASE_WEIGHTS, CONTRACTING
 
 
 def make_schedule(o, total_steps: int) -> optax.Schedule:
@@ -34,7 +32,7 @@ def make_schedule(o, total_steps: int) -> optax.Schedule:
     decay_fraction of the span and decay_shape down to lr * min_lr_ratio."""
     span = o.decay_steps or total_steps
     end = o.lr * o.min_lr_ratio
-    if getattr(o, "schedule", "cosine") == "cosine":
+    if o.schedule == "cosine":
         return optax.warmup_cosine_decay_schedule(
             init_value=0.0, peak_value=o.lr, warmup_steps=o.warmup_steps,
             decay_steps=max(span, o.warmup_steps + 1), end_value=end,
@@ -78,8 +76,9 @@ def decay_mask(params, o):
 
 def muon_dims(path, leaf) -> MuonDimensionNumbers | None:
     """How Muon sees a param as matrices: its contracting axes (fan in), the axes after them (fan
-    out), every axis before them a batch; None for a param AdamW trains."""
-    if path[-1].key not in MUON_WEIGHTS or leaf.ndim < 2:
+    out), every axis before them a batch; None for a param AdamW trains: all but the blocks' layer
+    weights (embeddings, head, norms, biases, a MoE router, LoRA adapters)."""
+    if path[-1].key not in BASE_WEIGHTS or leaf.ndim < 2:
         return None
     first, count = CONTRACTING[path[-1].key]
     reduction = tuple(range(leaf.ndim + first, leaf.ndim + first + count))
@@ -100,21 +99,14 @@ def _shape_scale(o) -> optax.GradientTransformation:
 
     def scale(path, u):
         dims = muon_dims(path, u)
-        fan_in = _size(u, dims.reduction_axis)
-        fan_out = _size(u, dims.output_axis)
+        fan_in = math.prod(u.shape[a] for a in dims.reduction_axis)
+        fan_out = math.prod(u.shape[a] for a in dims.output_axis)
         factor = o.muon_rms * max(fan_in, fan_out) ** 0.5 if o.muon_rms > 0 else max(1.0, fan_out / fan_in) ** 0.5
         return u * factor
 
     return optax.GradientTransformation(
         optax.init_empty_state, lambda u, s, p=None: (jax.tree_util.tree_map_with_path(scale, u), s)
     )
-
-
-def _size(x, axes) -> int:
-    n = 1
-    for a in axes:
-        n *= x.shape[a]
-    return n
 
 
 def make_optimizer(o, total_steps: int) -> tuple[optax.GradientTransformation, optax.Schedule]:
@@ -129,7 +121,7 @@ def make_optimizer(o, total_steps: int) -> tuple[optax.GradientTransformation, o
         optax.scale_by_adam(b1=o.b1, b2=o.b2, eps=o.eps),
         optax.add_decayed_weights(o.weight_decay, mask=lambda p: decay_mask(p, o)),
     ]
-    if getattr(o, "optimizer", "adamw") == "adamw":
+    if o.optimizer == "adamw":
         return optax.chain(*clip, *adamw), make_schedule(o, total_steps)
     muon = optax.chain(
         scale_by_muon(

@@ -13,12 +13,25 @@ from lm.demo.posttrain import post_training_lines
 from lm.demo.serve import serving_lines
 
 
+def _recipe_lines(p: dict) -> list[str]:
+    old = p.get("old_recipe")
+    if not old or old.get("eval_loss") is None:
+        return []
+    gap = old["eval_loss"] - p["eval_loss"]
+    return [
+        f"  recipe: Muon + warmup-stable-decay + QK-norm {p['eval_loss']:.3f} vs the old AdamW + warmup-cosine "
+        f"{old['eval_loss']:.3f} at the same step (the default {abs(gap):.3f} nats/token "
+        f"{'lower' if gap >= 0 else 'higher'}); curves: {old['plot']}"
+    ]
+
+
 def evidence(summary: dict, n_heldout: int) -> str:
     p = summary["pretrain"]
     lines = [
         "=== evidence ===",
         f"pretraining: held-out loss {p['eval_loss']:.3f} nats/token vs {p['unigram_baseline']:.3f} for the "
         "unigram baseline",
+        *_recipe_lines(p),
         f"sort task, {n_heldout} held-out prompts, greedy answers with the chat template:",
         f"  {'model':<10} {'response loss':>14} {'exact match':>12}",
     ]

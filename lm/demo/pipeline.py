@@ -1,6 +1,8 @@
 """`lm demo`: the whole pipeline on the tiny model, with the evidence that each stage helped.
 
-1. pretraining on the Python standard library (held-out loss against the unigram baseline);
+1. pretraining on the Python standard library under the default recipe (Muon, warmup-stable-decay,
+   QK-norm), beside the same run under the old one (AdamW, warmup + cosine): held-out loss against
+   each other and the unigram baseline, both curves in one plot;
 2. the sort task (lm.data.synthetic) as chat JSONL, with a held-out split;
 3. supervised fine-tuning from the pretrained model, fully and with LoRA adapters;
 4. preference pairs of the task (the answer vs a plausible wrong one), DPO from the SFT model,
@@ -56,6 +58,7 @@ LORA = ["model.lora_rank=8", "model.lora_alpha=16.0", "optim.lr=1e-2", "finetune
 HALF = ["model.d_model=64", "model.d_ff=192"]  # the distillation student: half the tiny model's width
 DISTILL = ["distill.divergence=forward_kl", "distill.temperature=1.0"]
 PRETRAIN_EVAL = ["eval.every_steps=50"]  # the held-out loss at step 50 too: the MoE stage's comparison
+OLD_RECIPE = ["optim.optimizer=adamw", "optim.schedule=cosine", "model.qk_norm=false"]  # the default until Muon
 
 
 def _stage(title: str) -> None:
@@ -163,6 +166,10 @@ def _run_stages(
     base_dir, task_dir = root / "pretrain", root / "task"
     stages.start(1, "pretraining", "pretraining on the Python standard library")
     base = stages.train(train, load_config(PRETRAIN_CONFIG, [*PRETRAIN_EVAL, *pretrain_overrides]), base_dir)
+    stages.start(1, "pretraining, old recipe", "the same pretraining under the old recipe: AdamW, warmup + cosine")
+    old_dir = root / "pretrain-adamw"
+    old = stages.train(train, load_config(PRETRAIN_CONFIG, [*PRETRAIN_EVAL, *OLD_RECIPE, *pretrain_overrides]), old_dir)
+    base["old_recipe"] = recipe_comparison(base_dir, old_dir, old)
     stages.start(2, "the sort task", "the sort task: 'sort 70931' -> '01379'")
     paths = write_sort_task(task_dir, n_train=n_train, n_heldout=n_heldout)
     print(f"wrote {n_train} training and {n_heldout} held-out conversations to {task_dir}")
@@ -262,6 +269,20 @@ def _run_stages(
     (root / "demo_summary.json").write_text(json.dumps(summary, indent=2))
     (root / "demo_summary.txt").write_text(text + "\n")
     return summary
+
+
+def recipe_comparison(base_dir: pathlib.Path, old_dir: pathlib.Path, old: dict) -> dict:
+    """The old recipe's figures beside the default's, and both runs' curves in one plot."""
+    from lm.train.metrics import plot_runs
+
+    plot = base_dir / "recipe_vs_old.png"
+    plot_runs(
+        {"Muon + WSD + QK-norm (default)": base_dir / "metrics.jsonl", "AdamW + cosine": old_dir / "metrics.jsonl"},
+        plot,
+        baseline=old.get("unigram_baseline"),
+        title="pretraining: the default recipe vs the old one (same data, batches and steps)",
+    )
+    return {"eval_loss": old.get("eval_loss"), "plot": str(plot)}
 
 
 def plan_for_tpu(config, slice_name: str) -> dict:
@@ -373,7 +394,7 @@ def _summary(base: dict, runs: dict, preference: dict, grpo: dict, root: pathlib
         )
     } | {"plot": str(root / "grpo" / "rl.png")}
     return {
-        "pretrain": {k: base.get(k) for k in ("eval_loss", "unigram_baseline", "run_tokens_per_s")},
+        "pretrain": {k: base.get(k) for k in ("eval_loss", "unigram_baseline", "run_tokens_per_s", "old_recipe")},
         "sft": sft,
         "preference": {
             "dpo": {"init": d.get("eval_init"), "tuned": d.get("eval")},

@@ -5,8 +5,9 @@ adapter over its base.
 
 A model imported from Hugging Face goes back as its own family (config.model.family); a model
 trained here goes out as `LlamaForCausalLM` when its architecture is a Llama's
-(lm.store.hf.families.llama.unsupported names what keeps it from being one), or, with experts
-(model.n_experts > 0), as `MixtralForCausalLM` (lm.store.hf.families.mixtral). Tensors are streamed:
+(lm.store.hf.families.llama.unsupported names what keeps it from being one), as
+`Qwen3ForCausalLM` when it is a Llama's with QK-norm (model.qk_norm), and with experts
+(model.n_experts > 0) as `MixtralForCausalLM` or, with QK-norm, `Qwen3MoeForCausalLM`. Tensors are streamed:
 each HF tensor is cut from its params leaf (one layer of a stacked leaf) when the writer asks
 for it, so beyond the shard being written only one tensor is on the host at a time, and lazy
 params (lm.store.hf.reader) read only that layer.
@@ -28,7 +29,7 @@ from lm.model.params import leaf_paths
 from lm.model.spec import ModelSpec
 from lm.outputs import replacing, write_text
 from lm.store.hf.config import is_hf_dir
-from lm.store.hf.families import family_of, llama, mixtral
+from lm.store.hf.families import family_of, llama, mixtral, qwen, qwen_moe
 from lm.store.hf.families.common import to_hf
 from lm.store.hf.tokenizer import write_tokenizer
 from lm.store.load import with_base
@@ -42,10 +43,15 @@ PEFT_WEIGHTS, PEFT_CONFIG = "adapter_model.safetensors", "adapter_config.json"
 
 def hf_family(m, source: str = "the model"):
     """The family module a model section exports as: its own, or for a model trained here Llama
-    (Mixtral with experts)."""
+    (Mixtral with experts), Qwen3 with QK-norm (Qwen3-MoE with experts)."""
     if m.family:
         return family_of(m.family, source)
-    family, name = (mixtral, "Mixtral") if m.n_experts else (llama, "Llama")
+    family, name = {
+        (False, False): (llama, "Llama"),
+        (True, False): (mixtral, "Mixtral"),
+        (False, True): (qwen, "Qwen3"),
+        (True, True): (qwen_moe, "Qwen3-MoE"),
+    }[bool(m.n_experts), bool(m.qk_norm)]
     bad = family.unsupported(m)
     if bad:
         raise UserError(f"{source} cannot be written as a Hugging Face {name} checkpoint: {'; '.join(bad)}")

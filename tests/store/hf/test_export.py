@@ -1,7 +1,8 @@
-"""Hugging Face checkpoints out: a model trained here loads in transformers as a Llama with our
-logits, our sentencepiece ids and our chat format; sharded weights reload; imported Qwen3 and
-Gemma 2 models go back with the original's logits; LoRA adapters load in PEFT over their base
-with our merged model's logits; what cannot be written is refused with one line."""
+"""Hugging Face checkpoints out: a model trained here loads in transformers as a Llama (as a
+Qwen3 with QK-norm) with our logits, our sentencepiece ids and our chat format; sharded weights
+reload; imported Qwen3 and Gemma 2 models go back with the original's logits; LoRA adapters load
+in PEFT over their base with our merged model's logits; what cannot be written is refused with
+one line."""
 
 import json
 import pathlib
@@ -136,6 +137,22 @@ def test_trained_model_loads_as_llama_with_our_logits(trained, spm):
     end = spm.special_id("<|end|>")  # the chat template's end of turn
     assert generation["eos_token_id"] == [2, end] and generation["bos_token_id"] == 1
     assert generation["pad_token_id"] == 3
+
+
+def test_trained_model_with_qk_norm_loads_as_qwen3(spm, tmp_path):
+    config = tiny_config(spm.vocab_size, qk_norm=True, tie_embeddings=True)
+    params = random_params(config, seed=2)  # the q/k norm scales bumped apart: a swap shows
+    done = export_hf(Loaded(config, params, spm, "test model"), tmp_path / "qwen3")
+    hf = json.loads((tmp_path / "qwen3" / "config.json").read_text())
+    assert done["architecture"] == "Qwen3ForCausalLM" and hf["model_type"] == "qwen3"
+    assert hf["head_dim"] == 16 and hf["attention_bias"] is False and hf["tie_word_embeddings"] is True
+    model = transformers.AutoModelForCausalLM.from_pretrained(tmp_path / "qwen3", dtype=torch.float32).eval()
+    assert type(model).__name__ == "Qwen3ForCausalLM"
+    ids = ids_for(config.model.vocab_size, 2)
+    close(hf_logits(model, ids), our_logits(config, params, ids))
+    back = load_hf(tmp_path / "qwen3")  # and back: the same logits as a Qwen3 import
+    assert back.config.model.family == "qwen3" and back.config.model.qk_norm
+    close(our_logits(back.config, back.params, ids), our_logits(config, params, ids))
 
 
 def test_tokenizer_gives_our_ids(trained, spm):

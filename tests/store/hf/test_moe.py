@@ -1,7 +1,8 @@
 """Mixtral and Qwen3-MoE checkpoints: imported, they give transformers' logits (Qwen3-MoE with and
 without renormalised top-k weights), from the per-expert tensors transformers writes or the fused
 ones it holds in memory; exported, transformers loads them with the same logits; a model trained
-here with experts goes out as Mixtral; what cannot be honoured is refused naming the key."""
+here with experts goes out as Mixtral (with QK-norm as Qwen3-MoE); what cannot be honoured is
+refused naming the key."""
 
 import json
 
@@ -217,16 +218,27 @@ def trained_here(**model):
     return c
 
 
-def test_trained_here_exports_as_mixtral(tmp_path):
-    config = trained_here()
+@pytest.mark.parametrize(
+    "keys, architecture, experts_key, width_key",
+    [
+        (dict(), "MixtralForCausalLM", "num_local_experts", "intermediate_size"),
+        (dict(qk_norm=True, router_norm=False), "Qwen3MoeForCausalLM", "num_experts", "moe_intermediate_size"),
+    ],
+)
+def test_trained_here_exports_as_mixtral_or_qwen3_moe(tmp_path, keys, architecture, experts_key, width_key):
+    config = trained_here(**keys)
     module = Transformer(ModelSpec.from_config(config.model))
     params = jax.tree.map(np.asarray, nn.unbox(jax.jit(lambda r: init_params(module, r))(jax.random.PRNGKey(0))))
+    rng = np.random.default_rng(0)  # norm scales away from 1: a swapped q/k norm shows
+    params = jax.tree_util.tree_map_with_path(
+        lambda p, x: x + rng.normal(0, 0.2, x.shape).astype(x.dtype) if "scale" in str(p[-1]) else x, params
+    )
     done = export_hf(Loaded(config, params, ByteTokenizer(), "moe model"), tmp_path)
     hf = json.loads((tmp_path / "config.json").read_text())
-    assert done["architecture"] == "MixtralForCausalLM" and hf["model_type"] == "mixtral"
-    assert (hf["num_local_experts"], hf["num_experts_per_tok"], hf["intermediate_size"]) == (4, 2, 48)
+    assert done["architecture"] == architecture and hf["architectures"] == [architecture]
+    assert (hf[experts_key], hf["num_experts_per_tok"], hf[width_key]) == (4, 2, 48)
     model = transformers.AutoModelForCausalLM.from_pretrained(tmp_path, dtype=torch.float32).eval()
-    assert type(model).__name__ == "MixtralForCausalLM" and router_margin(model) > 1e-4
+    assert type(model).__name__ == architecture and router_margin(model) > 1e-4
     pos = jnp.broadcast_to(jnp.arange(IDS.shape[1]), IDS.shape)
     ours = np.asarray(jax.jit(module.apply)({"params": params}, jnp.asarray(IDS), jnp.ones_like(IDS), pos))
     close(hf_logits(model), ours)
@@ -238,6 +250,7 @@ def test_trained_here_exports_as_mixtral(tmp_path):
         (dict(router_norm=False), r"Mixtral checkpoint: model.router_norm=False \(Mixtral needs True\)"),
         (dict(shared_d_ff=32), r"Mixtral checkpoint: model.shared_d_ff=32 \(Mixtral needs 0\)"),
         (dict(router_score="sigmoid"), r"model.router_score='sigmoid' \(Mixtral needs 'softmax'\)"),
+        (dict(qk_norm=True, shared_d_ff=32), r"Qwen3-MoE checkpoint: model.shared_d_ff=32 \(Qwen3-MoE needs 0\)"),
     ],
 )
 def test_trained_here_refusals_name_the_key(tmp_path, keys, pattern):

@@ -17,6 +17,8 @@ from lm.store.hf.families.config_keys import (
     window,
     with_defaults,
 )
+from lm.store.hf.families.llama import LLAMA_SHAPE
+from lm.store.hf.families.llama import unsupported as llama_unsupported
 
 MODEL_TYPES = ("qwen2", "qwen3")
 # transformers' defaults for the keys a config.json may leave out (Qwen2Config, Qwen3Config)
@@ -51,9 +53,10 @@ def tensors(spec):
 
 
 def hf_config(m) -> dict:
-    qwen3 = m.family == "qwen3"
+    qwen3 = m.family == "qwen3" or (not m.family and m.qk_norm)  # a model trained here with QK-norm
     out = hf_base(m, "Qwen3ForCausalLM" if qwen3 else "Qwen2ForCausalLM")
     out |= {
+        "model_type": "qwen3" if qwen3 else "qwen2",
         "hidden_act": "silu",
         "rope_parameters": rope_to_hf(m),
         "rope_theta": m.rope_theta,
@@ -63,3 +66,12 @@ def hf_config(m) -> dict:
     if qwen3:
         out["attention_bias"] = False
     return out
+
+
+# What a model trained here must look like to be a Qwen3 checkpoint: a Llama's shape with QK-norm.
+QWEN3_SHAPE = LLAMA_SHAPE | dict(qk_norm=True)
+
+
+def unsupported(m) -> list[str]:
+    """The model-section keys that keep a model trained here from being a Qwen3 checkpoint."""
+    return llama_unsupported(m, QWEN3_SHAPE, "Qwen3")

@@ -24,6 +24,8 @@ from lm.store.hf.families.config_keys import (
     window,
     with_defaults,
 )
+from lm.store.hf.families.llama import unsupported as llama_unsupported
+from lm.store.hf.families.mixtral import MIXTRAL_SHAPE
 
 MODEL_TYPES = ("qwen3_moe",)
 # transformers' defaults for the keys a config.json may leave out (Qwen3MoeConfig)
@@ -79,6 +81,7 @@ def hf_config(m) -> dict:
         )
     out = hf_base(m, "Qwen3MoeForCausalLM")
     out |= {
+        "model_type": "qwen3_moe",
         "hidden_act": "silu",
         "rope_parameters": rope_to_hf(m),
         "rope_theta": m.rope_theta,
@@ -95,3 +98,13 @@ def hf_config(m) -> dict:
         "router_aux_loss_coef": m.moe_balance_coef,
     }
     return out
+
+
+# What a model trained here must look like to be a Qwen3-MoE checkpoint: Mixtral's shape with
+# QK-norm, the top-k weights renormalised or not (norm_topk_prob).
+QWEN3_MOE_SHAPE = {k: v for k, v in MIXTRAL_SHAPE.items() if k != "router_norm"} | dict(qk_norm=True)
+
+
+def unsupported(m) -> list[str]:
+    """The model-section keys that keep a model trained here from being a Qwen3-MoE checkpoint."""
+    return llama_unsupported(m, QWEN3_MOE_SHAPE, "Qwen3-MoE")

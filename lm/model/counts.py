@@ -59,12 +59,22 @@ def _active_ffn_matrix_params(m) -> int:
     return moe["router"] + moe["experts"] * m.experts_per_token // n_experts(m) + moe["shared mlp"]
 
 
-def _norm_params(m) -> int:
+def _norm_params(m, width: int | None = None) -> int:
+    """One norm's params over `width` features (default d_model)."""
+    width = m.d_model if width is None else width
     if m.norm == "rmsnorm":
-        return m.d_model
+        return width
     if m.norm == "layernorm":
-        return m.d_model * (2 if m.use_bias else 1)
+        return width * (2 if m.use_bias else 1)
     raise ValueError(f"unknown norm {m.norm!r}")
+
+
+def _all_norm_params(m) -> int:
+    """Two norms per block (four with post_norms), the final one, and with qk_norm one over
+    head_dim on queries and one on keys per block."""
+    per_block = (4 if m.post_norms else 2) * _norm_params(m)
+    per_block += 2 * _norm_params(m, head_dim(m)) if m.qk_norm else 0
+    return m.n_layers * per_block + _norm_params(m)
 
 
 def param_breakdown(m) -> dict[str, int]:
@@ -93,7 +103,7 @@ def param_breakdown(m) -> dict[str, int]:
         "position": position,
         "attention": L * attn,
         **ffn,
-        "norms": (2 * L + 1) * _norm_params(m),  # two per block + final norm
+        "norms": _all_norm_params(m),
         "head": 0 if m.tie_embeddings else m.d_model * m.vocab_size,
     }
 

@@ -149,7 +149,8 @@ def plot(report: dict, path) -> None:
     if opt:
         lo, hi = opt["loss_interval"]
         label = f"optimum at budget: N {opt['n_opt'] / 1e6:.2f}M, D {opt['d_opt'] / 1e6:.2f}M"
-        yerr = [[opt["loss"] - lo], [hi - opt["loss"]]]
+        # a bootstrap percentile interval need not hold the point estimate (the fit at a bound)
+        yerr = [[max(0.0, opt["loss"] - lo)], [max(0.0, hi - opt["loss"])]]
         ax.errorbar([opt["flops"]], [opt["loss"]], yerr=yerr, fmt="*", color="k", ms=12, label=label)
     if verify and verify.get("measured") is not None:
         ax.plot([verify["flops"]], [verify["measured"]], "rX", ms=10, label=f"--verify measured ({verify['name']})")

@@ -25,6 +25,8 @@ def gpt2_124m():
             position="learned",
             max_seq_len=1024,
             tie_embeddings=True,
+            post_norms=False,
+            qk_norm=False,
         )
     )
 
@@ -45,6 +47,8 @@ def llama3(d_model, n_layers, n_heads, d_ff):
             position="rope",
             max_seq_len=8192,
             tie_embeddings=False,
+            post_norms=False,
+            qk_norm=False,
         )
     )
 
@@ -65,6 +69,8 @@ def tiny(**overrides):
         position="rope",
         max_seq_len=16,
         tie_embeddings=True,
+        post_norms=False,
+        qk_norm=False,
     )
     fields.update(overrides)
     return SimpleNamespace(**fields)
@@ -124,6 +130,38 @@ def test_tiny_param_count_every_term():
     head = 4 * 10
     assert counts.param_count(m) == emb + pos + attn + mlp + norms + head == 304  # 40+64+60+76+24+40
     assert counts.non_embedding_params(m) == 304 - emb - pos
+
+
+def test_qk_and_post_norms_by_hand():
+    m = tiny(post_norms=True, qk_norm=True)  # head_dim 2: one norm over it on q and one on k per block
+    plain = counts.param_count(tiny())
+    assert counts.param_count(m) == plain + 2 * 4 + 2 * 2
+    ln = tiny(norm="layernorm", use_bias=True, qk_norm=True)
+    assert counts.param_count(ln) - counts.param_count(tiny(norm="layernorm", use_bias=True)) == 2 * (2 + 2)
+
+
+@pytest.mark.parametrize(
+    "keys",
+    [
+        dict(),
+        dict(qk_norm=True),
+        dict(post_norms=True, qk_norm=True, head_dim=24),
+        dict(norm="layernorm", use_bias=True),
+    ],
+)
+def test_built_params_are_the_count(keys):
+    import flax.linen as nn
+    import jax
+    import numpy as np
+
+    from lm.config import base_config
+    from lm.model.spec import ModelSpec
+    from lm.model.transformer import Transformer, init_params
+
+    c = base_config()
+    c.model.update(dict(vocab_size=64, d_model=32, n_layers=2, n_heads=4, n_kv_heads=2, d_ff=48) | keys)
+    boxed = jax.eval_shape(lambda k: init_params(Transformer(ModelSpec.from_config(c.model)), k), jax.random.key(0))
+    assert sum(int(np.prod(x.shape)) for x in jax.tree.leaves(nn.unbox(boxed))) == counts.param_count(c.model)
 
 
 def test_head_dim_derivation():

@@ -34,6 +34,8 @@ def tiny_moe(**overrides):
         position="rope",
         max_seq_len=16,
         tie_embeddings=True,
+        post_norms=False,
+        qk_norm=False,
         n_experts=4,
         experts_per_token=2,
         expert_d_ff=6,
@@ -99,8 +101,8 @@ def test_built_moe_params_are_the_planners():
     assert sum(int(np.prod(x.shape)) for x in jax.tree.leaves(nn.unbox(boxed))) == counts.param_count(config.model)
 
 
-def tiny_config(*overrides):
-    return load_config("configs/tiny.py", ["model.remat=full", *overrides])
+def tiny_config(*overrides):  # AdamW: two moments per param (Muon's one per matrix: tests/train/test_muon.py)
+    return load_config("configs/tiny.py", ["model.remat=full", "optim.optimizer=adamw", *overrides])
 
 
 def test_expert_weights_split_over_the_expert_axis():

@@ -111,3 +111,21 @@ def test_bad_points_are_one_clear_line(n, d, loss, message):
     assert "\n" not in str(e.value)
     with pytest.raises(UserError):
         fit_law(n, d, loss)
+
+
+def test_plot_draws_an_interval_that_misses_its_point(tmp_path):
+    """A percentile interval need not hold the fit (a parameter at its bound): the plot still draws."""
+    from dataclasses import asdict
+
+    from lm.plan.scaling_report import plot
+
+    rows = [
+        dict(width=w, depth=2, params=n, flops=6 * n * d, loss=float(SMALL.loss(n, d)))
+        for w, n in ((32, 1e5), (64, 4e5))
+        for d in (1e6, 4e6)
+    ]
+    n, d = SMALL.optimum(1e13)
+    loss = float(SMALL.loss(n, d))
+    optimum = dict(flops=1e13, n_opt=n, d_opt=d, loss=loss, loss_interval=[loss - 0.02, loss - 1e-6])
+    plot(dict(law=asdict(SMALL), points=rows, optimum=optimum), tmp_path / "ladder.png")
+    assert (tmp_path / "ladder.png").read_bytes()[:4] == b"\x89PNG"

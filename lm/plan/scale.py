@@ -8,7 +8,8 @@ shared_d_ff) keep their ratio to d_model, rounded to a multiple of 8. A token bu
 train.steps = round(tokens / (train.batch_size x data.seq_len)), at least 1; the point's D is
 steps x batch_size x seq_len. Each point also caps optim.warmup_steps at a tenth of its steps,
 evaluates the held-out set at its end only (eval.every_steps=0) and writes no closing sample; the
-cosine schedule decays over the point's own steps (optim.decay_steps=0), as Chinchilla's runs do.
+config's schedule spans the point's own steps (optim.decay_steps=0: a cosine, or warmup-stable-decay's
+decay, ends with the point), as Chinchilla's runs do.
 
 N is the total parameter count (lm.model.counts.param_count), as Chinchilla's fits count it;
 compute is 6 N D.
@@ -45,6 +46,7 @@ class Point:
         return {
             **{f"model.{k}": v for k, v in self.model.items()},
             "train.steps": self.steps,
+            "optim.decay_steps": 0,  # the schedule ends with the point, whatever the config's span
             "optim.warmup_steps": min(config.optim.warmup_steps, self.steps // 10),
             "eval.every_steps": 0,
             "train.sample_tokens": 0,

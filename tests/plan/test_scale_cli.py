@@ -37,7 +37,7 @@ def test_family_rule_keeps_head_dim_and_ratios():
 
 def test_print_commands_are_train_commands_of_each_point(tmp_path, capsys):
     args = ["scale", "--workdir", str(tmp_path / "W"), "--widths", "32,64", "--tokens", "100K,0.2M", "--print-commands"]
-    assert main([*args, "--config.optim.lr=1e-3"]) == 0
+    assert main([*args, "--config.optim.lr=1e-3", "--config.optim.decay_steps=600"]) == 0
     lines = capsys.readouterr().out.splitlines()
     assert len(lines) == 4
     names = [f"w{w}-l2-{t}" for w in (32, 64) for t in ("100K", "200K")]
@@ -47,7 +47,7 @@ def test_print_commands_are_train_commands_of_each_point(tmp_path, capsys):
         assert argv[argv.index("--workdir") + 1] == str(tmp_path / "W" / "points" / name)
         _, overrides = _split_overrides(argv[2:])
         c = load_config(TINY, overrides)
-        assert c.optim.lr == 1e-3
+        assert c.optim.lr == 1e-3 and c.optim.decay_steps == 0  # the schedule ends with the point
         assert c.model.d_model == int(name[1:3]) and c.model.n_layers == 2
         assert c.train.steps == round(int(name.split("-")[-1][:-1]) * 1000 / 4096)
     assert not (tmp_path / "W").exists()

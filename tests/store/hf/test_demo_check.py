@@ -31,6 +31,6 @@ def test_exported_run_answers_as_lm_sample(small_base, tmp_path):
         == 0
     )
     out = export_and_reload(work, tmp_path / "hf", task["heldout"], n=8)
-    assert out["architecture"] == "LlamaForCausalLM" and out["n"] == 8
+    assert out["architecture"] == "Qwen3ForCausalLM" and out["n"] == 8  # the default recipe has QK-norm
     assert out["same_prompt_ids"] == 8  # the byte tokenizer: the rendered chat tokenizes as ours
     assert out["same_answers"] == 8

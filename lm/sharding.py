@@ -1,4 +1,4 @@
-"""The device mesh (data, stage, fsdp, expert, tensor) and logical-axis -> mesh-axis shardings.
+"""The device mesh (data, stage, fsdp, expert, context, tensor) and logical-axis -> mesh-axis shardings.
 
 The rule table lives in the config (`mesh.rules`, defaults in `lm.config.DEFAULT_RULES`)
 and is passed explicitly everywhere; nothing is read from a global context.
@@ -153,13 +153,15 @@ def per_device_bytes(tree) -> int:
 def process_rows(sharding: NamedSharding, global_rows: int, process: int | None = None) -> np.ndarray:
     """The global batch rows that `process` (default: this one) must feed, sorted.
 
-    A process feeds the rows of every batch shard its devices hold. When a non-batch mesh axis
-    (e.g. `tensor`) spans processes, several processes hold the same shard and so feed the same
-    rows: deriving rows from the devices, not from the process index, keeps them identical.
+    A process feeds the rows of every batch shard its devices hold (whole rows, even where `context`
+    splits their tokens). When a non-batch mesh axis (e.g. `tensor`, `context`) spans processes,
+    several processes hold the same shard and so feed the same rows: deriving rows from the
+    devices, not from the process index, keeps them identical.
     """
     process = jax.process_index() if process is None else process
+    by_rows = NamedSharding(sharding.mesh, PartitionSpec(*sharding.spec[:1]))  # a [B, T] field's T may be split too
     rows = set()
-    for device, index in sharding.devices_indices_map((global_rows,)).items():
+    for device, index in by_rows.devices_indices_map((global_rows,)).items():
         if device.process_index == process:
             rows.update(range(*index[0].indices(global_rows)))
     return np.asarray(sorted(rows), np.int64)

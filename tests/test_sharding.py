@@ -169,14 +169,20 @@ def test_per_device_bytes_shrink_with_sharding(reference):
 
 def test_make_mesh_errors_name_the_mesh():
     assert len(jax.devices()) == 8
-    with pytest.raises(UserError, match=r"mesh \{'data': 3, 'stage': 1, 'fsdp': 1, 'expert': 1, 'tensor': 1\}.*8"):
+    with pytest.raises(
+        UserError, match=r"mesh \{'data': 3, 'stage': 1, 'fsdp': 1, 'expert': 1, 'context': 1, 'tensor': 1\}.*8"
+    ):
         make_mesh(dict(data=3, fsdp=1, tensor=1))
-    with pytest.raises(UserError, match=r"mesh \{'data': 2, 'stage': 1, 'fsdp': 2, 'expert': 1, 'tensor': 4\}"):
+    with pytest.raises(
+        UserError, match=r"mesh \{'data': 2, 'stage': 1, 'fsdp': 2, 'expert': 1, 'context': 1, 'tensor': 4\}"
+    ):
         make_mesh(dict(data=2, fsdp=2, tensor=4))
-    with pytest.raises(UserError, match=r"mesh \{'data': -1, 'stage': 1, 'fsdp': 3, 'expert': 1, 'tensor': 1\}"):
+    with pytest.raises(
+        UserError, match=r"mesh \{'data': -1, 'stage': 1, 'fsdp': 3, 'expert': 1, 'context': 1, 'tensor': 1\}"
+    ):
         make_mesh(dict(data=-1, fsdp=3, tensor=1))
     mesh = make_mesh(dict(data=-1, fsdp=2, tensor=2))
-    assert dict(mesh.shape) == {"data": 2, "stage": 1, "fsdp": 2, "expert": 1, "tensor": 2}
+    assert dict(mesh.shape) == {"data": 2, "stage": 1, "fsdp": 2, "expert": 1, "context": 1, "tensor": 2}
 
 
 def test_param_shardings_error_names_the_param():

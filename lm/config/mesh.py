@@ -2,7 +2,9 @@
 
 Axes, outermost first: `data` (replicas), `stage` (pipeline stages, lm.model.pipeline), `fsdp`
 (params and rows split), `expert` (mixture-of-experts weights split by expert, rows split for
-the rest of the model), `tensor` (heads and hidden units split; innermost, the fastest links).
+the rest of the model), `context` (the sequence of every activation split: long sequences; the
+model's attention gathers or passes keys and values over it, lm.model.ring_attention), `tensor`
+(heads and hidden units split; innermost, the fastest links).
 
 The rule table lives here, not beside the sharding code, because a config must load without jax.
 """
@@ -11,13 +13,13 @@ from __future__ import annotations
 
 from lm.config.core import require
 
-AXES = ("data", "stage", "fsdp", "expert", "tensor")
+AXES = ("data", "stage", "fsdp", "expert", "context", "tensor")
 
 # Logical axis -> mesh axes. ONE table; a config may override entries via mesh.rules.
 DEFAULT_RULES = {
     # activations
     "batch": ("data", "fsdp", "expert"),
-    "length": (),
+    "length": ("context",),  # a no-op unless mesh.context > 1
     "cache_length": (),
     "cache_pool": (),  # the paged KV pool's token rows (lm.model.paged): shared by all sequences
     "act_embed": (),
@@ -44,7 +46,7 @@ DEFAULT_RULES = {
 }
 
 # an axis of -1 takes whatever devices the others leave
-DEFAULTS = dict(data=-1, stage=1, fsdp=1, expert=1, tensor=1, rules=dict(DEFAULT_RULES))
+DEFAULTS = dict(data=-1, stage=1, fsdp=1, expert=1, context=1, tensor=1, rules=dict(DEFAULT_RULES))
 
 
 def rules_table(c) -> tuple[tuple[str, tuple[str, ...]], ...]:

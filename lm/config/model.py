@@ -78,6 +78,9 @@ DEFAULTS = dict(
     tie_embeddings=True,
     compute_dtype="float32",
     attention="auto",
+    # with mesh.context > 1 (the sequence split, lm.model.ring_attention): "allgather" gathers the
+    # keys and values over `context`; "ring" passes their blocks round it (load-balanced causal chunks)
+    context_attention="allgather",
     remat="none",
     init_std=0.02,
     kernels="auto",
@@ -100,6 +103,7 @@ CHOICES = dict(
     # "auto": the backend's fused kernel (splash on TPU, Pallas flash on GPU), blockwise on CPU
     # (lm.model.fused_attention); "splash"/"flash" on CPU run in Pallas's interpreter (for tests)
     attention=("auto", "splash", "flash", "blockwise", "xla", "cudnn", "reference"),
+    context_attention=("allgather", "ring"),
     remat=("none", "full", "dots_saveable", "dots_with_no_batch_dims_saveable"),
     # "cpu": lm.model.cpu_kernels (hand-written backward passes for XLA:CPU); "plain": einsum +
     # autodiff, which XLA fuses on GPU/TPU; "auto": cpu on the CPU backend, plain elsewhere
@@ -196,6 +200,21 @@ def check(c) -> None:
         require(m[key] >= 0, f"model.{key}", m[key], "expected >= 0")
     require(m.pipeline_repeats >= 1, "model.pipeline_repeats", m.pipeline_repeats, "expected >= 1 (1 = GPipe)")
     check_pipeline(c)
+    check_context(c)
+
+
+def check_context(c) -> None:
+    """The sequence must split evenly over mesh.context: into context chunks, or 2 x context for
+    the ring's load-balanced halves (a context of -1 is checked once the devices are known)."""
+    parts = c.mesh.context * (2 if c.model.context_attention == "ring" else 1)
+    if c.mesh.context > 1:
+        require(
+            c.data.seq_len % parts == 0,
+            "mesh.context",
+            c.mesh.context,
+            f"data.seq_len={c.data.seq_len} must split into {parts} equal chunks"
+            + (" (model.context_attention=ring splits it into 2 x mesh.context)" if parts > c.mesh.context else ""),
+        )
 
 
 def check_pipeline(c) -> None:

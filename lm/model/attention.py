@@ -14,7 +14,7 @@ import jax
 import jax.numpy as jnp
 
 from lm.model import fused_attention as fused
-from lm.model import paged_kernel
+from lm.model import paged_kernel, ring_attention
 from lm.model.blockwise import blockwise_attention
 from lm.model.layers import Norm, Partitioning, matmul, matmuls, normal
 from lm.model.lora import lora_delta, targeted
@@ -71,13 +71,20 @@ def attend(
     part: Partitioning = Partitioning(),
     local=None,
     sliding_window: int = 0,
+    context: str = "allgather",
 ) -> jax.Array:
     """Causal attention within documents. q: [B,T,N,H], k/v: [B,T,K,H], segment_ids: [B,T].
     window (a traced per-layer value is fine), scale and cap as `reference_attention`; blockwise
     has none of them and hands such a layer to the reference path. implementation "auto" is the
     backend's fused kernel (lm.model.fused_attention); a fused kernel gets a model's local layers
-    as `local` (this layer's traced flag) and `sliding_window`, and runs on `part`'s mesh."""
+    as `local` (this layer's traced flag) and `sliding_window`, and runs on `part`'s mesh.
+    With the sequence split over the mesh (`context`: "allgather" or "ring", see
+    lm.model.ring_attention) no fused kernel runs: the split attention, else the XLA path."""
     implementation = fused.resolve(implementation, part)
+    if ring_attention.context_shards(part) > 1:
+        if ring_attention.takes(part, context, q, k):
+            return ring_attention.context_attention(context, q, k, v, segment_ids, part, window, scale, cap)
+        implementation = "blockwise" if implementation in ("splash", "flash") else implementation
     if implementation in ("splash", "flash"):
         t = q.shape[1]
         window_of = lambda on: sliding_window if on and sliding_window < t else None  # noqa: E731
@@ -211,7 +218,20 @@ class Attention(nn.Module):
             y = self._attend_cache(q, k, v, cache_slots, cache_mask)
         else:
             window = None if local is None else jnp.where(local, a.sliding_window, x.shape[1] + 1)
-            y = attend(q, k, v, segment_ids, a.kernel, window, a.scale, a.softcap, self.part, local, a.sliding_window)
+            y = attend(
+                q,
+                k,
+                v,
+                segment_ids,
+                a.kernel,
+                window,
+                a.scale,
+                a.softcap,
+                self.part,
+                local,
+                a.sliding_window,
+                a.context,
+            )
         y = c(y, ("batch", "length", "act_heads", None))
         wo_names = ("q_heads", "head_dim", "embed")
         wo = param(self, "wo", out_init, (a.n_heads, a.head_dim, s.d_model), wo_names, quantized=True)

@@ -10,7 +10,9 @@
 Neither kernel materialises [B, N, T, T] scores, and packed documents never see each other
 (a query sees a key iff same segment id, key <= query, and within the window). A kernel runs
 once per device on its shard of the batch and of the heads (`shard_map` over the partitioning's
-mesh: Pallas calls are not split by the compiler); the sequence stays whole on each device. On
+mesh: Pallas calls are not split by the compiler); the sequence stays whole on each device, so
+with the sequence split over `context` (mesh.context > 1) neither kernel runs: attention takes
+lm.model.ring_attention's allgather or ring path (XLA products) instead. On
 any backend but its own a kernel runs in Pallas's interpreter: slow, and meant for checking it
 (tests/model/test_fused_attention.py, on CPU or on the other accelerator), never for training.
 """
@@ -73,7 +75,7 @@ def _per_device(run, part, q, k, v, segment_ids):
     if heads(q_spec, q.shape[2]) % heads(kv_spec, k.shape[2]) or k.shape[2] % split_count(part.mesh, kv_spec[2]):
         # each device's query heads must be whole groups of its kv heads: repeat the kv heads
         (k, v), kv_spec = _repeat_kv(q, k, v), q_spec
-    if q_spec[1] is not None:
+    if split_count(part.mesh, q_spec[1]) > 1:  # attend routes such calls to lm.model.ring_attention
         raise ValueError("fused attention keeps the sequence whole on each device: the 'length' axis is sharded")
     return jax.shard_map(
         run,

@@ -27,6 +27,7 @@ class AttentionSpec:
     layer_types: tuple  # per layer "global" or "local"; empty: all global
     qkv_bias: bool  # biases on q/k/v only (use_bias puts them everywhere)
     qk_norm: bool  # a norm over head_dim on queries and keys before RoPE
+    context: str  # allgather | ring: how attention runs with the sequence split over `context`
 
 
 @dataclasses.dataclass(frozen=True)
@@ -108,7 +109,7 @@ PARTS = dict(
 
 # The model-section key of each part's field where it is not the field's own name.
 CONFIG_KEYS = dict(
-    attention=dict(kernel="attention", scale="attn_scale", softcap="attn_softcap"),
+    attention=dict(kernel="attention", scale="attn_scale", softcap="attn_softcap", context="context_attention"),
     rope={f.name: "rope_" + f.name for f in dataclasses.fields(RopeSpec)},
     norm=dict(kind="norm", eps="norm_eps"),
     mlp=dict(kind="mlp"),

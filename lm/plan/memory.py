@@ -31,6 +31,12 @@ L / (stages * repeats) layers. Beside them: float32 copies of the stage's block 
 pipeline's view (a circular schedule: the chunk each iteration runs, kept for the backward), the
 micro-batches' store, and the final norm's and head's backward and the logits over all the rows.
 
+Context parallelism (mesh.context > 1, lm.model.ring_attention): every activation holds T / context
+tokens per device (the `length` rule), so the stream, the saved residuals and the logits shrink by
+the context size. Attention then runs no fused kernel: each device holds float32 scores and
+probabilities of its T / context queries against all T keys (`allgather` at once, `ring` block by
+block for the backward), and `allgather` keeps every layer's gathered keys and values.
+
 Its coefficients were fitted to the TPU compiler's figures for the configs of
 bench/plan_vs_compiler.py; the README shows that table with the errors. A program over the chip's
 memory makes the compiler work harder to shrink it, so past the HBM the two part ways.
@@ -271,8 +277,14 @@ def activations(config, step, spec: ModelSpec, leaves, rules, mesh, c, trained_f
     saved = SAVED_STREAMS.get(spec.remat, SAVED_STREAMS["none"])
     lighter = spec.remat != "full"
     parts = {"saved residuals": int(saved_layers * (saved * stream + lighter * SAVED_MLP * rows * length * mlp * c))}
-    if spec.attention.kernel in ("xla", "reference", "cudnn"):
+    context = splits(("length",), rules, mesh)
+    if spec.attention.kernel in ("xla", "reference", "cudnn") or context > 1:
         parts["attention scores"] = int(rows * heads * length * T * (4 + c))  # float32 scores, probs
+        if context > 1 and spec.attention.context == "allgather":  # each layer's keys and values, whole
+            kv = spec.attention.n_kv_heads / splits(("act_kv_heads",), rules, mesh)
+            parts["gathered keys and values"] = int(
+                (saved_layers if lighter else 1) * 2 * rows * T * kv * spec.attention.head_dim * c
+            )
     elif lighter:  # blockwise keeps q, k, v and its output per layer for its backward
         parts["saved residuals"] += int(saved_layers * 4 * rows * length * heads * spec.attention.head_dim * c)
     parts["layer backward"] = int(LAYER_WORK * rows * length * (embed + mlp) * 4)

@@ -76,7 +76,7 @@ def test_partial_config_dict_merges_over_defaults(tmp_path):
         ),
         (
             "def get_config():\n    c = base_config()\n    c.mesh.rules.embed = ('fsdp', 'pipeline')\n    return c\n",
-            ["mesh.rules.embed", "data, stage, fsdp, expert, tensor"],
+            ["mesh.rules.embed", "data, stage, fsdp, expert, context, tensor"],
         ),
         ("x = 1\n", ["no get_config"]),
         ("def get_config(:\n", ["failed to load", "SyntaxError"]),

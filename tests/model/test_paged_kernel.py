@@ -59,7 +59,7 @@ def test_the_kernel_equals_the_xla_path_on_a_bf16_pool(scale, cap):
 
 @pytest.mark.skipif(len(jax.devices()) < 4, reason="needs 4 devices")
 def test_the_kernel_on_a_mesh_splits_rows_and_kv_heads():
-    mesh = Mesh(np.array(jax.devices()[:4]).reshape(2, 1, 1, 1, 2), AXES)  # data=2, tensor=2
+    mesh = Mesh(np.array(jax.devices()[:4]).reshape(2, 1, 1, 1, 1, 2), AXES)  # data=2, tensor=2
     check_against_xla(Partitioning(mesh, RULES), 4, 0.0, 0.0)
 
 
@@ -106,7 +106,7 @@ def test_which_calls_the_kernel_takes(monkeypatch):
     for kernel in ("auto", "blockwise", "xla", "flash", "reference"):  # auto on CPU is blockwise
         assert not paged_kernel.takes(kernel, part, q, bf16, PS, None)
     # kv heads that do not split over the devices their query heads split over
-    mesh = Mesh(np.array(jax.devices()[:4]).reshape(1, 1, 1, 1, 4), AXES)
+    mesh = Mesh(np.array(jax.devices()[:4]).reshape(1, 1, 1, 1, 1, 4), AXES)
     assert not paged_kernel.takes("splash", Partitioning(mesh, RULES), q, bf16, PS, None)
     monkeypatch.setattr(fused, "platform", lambda _: "tpu")
     wide = jax.ShapeDtypeStruct((K, PAGES * PS, 128), jnp.bfloat16)

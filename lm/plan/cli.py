@@ -30,8 +30,8 @@ def add_parser(sub) -> None:
     pl.add_argument(
         "--fit",
         action="store_true",
-        help="if a step does not fit, search remat, micro-batches and fsdp x tensor for the first "
-        "setting that does, compiled to confirm",
+        help="if a step does not fit, search remat, micro-batches and fsdp x context x tensor for the "
+        "first setting that does, compiled to confirm",
     )
     pl.add_argument(
         "--scaling",

@@ -2,10 +2,13 @@
 
 Candidates vary the remat policy (the config's, or one that keeps less), the micro-batch count
 (the config's, doubled while every device keeps at least one row) and the mesh (data x fsdp x
-tensor, tensor a power of two whose splits divide every param). They are ranked by how little
-they change (fewest settings changed, then fewest micro-batches, lightest remat, least tensor
-parallelism: the fastest first); the planner screens them, and the first that it says fits with
-a margin is compiled to confirm. A refusal by the compiler moves on to the next one.
+context x tensor: tensor a power of two whose splits divide every param; context a power of two
+splitting data.seq_len into whole chunks, 2 x context for model.context_attention=ring). They are
+ranked by how little they change: the config's own context size first (a new context size only
+when no setting without one fits: the split attention runs no fused kernel and keeps T/context x T
+scores), then fewest settings changed, fewest micro-batches, lightest remat, least context and
+tensor parallelism (the fastest first); the planner screens them, and the first that it says fits
+with a margin is compiled to confirm. A refusal by the compiler moves on to the next one.
 """
 
 from __future__ import annotations
@@ -22,27 +25,44 @@ from lm.train.registry import compiled_step
 REMAT_ORDER = ("none", "dots_with_no_batch_dims_saveable", "dots_saveable", "full")  # keeps less ->
 MARGIN = 0.92  # the planner's estimate must leave this share of HBM unused (its error is within 15%)
 MAX_COMPILES = 3
+MESH_KEYS = ("data", "fsdp", "context", "tensor")  # what the search sets (stage and expert are the config's)
 
 
 def _setting(config, remat: str, micro: int, mesh: dict) -> Config:
     return with_values(
-        config, {"model.remat": remat, "train.micro_batches": micro} | {f"mesh.{k}": v for k, v in mesh.items()}
+        config,
+        {"model.remat": remat, "train.micro_batches": micro} | {f"mesh.{k}": v for k, v in mesh.items()},
     )
 
 
+def contexts(config, chips: int) -> list[int]:
+    """Context sizes to try: the config's first, then every power of two that divides the chips
+    and splits the sequence into whole chunks (2 x context of them for the ring)."""
+    own = mesh_sizes(config, chips)["context"]
+    chunks = 2 if config.model.context_attention == "ring" else 1
+    out, size = [own], 1
+    while size <= chips:
+        if chips % size == 0 and config.data.seq_len % (size * chunks) == 0 and size != own:
+            out.append(size)
+        size *= 2
+    return out
+
+
 def _meshes(config, chips: int) -> list[dict]:
-    """The config's mesh first, then data=1 with fsdp x tensor over every chip (tensor <= 16; the
-    config's stage and expert sizes kept)."""
+    """The config's mesh first, then data=1 with fsdp x context x tensor over every chip (tensor
+    <= 16; the config's stage and expert sizes kept)."""
     own = mesh_sizes(config, chips)
     rest = own["stage"] * own["expert"]
     spec = ModelSpec.from_config(config.model)
     leaves = param_leaves(spec.replace(attention=dict(kernel="xla"), kernels="plain"))
     rules = dict(rules_table(config))
     out = [own]
-    for tensor in (1, 2, 4, 8, 16):
-        if (chips // rest) % tensor or chips % rest:
+    if chips % rest:
+        return out
+    for context, tensor in itertools.product(contexts(config, chips), (1, 2, 4, 8, 16)):
+        if (chips // rest) % (context * tensor):
             continue
-        mesh = own | {"data": 1, "fsdp": chips // rest // tensor, "tensor": tensor}
+        mesh = own | {"data": 1, "fsdp": chips // rest // context // tensor, "context": context, "tensor": tensor}
         if all(_divides(leaf, rules, mesh) for leaf in leaves) and mesh != own:
             out.append(mesh)
     return out
@@ -59,25 +79,26 @@ def candidates(config, step: str, chips: int) -> list[Config]:
     micros = [t.micro_batches]
     while t.batch_size % (micros[-1] * 2) == 0:
         micros.append(micros[-1] * 2)
+    rules = dict(rules_table(config))  # the search changes sizes, never the rule table
+    splits_batch = compiled_step(step).splits_batch
     found = []
     meshes = _meshes(config, chips)
     for r, m, mesh in itertools.product(remats, micros, meshes):
-        c = _setting(config, r, m, mesh)
-        sizes = mesh
-        rows = t.batch_size // m
-        if compiled_step(step).splits_batch and (rows % splits(("batch",), dict(rules_table(c)), sizes)):
+        if splits_batch and (t.batch_size // m) % splits(("batch",), rules, mesh):
             continue  # every device must keep a whole number of rows
         changed = (r != remat) + (m != t.micro_batches) + (mesh != meshes[0])
-        found.append(((changed, m, REMAT_ORDER.index(r) if r in REMAT_ORDER else 0, mesh["tensor"]), c))
-    return [c for _, c in sorted(found, key=lambda x: x[0])]
+        rank = REMAT_ORDER.index(r) if r in REMAT_ORDER else 0
+        key = (mesh["context"] != meshes[0]["context"], changed, m, rank, mesh["context"], mesh["tensor"])
+        found.append((key, r, m, mesh))
+    found.sort(key=lambda x: x[0])
+    return [_setting(config, r, m, mesh) for _, r, m, mesh in found]
 
 
 def overrides(config) -> str:
-    return (
-        f"--config.model.remat={config.model.remat} --config.train.micro_batches={config.train.micro_batches} "
-        f"--config.mesh.data={config.mesh.data} --config.mesh.fsdp={config.mesh.fsdp} "
-        f"--config.mesh.tensor={config.mesh.tensor}"
-    )
+    """The found setting as `lm train` / `lm plan` flags."""
+    settings = {"model.remat": config.model.remat, "train.micro_batches": config.train.micro_batches}
+    settings |= {f"mesh.{k}": config.mesh[k] for k in MESH_KEYS}
+    return " ".join(f"--config.{k}={v}" for k, v in settings.items())
 
 
 def search(config, step: str, target: Target, devices):

@@ -88,6 +88,11 @@ DISPATCH_COPIES = 0.1
 STAGE_PARAM_COPIES = 1.0
 PIPELINE_STORES = 2.0
 HEAD_STREAMS = 4.0
+# Context parallelism, fitted to Llama-3-8B at 131072 tokens (context 8 or 16 x tensor 8, v5p): float32
+# bytes per element of a device's [T/context, T] scores held in one layer's backward beside the
+# compute-dtype probabilities (allgather: the scores and part of their gradient, on the safe side;
+# the ring: every step's blocks, both branches of its causal choice). The unsplit `xla` path: 4.
+CONTEXT_SCORES = {"allgather": 6.0, "ring": 12.5}
 
 
 @dataclasses.dataclass(frozen=True)
@@ -279,7 +284,8 @@ def activations(config, step, spec: ModelSpec, leaves, rules, mesh, c, trained_f
     parts = {"saved residuals": int(saved_layers * (saved * stream + lighter * SAVED_MLP * rows * length * mlp * c))}
     context = splits(("length",), rules, mesh)
     if spec.attention.kernel in ("xla", "reference", "cudnn") or context > 1:
-        parts["attention scores"] = int(rows * heads * length * T * (4 + c))  # float32 scores, probs
+        f32 = CONTEXT_SCORES.get(spec.attention.context, 4.0) if context > 1 else 4.0
+        parts["attention scores"] = int(rows * heads * length * T * (f32 + c))  # float32 scores, probs
         if context > 1 and spec.attention.context == "allgather":  # each layer's keys and values, whole
             kv = spec.attention.n_kv_heads / splits(("act_kv_heads",), rules, mesh)
             parts["gathered keys and values"] = int(

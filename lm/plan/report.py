@@ -147,7 +147,7 @@ def _fit(config, name: str, target: Target, devices) -> bool:
     found, est, compiled = search(config, name, target, devices)
     if found is None:
         print(
-            f"\n--fit: no setting of remat, micro-batches and fsdp x tensor fits {name} on {target.name} "
+            f"\n--fit: no setting of remat, micro-batches and fsdp x context x tensor fits {name} on {target.name} "
             f"({compiled} compile(s) tried); it needs a larger slice or a shorter sequence"
         )
         return False

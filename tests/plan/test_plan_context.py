@@ -6,7 +6,7 @@ import pytest
 
 from lm.config import load_config
 from lm.errors import UserError
-from lm.plan.memory import estimate
+from lm.plan.memory import CONTEXT_SCORES, estimate
 
 
 def tiny_config(*overrides):
@@ -22,8 +22,10 @@ def test_activations_divide_by_the_context_size(strategy):
         assert four[name] == pytest.approx(one[name] / 4, rel=1e-6), name
     c = tiny_config().model
     rows, t, heads = 16 // 2, 256, c.n_heads
-    # a quarter of the queries against every key, float32 scores and float32 probabilities
-    assert "attention scores" not in one and four["attention scores"] == rows * heads * (t // 4) * t * 8
+    # a quarter of the queries against every key: float32 buffers (lm.plan.memory.CONTEXT_SCORES) and
+    # float32 probabilities
+    f32 = CONTEXT_SCORES[strategy]
+    assert "attention scores" not in one and four["attention scores"] == rows * heads * (t // 4) * t * (f32 + 4)
     gathered = 2 * rows * t * c.n_kv_heads * (c.d_model // c.n_heads) * 4  # one layer's k and v (remat=full)
     assert four.get("gathered keys and values", 0) == (gathered if strategy == "allgather" else 0)
     assert sum(four.values()) < sum(one.values())

@@ -84,6 +84,10 @@ DEFAULTS = dict(
     remat="none",
     init_std=0.02,
     kernels="auto",
+    # the blocks' projections (q/k/v/o, the MLP's) as float8 products with per-tensor current
+    # scaling: e4m3 operands forward, e5m2 gradients backward (lm.model.fp8, docs/fp8.md); the
+    # embeddings, norms, head, router, LoRA adapters and optimizer stay as they are
+    fp8=False,
     lora_rank=0,
     lora_alpha=16.0,
     lora_dropout=0.0,

@@ -190,7 +190,7 @@ class Attention(nn.Module):
             param(self, name, init, (s.d_model, n, a.head_dim), ("embed", axis, "head_dim"), quantized=True)
             for name, (n, axis) in heads.items()
         ]
-        qkv = matmuls(s, x, ["btd,dnh->btnh"] * 3, ws)  # x is kept once for the three backward products
+        qkv = matmuls(s, x, ["btd,dnh->btnh"] * 3, ws, block=True)  # x is kept once for the three backward products
         qkv = [
             y + lora_delta(self, s, name, x, "btd,dnh->btnh", (s.d_model, n, a.head_dim), ("embed", axis, "head_dim"))
             if targeted(s, name)
@@ -237,9 +237,9 @@ class Attention(nn.Module):
         wo = param(self, "wo", out_init, (a.n_heads, a.head_dim, s.d_model), wo_names, quantized=True)
         if self.decode:  # heads flattened on both sides: XLA:CPU would otherwise re-lay-out wo every step
             b, t = y.shape[:2]
-            out = matmul(s, "btf,fd->btd", y.reshape(b, t, -1), wo.reshape(-1, s.d_model))
+            out = matmul(s, "btf,fd->btd", y.reshape(b, t, -1), wo.reshape(-1, s.d_model), block=True)
         else:
-            out = matmul(s, "btnh,nhd->btd", y, wo)
+            out = matmul(s, "btnh,nhd->btd", y, wo, block=True)
         if targeted(s, "wo"):
             out = out + lora_delta(
                 self, s, "wo", y, "btnh,nhd->btd", (a.n_heads, a.head_dim, s.d_model), ("q_heads", "head_dim", "embed")

@@ -1,6 +1,7 @@
 """Building blocks: logically-partitioned params, norms, MLPs, sharding constraints, and the
 matmul / norm kernels of the two paths (plain einsum + autodiff, or `lm.model.cpu_kernels`);
-a quantized weight's products go through `lm.model.qdot`."""
+a quantized weight's products go through `lm.model.qdot`, and the blocks' projections of a
+`spec.fp8` model through `lm.model.fp8`."""
 
 from __future__ import annotations
 
@@ -11,7 +12,7 @@ import jax
 import jax.numpy as jnp
 from jax.sharding import Mesh, NamedSharding
 
-from lm.model import cpu_kernels
+from lm.model import cpu_kernels, fp8
 from lm.model.lora import lora_delta, targeted
 from lm.model.params import param
 from lm.model.qdot import qdot
@@ -33,12 +34,17 @@ class Partitioning:
         return jax.lax.with_sharding_constraint(x, NamedSharding(self.mesh, spec))
 
 
-def matmuls(spec: ModelSpec, x: jax.Array, specs, weights, out_dtype: str | None = None) -> tuple[jax.Array, ...]:
+def matmuls(
+    spec: ModelSpec, x: jax.Array, specs, weights, out_dtype: str | None = None, block: bool = False
+) -> tuple[jax.Array, ...]:
     """`jnp.einsum(s, x, w)` for each (s, w) in x's dtype with float32 accumulation; float32
     weights are cast to x's dtype for the product and get their gradients in float32. Quantized
-    weights (QTensor) multiply through `qdot` (int8 x int8 on the CPU kernel path)."""
+    weights (QTensor) multiply through `qdot` (int8 x int8 on the CPU kernel path). `block`: a
+    block's projection, an fp8 product when `spec.fp8` (the head and the rest never are)."""
     if any(isinstance(w, QTensor) for w in weights):
         return tuple(qdot(s, x, w, out_dtype, int_dot=spec.cpu_kernels) for s, w in zip(specs, weights))
+    if block and spec.fp8:
+        return fp8.matmuls(x, specs, weights, out_dtype)
     if spec.cpu_kernels:
         return cpu_kernels.matmuls(x, specs, weights, out_dtype)
     out = jnp.dtype(out_dtype or x.dtype)
@@ -48,12 +54,18 @@ def matmuls(spec: ModelSpec, x: jax.Array, specs, weights, out_dtype: str | None
     )
 
 
-def matmul(spec: ModelSpec, s: str, x: jax.Array, w: jax.Array, out_dtype: str | None = None) -> jax.Array:
-    return matmuls(spec, x, [s], [w], out_dtype)[0]
+def matmul(
+    spec: ModelSpec, s: str, x: jax.Array, w: jax.Array, out_dtype: str | None = None, block: bool = False
+) -> jax.Array:
+    return matmuls(spec, x, [s], [w], out_dtype, block)[0]
 
 
 def swiglu_down(spec: ModelSpec, gate: jax.Array, up: jax.Array, w: jax.Array) -> jax.Array:
-    """(silu(gate) * up) @ w, the product in float32 rounded once to the compute dtype."""
+    """(silu(gate) * up) @ w, the product in float32 rounded once to the compute dtype (a block's
+    MLP: with `spec.fp8`, an fp8 product of the rounded hidden)."""
+    if spec.fp8 and not isinstance(w, QTensor):
+        h = (nn.silu(gate.astype(jnp.float32)) * up.astype(jnp.float32)).astype(gate.dtype)
+        return fp8.matmul("btf,fd->btd", h, w)
     if spec.cpu_kernels and not isinstance(w, QTensor):
         return cpu_kernels.swiglu_down(gate, up, w)
     h = (nn.silu(gate.astype(jnp.float32)) * up.astype(jnp.float32)).astype(gate.dtype)
@@ -106,7 +118,7 @@ class Mlp(nn.Module):
 
         def dense_in(*names):
             ws = [param(self, n, init, (s.d_model, s.mlp.d_ff), names_in, quantized=True) for n in names]
-            hs = matmuls(s, x, ["btd,df->btf"] * len(names), ws)
+            hs = matmuls(s, x, ["btd,df->btf"] * len(names), ws, block=True)
             hs = [
                 h + lora_delta(self, s, n, x, "btd,df->btf", (s.d_model, s.mlp.d_ff), names_in) if targeted(s, n) else h
                 for n, h in zip(names, hs)
@@ -126,11 +138,11 @@ class Mlp(nn.Module):
         elif s.mlp.kind == "geglu":  # gelu (tanh approximation) gate, as Gemma's
             gate, up = dense_in("w_gate", "w_up")
             h = (nn.gelu(gate.astype(jnp.float32), approximate=True) * up.astype(jnp.float32)).astype(dt)
-            y = matmul(s, "btf,fd->btd", h, w_out())
+            y = matmul(s, "btf,fd->btd", h, w_out(), block=True)
             hidden = lambda: h
         else:
             h = nn.gelu(dense_in("w_in")[0], approximate=True)
-            y = matmul(s, "btf,fd->btd", h, w_out())
+            y = matmul(s, "btf,fd->btd", h, w_out(), block=True)
             hidden = lambda: h
         if targeted(s, "w_down"):
             y = y + lora_delta(self, s, "w_down", hidden(), "btf,fd->btd", (s.mlp.d_ff, s.d_model), names_out)

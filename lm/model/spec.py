@@ -136,6 +136,7 @@ class ModelSpec:
     remat: str
     init_std: float
     kernels: str  # "cpu": lm.model.cpu_kernels; "plain": einsum + autodiff; "auto": cpu on CPU
+    fp8: bool  # the blocks' projections as fp8 products with current scaling (lm.model.fp8)
     attention: AttentionSpec
     rope: RopeSpec
     norm: NormSpec

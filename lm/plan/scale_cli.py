@@ -15,10 +15,10 @@ def add_parser(sub) -> None:
     p = with_overrides(sub, "scale", help="a scaling-law ladder: train small shapes, fit L(N, D), predict the optimum")
     p.add_argument("--config", default="configs/tiny.py", help="the pretraining config the shapes derive from")
     p.add_argument("--workdir", required=True, help="the ladder's directory: points/NAME runs, ladder.jsonl, scaling.*")
-    p.add_argument("--widths", default="32,64,128", help="d_model of each shape (multiples of the config's head_dim)")
+    p.add_argument("--widths", default="32,64,96", help="d_model of each shape (multiples of the config's head_dim)")
     p.add_argument("--depths", default="2", help="n_layers of each shape (every width at every depth)")
     p.add_argument("--shapes", default="", help="WIDTHxDEPTH list instead of --widths x --depths, e.g. 64x2,128x4")
-    p.add_argument("--tokens", default="1M,2M", help="token budgets every shape trains for (K, M, B suffixes)")
+    p.add_argument("--tokens", default="500K,2M,8M", help="token budgets every shape trains for (K, M, B suffixes)")
     p.add_argument(
         "--budget",
         default="",

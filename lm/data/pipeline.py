@@ -14,7 +14,10 @@ where a piece does not fit, `segment_ids` so attention never crosses documents.
 A process builds only the streams of the rows it feeds, so it reads only its share,
 and the global batch is the same whatever the number of processes.
 Everything before packing is index arithmetic, so the iterator state is a few
-integers per stream and resuming reproduces the exact batches.
+integers per stream and resuming reproduces the exact batches. The state names the rows its
+streams feed (`{"rows", "global_batch", "batches", "streams"}`), so the states saved by one set
+of processes can be regrouped for another (`regroup_state`): a run may resume on a different
+number of processes and still see exactly the batches it would have seen.
 
 A source may instead hold ready examples (e.g. `lm.data.sft.SftExamples`: random
 access to {'inputs', 'targets', 'loss_mask'} of at most seq_len predictions). They
@@ -181,7 +184,87 @@ def train_dataset(
     # Equal weights: grain's mix takes the streams round-robin, so batch row i is stream i.
     merged = streams[0] if len(streams) == 1 else grain.IterDataset.mix(streams)
     batches = merged.batch(len(rows), drop_remainder=True)
-    return batches.map(to_contract) if pack else batches
+    return _RowStreams(batches.map(to_contract) if pack else batches, rows, global_batch)
+
+
+class _RowStreams(grain.IterDataset):
+    """Batches of the streams of `rows`, with a state that names each row's stream position."""
+
+    def __init__(self, parent: grain.IterDataset, rows: list[int], global_batch: int):
+        super().__init__(parent)
+        self.rows, self.global_batch = rows, global_batch
+
+    def __iter__(self):
+        return _RowStreamsIterator(self._parent.__iter__(), self.rows, self.global_batch)
+
+
+class _RowStreamsIterator(grain.DatasetIterator):
+    def __init__(self, parent, rows: list[int], global_batch: int):
+        super().__init__(parent)
+        self.rows, self.global_batch, self.batches = rows, global_batch, 0
+
+    def __next__(self):
+        batch = next(self._parent)
+        self.batches += 1
+        return batch
+
+    def get_state(self) -> dict:
+        inner = self._parent.get_state()
+        streams = [inner] if len(self.rows) == 1 else inner["parents"]
+        return {"rows": self.rows, "global_batch": self.global_batch, "batches": self.batches, "streams": streams}
+
+    def set_state(self, state: dict) -> None:
+        if "streams" not in state:  # saved before states named their rows: grain's own, as it is
+            self._parent.set_state(state)
+            self.batches = state.get("index", 0) // len(self.rows)
+            return
+        if list(state["rows"]) != self.rows or state["global_batch"] != self.global_batch:
+            raise UserError(
+                f"data: the saved position is of rows {state['rows']} of a global batch of {state['global_batch']}; "
+                f"this iterator feeds rows {self.rows} of {self.global_batch} (see lm.data.pipeline.regroup_state)"
+            )
+        self.batches, streams = int(state["batches"]), state["streams"]
+        # The mix's index counts rows taken; a whole number of batches keeps row i on stream i.
+        inner = (
+            streams[0]
+            if len(self.rows) == 1
+            else {"parents": streams, "index": self.batches * len(self.rows), "stop": False}
+        )
+        self._parent.set_state(inner)
+
+
+def regroup_state(saved: dict, rows) -> dict:
+    """The iterator state of a process feeding `rows`, from the states other processes saved
+    ({name: state}, each covering its own rows): row r's stream resumes where the process that
+    fed it left it. Raises UserError when a state does not name its rows (saved before states did,
+    or not a train_dataset state), when the saved states disagree, or when a row is not covered."""
+    positions, batches, sizes = {}, set(), set()
+    for name, state in sorted(saved.items()):
+        if not isinstance(state, dict) or not {"rows", "global_batch", "batches", "streams"} <= state.keys():
+            raise UserError(
+                f"data state '{name}' does not record which batch rows it feeds (saved by an older version, "
+                "or by a stage whose data is not row streams), so it cannot be split among another number "
+                "of processes"
+            )
+        if len(state["rows"]) != len(state["streams"]):
+            raise UserError(f"data state '{name}' lists {len(state['rows'])} rows but {len(state['streams'])} streams")
+        batches.add(int(state["batches"]))
+        sizes.add(int(state["global_batch"]))
+        for r, stream in zip(state["rows"], state["streams"]):
+            if positions.setdefault(int(r), stream) != stream:  # replicas feed the same rows
+                raise UserError(f"data states disagree on the position of row {r} ('{name}' and another)")
+    if len(batches) > 1 or len(sizes) > 1:
+        raise UserError(f"data states disagree: batches taken {sorted(batches)}, global batch {sorted(sizes)}")
+    rows = [int(r) for r in rows]
+    missing = sorted(set(rows) - positions.keys())
+    if missing:
+        raise UserError(f"data states cover rows {sorted(positions)}; rows {missing} have no saved position")
+    return {
+        "rows": rows,
+        "global_batch": sizes.pop(),
+        "batches": batches.pop(),
+        "streams": [positions[r] for r in rows],
+    }
 
 
 def ready_batches(items, batch_size: int, limit: int = 0) -> list[dict]:

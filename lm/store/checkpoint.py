@@ -4,7 +4,8 @@ One checkpoint is a step directory with three items written together:
   state/  the TrainState (step, params, optimizer state, rng), sharded, one layout whatever
           the mesh or remat policy (layers are always scanned: a leading `layers` axis);
   data/   the grain iterator state of each process, process_I-of-N.json (a resumed run sees
-          exactly the batches, or RL prompts, it would have seen);
+          exactly the batches, or RL prompts, it would have seen); a run resumed on another
+          number of processes regroups them by batch row (lm.data.pipeline.regroup_state);
   meta/   JSON: the resolved config, the run's identity (lm.train.identity), the shape and
           checksum of every state leaf, the sha256 of every process's data state, the digest of
           metrics.jsonl so far, the loop's fault counters, and a sha256 of itself
@@ -17,7 +18,7 @@ run, shapes match the config, every array restorable, state checksums and data d
 if damaged, the next newest is tried, and once one is restored the damaged newer ones are moved
 to `rejected_checkpoints/` with a one-line warning naming the fault and the file. Only damage
 sets a checkpoint aside: another run's checkpoint, shapes that do not fit the config, a data
-position saved by another number of processes (a wrong setup), a permission or I/O error (the
+position that cannot be regrouped for this number of processes (a wrong setup), a permission or I/O error (the
 storage, not the files) end the resume with one line and move nothing; so does a resume that
 finds no intact checkpoint. A checkpoint written before meta and data digests existed is
 restored with a warning that they are unchecked.
@@ -38,6 +39,7 @@ import grain
 import jax
 import orbax.checkpoint as ocp
 
+from lm.data.pipeline import regroup_state
 from lm.errors import UserError
 from lm.model.params import leaf_paths
 from lm.store.checkpoint_checks import (
@@ -257,11 +259,12 @@ class Checkpointer:
         verify_array_files(step_dir / "state")
         self._check_array_metadata(step, meta)
         items = {"state": ocp.args.StandardRestore(abstract_state)}
+        regrouped = None
         if data_iter is not None:
             if "data_checksums" in meta:
-                self._check_processes(step, meta["data_checksums"])
-                verify_data(step_dir, meta["data_checksums"])
-            items["data"] = grain.checkpoint.CheckpointRestore(data_iter)
+                regrouped = self._data_state(step, meta["data_checksums"], data_iter)
+            if regrouped is None:
+                items["data"] = grain.checkpoint.CheckpointRestore(data_iter)
         if not sealed or (data_iter is not None and "data_checksums" not in meta):
             print(
                 f"lm: warning: checkpoint step {step} in '{self.directory}' predates the checksums of its meta "
@@ -272,17 +275,31 @@ class Checkpointer:
         for path, want, got in zip(leaf_paths(state), meta["checksums"], checksums(state, meta.get("checksum_kind"))):
             if want != got:
                 raise Damaged(f"state array '{path}' differs from what was saved (checksum {got} != {want})")
+        if regrouped is not None:
+            data_iter.set_state(regrouped)
         return state, meta
 
-    def _check_processes(self, step: int, saved: dict) -> None:
-        """grain keeps one iterator state per process: resuming needs the same number of them."""
-        count = jax.process_count()
-        if set(saved) != {data_file(i, count) for i in range(count)}:
+    def _data_state(self, step: int, saved: dict, data_iter) -> dict | None:
+        """Checks every saved data state against its digest. grain keeps one iterator state per
+        process: saved by as many processes as this run has, None (grain restores its own);
+        otherwise this process's state, regrouped by batch row from all the saved ones."""
+        step_dir, count = self.directory / str(step), jax.process_count()
+        if set(saved) == {data_file(i, count) for i in range(count)}:
+            verify_data(step_dir, saved)
+            return None
+        now = data_iter.get_state()
+        try:
+            if not isinstance(now, dict) or "rows" not in now:
+                raise UserError("this stage's data iterator does not record which batch rows it feeds")
+            verify_data(step_dir, saved)
+            states = {name: json.loads((step_dir / "data" / name).read_text()) for name in saved}
+            return regroup_state(states, now["rows"])
+        except UserError as e:
             raise IncompatibleCheckpoint(
                 f"checkpoint step {step} in '{self.directory}' holds the data position of {len(saved)} "
-                f"process(es) ({', '.join(sorted(saved))}), this run has {count}; resume with "
+                f"process(es), this run has {count}, and it cannot be regrouped: {e}; resume with "
                 f"{len(saved)} process(es) or start a new --workdir"
-            )
+            ) from None
 
     def _check_array_metadata(self, step: int, meta: dict) -> None:
         """Orbax's own tree metadata must be there and agree: exports and other tools read it."""

@@ -6,7 +6,7 @@ import json
 import numpy as np
 import pytest
 
-from lm.data.pipeline import BATCH_DTYPES, Pieces, Source, eval_batches, train_dataset
+from lm.data.pipeline import BATCH_DTYPES, Pieces, Source, eval_batches, regroup_state, train_dataset
 from lm.data.shards import ShardSet
 from lm.errors import UserError
 
@@ -204,3 +204,61 @@ def test_state_round_trips_through_an_orbax_checkpoint(tmp_path):
         resumed = iter(train_dataset(sources, **kw))
         manager.restore(5, args=ocp.args.Composite(data=grain.checkpoint.CheckpointRestore(resumed)))
     assert_same(take(resumed, 7), straight[5:])
+
+
+def _hand_state(rows, positions, batches=3, global_batch=4):
+    return {"rows": rows, "global_batch": global_batch, "batches": batches, "streams": [{"at": p} for p in positions]}
+
+
+def test_regroup_state_reassigns_rows_from_hand_made_states():
+    saved = {"process_0-of-2.json": _hand_state([0, 1], [10, 11]), "process_1-of-2.json": _hand_state([2, 3], [12, 13])}
+    assert regroup_state(saved, [0, 1, 2, 3]) == _hand_state([0, 1, 2, 3], [10, 11, 12, 13])
+    assert regroup_state(saved, [3, 1]) == _hand_state([3, 1], [13, 11])
+    # replicas (a non-batch axis across processes) saved the same rows twice: they must agree
+    replicas = saved | {"process_2-of-3.json": _hand_state([2, 3], [12, 13])}
+    assert regroup_state(replicas, [2]) == _hand_state([2], [12])
+    with pytest.raises(UserError, match="disagree on the position of row 3"):
+        regroup_state(saved | {"process_2-of-3.json": _hand_state([3], [99])}, [3])
+    with pytest.raises(UserError, match=r"rows \[2, 3\] have no saved position"):
+        regroup_state({"process_0-of-2.json": saved["process_0-of-2.json"]}, [0, 1, 2, 3])
+    with pytest.raises(UserError, match="batches taken"):
+        regroup_state(saved | {"process_1-of-2.json": _hand_state([2, 3], [12, 13], batches=4)}, [0])
+    with pytest.raises(UserError, match="'process_0-of-1.json' does not record which batch rows it feeds"):
+        regroup_state({"process_0-of-1.json": {"parents": [], "index": 6, "stop": False}}, [0])
+
+
+@pytest.mark.parametrize("before,after", [(2, 1), (1, 4), (4, 2)], ids=["2_to_1", "1_to_4", "4_to_2"])
+def test_resume_on_another_number_of_processes_is_exact(before, after):
+    sources = [
+        Source("a", make_set([3, 17, 6, 2, 30, 9, 5, 12]), 2.0),
+        Source("b", make_set([4, 8, 25], base=10**6), 1.0),
+    ]
+    kw = dict(seq_len=8, global_batch=4, seed=7)
+    straight = take(iter(train_dataset(sources, **kw)), 20)
+    share = 4 // before
+    saved = {}
+    for p in range(before):
+        it = iter(train_dataset(sources, rows=range(p * share, (p + 1) * share), **kw))
+        take(it, 9)
+        saved[f"process_{p}-of-{before}.json"] = json.loads(json.dumps(it.get_state()))  # as stored
+    share = 4 // after
+    for p in range(after):
+        rows = list(range(p * share, (p + 1) * share))
+        resumed = iter(train_dataset(sources, rows=rows, **kw))
+        resumed.set_state(regroup_state(saved, rows))
+        assert_same(take(resumed, 11), [{k: v[rows] for k, v in b.items()} for b in straight[9:]])
+
+
+def test_state_saved_before_rows_were_named_still_restores():
+    """grain's own state (what checkpoints held before) restores on the same number of processes."""
+    sources = [Source("a", make_set([3, 17, 6, 2, 30, 9]), 1.0)]
+    kw = dict(seq_len=8, global_batch=4, seed=1)
+    straight = take(iter(train_dataset(sources, **kw)), 8)
+    it = iter(train_dataset(sources, **kw))
+    take(it, 3)
+    state = it.get_state()
+    old = {"parents": state["streams"], "index": 3 * 4, "stop": False}
+    resumed = iter(train_dataset(sources, **kw))
+    resumed.set_state(json.loads(json.dumps(old)))
+    assert_same(take(resumed, 5), straight[3:])
+    assert resumed.get_state()["batches"] == 8

@@ -20,7 +20,7 @@ import pytest
 from lm.config import base_config
 from lm.errors import UserError
 from lm.store.checkpoint import Checkpointer, IncompatibleCheckpoint
-from lm.store.checkpoint_checks import seal
+from lm.store.checkpoint_checks import _json_digest, seal
 from lm.store.checkpoint_read import saved_steps
 from lm.train.setup import build_run
 
@@ -316,7 +316,7 @@ def test_rl_prompt_stream_position_is_checked(tmp_path, capsys):
         next(it)
         ckpt.save(step, tiny_state(step), it)
     ckpt.close()
-    _edit_json(next((root / "2" / "data").glob("*.json")), lambda s: s.update(index=s["index"] + 4))
+    _edit_json(next((root / "2" / "data").glob("*.json")), lambda s: s.update(batches=s["batches"] + 1))
     resumed = prompt_stream()
     _, step, _ = Checkpointer(root, every_steps=1, keep=5).restore(tiny_target(), resumed)
     assert step == 1
@@ -345,16 +345,103 @@ def test_checkpoint_without_digests_is_restored_with_a_warning(tmp_path, capsys)
     np.testing.assert_array_equal(next(resumed), next(reference))
 
 
-def test_data_position_of_another_process_count_is_refused(tmp_path):
+def test_data_position_of_another_process_count_needs_row_streams(tmp_path):
+    """An iterator whose state does not name its batch rows cannot take over another process's rows."""
     root = tmp_path / "checkpoints"
     ckpt = Checkpointer(root, every_steps=1, keep=5)
     ckpt.save(1, tiny_state(1), data_iter())
     ckpt.close()
     two = {"process_0-of-2.json": "0" * 64, "process_1-of-2.json": "1" * 64}
     _unseal(root / "1", lambda m: m.update(data_checksums=two))
-    with pytest.raises(IncompatibleCheckpoint, match="data position of 2 process.*this run has 1"):
+    with pytest.raises(
+        IncompatibleCheckpoint,
+        match="data position of 2 process.*this run has 1, and it cannot be regrouped: this stage's data "
+        "iterator does not record which batch rows it feeds",
+    ):
         Checkpointer(root, every_steps=1, keep=5).restore(tiny_target(), data_iter())
     assert (root / "1").is_dir()  # a different setup, not a damaged checkpoint
+
+
+def _rows_iter(rows=None):
+    from lm.data.pipeline import Source, train_dataset
+    from tests.data.test_grain_pipeline import make_set
+
+    sources = [Source("a", make_set([3, 17, 6, 2, 30, 9, 5, 12]), 1.0)]
+    return iter(train_dataset(sources, seq_len=8, global_batch=4, seed=3, rows=rows))
+
+
+def _as_two_processes(step_dir: pathlib.Path, states: list) -> None:
+    """The data item as two processes would have written it, with matching digests in the meta."""
+    (step_dir / "data" / "process_0-of-1.json").unlink()
+    digests = {}
+    for i, state in enumerate(states):
+        name = f"process_{i}-of-2.json"
+        (step_dir / "data" / name).write_text(json.dumps(state))
+        digests[name] = _json_digest(state)
+    _unseal(step_dir, lambda m: m.update(data_checksums=digests))
+
+
+def test_data_position_of_two_processes_is_regrouped_for_one(tmp_path):
+    root = tmp_path / "checkpoints"
+    straight = [next(it) for it in [_rows_iter()] for _ in range(6)]
+    halves = [_rows_iter([0, 1]), _rows_iter([2, 3])]
+    for it in halves:
+        next(it), next(it)
+    ckpt = Checkpointer(root, every_steps=1, keep=5)
+    ckpt.save(2, tiny_state(2), _rows_iter())
+    ckpt.close()
+    _as_two_processes(root / "2", [it.get_state() for it in halves])
+    resumed = _rows_iter()
+    _, step, _ = Checkpointer(root, every_steps=1, keep=5).restore(tiny_target(), resumed)
+    assert step == 2
+    for want in straight[2:]:
+        got = next(resumed)
+        for k in want:
+            np.testing.assert_array_equal(got[k], want[k], err_msg=k)
+    # a damaged state of one of the two is still damage, found before any regrouping
+    _edit_json(root / "2" / "data" / "process_1-of-2.json", lambda s: s.update(batches=3))
+    with pytest.raises(Exception, match="process_1-of-2.json' differs from what was saved"):
+        Checkpointer(root, every_steps=1, keep=5).restore(tiny_target(), _rows_iter(), step=2)
+
+
+def test_two_process_data_states_without_rows_are_refused_in_one_line(tmp_path):
+    root = tmp_path / "checkpoints"
+    ckpt = Checkpointer(root, every_steps=1, keep=5)
+    ckpt.save(1, tiny_state(1), _rows_iter())
+    ckpt.close()
+    older = {"parents": [{"parent": {"next_index": 0}, "next_row": 1, "counter": 1}] * 2, "index": 2, "stop": False}
+    _as_two_processes(root / "1", [older, older])
+    with pytest.raises(IncompatibleCheckpoint, match="'process_0-of-2.json' does not record which batch rows it feeds"):
+        Checkpointer(root, every_steps=1, keep=5).restore(tiny_target(), _rows_iter())
+    assert (root / "1").is_dir()
+
+
+def test_state_saved_on_2x2x2_continues_on_8x1x1(tmp_path):
+    """The restore target carries the new mesh's shardings; one more step on each mesh agrees."""
+    from lm.train.setup import host_batch
+
+    c = config()
+    c.data.seq_len = 16
+    c.train.batch_size = 8
+    old, new = build(c, (2, 2, 2), jax.devices()[:8]), build(c, (8, 1, 1), jax.devices()[:8])
+    signature = old.signature()
+    batches = [host_batch(signature, seed=i, vocab_size=64) for i in range(2)]
+    step = old.train_step(signature)
+    state, _ = step(old.init_state(0), old.placer(signature).from_global(batches[0]))
+    ckpt = Checkpointer(tmp_path / "checkpoints", 1, keep=1, config=c)
+    ckpt.save(1, state, data_iter())
+    ckpt.close()
+    expected, m_old = step(state, old.placer(signature).from_global(batches[1]))
+    restored, _, _ = Checkpointer(tmp_path / "checkpoints", 1, keep=1, config=c).restore(new.abstract_state())
+    for leaf, sharding in zip(jax.tree.leaves(restored), jax.tree.leaves(new.state_shardings)):
+        assert leaf.sharding == sharding
+    got, m_new = new.train_step(signature)(restored, new.placer(signature).from_global(batches[1]))
+    assert float(m_new["loss"]) == pytest.approx(float(m_old["loss"]), rel=1e-5)
+    jax.tree.map(
+        lambda a, b: np.testing.assert_allclose(a, b, rtol=1e-4, atol=1e-6),
+        jax.device_get(got.params),
+        jax.device_get(expected.params),
+    )
 
 
 def test_garbage_in_array_data_is_caught_by_checksums(tmp_path, capsys):

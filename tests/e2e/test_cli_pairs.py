@@ -110,7 +110,9 @@ def test_live_reference_resumes_exactly(small_base, task, tmp_path, loss):
 @pytest.mark.slow
 def test_reward_model_trains_and_scores_pairs_and_texts(small_base, task, tmp_path, capsys):
     w = tmp_path / "rm"
-    assert run("reward", small_base, task, w, 6) == 0
+    # the scalar head starts at 0 and the 10-step base separates the answers little: a rate that
+    # moves the head within the few steps a test affords
+    assert run("reward", small_base, task, w, 12, "--config.optim.lr=1e-2") == 0
     summary = json.loads((w / "summary.json").read_text())
     assert summary["eval_init"]["eval_loss"] == pytest.approx(np.log(2), abs=1e-5)
     assert summary["eval"]["eval_loss"] < summary["eval_init"]["eval_loss"]

@@ -46,6 +46,8 @@ OVERRIDES = [
 # Where every param lives on the (data=1, fsdp=4, tensor=2) mesh: the default rule table, by hand (the
 # stacked layers' axis follows the `stage` rule: size 1 here, but the compiled spec names it).
 GOLDEN = {
+    "['blocks']['attn']['k_norm']['scale']": P("stage", None),  # QK-norm: configs/tiny.py's recipe
+    "['blocks']['attn']['q_norm']['scale']": P("stage", None),
     "['blocks']['attn']['wk']": P("stage", "fsdp", "tensor", None),
     "['blocks']['attn']['wo']": P("stage", "tensor", None, "fsdp"),
     "['blocks']['attn']['wq']": P("stage", "fsdp", "tensor", None),

@@ -7,10 +7,26 @@ Hugging Face export, serving, the mixture of experts, tool use and asynchronous 
 
 from __future__ import annotations
 
+import pathlib
+
 from lm.demo.agent import staleness_lines, tool_use_lines
 from lm.demo.moe import moe_lines
 from lm.demo.posttrain import post_training_lines
 from lm.demo.serve import serving_lines
+
+
+def recipe_comparison(base_dir: pathlib.Path, old_dir: pathlib.Path, old: dict) -> dict:
+    """The old recipe's figures beside the default's, and both runs' curves in one plot."""
+    from lm.train.metrics import plot_runs
+
+    plot = base_dir / "recipe_vs_old.png"
+    plot_runs(
+        {"Muon + WSD + QK-norm (default)": base_dir / "metrics.jsonl", "AdamW + cosine": old_dir / "metrics.jsonl"},
+        plot,
+        baseline=old.get("unigram_baseline"),
+        title="pretraining: the default recipe vs the old one (same data, batches and steps)",
+    )
+    return {"eval_loss": old.get("eval_loss"), "plot": str(plot)}
 
 
 def _recipe_lines(p: dict) -> list[str]:

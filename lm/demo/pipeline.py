@@ -42,7 +42,7 @@ import pathlib
 from lm.config import load_config
 from lm.data.synthetic import write_sort_pairs, write_sort_task
 from lm.demo.agent import staleness_runs, tool_use
-from lm.demo.evidence import evidence
+from lm.demo.evidence import evidence, recipe_comparison
 from lm.demo.moe import moe_pretraining
 from lm.demo.posttrain import MODELS as POST_MODELS
 from lm.demo.posttrain import post_training
@@ -269,20 +269,6 @@ def _run_stages(
     (root / "demo_summary.json").write_text(json.dumps(summary, indent=2))
     (root / "demo_summary.txt").write_text(text + "\n")
     return summary
-
-
-def recipe_comparison(base_dir: pathlib.Path, old_dir: pathlib.Path, old: dict) -> dict:
-    """The old recipe's figures beside the default's, and both runs' curves in one plot."""
-    from lm.train.metrics import plot_runs
-
-    plot = base_dir / "recipe_vs_old.png"
-    plot_runs(
-        {"Muon + WSD + QK-norm (default)": base_dir / "metrics.jsonl", "AdamW + cosine": old_dir / "metrics.jsonl"},
-        plot,
-        baseline=old.get("unigram_baseline"),
-        title="pretraining: the default recipe vs the old one (same data, batches and steps)",
-    )
-    return {"eval_loss": old.get("eval_loss"), "plot": str(plot)}
 
 
 def plan_for_tpu(config, slice_name: str) -> dict:

@@ -3,8 +3,7 @@ plot drawn from the two runs' metrics."""
 
 import json
 
-from lm.demo.evidence import evidence
-from lm.demo.pipeline import recipe_comparison
+from lm.demo.evidence import evidence, recipe_comparison
 
 
 def _metrics(path, losses):

@@ -56,6 +56,9 @@ MOE = dict(
 PIPELINE = dict(
     pipeline_microbatches=0,  # 0: as many as stages
     pipeline_repeats=1,  # 1: GPipe; r > 1: circular, each stage holds r chunks of layers
+    # gpipe: all forwards, then all backwards (circular with repeats > 1); 1f1b: one forward, one
+    # backward (interleaved 1F1B with repeats > 1), at most `stages` micro-batches held per stage
+    pipeline_schedule="gpipe",
 )
 
 # head_dim 0: d_model // n_heads. LoRA (lm.model.lora): rank 0 = off; targets among LORA_TARGETS;
@@ -114,6 +117,7 @@ CHOICES = dict(
     kernels=("auto", "cpu", "plain"),
     router_score=("softmax", "sigmoid"),
     lora_base_quant=("none", "nf4", "int4"),
+    pipeline_schedule=("gpipe", "1f1b"),
 )
 
 
@@ -244,4 +248,12 @@ def check_pipeline(c) -> None:
         "model.pipeline_microbatches",
         m.pipeline_microbatches,
         f"a circular pipeline (model.pipeline_repeats > 1) needs at least mesh.stage={stages} micro-batches",
+    )
+    interleaved = m.pipeline_schedule == "1f1b" and m.pipeline_repeats > 1
+    require(
+        not interleaved or (m.pipeline_microbatches or stages) % stages == 0,
+        "model.pipeline_microbatches",
+        m.pipeline_microbatches,
+        f"interleaved 1F1B (model.pipeline_repeats > 1) sends micro-batches round in groups of "
+        f"mesh.stage={stages}: expected a multiple of it",
     )

@@ -22,6 +22,9 @@ block params (an all-to-all; the backward sends their gradients back) and holds 
 until the backward pass is done. A micro-batch leaving the last stage waits in the store for
 its next round, so circular needs M >= stages.
 
+Schedules (model.pipeline_schedule): this loop is "gpipe" (circular with repeats > 1); "1f1b"
+runs the loss inside the pipeline (lm.model.pipeline_1f1b) and only evaluations run this loop.
+
 Mixture-of-experts blocks are refused for now: their routing statistics (the scan's aux)
 would have to be collected per micro-batch.
 """
@@ -101,16 +104,16 @@ def check(spec, stages: int, rows: int, shards: int = 1) -> None:
         )
 
 
-def _split(a, m):
+def split_micro(a, m):
     """[B, ...] -> [m, B/m, ...], micro-batch i holding rows i, i+m, ... (stays on its devices)."""
     return jnp.asarray(a).reshape(a.shape[0] // m, m, *a.shape[1:]).swapaxes(0, 1)
 
 
-def _merge(a):
+def merge_micro(a):
     return a.swapaxes(0, 1).reshape(-1, *a.shape[2:])
 
 
-def _by_stage(a, stages, repeats, part, axes):
+def by_stage(a, stages, repeats, part, axes):
     """[L, ...] -> [S, R, L/(S R), ...], split over the stage axis (a reshard when R > 1)."""
     a = a.reshape(repeats, stages, a.shape[0] // (stages * repeats), *a.shape[1:]).swapaxes(0, 1)
     if part.mesh is None:
@@ -119,7 +122,7 @@ def _by_stage(a, stages, repeats, part, axes):
     return jax.lax.with_sharding_constraint(a, NamedSharding(part.mesh, PartitionSpec(axes, None, None, *rest)))
 
 
-def _stage_fn(block, policy):
+def stage_fn(block, policy):
     """One stage: its chunk of layers scanned over `x`, each layer remat'd like the model's."""
 
     def stage(layers, x, seg, rope, key):
@@ -149,13 +152,13 @@ def pipeline_blocks(module: nn.Module, block_cls, policy, x, segment_ids, rope_c
     axes = nn.logical_to_mesh_axes(("stage",), part.rules)[0]
     c = part.constrain
     layers = (nn.unbox(module.variables["params"]["blocks"]), local)
-    layers = jax.tree.map(lambda a: _by_stage(a, stages, repeats, part, axes), layers)
-    seg_rope = jax.tree.map(lambda a: _split(a, m), (segment_ids, rope_cs))
+    layers = jax.tree.map(lambda a: by_stage(a, stages, repeats, part, axes), layers)
+    seg_rope = jax.tree.map(lambda a: split_micro(a, m), (segment_ids, rope_cs))
     # the micro-batches' inputs, then each round's outputs; every stage holds a copy (the last
     # stage's output is sent to all each iteration), so stage 0 reads its next input locally
-    store = c(_split(x, m), (None, "batch", "length", "act_embed"))
+    store = c(split_micro(x, m), (None, "batch", "length", "act_embed"))
     key = module.make_rng("dropout") if module.has_rng("dropout") else None
-    stage = jax.vmap(_stage_fn(block_cls(spec, part, parent=None), policy), spmd_axis_name=axes)
+    stage = jax.vmap(stage_fn(block_cls(spec, part, parent=None), policy), spmd_axis_name=axes)
     ids = jnp.arange(stages)
     first = (ids == 0)[:, None, None, None]
 
@@ -183,4 +186,22 @@ def pipeline_blocks(module: nn.Module, block_cls, policy, x, segment_ids, rope_c
 
     buf = per_stage(jnp.zeros((stages, *store.shape[1:]), store.dtype))
     (_, store), _ = jax.lax.scan(step, (buf, store), jnp.arange(m * repeats + stages - 1))
-    return c(_merge(store), ("batch", "length", "act_embed"))
+    out = c(merge_micro(store), ("batch", "length", "act_embed"))
+    return _forward_only(out) if spec.pipeline.schedule == "1f1b" else out
+
+
+@jax.custom_vjp
+def _forward_only(x):
+    """x; differentiating it is refused: a 1F1B schedule's gradients come from the loss it runs
+    (lm.model.pipeline_1f1b), and autodiff here would silently hold every micro-batch."""
+    return x
+
+
+def _refuse(x):
+    raise UserError(
+        "model.pipeline_schedule=1f1b runs the pretraining and SFT losses inside the pipeline; "
+        "this stage's loss differentiates the plain forward: set model.pipeline_schedule=gpipe"
+    )
+
+
+_forward_only.defvjp(_refuse, lambda _, g: (g,))

@@ -3,7 +3,9 @@
 Modes over one set of params: training (`decode=False`: the tokens attend to each other) and
 decoding (`decode=True`: prefill and decode steps against the KV cache, see lm.model.cache).
 `output="hidden"` returns the final-normed hidden states instead of logits, so other heads
-(a scalar reward or value head, lm.model.heads) sit on the same trunk.
+(a scalar reward or value head, lm.model.heads) sit on the same trunk. A pipeline that runs the
+loss on its last stage (lm.model.pipeline_1f1b) calls the two ends apart: `output="embedded"`
+stops before the blocks, and `hidden=` starts after them.
 """
 
 from __future__ import annotations
@@ -30,7 +32,7 @@ REMAT_POLICIES = {
     "dots_saveable": jax.checkpoint_policies.dots_saveable,
     "dots_with_no_batch_dims_saveable": jax.checkpoint_policies.dots_with_no_batch_dims_saveable,
 }
-OUTPUTS = ("logits", "hidden", "scalar", "logits_and_scalar")
+OUTPUTS = ("logits", "hidden", "scalar", "logits_and_scalar", "embedded")
 
 
 class Block(nn.Module):
@@ -96,26 +98,36 @@ class Transformer(nn.Module):
         output: str = "logits",
         logits_at=None,
         page_table=None,
+        hidden=None,
     ):
         """inputs/segment_ids/positions: [B, T] int32 -> float32 logits [B, T, vocab]
         (output="hidden": [B, T, d_model] in the compute dtype; "scalar": float32 [B, T];
         "logits_and_scalar": both from one pass, as PPO's policy with a value head needs).
         logits_at [B] int32: only the logits of that position of each row, [B, 1, vocab]
-        (a prefill needs the last prompt position's, not a [B, T, vocab] array)."""
+        (a prefill needs the last prompt position's, not a [B, T, vocab] array).
+        output="embedded": (x [B, T, D], RoPE tables, per-layer local flags), what the blocks take;
+        hidden [B, T, D]: the blocks' output, run through the final norm and the heads only."""
         if output not in OUTPUTS:
             raise ValueError(f"output={output!r}: expected one of {OUTPUTS}")
         if "scalar" in output and not self.scalar_head:
             raise ValueError(f"output={output!r} needs a model with scalar_head=True")
-        x, embedding = self._embed(inputs, positions)
-        x = self._layers(x, segment_ids, *self._context(segment_ids, positions, decode, page_table), decode)
+        x, embedding = self._embed(inputs, positions, hidden)
+        if hidden is None:
+            context = self._context(segment_ids, positions, decode, page_table)
+            if output == "embedded":
+                return x, context[0], context[3]
+            x = self._layers(x, segment_ids, *context, decode)
         x = Norm(self.spec, name="final_norm")(x)
         return self._heads(x, embedding, output, logits_at)
 
-    def _embed(self, inputs, positions):
-        """Token embeddings (scaled, plus learned positions where the spec says) -> (x, table)."""
+    def _embed(self, inputs, positions, hidden=None):
+        """Token embeddings (scaled, plus learned positions where the spec says) -> (x, table);
+        with `hidden` given, (hidden, table)."""
         s, c = self.spec, self.part.constrain
         shape = (s.vocab_size, s.d_model)
         embedding = param(self, "embedding", normal(s.init_std), shape, ("vocab", "embed"), quantized=True)
+        if hidden is not None:
+            return hidden, embedding
         # Gather the fsdp-split table first (as FSDP does for every weight); a vocab-split
         # lookup then stays local per shard instead of replicating the whole activation.
         x = take_rows(c(embedding, ("vocab", None)), inputs, s.dtype)

@@ -14,6 +14,7 @@ from __future__ import annotations
 import jax.numpy as jnp
 
 from lm.model.apply import add_aux, forward, target_logprobs
+from lm.model.pipeline_1f1b import pipelined_loss, runs_loss
 
 
 def masked_cross_entropy(logits, targets, mask):
@@ -30,12 +31,18 @@ def masked_cross_entropy(logits, targets, mask):
 
 def pretrain_loss(model, z_loss: float = 0.0):
     """Next-token cross-entropy on every position whose loss_mask is 1, plus optional z-loss (and
-    the model's auxiliary losses: lm.model.apply.add_aux)."""
+    the model's auxiliary losses: lm.model.apply.add_aux). A 1F1B pipeline runs it per
+    micro-batch on its last stage (lm.model.pipeline_1f1b)."""
+
+    def head_loss(logits, batch):
+        nll, count, z = masked_cross_entropy(logits, batch["targets"], batch["loss_mask"])
+        return nll + z_loss * z, {"loss_sum": nll, "log_z_sq_sum": z, "count": count}
 
     def loss_fn(params, batch, frozen, rng):
+        if runs_loss(model):  # no aux: mixture-of-experts layers are never pipelined
+            return pipelined_loss(model, params, batch, rng, head_loss)
         logits, aux = forward(model, params, batch, rng)
-        nll, count, z = masked_cross_entropy(logits, batch["targets"], batch["loss_mask"])
-        return add_aux(model, nll + z_loss * z, {"loss_sum": nll, "log_z_sq_sum": z, "count": count}, aux)
+        return add_aux(model, *head_loss(logits, batch), aux)
 
     return loss_fn
 

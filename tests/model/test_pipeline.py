@@ -1,7 +1,8 @@
 """Pipelined training on 8 simulated CPU devices matches the unpipelined single-device run.
 
-GPipe and circular schedules over 2 and 4 stages, with remat and gradient accumulation, take
-two train steps from the same initial state; their losses and params equal the reference's.
+GPipe, circular, 1F1B and interleaved 1F1B schedules over 2 and 4 stages, with remat and
+gradient accumulation, take two train steps from the same initial state; their losses,
+gradient norms and params equal the reference's, and 1F1B's gradients equal it leaf by leaf.
 """
 
 import functools
@@ -23,6 +24,7 @@ from lm.model.pipeline import bubble_fraction, check, is_pipelined, stage_layers
 from lm.model.spec import ModelSpec
 from lm.model.transformer import Transformer, init_params
 from lm.sharding import make_mesh, per_device_bytes
+from lm.train.losses import pretrain_loss
 from lm.train.setup import build_run
 from tests.test_sharding import T, config, make_batch, put
 
@@ -39,6 +41,18 @@ CASES = {
         2,
     ),
     "circular-4stages": (dict(stage=4, data=2), dict(pipeline_repeats=2), 2),
+    "1f1b-2stages": (dict(stage=2, fsdp=2, tensor=2), dict(remat="full", pipeline_schedule="1f1b"), 2),
+    "1f1b-4stages": (
+        dict(stage=4, data=2),
+        dict(pipeline_microbatches=8, remat="dots_saveable", pipeline_schedule="1f1b"),
+        1,
+    ),
+    "interleaved-2stages": (
+        dict(stage=2, fsdp=2, tensor=2),
+        dict(pipeline_repeats=2, pipeline_microbatches=4, remat="full", pipeline_schedule="1f1b"),
+        2,
+    ),
+    "interleaved-4stages": (dict(stage=4, data=2), dict(pipeline_repeats=2, pipeline_schedule="1f1b"), 2),
 }
 
 
@@ -146,6 +160,8 @@ def test_config_checks_name_the_keys():
         pipeline_config(dict(stage=4), pipeline_repeats=2, pipeline_microbatches=2)
     with pytest.raises(UserError, match=r"'model.n_experts' = 4: mixture-of-experts"):
         pipeline_config(dict(stage=2), n_experts=4)
+    with pytest.raises(UserError, match=r"'model.pipeline_microbatches' = 6: interleaved 1F1B .* multiple"):
+        pipeline_config(dict(stage=4), pipeline_repeats=2, pipeline_microbatches=6, pipeline_schedule="1f1b")
     pipeline_config(dict(stage=4), pipeline_repeats=2)  # 8 layers, 4 micro-batches: fine
 
 
@@ -181,3 +197,47 @@ def test_decoding_on_a_stage_mesh_runs_the_plain_scan():
     cache = jax.eval_shape(lambda: init_cache(built.module, 3, 8))
     logits, _ = jax.eval_shape(lambda p, k: decode_step(built.module, p, k, ids, ids + 1, ids), params, cache)
     assert logits.shape == (3, 8, c.model.vocab_size)
+
+
+def loss_and_grads(case, z_loss=0.0):
+    """(loss terms, gradients) of the pretraining loss for one batch, on the case's mesh."""
+    mesh, model_kw, _ = CASES.get(case, ({}, {}, 1))
+    c = pipeline_config(mesh, 1, **model_kw)
+    r = build_run(c, devices=jax.devices()[: math.prod(c.mesh[a] for a in AXES)])
+    params = jax.device_put(two_steps("reference")[0].params, r.state_shardings.params)
+    loss = pretrain_loss(r.model, z_loss)
+    batch = put(r, packed_batch())
+    value = jax.jit(lambda p: loss(p, batch, {}, None))(params)
+    grads = jax.jit(jax.grad(lambda p: loss(p, batch, {}, None)[0]))(params)
+    return jax.device_get(value), jax.device_get(grads)
+
+
+@needs_8_devices
+@pytest.mark.parametrize("case", ["1f1b-4stages", "interleaved-2stages"])
+def test_1f1b_gradients_equal_one_device_leaf_by_leaf(case):
+    """The loss and its gradients come out of the 1F1B loop itself (a custom VJP): every leaf,
+    the embedding (reached through the first stage's inputs' gradients) and the head included."""
+    (ref_obj, ref_sums), ref = loss_and_grads("reference", z_loss=1e-3)
+    (obj, sums), got = loss_and_grads(case, z_loss=1e-3)
+    np.testing.assert_allclose(obj, ref_obj, rtol=1e-5)
+    for k in ref_sums:
+        np.testing.assert_allclose(sums[k], ref_sums[k], rtol=1e-5, err_msg=k)
+    for (path, r), g in zip(jax.tree_util.tree_leaves_with_path(ref), jax.tree.leaves(got)):
+        scale = float(np.abs(r).max())
+        assert scale > 0, jax.tree_util.keystr(path)
+        np.testing.assert_allclose(g, r, rtol=0, atol=1e-4 * scale, err_msg=jax.tree_util.keystr(path))
+
+
+@needs_8_devices
+def test_1f1b_refuses_a_loss_that_differentiates_the_plain_forward():
+    """Only the losses that run inside the pipeline train under 1F1B; another loss (a DPO, a
+    distillation) differentiating the model's logits gets one clear line, not GPipe's memory."""
+    mesh, model_kw, _ = CASES["1f1b-2stages"]
+    c = pipeline_config(mesh, 1, **model_kw)
+    r = build_run(c, devices=jax.devices()[:8])
+    params = r.abstract_state().params
+    batch = put(r, packed_batch())
+    logits = lambda p: r.model.apply({"params": p}, batch["inputs"], batch["segment_ids"], batch["positions"])  # noqa: E731
+    assert jax.eval_shape(logits, params).shape[:2] == batch["inputs"].shape  # evaluating is fine
+    with pytest.raises(UserError, match=r"model.pipeline_schedule=1f1b .*set model.pipeline_schedule=gpipe"):
+        jax.eval_shape(jax.grad(lambda p: jnp.sum(logits(p))), params)

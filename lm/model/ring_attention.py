@@ -23,8 +23,9 @@ i - j < window on sliding-window layers. Grouped kv heads are never repeated unl
 table splits query and kv heads differently.
 
 Kernels: the fused kernels (splash, Pallas flash) are not used here; both strategies run XLA
-products with a float32 softmax, and their backward is autodiff's (the ring keeps each step's
-visible block of probabilities for it: T/C x T per device, like `allgather`). A call this module
+products with a float32 softmax. `allgather`'s backward is autodiff's (it keeps T/C x T
+probabilities per device); the ring has its own (lm.model.ring_flash: flash attention's backward
+round the ring, query blocks of 512, no step's probabilities kept). A call this module
 cannot split evenly (rows, heads or tokens that do not divide, as a batch-1 init) or a pipeline's
 stage (run under vmap) falls back to the unsplit XLA path, which the partitioner splits itself.
 """
@@ -37,6 +38,7 @@ import jax.numpy as jnp
 from jax.sharding import PartitionSpec as P
 
 from lm.model.pipeline import stages_of
+from lm.model.ring_flash import ring_core, visible
 from lm.sharding import split_count
 
 F32 = jnp.float32
@@ -95,7 +97,7 @@ def _allgather(q, k, v, seg, window, *, axes, size, scale, cap):
     tq = q.shape[1]
     k, v, seg_k = (jax.lax.all_gather(x, axes, axis=1, tiled=True) for x in (k, v, seg))
     idx_q = jax.lax.axis_index(axes) * tq + jnp.arange(tq)
-    mask = _visible(seg, seg_k, idx_q, jnp.arange(k.shape[1]), window)
+    mask = visible(seg, seg_k, idx_q, jnp.arange(k.shape[1]), window)
     s = jnp.where(mask, _scores(q, k, scale, cap), MASKED)
     probs = jax.nn.softmax(s, axis=-1).astype(v.dtype)
     out = jnp.einsum("bkgts,bskh->btkgh", probs, v, preferred_element_type=F32)
@@ -103,57 +105,16 @@ def _allgather(q, k, v, seg, window, *, axes, size, scale, cap):
 
 
 def _ring(q, k, v, seg, window, *, axes, size, scale, cap):
-    """One device: its two balanced chunks of queries against every device's keys, block by block."""
+    """One device: its two balanced chunks of queries against every device's keys, block by block
+    (lm.model.ring_flash, with its own backward pass)."""
     me = jax.lax.axis_index(axes)
     q, k, v, seg = (_balance(x, axes, size, me) for x in (q, k, v, seg))
-    half = q.shape[1] // 2
-    idx_q = _chunk_indices(me, size, half)
     b, t, n, h = q.shape
     kvh = k.shape[2]
-    acc = (
-        jnp.full((b, kvh, n // kvh, t), MASKED, F32),  # running max of the logits
-        jnp.zeros((b, kvh, n // kvh, t), F32),  # running sum of exp(logit - max)
-        jnp.zeros((b, kvh, n // kvh, t, h), F32),  # running sum of exp(logit - max) * value
-    )
-    block = (k, v, seg)
-    for step in range(size):
-        src = (me - step) % size  # the device whose keys this block holds
-        idx_k = _chunk_indices(src, size, half)
-        fold = lambda acc, qs, ks: _fold(acc, q, *block, seg, idx_q, idx_k, window, qs, ks, scale, cap)  # noqa: E731
-        if step == 0:  # its own chunks: causal within them
-            acc = fold(acc, slice(None), slice(None))
-        else:  # an earlier device: all queries see its first chunk; a later one: the second chunk sees all
-            acc = jax.lax.cond(
-                src < me,
-                lambda a: fold(a, slice(None), slice(None, half)),
-                lambda a: fold(a, slice(half, None), slice(None)),
-                acc,
-            )
-        if step < size - 1:
-            block = tuple(jax.lax.ppermute(x, axes, [(i, (i + 1) % size) for i in range(size)]) for x in block)
-    _, total, weighted = acc
-    out = weighted / jnp.where(total > 0, total, 1.0)[..., None]  # [b, kvh, g, t, h]
+    qh = q.reshape(b, t, kvh, n // kvh, h).transpose(0, 2, 3, 1, 4)
+    out = ring_core(qh, k, v, seg, window, axes, size, float(scale), float(cap or 0.0))
     out = out.transpose(0, 3, 1, 2, 4).reshape(b, t, n, h).astype(q.dtype)
     return _unbalance(out, axes, size, me)
-
-
-def _fold(acc, q, k, v, seg_k, seg_q, idx_q, idx_k, window, qs, ks, scale, cap):
-    """The online softmax's state `acc` (max, sum, weighted values) over the queries `qs` (a slice of
-    the device's tokens) after also seeing the keys `ks` of this block."""
-    top, total, weighted = acc
-    s = _scores(q[:, qs], k[:, ks], scale, cap)
-    mask = _visible(seg_q[:, qs], seg_k[:, ks], idx_q[qs], idx_k[ks], window)
-    s = jnp.where(mask, s, MASKED)
-    # the max only keeps exp() in range: the output does not depend on it, so no gradient flows there
-    new_top = jax.lax.stop_gradient(jnp.maximum(top[..., qs], jnp.max(s, axis=-1)))
-    p = jnp.where(mask, jnp.exp(s - new_top[..., None]), 0.0)
-    fade = jnp.exp(top[..., qs] - new_top)
-    pv = jnp.einsum("bkgts,bskh->bkgth", p.astype(v.dtype), v[:, ks], preferred_element_type=F32)
-    return (
-        top.at[..., qs].set(new_top),
-        total.at[..., qs].set(total[..., qs] * fade + jnp.sum(p, axis=-1)),
-        weighted.at[..., qs, :].set(weighted[..., qs, :] * fade[..., None] + pv),
-    )
 
 
 def _scores(q, k, scale, cap):
@@ -162,21 +123,6 @@ def _scores(q, k, scale, cap):
     kvh = k.shape[2]
     s = jnp.einsum("btkgh,bskh->bkgts", q.reshape(b, tq, kvh, n // kvh, h), k, preferred_element_type=F32) * scale
     return jnp.tanh(s / cap) * cap if cap else s
-
-
-def _visible(seg_q, seg_k, idx_q, idx_k, window):
-    """[b,1,1,tq,tk] bool: key j is visible to query i (global indices) iff j <= i, same segment
-    and i - j < window."""
-    causal = idx_k[None, :] <= idx_q[:, None]
-    if window is not None:
-        causal = causal & (idx_q[:, None] - idx_k[None, :] < window)
-    return (causal[None] & (seg_q[:, :, None] == seg_k[:, None, :]))[:, None, None]
-
-
-def _chunk_indices(device, size: int, half: int):
-    """Global token indices of the two chunks a device holds in the balanced layout: device and 2C-1-device."""
-    r = jnp.arange(half)
-    return jnp.concatenate([device * half + r, (2 * size - 1 - device) * half + r])
 
 
 def _holder(chunk: int, size: int) -> int:

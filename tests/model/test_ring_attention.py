@@ -10,9 +10,11 @@ import numpy as np
 import pytest
 
 from lm.config import base_config, rules_table
+from lm.model import ring_flash
 from lm.model.attention import attend, reference_attention, segment_causal_mask
 from lm.model.layers import Partitioning
-from lm.model.ring_attention import _balance, _chunk_indices, _unbalance, context_shards, takes
+from lm.model.ring_attention import _balance, _unbalance, context_shards, takes
+from lm.model.ring_flash import chunk_indices
 from lm.sharding import make_mesh
 
 B, T, N, K, H = 2, 32, 4, 2, 8
@@ -60,13 +62,21 @@ def test_split_attention_equals_reference(strategy, mesh, variant):
     np.testing.assert_allclose(fn(q, k, v, seg), want(q, k, v, seg, window, scale, cap), rtol=1e-5, atol=1e-5)
 
 
-@pytest.mark.parametrize("strategy", ["allgather", "ring"])
-def test_split_attention_gradients_equal_reference(strategy):
+@pytest.mark.parametrize(
+    "strategy,query_block,cap",
+    [("allgather", 0, 0.0), ("ring", 0, 0.0), ("ring", 2, 0.0), ("ring", 2, 1.5)],
+    ids=["allgather", "ring", "ring-query-blocks", "ring-query-blocks-softcap"],
+)
+def test_split_attention_gradients_equal_reference(strategy, query_block, cap, monkeypatch):
+    """The ring's hand-written backward (lm.model.ring_flash), also with its queries in blocks
+    of 2 (4 blocks per device at step 0, 2 on the later steps' visible halves) and a soft cap."""
+    if query_block:
+        monkeypatch.setattr(ring_flash, "QUERY_BLOCK", query_block)
     q, k, v, seg = inputs(1)
     w = np.random.default_rng(2).normal(size=(B, T, N, H)).astype(np.float32)
-    part, fn = split_fn("context4-fsdp2", strategy, 6, 0.0, 0.0)
+    fn = split_fn.__wrapped__("context4-fsdp2", strategy, 6, 0.0, cap)[1]
     got = jax.jit(jax.grad(lambda *a: jnp.sum(fn(*a, seg) * w), argnums=(0, 1, 2)))(q, k, v)
-    ref = jax.grad(lambda *a: jnp.sum(want(*a, seg, 6) * w), argnums=(0, 1, 2))(q, k, v)
+    ref = jax.grad(lambda *a: jnp.sum(want(*a, seg, 6, 0.0, cap) * w), argnums=(0, 1, 2))(q, k, v)
     for name, g, r in zip("qkv", got, ref):
         np.testing.assert_allclose(g, r, rtol=1e-4, atol=1e-5 * float(np.abs(r).max()), err_msg=name)
 
@@ -78,7 +88,7 @@ def test_balanced_layout_round_trips_and_balances_causal_work():
     def per_device(x):
         me = jax.lax.axis_index("context")
         balanced = _balance(x, ("context",), 4, me)
-        return balanced, _unbalance(balanced, ("context",), 4, me), _chunk_indices(me, 4, x.shape[1] // 2)[None]
+        return balanced, _unbalance(balanced, ("context",), 4, me), chunk_indices(me, 4, x.shape[1] // 2)[None]
 
     from jax.sharding import PartitionSpec as P
 

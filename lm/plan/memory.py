@@ -27,9 +27,13 @@ Pipeline (mesh.stage > 1, lm.model.pipeline): params are split over `stage` by t
 (each stage holds its layers), so the state parts are per stage. A layer works on one pipeline
 micro-batch (rows / pipeline_microbatches) at a time, and the backward needs each layer's input
 (and the RoPE tables) of every iteration: (M * repeats + stages - 1) iterations of
-L / (stages * repeats) layers. Beside them: float32 copies of the stage's block params in the
-pipeline's view (a circular schedule: the chunk each iteration runs, kept for the backward), the
-micro-batches' store, and the final norm's and head's backward and the logits over all the rows.
+L / (stages * repeats) layers. A 1F1B schedule (lm.model.pipeline_1f1b) keeps only the inputs of
+the chunks in flight, the peak of its table (lm.model.pipeline_schedule), and the gradients that
+came back for them; its backward recomputes one chunk at a time, so one chunk's layers save
+their inputs; its loss runs per micro-batch, so the logits are one micro-batch's. Beside them:
+float32 copies of the stage's block params in the pipeline's view (a circular schedule: the chunk
+each iteration runs, kept for the backward), the micro-batches' store, and the final norm's and
+head's backward and the logits over all the rows.
 
 Context parallelism (mesh.context > 1, lm.model.ring_attention): every activation holds T / context
 tokens per device (the `length` rule), so the stream, the saved residuals and the logits shrink by
@@ -57,6 +61,7 @@ from lm.errors import UserError
 from lm.infer.generate import generation_context
 from lm.model import pipeline
 from lm.model.moe import capacity
+from lm.model.pipeline_schedule import simulate
 from lm.model.quant import BASE_GROUP, BASE_WEIGHTS, CONTRACTING
 from lm.model.spec import ModelSpec
 from lm.model.transformer import Transformer, abstract_params
@@ -240,11 +245,18 @@ def batch_rows(config, step: str, mesh: dict, rules: dict) -> int:
 
 @dataclasses.dataclass(frozen=True)
 class Pipeline:
-    """The schedule a pipelined step runs (lm.model.pipeline)."""
+    """The schedule a pipelined step runs (lm.model.pipeline, lm.model.pipeline_schedule)."""
 
     stages: int
     microbatches: int
     repeats: int
+    schedule: str = "gpipe"
+
+    @property
+    def name(self) -> str:
+        if self.schedule == "1f1b":
+            return "1F1B" if self.repeats == 1 else f"interleaved 1F1B, {self.repeats} virtual stages"
+        return "GPipe" if self.repeats == 1 else f"circular, {self.repeats} repeats"
 
     @property
     def iterations(self) -> int:
@@ -254,6 +266,21 @@ class Pipeline:
     def bubble(self) -> float:
         return pipeline.bubble_fraction(self.stages, self.microbatches, self.repeats)
 
+    @property
+    def held(self) -> int:
+        """1F1B: the stage inputs a stage keeps at its peak, from the schedule's table (at most
+        `stages` micro-batches without virtual stages)."""
+        return _table(self.stages, self.microbatches, self.repeats).x_slots
+
+    @property
+    def gradients_held(self) -> int:
+        return _table(self.stages, self.microbatches, self.repeats).g_slots
+
+
+@functools.cache
+def _table(stages: int, microbatches: int, repeats: int):
+    return simulate("1f1b", stages, microbatches, repeats)
+
 
 def pipeline_of(config, step: str, mesh: dict) -> Pipeline | None:
     """The pipeline of a step on this mesh (mesh.stage > 1; decoding runs the plain layer scan)."""
@@ -261,7 +288,7 @@ def pipeline_of(config, step: str, mesh: dict) -> Pipeline | None:
     if stages == 1 or compiled_step(step).generation:
         return None
     spec = ModelSpec.from_config(config.model)
-    return Pipeline(stages, pipeline.microbatches(spec, stages), spec.pipeline.repeats)
+    return Pipeline(stages, pipeline.microbatches(spec, stages), spec.pipeline.repeats, spec.pipeline.schedule)
 
 
 def activations(config, step, spec: ModelSpec, leaves, rules, mesh, c, trained_f32: int) -> dict:
@@ -278,6 +305,8 @@ def activations(config, step, spec: ModelSpec, leaves, rules, mesh, c, trained_f
         shards = splits(("batch",), rules, mesh)
         pipeline.check(spec, pipe.stages, r * shards, shards)
         rows, saved_layers = r / pipe.microbatches, pipe.iterations * L / (pipe.stages * pipe.repeats)
+        if pipe.schedule == "1f1b":  # only the chunk a backward recomputes saves its layers' inputs
+            saved_layers = L / (pipe.stages * pipe.repeats)
     stream = rows * length * embed * c  # one layer's residual stream
     saved = SAVED_STREAMS.get(spec.remat, SAVED_STREAMS["none"])
     lighter = spec.remat != "full"
@@ -300,7 +329,8 @@ def activations(config, step, spec: ModelSpec, leaves, rules, mesh, c, trained_f
         side = pipeline_parts(pipe, spec, leaves, rules, mesh, r, rows, length, embed, c)
         parts["saved residuals"] += side.pop("saved residuals", 0)
         parts |= side
-    parts["logits"] = int(LOGIT_COPIES * r * length * vocab * 4)
+    head_rows = rows if pipe is not None and pipe.schedule == "1f1b" else r  # 1F1B: one micro-batch's loss
+    parts["logits"] = int(LOGIT_COPIES * head_rows * length * vocab * 4)
     # the embedding's and head's gradients before they are split over fsdp (float32)
     parts["table gradients"] = int(3 * V / splits(("vocab",), rules, mesh) * d * 4)
     if c < 4:
@@ -318,12 +348,18 @@ def pipeline_parts(pipe: Pipeline, spec: ModelSpec, leaves, rules, mesh, r, rows
     float32). r: rows per device, rows: per pipeline micro-batch."""
     blocks = sum(leaf_bytes(x, rules, mesh, 4) for x in leaves if x.path.startswith("['blocks']"))
     parts = {"stage params": int(STAGE_PARAM_COPIES * blocks)}
-    if pipe.repeats > 1:  # the chunk a stage runs, picked in each iteration and kept for the backward
+    if pipe.repeats > 1 and pipe.schedule != "1f1b":  # the chunk each iteration picks, kept for the backward
         parts["circular chunks"] = int(pipe.iterations * blocks / pipe.repeats)
-    parts["final backward"] = int(HEAD_STREAMS * r * length * embed * 4)
+    if pipe.schedule == "1f1b":  # the loss runs per micro-batch; stage inputs and gradients wait in buffers
+        parts["loop gradients"] = int(blocks)  # the custom VJP's copy beside the loop's accumulator
+        parts["final backward"] = int(HEAD_STREAMS * rows * length * embed * 4)
+        parts["in-flight inputs"] = int((pipe.held + pipe.gradients_held) * rows * length * embed * c)
+    else:
+        parts["final backward"] = int(HEAD_STREAMS * r * length * embed * 4)
     parts["pipeline store"] = int(PIPELINE_STORES * r * length * embed * c)
     if spec.position == "rope":
-        parts["saved residuals"] = int(pipe.iterations * 2 * rows * length * spec.attention.head_dim * 4)
+        tables = 1 if pipe.schedule == "1f1b" else pipe.iterations / pipe.microbatches  # every micro-batch's, once
+        parts["saved residuals"] = int(tables * pipe.microbatches * 2 * rows * length * spec.attention.head_dim * 4)
     return parts
 
 

@@ -35,11 +35,11 @@ def pipeline_line(config, name: str, mesh: dict) -> str | None:
     pipe = pipeline_of(config, name, mesh)
     if pipe is None:
         return None
-    kind = "GPipe" if pipe.repeats == 1 else f"circular, {pipe.repeats} repeats"
+    held = f"; holds {pipe.held} chunk inputs a stage (GPipe: every iteration's)" if pipe.schedule == "1f1b" else ""
     return (
-        f"  pipeline: {pipe.stages} stages ({kind}), {pipe.microbatches} pipeline micro-batches per "
+        f"  pipeline: {pipe.stages} stages ({pipe.name}), {pipe.microbatches} pipeline micro-batches per "
         f"micro-batch, {pipe.iterations} iterations: bubble {pipe.bubble:.1%} "
-        f"(= (stages - 1) / (repeats x micro-batches + stages - 1))"
+        f"(= (stages - 1) / (repeats x micro-batches + stages - 1)){held}"
     )
 
 

@@ -45,7 +45,7 @@ class Pretrain:
 
             init = str(Path(args.init).absolute())
             start = init_config(init)
-            config = continued_config(config, start, init, tokenizer_source(init, start))
+            config = continued_config(config, start, init, tokenizer_source(init, start), overrides)
         summary = _run_stage(self.entry, config, args)
         if summary.get("nothing_to_do"):
             print(

@@ -3,7 +3,7 @@ starts from a trained model and keeps its shape: the stages' shared composition 
 
 from __future__ import annotations
 
-from lm.config import Config, apply_overrides, base_config, freeze, load_file, merge, validate, with_values
+from lm.config import Config, apply_overrides, base_config, freeze, load_file, merge, thaw, validate, with_values
 from lm.config.finetune import DEFAULTS, LR_FRACTION, OVERRIDES
 from lm.errors import UserError
 from lm.train.registry import stage_entry
@@ -45,13 +45,14 @@ def _check_reads(c, entry) -> None:
             )
 
 
-def continued_config(config, start, init: str, tokenizer: str) -> Config:
+def continued_config(config, start, init: str, tokenizer: str, overrides=()) -> Config:
     """A pretraining config that continues `init` (train.init): the model section of the model it
-    starts from (`start`, its config) and its tokenizer, everything else from `config`; validated."""
-    seq_len = min(config.data.seq_len, start.model.max_seq_len)
-    c = with_values(
-        config,
-        {"model": start.model.to_dict(), "data.tokenizer": tokenizer, "data.seq_len": seq_len, "train.init": init},
-    )
+    starts from (`start`, its config) with the command line's own `model.*` overrides on top (a
+    long-context extension sets RoPE scaling and max_seq_len so), its tokenizer, everything else
+    from `config`; validated."""
+    c = thaw(with_values(config, {"model": start.model.to_dict(), "data.tokenizer": tokenizer, "train.init": init}))
+    apply_overrides(c, [o for o in overrides if o.startswith("model.")])
+    c.data.seq_len = min(c.data.seq_len, c.model.max_seq_len)
+    c = freeze(c)
     validate(c)
     return c

@@ -23,6 +23,11 @@ storage, not the files) end the resume with one line and move nothing; so does a
 finds no intact checkpoint. A checkpoint written before meta and data digests existed is
 restored with a warning that they are unchecked.
 
+With checkpoint.local_dir, a second tier saves each process's shards to a fast local disk more
+often (lm.store.local_tier); a resume takes the newest step that every process holds complete
+there when it is newer than the persistent tier's newest, and the persistent tier otherwise (or
+when the local step does not read back intact on some process).
+
 Reading a checkpoint outside a run (its steps, one step's meta, its params) is lm.store.checkpoint_read.
 """
 
@@ -56,6 +61,7 @@ from lm.store.checkpoint_checks import (
     verify_data,
     verify_meta,
 )
+from lm.store.local_tier import LocalTier, any_process
 
 ITEMS = ("state", "data", "meta")
 
@@ -94,11 +100,13 @@ class Checkpointer:
         identity: dict | None = None,
         accept: Callable[[int, dict], None] | None = None,
         metrics_digest: Callable[[], str] | None = None,
+        local: LocalTier | None = None,
     ):
         """identity: recorded in every meta; accept(step, meta): raises (a UserError) for a checkpoint
         this run must not restore; metrics_digest(): the digest of metrics.jsonl so far."""
         self.directory = pathlib.Path(directory).absolute()
         self.identity, self.accept, self.metrics_digest = identity, accept, metrics_digest
+        self.local = local
         self.rejected_dir = self.directory.parent / "rejected_checkpoints"
         self.every_steps, self.every_minutes = every_steps, every_minutes
         self.config = json.loads(config.to_json()) if config is not None else None
@@ -116,6 +124,9 @@ class Checkpointer:
     @classmethod
     def from_config(cls, directory, config, **kw) -> "Checkpointer":
         k = config.checkpoint
+        local = None
+        if k.local_dir:
+            local = LocalTier(k.local_dir, k.local_every_steps, k.local_keep, identity=kw.get("identity"))
         return cls(
             directory,
             k.every_steps,
@@ -123,6 +134,7 @@ class Checkpointer:
             every_minutes=k.every_minutes,
             keep_period=k.keep_period,
             config=config,
+            local=local,
             **kw,
         )
 
@@ -134,16 +146,29 @@ class Checkpointer:
     def time_due(self) -> bool:
         return self.every_minutes > 0 and time.monotonic() - self._last_save >= 60 * self.every_minutes
 
+    def local_due(self, step: int) -> bool:
+        return self.local is not None and self.local.due(step)
+
     def latest_step(self) -> int | None:
-        return self.manager.latest_step()
+        steps = [
+            s for s in (self.manager.latest_step(), self.local and (self.local.complete_steps() or [None])[-1]) if s
+        ]
+        return max(steps) if steps else None
 
     def all_steps(self) -> list[int]:
         return sorted(self.manager.all_steps())
 
-    def save(self, step: int, state, data_iter, health: dict | None = None) -> None:
+    def save(self, step: int, state, data_iter, health: dict | None = None, local_only: bool = False) -> None:
         """Starts an async save of everything at `step`; returns once the arrays are copied off device.
-        A failure of the previous save is reported first, under that save's step."""
+        A failure of the previous save is reported first, under that save's step. local_only: to
+        the local tier alone."""
         self.wait()
+        if local_only:
+            extra = {"health": health, "metrics_digest": self.metrics_digest() if self.metrics_digest else None}
+            with self._reporting(step):
+                self.local.save(step, state, data_iter.get_state(), extra)
+            self._pending_step = step
+            return
         meta = seal(
             {
                 "step": int(step),
@@ -169,11 +194,15 @@ class Checkpointer:
     def wait(self) -> None:
         with self._reporting(self._pending_step):
             self.manager.wait_until_finished()
+            if self.local is not None:
+                self.local.wait()
         self._pending_step = None
 
     def close(self) -> None:
         self.wait()
         self.manager.close()
+        if self.local is not None:
+            self.local.close()
 
     @contextlib.contextmanager
     def _reporting(self, step):
@@ -208,6 +237,10 @@ class Checkpointer:
         Only damage sets a checkpoint aside, and only once an older one is restored: a refusal
         (UserError), a permission or I/O error, or no intact checkpoint at all moves nothing.
         """
+        if step is None and self.local is not None:
+            restored = self._restore_local(abstract_state, data_iter)
+            if restored is not None:
+                return restored
         steps = [step] if step is not None else sorted(self.manager.all_steps(), reverse=True)
         if not steps:
             raise UserError(f"--resume: no checkpoint in '{self.directory}'; run without --resume to start fresh")
@@ -237,6 +270,29 @@ class Checkpointer:
             f"again from the start, move it aside (mv '{self.directory}' '{self.directory}.damaged') "
             "and run the same command without --resume"
         )
+
+    def _restore_local(self, abstract_state, data_iter):
+        """(state, step, meta) from the local tier's newest step complete on every process, when it is
+        newer than the persistent tier's; None to restore from the persistent tier."""
+        step, newest = self.local.agreed_step(), self.manager.latest_step()
+        if step is None or (newest is not None and newest >= step):
+            return None
+        try:
+            shards, meta, problem = *self.local.read(step, abstract_state), None
+        except ValueError as e:
+            shards, meta, problem = None, None, str(e)
+        if any_process(problem is not None):
+            print(
+                f"lm: warning: local checkpoint step {step} in '{self.local.directory}' is not used "
+                f"({problem or 'damaged on another process'}); restoring from '{self.directory}'",
+                flush=True,
+            )
+            return None
+        state = self.local.build(shards, abstract_state)
+        if data_iter is not None:
+            data_iter.set_state(meta["data"])
+        print(f"lm: restored local checkpoint step {step} from '{self.local.directory}'", flush=True)
+        return state, step, meta
 
     def _restore_checked(self, step: int, abstract_state, data_iter):
         step_dir = self.directory / str(step)

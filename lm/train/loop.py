@@ -202,7 +202,9 @@ def run_loop(
         log.stepped(t0, metrics)
         pending.append((step, metrics))
         stop, timed = _agreed_flags(spec, step, faults.stop, checkpointer)
-        ckpt_due = checkpointer is not None and (checkpointer.due(step) or timed or stop or step == spec.total_steps)
+        persist = checkpointer is not None and (checkpointer.due(step) or timed or stop or step == spec.total_steps)
+        local = checkpointer is not None and not persist and checkpointer.local_due(step)
+        ckpt_due = persist or local
         must_check = (
             ckpt_due
             or _due(step, spec.log_every, spec.total_steps)
@@ -226,7 +228,7 @@ def run_loop(
             )
             log.pause()
         if ckpt_due:
-            checkpointer.save(step, state, data_iter, health=health.state_dict())
+            checkpointer.save(step, state, data_iter, health=health.state_dict(), local_only=local)
             peers.PROGRESS.saving_started(step)
             log.flush()
             log.pause()

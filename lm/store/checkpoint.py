@@ -61,27 +61,10 @@ from lm.store.checkpoint_checks import (
     verify_data,
     verify_meta,
 )
+from lm.store.checkpoint_compat import IncompatibleCheckpoint, check_compatible, shapes
 from lm.store.local_tier import LocalTier, any_process
 
 ITEMS = ("state", "data", "meta")
-
-
-class IncompatibleCheckpoint(UserError):
-    """The checkpoint's arrays do not have the shapes this config gives."""
-
-
-def _shapes(tree) -> dict:
-    return {p: [list(x.shape), str(x.dtype)] for p, x in zip(leaf_paths(tree), jax.tree.leaves(tree))}
-
-
-def _flat(d: dict, prefix: str = "") -> dict:
-    out = {}
-    for k, v in d.items():
-        if isinstance(v, dict):
-            out |= _flat(v, f"{prefix}{k}.")
-        else:
-            out[f"{prefix}{k}"] = v
-    return out
 
 
 class Checkpointer:
@@ -172,7 +155,7 @@ class Checkpointer:
         meta = seal(
             {
                 "step": int(step),
-                "shapes": _shapes(state),
+                "shapes": shapes(state),
                 "checksum_kind": HASH,
                 "checksums": checksums(state),
                 "data_checksums": data_checksums(data_iter),
@@ -311,7 +294,7 @@ class Checkpointer:
                 raise Damaged(f"meta '{step}/meta/metadata' belongs to step {meta.get('step')}")
         if self.accept is not None:
             self.accept(step, meta)
-        self._check_compatible(step, meta, abstract_state)
+        check_compatible(step, self.directory, meta, abstract_state, self.config)
         verify_array_files(step_dir / "state")
         self._check_array_metadata(step, meta)
         items = {"state": ocp.args.StandardRestore(abstract_state)}
@@ -364,34 +347,6 @@ class Checkpointer:
         listed = {p: [list(m.shape), str(m.dtype)] for p, m in zip(leaf_paths(tree), jax.tree.leaves(tree))}
         if listed != meta["shapes"]:
             raise Damaged(f"state metadata '{step}/state/_METADATA' disagrees with the shapes recorded at save time")
-
-    def _check_compatible(self, step: int, meta: dict, abstract_state) -> None:
-        now = _shapes(abstract_state)
-        saved = meta["shapes"]
-        diffs = [
-            f"{p}: saved {saved[p][0]} {saved[p][1]}, now {now[p][0]} {now[p][1]}"
-            for p in now
-            if p in saved and saved[p] != now[p]
-        ]
-        diffs += [f"{p}: missing in the checkpoint" for p in now if p not in saved]
-        diffs += [f"{p}: not in this config" for p in saved if p not in now]
-        if not diffs:
-            return
-        diffs = [d for d in diffs if d.startswith("params/")] or diffs  # the optimizer state mirrors them
-        keys = ""
-        if self.config is not None and meta.get("config"):
-            before, after = _flat(meta["config"].get("model", {})), _flat(self.config.get("model", {}))
-            changed = [
-                f"model.{k}={before.get(k)!r} (checkpoint) vs {after.get(k)!r} (now)"
-                for k in sorted(before.keys() | after.keys())
-                if before.get(k) != after.get(k)
-            ]
-            keys = f"; config differs in {', '.join(changed)}" if changed else ""
-        shown = "; ".join(diffs[:10]) + (f"; ... ({len(diffs)} in all)" if len(diffs) > 10 else "")
-        raise IncompatibleCheckpoint(
-            f"checkpoint step {step} in '{self.directory}' does not fit this config: "
-            f"{shown}{keys}; use the config it was trained with or a new --workdir"
-        )
 
     def _reject(self, step: int, reason: str, restored: int) -> None:
         """Moves a damaged step out of the manager's sight (kept for inspection) and says why.

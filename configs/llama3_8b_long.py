@@ -5,13 +5,13 @@ original 8,192), the sequence split over `mesh.context` (lm.model.ring_attention
 `tensor`, and every param and Adam moment over `tensor` alone. Rows are packed documents
 (segment ids keep them apart), one row of 131,072 tokens per micro-batch.
 
-Start it from the base with `--config.train.init=DIR --config.data.tokenizer=DIR` (not `--init`,
-which replaces this model section with the checkpoint's: 8,192 positions, no RoPE scaling).
-On a v5p-256 (128 chips) the TPU compiler puts its step at 56.9 GiB a chip (the planner: 63.0);
-with `model.context_attention=ring` at 91.0 GiB. Fewer chips do not fit with context (each chip
-holds float32 scores of T/context queries against all T keys for its heads), but a v5p-64 does
-without it: `--config.mesh.fsdp=4 --config.mesh.context=1 --config.mesh.tensor=8
---config.train.micro_batches=2` (splash attention, 78.4 GiB). docs/long-context.md has the table.
+Start it from the base with `--config.train.init=DIR --config.data.tokenizer=DIR` (or `--init DIR`
+with this model section's keys given again as `--config.model.*` overrides: `--init` takes the
+checkpoint's model section otherwise: 8,192 positions, no RoPE scaling).
+On a v5p-64 (32 chips: context 4 x tensor 8, ring attention) the TPU compiler puts its step at
+63.95 GiB a chip (the planner: 64.1). `model.context_attention=allgather` needs a v5p-256 (context
+16: 56.9 GiB); without context, splash attention fits a v5p-64 too: `--config.mesh.fsdp=4
+--config.mesh.context=1 --config.train.micro_batches=2` (78.4 GiB). docs/long-context.md has the table.
 """
 
 import pathlib
@@ -31,7 +31,7 @@ def get_config():
         rope_high_freq_factor=4.0,
         rope_original_max_len=8192,
         remat="full",
-        context_attention="allgather",
+        context_attention="ring",
     )
     c.data.update(seq_len=SEQ)
     # a small rate with a short warmup: the base is trained, only the long positions are new
@@ -41,5 +41,5 @@ def get_config():
     c.eval.update(every_steps=250, batches=4, batch_size=8)
     # a step of 1M tokens takes seconds to tens of seconds: lose at most 100 steps or 30 minutes
     c.checkpoint.update(every_steps=100, every_minutes=30.0, keep=3)
-    c.mesh.update(data=1, fsdp=1, context=16, tensor=8)  # 128 chips: a v5p-256
+    c.mesh.update(data=1, fsdp=1, context=4, tensor=8)  # 32 chips: a v5p-64
     return c

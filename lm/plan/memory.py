@@ -95,9 +95,14 @@ PIPELINE_STORES = 2.0
 HEAD_STREAMS = 4.0
 # Context parallelism, fitted to Llama-3-8B at 131072 tokens (context 8 or 16 x tensor 8, v5p): float32
 # bytes per element of a device's [T/context, T] scores held in one layer's backward beside the
-# compute-dtype probabilities (allgather: the scores and part of their gradient, on the safe side;
-# the ring: every step's blocks, both branches of its causal choice). The unsplit `xla` path: 4.
-CONTEXT_SCORES = {"allgather": 6.0, "ring": 12.5}
+# compute-dtype probabilities (allgather: the scores and part of their gradient, on the safe side).
+# The unsplit `xla` path: 4. The ring (lm.model.ring_flash) holds blocks of its queries against a
+# step's keys, [RING_QUERY_BLOCK, T/context] per head: bytes per element of one such block, fitted to
+# the same model at context 4, 8 and 16 (within 12%; the compiler keeps many block-sized buffers
+# alive in the layer loop's body, ~3 when attention is compiled alone).
+CONTEXT_SCORES = {"allgather": 6.0}
+RING_QUERY_BLOCK = 512  # lm.model.ring_flash.QUERY_BLOCK (the planner imports no model kernel)
+RING_BLOCK_BYTES = 330.0
 
 
 @dataclasses.dataclass(frozen=True)
@@ -312,7 +317,9 @@ def activations(config, step, spec: ModelSpec, leaves, rules, mesh, c, trained_f
     lighter = spec.remat != "full"
     parts = {"saved residuals": int(saved_layers * (saved * stream + lighter * SAVED_MLP * rows * length * mlp * c))}
     context = splits(("length",), rules, mesh)
-    if spec.attention.kernel in ("xla", "reference", "cudnn") or context > 1:
+    if context > 1 and spec.attention.context == "ring":  # lm.model.ring_flash: query blocks, no [T/C, T]
+        parts["attention scores"] = int(RING_BLOCK_BYTES * rows * heads * min(RING_QUERY_BLOCK, length) * length)
+    elif spec.attention.kernel in ("xla", "reference", "cudnn") or context > 1:
         f32 = CONTEXT_SCORES.get(spec.attention.context, 4.0) if context > 1 else 4.0
         parts["attention scores"] = int(rows * heads * length * T * (f32 + c))  # float32 scores, probs
         if context > 1 and spec.attention.context == "allgather":  # each layer's keys and values, whole

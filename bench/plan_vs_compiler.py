@@ -68,6 +68,13 @@ CASES = [  # name, config, target, overrides
     ("Mixtral-8x7B", "configs/mixtral_8x7b.py", "v5p-64", ["model.capacity_factor=1.25"]),
     ("Llama-3-70B pipelined", "configs/llama3_70b_pipeline.py", "v5p-128", []),
     ("Llama-3-70B pipelined", "configs/llama3_70b_pipeline.py", "v5p-128", ["model.pipeline_repeats=2"]),
+    ("Llama-3-70B pipelined", "configs/llama3_70b_pipeline.py", "v5p-128", ["model.pipeline_schedule=1f1b"]),
+    (
+        "Llama-3-70B pipelined",
+        "configs/llama3_70b_pipeline.py",
+        "v5p-128",
+        ["model.pipeline_schedule=1f1b", "model.pipeline_repeats=2"],
+    ),
 ]
 GiB = 2**30
 STATE = ("params", "optimizer", "frozen base", "reference", "code")  # arguments, not temporaries

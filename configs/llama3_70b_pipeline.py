@@ -10,7 +10,10 @@ The TPU compiler puts the step at 56 GiB of a v5p's 95.
 
 Halving the bubble: `--config.train.micro_batches=16 --config.model.pipeline_microbatches=32`
 (8.6%) compiles to 87 GiB a chip, near the HBM; a circular schedule
-(`--config.model.pipeline_repeats=2`) compiles to 118 GiB and does not fit.
+(`--config.model.pipeline_repeats=2`) compiles to 118 GiB and does not fit. With
+`--config.model.pipeline_schedule=1f1b` a stage holds at most 4 micro-batches' inputs: 47.3 GiB,
+and 47.2 GiB at the halved bubble; interleaved 1F1B (`... --config.model.pipeline_repeats=2`)
+43.3 GiB (docs/moe-and-pipelines.md).
 """
 
 import pathlib

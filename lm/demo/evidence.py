@@ -12,6 +12,7 @@ import pathlib
 from lm.demo.agent import staleness_lines, tool_use_lines
 from lm.demo.moe import moe_lines
 from lm.demo.posttrain import post_training_lines
+from lm.demo.scale import scale_lines
 from lm.demo.serve import serving_lines
 
 
@@ -88,6 +89,7 @@ def evidence(summary: dict, n_heldout: int) -> str:
         lines += tool_use_lines(summary["agent"])
     if summary.get("async_rl"):
         lines += staleness_lines(summary["async_rl"])
+    lines += scale_lines(summary.get("scale") or {})
     return "\n".join(lines)
 
 

@@ -29,7 +29,8 @@
    with bootstrap intervals without the tool, with it, and after GRPO; and the sort task's GRPO
    run beside the same run with rollouts sampled 1 and 2 steps ahead (rl.max_staleness): steps
    per second, the learner's time waiting for rollouts, held-out reward curves in one plot;
-13. one table: held-out response loss and exact-match accuracy of greedy answers, base vs SFT
+13. parallelism (lm.demo.scale): 1F1B, interleaved 1F1B, ring attention on 8 simulated devices vs one;
+14. one table: held-out response loss and exact-match accuracy of greedy answers, base vs SFT
    vs SFT-LoRA vs DPO vs GRPO vs the half-width students, then the preference evidence on held-out pairs and the RL
    reward and KL (lm.demo.evidence); written to WORKDIR/demo_summary.json as well.
 """
@@ -46,6 +47,7 @@ from lm.demo.evidence import evidence, recipe_comparison
 from lm.demo.moe import moe_pretraining
 from lm.demo.posttrain import MODELS as POST_MODELS
 from lm.demo.posttrain import post_training
+from lm.demo.scale import parallel_runs
 from lm.demo.serve import serving
 from lm.store.meta import init_config
 from lm.train.finetune import finetune_config
@@ -249,9 +251,7 @@ def _run_stages(
     summary["hf"] = export_and_reload(root / "grpo", root / "grpo-hf", paths["heldout"])
     stages.start(12, "TPU plan", "the pretraining step compiled for a TPU v5e-4 slice ahead of time (no TPU needed)")
     summary["tpu"] = plan_for_tpu(load_config(PRETRAIN_CONFIG, list(pretrain_overrides)), "v5e-4")
-    stages.start(
-        13, "serving", "serving: the GRPO model behind the OpenAI API, quantized, and with speculative decoding"
-    )
+    stages.start(13, "serving", "serving: the GRPO model behind the OpenAI API, quantized, speculative decoding")
     summary["serve"] = serving(root, paths["heldout"])
     stages.start(
         14, "mixture of experts", "a mixture of experts at the dense model's active FLOPs, beside the dense pretraining"
@@ -259,10 +259,10 @@ def _run_stages(
     summary["moe"] = moe_pretraining(root, base_dir, show_progress=stages.show_progress, resume=stages.resume)
     stages.start(15, "tool use", "tool use: multiplication with a calculator, SFT then GRPO through the environment")
     summary["agent"] = tool_use(stages, root / "agent", base_dir)
-    stages.start(15, "asynchronous GRPO", "asynchronous GRPO on the sort task: rl.max_staleness 0, 1, 2")
-    summary["async_rl"] = staleness_runs(
-        stages, root / "grpo-async", paths, root / "sft", rl_overrides, sync_dir=root / "grpo"
-    )
+    stages.start(16, "asynchronous GRPO", "asynchronous GRPO on the sort task: rl.max_staleness 0, 1, 2")
+    summary["async_rl"] = staleness_runs(stages, root / "grpo-async", paths, root / "sft", rl_overrides, root / "grpo")
+    stages.start(17, "parallelism", "8 simulated devices: 1F1B, interleaved 1F1B and ring attention vs one device")
+    summary["scale"] = parallel_runs(root / "scale")
     stages.stop.enter("writing the demo's summary")  # a safe point: a stop in the last stage writes none
     text = evidence(summary, n_heldout)
     print("\n" + text)

@@ -95,7 +95,7 @@ class PipelineSpec:
 
     microbatches: int  # 0: as many as stages
     repeats: int  # 1: GPipe; r > 1: circular
-    schedule: str = "gpipe"  # gpipe | 1f1b (lm.model.pipeline_schedule)
+    schedule: str  # gpipe | 1f1b (lm.model.pipeline_schedule)
 
 
 PARTS = dict(

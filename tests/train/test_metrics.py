@@ -162,7 +162,10 @@ class Calls:
     def time_due(self):
         return False
 
-    def save(self, step, state, data_iter, health=None):
+    def local_due(self, step):
+        return False
+
+    def save(self, step, state, data_iter, health=None, local_only=False):
         self.calls.append(("save", step))
 
     def write(self, step, row):

@@ -133,9 +133,8 @@ class Checkpointer:
         return self.local is not None and self.local.due(step)
 
     def latest_step(self) -> int | None:
-        steps = [
-            s for s in (self.manager.latest_step(), self.local and (self.local.complete_steps() or [None])[-1]) if s
-        ]
+        steps = [self.manager.latest_step()] + (self.local.complete_steps()[-1:] if self.local is not None else [])
+        steps = [s for s in steps if s is not None]
         return max(steps) if steps else None
 
     def all_steps(self) -> list[int]:

@@ -104,6 +104,12 @@ def _fold_grad(grads, q, seg_q, idx_q, lse, g, delta, k, v, seg_k, idx_k, window
     return dq + dq_part, dk, dv
 
 
+def _keys(block, ks, idx_k):
+    """(keys, values, segment ids, global indices) of a travelling block's slice `ks`."""
+    k, v, seg_k = block[:3]
+    return k[:, ks], v[:, ks], seg_k[:, ks], idx_k[ks]
+
+
 def _hop(x, axes, size):
     """x sent one device on round the ring."""
     return jax.lax.ppermute(x, axes, [(i, (i + 1) % size) for i in range(size)])
@@ -137,21 +143,8 @@ def _forward(q, k, v, seg, window, me, axes, size, scale, cap):
     acc = (jnp.full((b, kvh, g, t), MASKED, F32), jnp.zeros((b, kvh, g, t), F32), jnp.zeros((b, kvh, g, t, h), F32))
 
     def update(acc, block, qs, ks, idx_k):
-        k_, v_, seg_k = block
         part = tuple(a[..., qs] if a.ndim == 4 else a[..., qs, :] for a in acc)
-        new = _fold(
-            part,
-            q[..., qs, :],
-            seg[:, qs],
-            idx_q[qs],
-            k_[:, ks],
-            v_[:, ks],
-            seg_k[:, ks],
-            idx_k[ks],
-            window,
-            scale,
-            cap,
-        )
+        new = _fold(part, q[..., qs, :], seg[:, qs], idx_q[qs], *_keys(block, ks, idx_k), window, scale, cap)
         acc = tuple(a.at[..., qs].set(n) if a.ndim == 4 else a.at[..., qs, :].set(n) for a, n in zip(acc, new))
         return acc, block
 
@@ -181,24 +174,11 @@ def _core_bwd(axes, size, scale, cap, saved, g):
     delta = jnp.sum(g.astype(F32) * out, axis=-1)  # the softmax backward's row term
 
     def update(dq, block, qs, ks, idx_k):
-        k_, v_, seg_k, dk, dv = block
-        dq_part, dk_part, dv_part = _fold_grad(
-            (dq[..., qs, :], dk[:, ks], dv[:, ks]),
-            q[..., qs, :],
-            seg[:, qs],
-            idx_q[qs],
-            lse[..., qs],
-            g[..., qs, :],
-            delta[..., qs],
-            k_[:, ks],
-            v_[:, ks],
-            seg_k[:, ks],
-            idx_k[ks],
-            window,
-            scale,
-            cap,
-        )
-        return dq.at[..., qs, :].set(dq_part), (k_, v_, seg_k, dk.at[:, ks].set(dk_part), dv.at[:, ks].set(dv_part))
+        dk, dv = block[3:]
+        queries = (q[..., qs, :], seg[:, qs], idx_q[qs], lse[..., qs], g[..., qs, :], delta[..., qs])
+        grads = (dq[..., qs, :], dk[:, ks], dv[:, ks])
+        dq_part, dk_part, dv_part = _fold_grad(grads, *queries, *_keys(block, ks, idx_k), window, scale, cap)
+        return dq.at[..., qs, :].set(dq_part), (*block[:3], dk.at[:, ks].set(dk_part), dv.at[:, ks].set(dv_part))
 
     zeros = jnp.zeros(k.shape, F32)
     dq, (_, _, _, dk, dv) = _ring_steps(

@@ -23,23 +23,24 @@ so every device runs experts_per_token copies of ALL the batch shards' tokens th
 matmuls; capacity routing holds [experts / expert-axis, all rows, capacity, width] buffers and
 the [rows, seq, experts, capacity] dispatch and combine tensors.
 
-Pipeline (mesh.stage > 1, lm.model.pipeline): params are split over `stage` by the "layers" rule
-(each stage holds its layers), so the state parts are per stage. A layer works on one pipeline
-micro-batch (rows / pipeline_microbatches) at a time, and the backward needs each layer's input
-(and the RoPE tables) of every iteration: (M * repeats + stages - 1) iterations of
-L / (stages * repeats) layers. A 1F1B schedule (lm.model.pipeline_1f1b) keeps only the inputs of
-the chunks in flight, the peak of its table (lm.model.pipeline_schedule), and the gradients that
-came back for them; its backward recomputes one chunk at a time, so one chunk's layers save
-their inputs; its loss runs per micro-batch, so the logits are one micro-batch's. Beside them:
-float32 copies of the stage's block params in the pipeline's view (a circular schedule: the chunk
-each iteration runs, kept for the backward), the micro-batches' store, and the final norm's and
-head's backward and the logits over all the rows.
+Pipeline (mesh.stage > 1, lm.model.pipeline; its parts in lm.plan.pipeline_memory): params are split
+over `stage` by the "layers" rule (each stage holds its layers), so the state parts are per stage. A
+layer works on one pipeline micro-batch (rows / pipeline_microbatches) at a time, and the backward
+needs each layer's input (and the RoPE tables) of every iteration: (M * repeats + stages - 1)
+iterations of L / (stages * repeats) layers. A 1F1B schedule (lm.model.pipeline_1f1b) keeps only the
+inputs of the chunks in flight, the peak of its table (lm.model.pipeline_schedule), and the
+gradients that came back for them; its backward recomputes one chunk at a time, so one chunk's
+layers save their inputs; its loss runs per micro-batch, so the logits are one micro-batch's. Beside
+them: float32 copies of the stage's block params in the pipeline's view (a circular schedule: the
+chunk each iteration runs, kept for the backward), the micro-batches' store, and the final norm's
+and head's backward and the logits over all the rows.
 
 Context parallelism (mesh.context > 1, lm.model.ring_attention): every activation holds T / context
 tokens per device (the `length` rule), so the stream, the saved residuals and the logits shrink by
-the context size. Attention then runs no fused kernel: each device holds float32 scores and
-probabilities of its T / context queries against all T keys (`allgather` at once, `ring` block by
-block for the backward), and `allgather` keeps every layer's gathered keys and values.
+the context size. Attention then runs no fused kernel: with `allgather` each device holds float32
+scores and probabilities of its T / context queries against all T keys and keeps every layer's
+gathered keys and values; the ring (lm.model.ring_flash) holds blocks of 512 of its queries
+against one step's T / context keys.
 
 Its coefficients were fitted to the TPU compiler's figures for the configs of
 bench/plan_vs_compiler.py; the README shows that table with the errors. A program over the chip's
@@ -61,10 +62,10 @@ from lm.errors import UserError
 from lm.infer.generate import generation_context
 from lm.model import pipeline
 from lm.model.moe import capacity
-from lm.model.pipeline_schedule import simulate
 from lm.model.quant import BASE_GROUP, BASE_WEIGHTS, CONTRACTING
 from lm.model.spec import ModelSpec
 from lm.model.transformer import Transformer, abstract_params
+from lm.plan.pipeline_memory import pipeline_of, pipeline_parts
 from lm.sharding import AXES, mesh_shape
 from lm.train.registry import compiled_step
 
@@ -85,14 +86,6 @@ LOOP_CODE_BYTES = 32 * 2**20  # the code of a pipelined or mixture-of-experts st
 # more), and the share of capacity routing's dispatch and combine tensors that is materialised.
 EXPERT_WORK = {"dropless": 4.0, "capacity": 8.0}
 DISPATCH_COPIES = 0.1
-# Pipeline, fitted to compiles of pipelined configs (small ones and Llama-3-70B): float32 copies of
-# a stage's block params (the gradients' accumulator in the pipeline's view), copies of the
-# micro-batches' store, and float32 streams of all the rows in the backward of the final norm and
-# head. A circular schedule picks the chunk each stage runs inside the loop, and the compiler kept
-# that float32 chunk for every iteration (Llama-3-70B; a small config kept far less).
-STAGE_PARAM_COPIES = 1.0
-PIPELINE_STORES = 2.0
-HEAD_STREAMS = 4.0
 # Context parallelism, fitted to Llama-3-8B at 131072 tokens (context 8 or 16 x tensor 8, v5p): float32
 # bytes per element of a device's [T/context, T] scores held in one layer's backward beside the
 # compute-dtype probabilities (allgather: the scores and part of their gradient, on the safe side).
@@ -248,54 +241,6 @@ def batch_rows(config, step: str, mesh: dict, rules: dict) -> int:
     return rows * compiled.rows_per_example
 
 
-@dataclasses.dataclass(frozen=True)
-class Pipeline:
-    """The schedule a pipelined step runs (lm.model.pipeline, lm.model.pipeline_schedule)."""
-
-    stages: int
-    microbatches: int
-    repeats: int
-    schedule: str = "gpipe"
-
-    @property
-    def name(self) -> str:
-        if self.schedule == "1f1b":
-            return "1F1B" if self.repeats == 1 else f"interleaved 1F1B, {self.repeats} virtual stages"
-        return "GPipe" if self.repeats == 1 else f"circular, {self.repeats} repeats"
-
-    @property
-    def iterations(self) -> int:
-        return self.microbatches * self.repeats + self.stages - 1
-
-    @property
-    def bubble(self) -> float:
-        return pipeline.bubble_fraction(self.stages, self.microbatches, self.repeats)
-
-    @property
-    def held(self) -> int:
-        """1F1B: the stage inputs a stage keeps at its peak, from the schedule's table (at most
-        `stages` micro-batches without virtual stages)."""
-        return _table(self.stages, self.microbatches, self.repeats).x_slots
-
-    @property
-    def gradients_held(self) -> int:
-        return _table(self.stages, self.microbatches, self.repeats).g_slots
-
-
-@functools.cache
-def _table(stages: int, microbatches: int, repeats: int):
-    return simulate("1f1b", stages, microbatches, repeats)
-
-
-def pipeline_of(config, step: str, mesh: dict) -> Pipeline | None:
-    """The pipeline of a step on this mesh (mesh.stage > 1; decoding runs the plain layer scan)."""
-    stages = mesh["stage"]
-    if stages == 1 or compiled_step(step).generation:
-        return None
-    spec = ModelSpec.from_config(config.model)
-    return Pipeline(stages, pipeline.microbatches(spec, stages), spec.pipeline.repeats, spec.pipeline.schedule)
-
-
 def activations(config, step, spec: ModelSpec, leaves, rules, mesh, c, trained_f32: int) -> dict:
     """The activation terms (see the module doc) of one micro-batch on one device."""
     r, T = batch_rows(config, step, mesh, rules), config.data.seq_len
@@ -333,7 +278,8 @@ def activations(config, step, spec: ModelSpec, leaves, rules, mesh, c, trained_f
     if spec.moe.n_experts:
         parts |= experts(spec, rules, mesh, rows, T, c, saved_layers if lighter else 0)
     if pipe is not None:
-        side = pipeline_parts(pipe, spec, leaves, rules, mesh, r, rows, length, embed, c)
+        blocks = sum(leaf_bytes(x, rules, mesh, 4) for x in leaves if x.path.startswith("['blocks']"))
+        side = pipeline_parts(pipe, spec, blocks, r, rows, length, embed, c)
         parts["saved residuals"] += side.pop("saved residuals", 0)
         parts |= side
     head_rows = rows if pipe is not None and pipe.schedule == "1f1b" else r  # 1F1B: one micro-batch's loss
@@ -344,29 +290,6 @@ def activations(config, step, spec: ModelSpec, leaves, rules, mesh, c, trained_f
         parts["params in compute dtype"] = int(trained_f32 * c / 4)
     if mesh["tensor"] > 1:
         parts["tensor-parallel update"] = int(TP_UPDATE * trained_f32)
-    return parts
-
-
-def pipeline_parts(pipe: Pipeline, spec: ModelSpec, leaves, rules, mesh, r, rows, length, embed, c) -> dict:
-    """What a pipelined step holds beside the layers' saved inputs: the stage's block params in the
-    pipeline's view (float32: their gradients' accumulator; for a circular schedule, the chunk
-    each iteration runs), the backward of the final norm and head over all the rows (float32
-    streams), the micro-batches' store, and the RoPE tables each iteration saves (cos and sin,
-    float32). r: rows per device, rows: per pipeline micro-batch."""
-    blocks = sum(leaf_bytes(x, rules, mesh, 4) for x in leaves if x.path.startswith("['blocks']"))
-    parts = {"stage params": int(STAGE_PARAM_COPIES * blocks)}
-    if pipe.repeats > 1 and pipe.schedule != "1f1b":  # the chunk each iteration picks, kept for the backward
-        parts["circular chunks"] = int(pipe.iterations * blocks / pipe.repeats)
-    if pipe.schedule == "1f1b":  # the loss runs per micro-batch; stage inputs and gradients wait in buffers
-        parts["loop gradients"] = int(blocks)  # the custom VJP's copy beside the loop's accumulator
-        parts["final backward"] = int(HEAD_STREAMS * rows * length * embed * 4)
-        parts["in-flight inputs"] = int((pipe.held + pipe.gradients_held) * rows * length * embed * c)
-    else:
-        parts["final backward"] = int(HEAD_STREAMS * r * length * embed * 4)
-    parts["pipeline store"] = int(PIPELINE_STORES * r * length * embed * c)
-    if spec.position == "rope":
-        tables = 1 if pipe.schedule == "1f1b" else pipe.iterations / pipe.microbatches  # every micro-batch's, once
-        parts["saved residuals"] = int(tables * pipe.microbatches * 2 * rows * length * spec.attention.head_dim * 4)
     return parts
 
 

@@ -10,7 +10,8 @@ from lm.errors import UserError
 from lm.model import counts
 from lm.plan.fit import overrides, search
 from lm.plan.hardware import Target
-from lm.plan.memory import Estimate, batch_rows, estimate, mesh_sizes, pipeline_of
+from lm.plan.memory import Estimate, batch_rows, estimate, mesh_sizes
+from lm.plan.pipeline_memory import pipeline_of
 from lm.plan.units import human_bytes
 from lm.train.registry import compiled_step
 

@@ -183,7 +183,8 @@ def test_compiled_arguments_are_the_planners_state(overrides):
 
 def test_pipelined_70b_config_splits_its_layers_over_four_stages():
     from lm.plan.hardware import parse_target
-    from lm.plan.memory import mesh_sizes, pipeline_of
+    from lm.plan.memory import mesh_sizes
+    from lm.plan.pipeline_memory import pipeline_of
 
     target = parse_target("v5p-128")
     config = load_config("configs/llama3_70b_pipeline.py")

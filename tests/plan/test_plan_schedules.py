@@ -5,7 +5,8 @@ import pytest
 
 from lm.config import load_config
 from lm.plan.hardware import parse_target
-from lm.plan.memory import estimate, mesh_sizes, pipeline_of
+from lm.plan.memory import estimate, mesh_sizes
+from lm.plan.pipeline_memory import pipeline_of
 
 
 def seventy_b(*overrides):

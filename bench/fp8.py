@@ -1,11 +1,12 @@
 """FP8 training (model.fp8) against the same run without it: loss curves on CPU.
 
-Two short pretraining runs of a tiny model, identical but for `model.fp8` (same init, same
-batches, same optimizer), on a synthetic learnable stream: each token is followed by one of
-two successors drawn from a fixed random table, so the loss falls from ln(vocab) towards ln 2.
-Prints both losses every 10 steps and the largest gap over all steps; writes a PNG of the two
-curves overlaid (and a JSON of them). tests/train/test_fp8_training.py runs `curves` at the
-default shape and asserts the gap stays under its tolerance.
+Three short pretraining runs of a tiny model, identical but for `model.fp8` (off, current
+scaling, delayed scaling; same init, same batches, same optimizer), on a synthetic learnable
+stream: each token is followed by one of two successors drawn from a fixed random table, so
+the loss falls from ln(vocab) towards ln 2. Prints the losses every 10 steps and each fp8 run's
+largest gap over all steps; writes a PNG of the curves overlaid (and a JSON of them).
+tests/train/test_fp8_training.py runs `curves` at the default shape and asserts the gaps stay
+under its tolerance.
 
     .venv/bin/python bench/fp8.py [--steps 50] [--compute-dtype float32] [--out runs/fp8]
 
@@ -29,11 +30,16 @@ VOCAB, SEQ, BATCH = 64, 32, 8
 SHAPE = dict(vocab_size=VOCAB, d_model=64, n_layers=2, n_heads=4, n_kv_heads=2, d_ff=128, max_seq_len=SEQ)
 
 
-def config(fp8: bool, compute_dtype: str = "float32", steps: int = 50, devices: int = 1):
+MODES = ("off", "current", "delayed")  # model.fp8 off, or on with that model.fp8_scaling
+
+
+def config(mode: str, compute_dtype: str = "float32", steps: int = 50, devices: int = 1):
     from lm.config import base_config
 
     c = base_config()
-    c.model.update(**SHAPE, compute_dtype=compute_dtype, fp8=fp8)
+    c.model.update(**SHAPE, compute_dtype=compute_dtype, fp8=mode != "off")
+    if mode != "off":
+        c.model.fp8_scaling = mode
     c.data.seq_len = SEQ
     c.train.update(batch_size=BATCH, steps=steps)
     c.optim.update(lr=3e-3, warmup_steps=5)
@@ -77,7 +83,8 @@ def run(c, steps: int, devices=None, state=None, start: int = 0):
 
 
 def curves(steps: int = 50, compute_dtype: str = "float32") -> dict:
-    return {fp8: run(config(fp8, compute_dtype, steps), steps)[0] for fp8 in (False, True)}
+    """{mode: losses} for each of MODES."""
+    return {mode: run(config(mode, compute_dtype, steps), steps)[0] for mode in MODES}
 
 
 def main() -> None:
@@ -87,15 +94,17 @@ def main() -> None:
     p.add_argument("--out", default="runs/fp8")
     a = p.parse_args()
     got = curves(a.steps, a.compute_dtype)
-    ref, f8 = np.array(got[False]), np.array(got[True])
-    print(f"{'step':>5} {a.compute_dtype:>10} {'fp8':>10} {'gap':>9}")
+    ref = np.array(got["off"])
+    print(f"{'step':>5} {a.compute_dtype:>10} {'current':>10} {'delayed':>10}")
     for i in list(range(0, a.steps, 10)) + [a.steps - 1]:
-        print(f"{i:>5} {ref[i]:>10.4f} {f8[i]:>10.4f} {f8[i] - ref[i]:>+9.4f}")
-    gap = np.abs(f8 - ref)
-    print(f"max |gap| {gap.max():.4f} at step {int(gap.argmax())}; relative {float((gap / ref).max()):.2%}")
+        print(f"{i:>5} {ref[i]:>10.4f} {got['current'][i]:>10.4f} {got['delayed'][i]:>10.4f}")
+    gaps = {mode: np.abs(np.array(got[mode]) - ref) for mode in MODES[1:]}
+    for mode, gap in gaps.items():
+        rel = float((gap / ref).max())
+        print(f"fp8 {mode}: max |gap| {gap.max():.4f} at step {int(gap.argmax())}; relative {rel:.2%}")
     out = pathlib.Path(a.out)
     out.mkdir(parents=True, exist_ok=True)
-    (out / "fp8.json").write_text(json.dumps({"reference": got[False], "fp8": got[True], "dtype": a.compute_dtype}))
+    (out / "fp8.json").write_text(json.dumps(got | {"dtype": a.compute_dtype}))
     import matplotlib
 
     matplotlib.use("Agg")
@@ -103,8 +112,9 @@ def main() -> None:
 
     fig, ax = plt.subplots(figsize=(6, 4))
     ax.plot(ref, label=f"{a.compute_dtype} matmuls")
-    ax.plot(f8, label="model.fp8 (e4m3 / e5m2, current scaling)", linestyle="--")
-    ax.set(xlabel="step", ylabel="training loss", title=f"fp8 vs {a.compute_dtype}: max gap {gap.max():.4f}")
+    for mode, style in zip(MODES[1:], ("--", ":")):
+        ax.plot(got[mode], label=f"model.fp8, {mode} scaling (max gap {gaps[mode].max():.4f})", linestyle=style)
+    ax.set(xlabel="step", ylabel="training loss", title=f"fp8 (e4m3 / e5m2) vs {a.compute_dtype}")
     ax.legend()
     fig.tight_layout()
     fig.savefig(out / "fp8.png", dpi=120)

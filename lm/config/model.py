@@ -91,6 +91,10 @@ DEFAULTS = dict(
     # scaling: e4m3 operands forward, e5m2 gradients backward (lm.model.fp8, docs/fp8.md); the
     # embeddings, norms, head, router, LoRA adapters and optimizer stay as they are
     fp8=False,
+    # "current": each scale from its tensor's own amax this step; "delayed": from the largest amax of
+    # the last fp8_history steps (Transformer Engine's recipe), histories kept in the params
+    fp8_scaling="current",
+    fp8_history=16,
     lora_rank=0,
     lora_alpha=16.0,
     lora_dropout=0.0,
@@ -118,6 +122,7 @@ CHOICES = dict(
     router_score=("softmax", "sigmoid"),
     lora_base_quant=("none", "nf4", "int4"),
     pipeline_schedule=("gpipe", "1f1b"),
+    fp8_scaling=("current", "delayed"),
 )
 
 
@@ -207,8 +212,32 @@ def check(c) -> None:
     for key in ("capacity_factor", "moe_balance_coef", "moe_z_coef"):
         require(m[key] >= 0, f"model.{key}", m[key], "expected >= 0")
     require(m.pipeline_repeats >= 1, "model.pipeline_repeats", m.pipeline_repeats, "expected >= 1 (1 = GPipe)")
+    check_fp8(c)
     check_pipeline(c)
     check_context(c)
+
+
+def check_fp8(c) -> None:
+    """Delayed scaling's amax histories are params that the update routine shifts (lm.train.steps):
+    they must train (not a LoRA run's frozen base) and see each micro-batch once (not a pipeline's
+    loop, whose autodiff sums them)."""
+    m = c.model
+    require(m.fp8_history >= 1, "model.fp8_history", m.fp8_history, "expected >= 1 (steps of amax kept)")
+    if not (m.fp8 and m.fp8_scaling == "delayed"):
+        return
+    require(
+        not m.lora_rank,
+        "model.fp8_scaling",
+        m.fp8_scaling,
+        "delayed scaling trains its amax histories with the params; under LoRA (model.lora_rank > 0) they are "
+        "frozen: use model.fp8_scaling=current",
+    )
+    require(
+        c.mesh.stage == 1,
+        "model.fp8_scaling",
+        m.fp8_scaling,
+        f"delayed scaling does not run in a pipeline (mesh.stage={c.mesh.stage}): use model.fp8_scaling=current",
+    )
 
 
 def check_context(c) -> None:

@@ -16,7 +16,7 @@ import jax.numpy as jnp
 from lm.model import fused_attention as fused
 from lm.model import paged_kernel, ring_attention
 from lm.model.blockwise import blockwise_attention
-from lm.model.layers import Norm, Partitioning, matmul, matmuls, normal
+from lm.model.layers import Norm, Partitioning, fp8_history, matmul, matmuls, normal
 from lm.model.lora import lora_delta, targeted
 from lm.model.paged import KV_DTYPES, POOL_AXES, SCALE_AXES, Paging, quantize_kv, read_pool, write_pool
 from lm.model.params import param
@@ -190,7 +190,8 @@ class Attention(nn.Module):
             param(self, name, init, (s.d_model, n, a.head_dim), ("embed", axis, "head_dim"), quantized=True)
             for name, (n, axis) in heads.items()
         ]
-        qkv = matmuls(s, x, ["btd,dnh->btnh"] * 3, ws, block=True)  # x is kept once for the three backward products
+        # x is kept once for the three backward products
+        qkv = matmuls(s, x, ["btd,dnh->btnh"] * 3, ws, block=True, history=fp8_history(self, "qkv", 3))
         qkv = [
             y + lora_delta(self, s, name, x, "btd,dnh->btnh", (s.d_model, n, a.head_dim), ("embed", axis, "head_dim"))
             if targeted(s, name)
@@ -235,11 +236,12 @@ class Attention(nn.Module):
         y = c(y, ("batch", "length", "act_heads", None))
         wo_names = ("q_heads", "head_dim", "embed")
         wo = param(self, "wo", out_init, (a.n_heads, a.head_dim, s.d_model), wo_names, quantized=True)
+        history = fp8_history(self, "o", 1)
         if self.decode:  # heads flattened on both sides: XLA:CPU would otherwise re-lay-out wo every step
             b, t = y.shape[:2]
-            out = matmul(s, "btf,fd->btd", y.reshape(b, t, -1), wo.reshape(-1, s.d_model), block=True)
+            out = matmul(s, "btf,fd->btd", y.reshape(b, t, -1), wo.reshape(-1, s.d_model), block=True, history=history)
         else:
-            out = matmul(s, "btnh,nhd->btd", y, wo, block=True)
+            out = matmul(s, "btnh,nhd->btd", y, wo, block=True, history=history)
         if targeted(s, "wo"):
             out = out + lora_delta(
                 self, s, "wo", y, "btnh,nhd->btd", (a.n_heads, a.head_dim, s.d_model), ("q_heads", "head_dim", "embed")

@@ -34,17 +34,38 @@ class Partitioning:
         return jax.lax.with_sharding_constraint(x, NamedSharding(self.mesh, spec))
 
 
+class AmaxHistory(nn.Module):
+    """One fp8 product site's amax history: a child module so that adding it leaves the parent's
+    other params' init (Flax draws them from the parent's RNG counter) as without it."""
+
+    shape: tuple[int, int]
+
+    @nn.compact
+    def __call__(self) -> jax.Array:
+        return self.param("amax_history", nn.with_logical_partitioning(nn.initializers.zeros, (None, None)), self.shape)
+
+
+def fp8_history(module: nn.Module, name: str, n_weights: int) -> jax.Array | None:
+    """The amax history of one fp8 product site of `module` under delayed scaling (the param
+    `fp8_<name>/amax_history`, zeros at first: lm.model.fp8), None otherwise."""
+    s = module.spec
+    if not (s.fp8 and s.fp8_scaling == "delayed"):
+        return None
+    return AmaxHistory((s.fp8_history, fp8.history_columns(n_weights)), name=fp8.HISTORY_PREFIX + name)()
+
+
 def matmuls(
-    spec: ModelSpec, x: jax.Array, specs, weights, out_dtype: str | None = None, block: bool = False
+    spec: ModelSpec, x: jax.Array, specs, weights, out_dtype: str | None = None, block: bool = False, history=None
 ) -> tuple[jax.Array, ...]:
     """`jnp.einsum(s, x, w)` for each (s, w) in x's dtype with float32 accumulation; float32
     weights are cast to x's dtype for the product and get their gradients in float32. Quantized
     weights (QTensor) multiply through `qdot` (int8 x int8 on the CPU kernel path). `block`: a
-    block's projection, an fp8 product when `spec.fp8` (the head and the rest never are)."""
+    block's projection, an fp8 product when `spec.fp8` (the head and the rest never are), with
+    the site's amax `history` (`fp8_history`) under delayed scaling."""
     if any(isinstance(w, QTensor) for w in weights):
         return tuple(qdot(s, x, w, out_dtype, int_dot=spec.cpu_kernels) for s, w in zip(specs, weights))
     if block and spec.fp8:
-        return fp8.matmuls(x, specs, weights, out_dtype)
+        return fp8.matmuls(x, specs, weights, out_dtype, history)
     if spec.cpu_kernels:
         return cpu_kernels.matmuls(x, specs, weights, out_dtype)
     out = jnp.dtype(out_dtype or x.dtype)
@@ -55,17 +76,17 @@ def matmuls(
 
 
 def matmul(
-    spec: ModelSpec, s: str, x: jax.Array, w: jax.Array, out_dtype: str | None = None, block: bool = False
+    spec: ModelSpec, s: str, x: jax.Array, w: jax.Array, out_dtype: str | None = None, block: bool = False, history=None
 ) -> jax.Array:
-    return matmuls(spec, x, [s], [w], out_dtype, block)[0]
+    return matmuls(spec, x, [s], [w], out_dtype, block, history)[0]
 
 
-def swiglu_down(spec: ModelSpec, gate: jax.Array, up: jax.Array, w: jax.Array) -> jax.Array:
+def swiglu_down(spec: ModelSpec, gate: jax.Array, up: jax.Array, w: jax.Array, history=None) -> jax.Array:
     """(silu(gate) * up) @ w, the product in float32 rounded once to the compute dtype (a block's
     MLP: with `spec.fp8`, an fp8 product of the rounded hidden)."""
     if spec.fp8 and not isinstance(w, QTensor):
         h = (nn.silu(gate.astype(jnp.float32)) * up.astype(jnp.float32)).astype(gate.dtype)
-        return fp8.matmul("btf,fd->btd", h, w)
+        return fp8.matmul("btf,fd->btd", h, w, history=history)
     if spec.cpu_kernels and not isinstance(w, QTensor):
         return cpu_kernels.swiglu_down(gate, up, w)
     h = (nn.silu(gate.astype(jnp.float32)) * up.astype(jnp.float32)).astype(gate.dtype)
@@ -118,7 +139,9 @@ class Mlp(nn.Module):
 
         def dense_in(*names):
             ws = [param(self, n, init, (s.d_model, s.mlp.d_ff), names_in, quantized=True) for n in names]
-            hs = matmuls(s, x, ["btd,df->btf"] * len(names), ws, block=True)
+            hs = matmuls(
+                s, x, ["btd,df->btf"] * len(names), ws, block=True, history=fp8_history(self, "in", len(names))
+            )
             hs = [
                 h + lora_delta(self, s, n, x, "btd,df->btf", (s.d_model, s.mlp.d_ff), names_in) if targeted(s, n) else h
                 for n, h in zip(names, hs)
@@ -133,16 +156,16 @@ class Mlp(nn.Module):
         w_out = lambda: param(self, "w_down", out_init, (s.mlp.d_ff, s.d_model), names_out, quantized=True)
         if s.mlp.kind == "swiglu":
             gate, up = dense_in("w_gate", "w_up")
-            y = swiglu_down(s, gate, up, w_out())
+            y = swiglu_down(s, gate, up, w_out(), fp8_history(self, "down", 1))
             hidden = lambda: (nn.silu(gate.astype(jnp.float32)) * up.astype(jnp.float32)).astype(dt)
         elif s.mlp.kind == "geglu":  # gelu (tanh approximation) gate, as Gemma's
             gate, up = dense_in("w_gate", "w_up")
             h = (nn.gelu(gate.astype(jnp.float32), approximate=True) * up.astype(jnp.float32)).astype(dt)
-            y = matmul(s, "btf,fd->btd", h, w_out(), block=True)
+            y = matmul(s, "btf,fd->btd", h, w_out(), block=True, history=fp8_history(self, "down", 1))
             hidden = lambda: h
         else:
             h = nn.gelu(dense_in("w_in")[0], approximate=True)
-            y = matmul(s, "btf,fd->btd", h, w_out(), block=True)
+            y = matmul(s, "btf,fd->btd", h, w_out(), block=True, history=fp8_history(self, "down", 1))
             hidden = lambda: h
         if targeted(s, "w_down"):
             y = y + lora_delta(self, s, "w_down", hidden(), "btf,fd->btd", (s.mlp.d_ff, s.d_model), names_out)

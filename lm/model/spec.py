@@ -137,7 +137,9 @@ class ModelSpec:
     remat: str
     init_std: float
     kernels: str  # "cpu": lm.model.cpu_kernels; "plain": einsum + autodiff; "auto": cpu on CPU
-    fp8: bool  # the blocks' projections as fp8 products with current scaling (lm.model.fp8)
+    fp8: bool  # the blocks' projections as fp8 products (lm.model.fp8)
+    fp8_scaling: str  # current | delayed (amax histories in the params)
+    fp8_history: int  # steps of amax a delayed scale looks back over
     attention: AttentionSpec
     rope: RopeSpec
     norm: NormSpec

@@ -10,6 +10,10 @@ Batches are dicts of arrays of any rank with the batch axis first ([B, T] text f
 Gradient accumulation scans over micro-batches inside the jitted step, summing the
 gradients of loss *sums*, then divides once by the global token count, so the
 update does not depend on how the batch was split.
+
+Delayed fp8 scaling's amax histories (lm.model.fp8) are params whose "gradient" is the step's
+amaxes: accumulated by max, never scaled, clipped or seen by the optimizer, and shifted into
+the history by the update (kept like the rest when the step is not finite).
 """
 
 from __future__ import annotations
@@ -19,6 +23,7 @@ import jax.numpy as jnp
 import optax
 from jax.sharding import NamedSharding, PartitionSpec
 
+from lm.model import fp8
 from lm.model.build import FrozenModel
 from lm.model.params import merge_trees
 from lm.train.optim import apply_update
@@ -35,6 +40,28 @@ def split_micro(x: jax.Array, n: int) -> jax.Array:
 
 def _tree_add(a, b):
     return jax.tree.map(jnp.add, a, b)
+
+
+def _grads_add(a, b):
+    """Summed gradients; an amax history's recorded amaxes by their largest."""
+    return jax.tree_util.tree_map_with_path(lambda p, x, y: jnp.maximum(x, y) if fp8.is_history(p) else x + y, a, b)
+
+
+def take_histories(grads, params):
+    """(grads with zeros for the amax histories, {path: shifted history} to write after the update)."""
+    shifted = {}
+
+    def take(path, g, p):
+        if not fp8.is_history(path):
+            return g
+        shifted[path] = fp8.shift_history(p, g)
+        return jnp.zeros_like(g)
+
+    return jax.tree_util.tree_map_with_path(take, grads, params), shifted
+
+
+def put_histories(params, shifted: dict):
+    return jax.tree_util.tree_map_with_path(lambda p, x: shifted.get(p, x), params) if shifted else params
 
 
 def accumulate(loss_fn, params, batch, rng, n_micro: int, micro_shardings=None):
@@ -56,7 +83,7 @@ def accumulate(loss_fn, params, batch, rng, n_micro: int, micro_shardings=None):
     def body(carry, xs):
         mb, i = xs
         (_, stats), grads = grad_fn(params, mb, jax.random.fold_in(rng, i))
-        return (_tree_add(carry[0], grads), _tree_add(carry[1], stats)), None
+        return (_grads_add(carry[0], grads), _tree_add(carry[1], stats)), None
 
     (grads, stats), _ = jax.lax.scan(body, init, (micro, jnp.arange(n_micro)))
     return grads, stats
@@ -130,12 +157,13 @@ def make_train_step(
         base, models = frozen_view(frozen, frozen_modules or {})
         loss = lambda p, b, r: loss_fn(merge_trees(p, base), b, models, r)  # noqa: E731
         grads, stats = accumulate(loss, state.params, batch, step_rng, n_micro, micro_shardings)
+        grads, histories = take_histories(grads, state.params)
         # in each param's dtype: a bfloat16 state (train.param_dtype) keeps bfloat16 moments
         grads = jax.tree.map(lambda g, p: (g / jnp.maximum(stats["count"], 1.0)).astype(p.dtype), grads, state.params)
         grad_norm = optax.tree.norm(grads)
         lr = schedule(state.step)
         direction, opt_state = optimizer.update(grads, state.opt_state, state.params)
-        params = apply_update(state.params, direction, lr)
+        params = put_histories(apply_update(state.params, direction, lr), histories)
         ok = is_finite(stats, grad_norm)
         params, opt_state = keep_if_bad(ok, (params, opt_state), (state.params, state.opt_state))
         metrics = summarize(stats) | {"grad_norm": grad_norm, "lr": lr, "update_skipped": 1.0 - ok.astype(jnp.float32)}

@@ -24,6 +24,7 @@ import numpy as np
 
 from lm.config import init_of
 from lm.errors import UserError
+from lm.model.fp8 import without_histories
 from lm.model.lora import SUFFIX_A, SUFFIX_B
 from lm.model.params import leaf_paths
 from lm.model.spec import ModelSpec
@@ -183,8 +184,11 @@ def peft_tensors(family, m, params: dict, dtype, source: str) -> tuple[dict, set
 
 
 def _plain(model: Loaded, merge: bool) -> tuple:
-    """(config, params) without adapters: a LoRA model's folded into its base when merge is asked."""
+    """(config, params) without adapters (a LoRA model's folded into its base when merge is asked)
+    and without delayed fp8 scaling's amax histories."""
     config, params = model.config, model.params
+    if params is not None:
+        params = without_histories(params)
     if not config.model.lora_rank:
         return config, params
     if not merge:

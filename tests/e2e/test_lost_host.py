@@ -39,7 +39,7 @@ LOST = re.compile(
 )
 
 
-def launch(workdir, corpus, *extra: str) -> tuple[list[subprocess.Popen], int]:
+def launch(workdir, corpus, *extra: str, args=ARGS) -> tuple[list[subprocess.Popen], int]:
     env = os.environ | {"XLA_FLAGS": xla_flags(4), "JAX_PLATFORMS": "cpu"}
     port = free_port()
     base = [
@@ -50,7 +50,7 @@ def launch(workdir, corpus, *extra: str) -> tuple[list[subprocess.Popen], int]:
         "--workdir",
         str(workdir),
         f"--config.data.corpus={corpus}",
-        *ARGS,
+        *args,
         *extra,
         "--distributed",
         "--coordinator",

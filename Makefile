@@ -20,7 +20,7 @@ demo: $(VENV)/.installed
 	$(VENV)/bin/lm sample --workdir $(WORKDIR)/sft --chat --prompt "sort 9071" --temperature 0
 
 test: $(VENV)/.installed
-	$(PY) -m pytest -q -n 2 --dist loadfile --no-loadscope-reorder
+	$(PY) -m pytest -q -n 2 --dist loadfile --no-loadscope-reorder --max-worker-restart=0
 
 # the unit tests alone (no end-to-end run, nothing marked slow): for iteration
 check: $(VENV)/.installed

@@ -11,9 +11,11 @@ in entries: one test late in a session took 70 s instead of 11 s), and the direc
 An entry read while another process still writes it fails to decompress, and JAX warns and
 compiles instead. `LM_TEST_JAX_CACHE=0` turns it off."""
 
+import gc
 import os
 import pathlib
 import shutil
+import sys
 import sysconfig
 import tempfile
 
@@ -77,6 +79,17 @@ def corpus(tmp_path_factory):
 def _data_cache(tmp_path_factory):
     """Prepared data goes to a cache shared by the session's runs, never to ~/.cache/lm."""
     os.environ["LM_CACHE_DIR"] = str(tmp_path_factory.mktemp("lm-cache"))
+
+
+@pytest.fixture(autouse=True, scope="module")
+def _release_compiled():
+    """Each test file's compiled programs are let go at its end: a worker runs ~1,000 tests, and
+    holding every executable grew one past 7 GB. A program compiled again loads from the session's
+    compilation cache."""
+    yield
+    if "jax" in sys.modules:
+        sys.modules["jax"].clear_caches()
+    gc.collect()
 
 
 @pytest.fixture(scope="session")

@@ -87,10 +87,18 @@ TENSOR_ARGS = SMALL + [
 ]
 
 
+# context=2 (the ring) spans processes the same way: each pair splits one batch shard's sequences
+CONTEXT_ARGS = [a for a in TENSOR_ARGS if a != "--config.mesh.tensor=2"] + [
+    "--config.mesh.context=2",
+    "--config.model.context_attention=ring",
+]
+
+
 @pytest.mark.slow
-def test_four_processes_with_tensor_across_processes_match_one(tmp_path, corpus):
-    one = run(tmp_path / "one", corpus, 1, 4, TENSOR_ARGS)
-    four = run(tmp_path / "four", corpus, 4, 1, TENSOR_ARGS)
+@pytest.mark.parametrize("args", [TENSOR_ARGS, CONTEXT_ARGS], ids=["tensor", "context"])
+def test_four_processes_with_an_axis_across_processes_match_one(tmp_path, corpus, args):
+    one = run(tmp_path / "one", corpus, 1, 4, args)
+    four = run(tmp_path / "four", corpus, 4, 1, args)
     losses_one = [r["loss"] for r in one if "loss" in r]
     losses_four = [r["loss"] for r in four if "loss" in r]
     assert len(losses_one) == 4

@@ -79,6 +79,7 @@ SAVED_MLP = 3.0
 LAYER_WORK = 8.0
 LOGIT_COPIES = 1.5
 TP_UPDATE = 1.5
+FP8_WEIGHTS = ("wq", "wk", "wv", "wo", "w_gate", "w_up", "w_down", "w_in")  # lm.model.fp8's products
 CODE_BYTES = 6 * 2**20
 LOOP_CODE_BYTES = 32 * 2**20  # the code of a pipelined or mixture-of-experts step (its loops and routing)
 # Mixture of experts, fitted like the above: float32 buffers of the experts' width and the stream's
@@ -286,11 +287,18 @@ def activations(config, step, spec: ModelSpec, leaves, rules, mesh, c, trained_f
     parts["logits"] = int(LOGIT_COPIES * head_rows * length * vocab * 4)
     # the embedding's and head's gradients before they are split over fsdp (float32)
     parts["table gradients"] = int(3 * V / splits(("vocab",), rules, mesh) * d * 4)
-    if c < 4:
-        parts["params in compute dtype"] = int(trained_f32 * c / 4)
+    f8 = sum(leaf_bytes(x, rules, mesh, 4) for x in leaves if _fp8_product(spec, x))
+    if c < 4 or f8:  # an fp8 product's weight is rounded to one byte from float32, not cast to c
+        parts["params in compute dtype"] = int((trained_f32 - f8) * c / 4 * (c < 4) + f8 / 4)
     if mesh["tensor"] > 1:
         parts["tensor-parallel update"] = int(TP_UPDATE * trained_f32)
     return parts
+
+
+def _fp8_product(spec: ModelSpec, leaf: Leaf) -> bool:
+    """Whether `leaf` is a trained weight of a block's fp8 product (lm.model.fp8: not routed experts)."""
+    fp8 = spec.fp8 and not spec.lora.rank and "expert" not in leaf.names
+    return fp8 and leaf.path.startswith("['blocks']") and leaf.name in FP8_WEIGHTS
 
 
 def expert_slots(spec: ModelSpec, rules, mesh, rows: float, seq: int) -> float:

@@ -83,9 +83,11 @@ def _data_cache(tmp_path_factory):
 
 @pytest.fixture(autouse=True, scope="module")
 def _release_compiled():
-    """Each test file's compiled programs are let go at its end: a worker runs ~1,000 tests, and
-    holding every executable grew one past 7 GB. A program compiled again loads from the session's
-    compilation cache."""
+    """Each test file's compiled programs are let go at its end. A worker runs ~1,000 tests, and every
+    executable XLA:CPU keeps alive holds memory mappings of its code: three model test files left
+    18,000 (700 once released), so a whole worker neared the kernel's vm.max_map_count (65,530),
+    where compiling the next program crashes (SIGABRT or SIGSEGV inside XLA's compile), and grew
+    past 7 GB. A program compiled again loads from the session's compilation cache."""
     yield
     if "jax" in sys.modules:
         sys.modules["jax"].clear_caches()

@@ -12,11 +12,11 @@ A scale is amax / (the format's largest). *Current* scaling takes the amax of th
 this step. *Delayed* scaling (`model.fp8_scaling=delayed`, Transformer Engine's recipe) takes
 the largest amax of the last `model.fp8_history` steps, so the scale is known before the tensor
 is: each product site keeps an amax history param `fp8_<site>/amax_history` [history, 1 + 2n]
-(columns: x, the n weights, the n gradients; newest step first). The product records this step's amaxes as the history's
-"gradient" (row 0; the rest zero) and the update routine shifts them in (`lm.train.steps`), so
-the histories live in the params tree: checkpointed, sharded and resumed with them. A history
-that is still all zero (the first step) falls back to current scaling; a value above a delayed
-scale's range saturates at the format's largest.
+(columns: x, the n weights, the n gradients; newest step first). The product records this
+step's amaxes as the history's "gradient" (row 0; the rest zero) and the update routine shifts
+them in (`lm.train.steps`), so the histories live in the params tree: checkpointed, sharded and
+resumed with them. A history that is still all zero (the first step) falls back to current
+scaling; a value above a delayed scale's range saturates at the format's largest.
 
 The fp8 values enter the dots as they are, so a backend with fp8 matrix units (H100/H200; TPUs
 that have them) can run them there; XLA:CPU converts them to float32 first, which gives the same

@@ -20,7 +20,6 @@ and the dropped assignments. Padding tokens (segment 0) count in none of them.
 
 from __future__ import annotations
 
-import functools
 import math
 
 import flax.linen as nn
@@ -133,10 +132,12 @@ def sharded_dropless(spec: ModelSpec, part: Partitioning, x, weights, experts, w
     batch, embed, expert, width = (_mesh_axes(part.rules, n) for n in ("batch", "embed", "expert", "expert_mlp"))
     moved = tuple(a for a in expert if a in batch)  # rows split over these: assignments exchanged
     summed = tuple(a for a in expert if a not in batch) + width  # partial outputs summed over these
+    # the sequence's axes (context): each device routes the tokens of its own chunk of its rows
+    length = tuple(a for a in _mesh_axes(part.rules, "length") if a not in batch and a in part.mesh.axis_names)
     held = spec.moe.n_experts // split_count(part.mesh, expert)
-    rows = P(batch or None, None)
+    rows = P(batch or None, length or None, None)
     w_in, w_out = P(expert or None, embed or None, width or None), P(expert or None, width or None, embed or None)
-    manual = set(batch + embed + expert + width)
+    manual = set(batch + length + embed + expert + width)
     backend = platform(part)
     # a Mosaic kernel (gmm) must see every mesh axis manual: only when the others have size 1
     whole = all(part.mesh.shape[a] == 1 for a in part.mesh.axis_names if a not in manual)
@@ -144,6 +145,8 @@ def sharded_dropless(spec: ModelSpec, part: Partitioning, x, weights, experts, w
     manual = set(part.mesh.axis_names) if whole else manual
 
     def local(first, x, weights, experts, w_gate, w_up, w_down):
+        shape = x.shape  # this device's [rows, tokens, d]: each token is routed where it is held
+        x, weights, experts = (a.reshape(shape[0] * shape[1], -1) for a in (x, weights, experts))
         if embed:
             w_gate, w_up = (jax.lax.all_gather(w, embed, axis=1, tiled=True) for w in (w_gate, w_up))
             w_down = jax.lax.all_gather(w_down, embed, axis=2, tiled=True)
@@ -153,6 +156,7 @@ def sharded_dropless(spec: ModelSpec, part: Partitioning, x, weights, experts, w
             y = exchanged(spec, x, weights, experts, *ws, first[0], moved, native, grouped)
         else:
             y = dropless(spec, x, weights, experts, *ws, first[0], grouped)
+        y = y.reshape(shape)
         return jax.lax.psum(y, summed) if summed else y
 
     run = jax.shard_map(
@@ -234,10 +238,11 @@ class MoE(nn.Module):
             # rows the batch axes cannot split evenly (a prompt of one row on 8 devices) go the
             # partitioner's way: the whole layer's assignments sorted together
             per_device = mesh is not None and b % split_count(mesh, _mesh_axes(rules, "batch")) == 0
-            run = functools.partial(sharded_dropless, s, self.part) if per_device else functools.partial(dropless, s)
-            y = run(
-                x.reshape(b * t, d), weights.reshape(b * t, -1), experts.reshape(b * t, -1), w_gate, w_up, w_down
-            ).reshape(b, t, d)
+            if per_device:
+                y = sharded_dropless(s, self.part, x, weights, experts, w_gate, w_up, w_down)
+            else:
+                flat = (a.reshape(b * t, -1) for a in (x, weights, experts))
+                y = dropless(s, *flat, w_gate, w_up, w_down).reshape(b, t, d)
             dropped = jnp.zeros((), jnp.float32)
         y = y.astype(s.dtype)
         if s.moe.shared_d_ff:

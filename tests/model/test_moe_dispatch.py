@@ -108,7 +108,8 @@ def test_sharded_dropless_on_an_expert_mesh_equals_one_device_with_gmm_rows():
     want = dropless(s, jnp.asarray(x), w, ex, wg, wu, wd)
     mesh = Mesh(np.array(jax.devices()[:8]).reshape(1, 1, 2, 4, 1), ("data", "stage", "fsdp", "expert", "tensor"))
     part = Partitioning(mesh=mesh, rules=rules_table(base_config()))
-    got = sharded_dropless(s, part, jnp.asarray(x), w, ex, wg, wu, wd)
+    rows = lambda a: jnp.asarray(a).reshape(8, 4, -1)  # noqa: E731  [batch rows, tokens, ...] as a layer holds them
+    got = sharded_dropless(s, part, rows(x), rows(w), rows(ex), wg, wu, wd).reshape(32, -1)
     np.testing.assert_allclose(got, want, rtol=1e-5, atol=1e-5 * float(np.abs(want).max()))
 
 
@@ -130,9 +131,9 @@ def test_the_tpu_compiler_builds_gmm_and_the_ragged_all_to_all():
     struct = lambda shape, dt, spec: jax.ShapeDtypeStruct(shape, dt, sharding=NamedSharding(mesh, spec))  # noqa: E731
     rows = P(("data", "fsdp", "expert"))
     args = (
-        struct((n, d), jnp.bfloat16, rows),
-        struct((n, k), jnp.float32, rows),
-        struct((n, k), jnp.int32, rows),
+        struct((4, n // 4, d), jnp.bfloat16, rows),
+        struct((4, n // 4, k), jnp.float32, rows),
+        struct((4, n // 4, k), jnp.int32, rows),
         struct((e, d, f), jnp.float32, P("expert")),
         struct((e, d, f), jnp.float32, P("expert")),
         struct((e, f, d), jnp.float32, P("expert")),

@@ -41,6 +41,11 @@ def close(got, want, dtype):
     assert np.max(np.abs(got - want)) <= TOL[dtype] * np.max(np.abs(want)), np.max(np.abs(got - want))
 
 
+def jitted_qdot(spec: str, x, q: QTensor, int_dot: bool):
+    """qdot in float32 as a model runs it, compiled whole (op by op, each small op compiles alone)."""
+    return jax.jit(lambda a, w: qdot(spec, a, w, "float32", int_dot))(x, q)
+
+
 def layer(q: QTensor) -> QTensor:
     return jax.tree.map(lambda a: a[1], q)  # the second layer, as a scan over stacked weights sees it
 
@@ -56,10 +61,10 @@ def test_each_leaf_kind_equals_dequantize_then_matmul(dtype, bits, int_dot):
         for rows in ((1, 1), (3, 4), (2, 16)):  # a decode step, a batch of them, a prefill
             x = jnp.asarray(rng.normal(size=rows + x_tail), dtype)
             want = jnp.einsum(spec, x, q.dequantize(dtype), preferred_element_type=jnp.float32)
-            close(qdot(spec, x, q, "float32", int_dot), want, dtype)
+            close(jitted_qdot(spec, x, q, int_dot), want, dtype)
         if name == "wo":  # the decode step's flattened form: heads merged on both sides
             flat = jnp.reshape(x, x.shape[:2] + (-1,))
-            close(qdot("btf,fd->btd", flat, q.reshape(-1, D), "float32", int_dot), want, dtype)
+            close(jitted_qdot("btf,fd->btd", flat, q.reshape(-1, D), int_dot), want, dtype)
 
 
 @pytest.mark.parametrize("dtype", ["float32", "bfloat16"])

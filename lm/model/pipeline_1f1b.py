@@ -51,13 +51,16 @@ def _tables(kind: str, stages: int, micro: int, repeats: int, forward_only: bool
     return tuple(c[:n] for c in cols), sched.x_slots, sched.g_slots
 
 
-def pipelined_loss(model, params, batch: dict, rng, head_loss):
-    """(objective_sum, sums) of `head_loss` over the pipeline's micro-batches of `batch`, with
-    the model's blocks run by the 1F1B schedule; gradients flow to every param."""
+def pipelined_loss(model, params, batch: dict, rng, head_loss, group: int = 1):
+    """(objective_sum, sums) of `head_loss(logits, micro-batch)` over the pipeline's micro-batches
+    of `batch` (row fields [N, ...]), with the model's blocks run by the 1F1B schedule; gradients
+    flow to every param. `group`: consecutive rows that must share a micro-batch, in order (2 for
+    a preference pair's chosen and rejected rows)."""
     spec, part = model.spec, model.part
     stages, repeats = stages_of(part), spec.pipeline.repeats
     m = microbatches(spec, stages)
-    check(spec, stages, batch["inputs"].shape[0], batch_shards(part))
+    check(spec, stages, batch["inputs"].shape[0] // group, batch_shards(part))
+    split = functools.partial(_split_groups, m=m, group=group)
     if spec.lora.dropout > 0 and rng is not None:
         raise UserError("model.pipeline_schedule=1f1b does not run LoRA dropout: set model.lora_dropout=0")
     x, rope, local = model.apply(
@@ -66,7 +69,7 @@ def pipelined_loss(model, params, batch: dict, rng, head_loss):
     axes = nn.logical_to_mesh_axes(("stage",), part.rules)[0]
     layers = jax.tree.map(lambda a: by_stage(a, stages, repeats, part, axes), (params["blocks"], local))
     tail_params = {k: v for k, v in params.items() if k != "blocks"}
-    side = jax.tree.map(lambda a: split_micro(a, m), (batch, rope))
+    side = jax.tree.map(split, (batch, rope))
     policy = REMAT_POLICIES.get(spec.remat)
     stage = stage_fn(Block(spec, part, parent=None), policy)
 
@@ -88,7 +91,14 @@ def pipelined_loss(model, params, batch: dict, rng, head_loss):
         return jax.tree.map(lambda a: (a * g).astype(a.dtype), grads)
 
     loss.defvjp(fwd, bwd)
-    return loss(layers[0], tail_params, split_micro(x, m))
+    return loss(layers[0], tail_params, split(x))
+
+
+def _split_groups(a, m: int, group: int):
+    """[N, ...] -> [m, N/m, ...] as `split_micro` does, by groups of `group` consecutive rows."""
+    a = jnp.asarray(a)
+    grouped = split_micro(a.reshape(a.shape[0] // group, group, *a.shape[1:]), m)
+    return grouped.reshape(m, -1, *a.shape[1:])
 
 
 def _run(stage, tail, part, axes, shape, blocks, flags, tail_params, xs, side, grads: bool):

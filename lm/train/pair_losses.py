@@ -32,6 +32,7 @@ import jax.numpy as jnp
 
 from lm.config.dpo import DpoSettings
 from lm.model.apply import add_aux, forward, last_real, sequence_logprobs
+from lm.model.pipeline_1f1b import pipelined_loss, runs_loss
 
 TEXT_FIELDS = ("inputs", "targets", "loss_mask", "segment_ids", "positions")
 DPO_LOSSES = ("sigmoid", "ipo", "simpo", "orpo")
@@ -112,7 +113,9 @@ def dpo_loss(model, settings: DpoSettings, reference: str = "live"):
     'live'         the frozen model 'reference' (a copy of the init model, or a LoRA policy's
                    own base with the adapters off) runs beside the policy;
     'precomputed'  batch['ref_logps'] [B, 2];
-    'none'         simpo needs no reference."""
+    'none'         simpo needs no reference.
+    Under a 1F1B pipeline (lm.model.pipeline_1f1b) the pairs run inside it, each pair's two rows in
+    one of its micro-batches (RPO's per_token mean is then over a pipeline micro-batch's pairs)."""
 
     def ref_logps(frozen, batch):
         if reference == "precomputed":
@@ -122,10 +125,9 @@ def dpo_loss(model, settings: DpoSettings, reference: str = "live"):
         ref = frozen["reference"]
         return jax.lax.stop_gradient(pair_logprobs(ref.module, ref.params, batch)[0])
 
-    def loss_fn(params, batch, frozen, rng):
-        logp, count, aux = pair_logprobs(model, params, batch, rng)
+    def objective(logp, count, ref):
         valid = jnp.all(count > 0, axis=-1)
-        loss, chosen, rejected = dpo_terms(settings, logp, ref_logps(frozen, batch), count)
+        loss, chosen, rejected = dpo_terms(settings, logp, ref, count)
         stats = _pair_stats(
             valid,
             loss,
@@ -141,7 +143,19 @@ def dpo_loss(model, settings: DpoSettings, reference: str = "live"):
             | (orpo_metrics(logp, count) if settings.loss == "orpo" else {}),
         )
         tokens = jnp.sum(jnp.where(valid[:, None], count, 0.0))
-        return add_aux(model, stats["loss_sum"], stats | {"pairs_total": stats["count"], "tokens_total": tokens}, aux)
+        return stats["loss_sum"], stats | {"pairs_total": stats["count"], "tokens_total": tokens}
+
+    def head(logits, rows):
+        """One 1F1B micro-batch's pairs, as consecutive (chosen, rejected) rows."""
+        logp, count = sequence_logprobs(logits, rows["targets"], rows["loss_mask"])
+        return objective(logp.reshape(-1, 2), count.reshape(-1, 2), rows["ref_logps"].reshape(-1, 2))
+
+    def loss_fn(params, batch, frozen, rng):
+        if runs_loss(model):  # the pairs run through a 1F1B pipeline, a pair's two rows together
+            rows = flat_pairs(batch) | {"ref_logps": ref_logps(frozen, batch).reshape(-1)}
+            return pipelined_loss(model, params, rows, rng, head, group=2)
+        logp, count, aux = pair_logprobs(model, params, batch, rng)
+        return add_aux(model, *objective(logp, count, ref_logps(frozen, batch)), aux)
 
     return loss_fn
 

@@ -230,7 +230,7 @@ def test_1f1b_gradients_equal_one_device_leaf_by_leaf(case):
 
 @needs_8_devices
 def test_1f1b_refuses_a_loss_that_differentiates_the_plain_forward():
-    """Only the losses that run inside the pipeline train under 1F1B; another loss (a DPO, a
+    """Only the losses that run inside the pipeline train under 1F1B; another loss (a reward model, a
     distillation) differentiating the model's logits gets one clear line, not GPipe's memory."""
     mesh, model_kw, _ = CASES["1f1b-2stages"]
     c = pipeline_config(mesh, 1, **model_kw)

@@ -6,6 +6,7 @@ import flax.linen as nn
 import jax
 import jax.numpy as jnp
 
+from lm.model.layers import Partitioning
 from lm.model.params import param
 from lm.model.spec import ModelSpec
 
@@ -17,9 +18,13 @@ class ScalarHead(nn.Module):
     """
 
     spec: ModelSpec
+    part: Partitioning = Partitioning()
 
     @nn.compact
     def __call__(self, hidden: jax.Array) -> jax.Array:
         w = param(self, "kernel", nn.initializers.zeros, (self.spec.d_model,), ("embed",))
         b = param(self, "bias", nn.initializers.zeros, (), ())
+        # gathered whole (d_model floats): met by rows split over the same axis, the product would
+        # otherwise move the rows by collective permutes, which a 1F1B stage's loss branch cannot run
+        w = self.part.constrain(w, (None,))
         return jnp.einsum("btd,d->bt", hidden.astype(jnp.float32), w) + b

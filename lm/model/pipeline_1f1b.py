@@ -51,9 +51,10 @@ def _tables(kind: str, stages: int, micro: int, repeats: int, forward_only: bool
     return tuple(c[:n] for c in cols), sched.x_slots, sched.g_slots
 
 
-def pipelined_loss(model, params, batch: dict, rng, head_loss, group: int = 1):
-    """(objective_sum, sums) of `head_loss(logits, micro-batch)` over the pipeline's micro-batches
-    of `batch` (row fields [N, ...]), with the model's blocks run by the 1F1B schedule; gradients
+def pipelined_loss(model, params, batch: dict, rng, head_loss, group: int = 1, output: str = "logits"):
+    """(objective_sum, sums) of `head_loss(out, micro-batch)` over the pipeline's micro-batches of
+    `batch` (row fields [N, ...]), `out` the model's `output` of the micro-batch (its logits, or a
+    reward model's scores: "scalar"), with the model's blocks run by the 1F1B schedule; gradients
     flow to every param. `group`: consecutive rows that must share a micro-batch, in order (2 for
     a preference pair's chosen and rejected rows)."""
     spec, part = model.spec, model.part
@@ -74,8 +75,8 @@ def pipelined_loss(model, params, batch: dict, rng, head_loss, group: int = 1):
     stage = stage_fn(Block(spec, part, parent=None), policy)
 
     def tail(tp, h, mb):
-        logits = model.apply({"params": tp}, mb["inputs"], mb["segment_ids"], mb["positions"], hidden=h)
-        return head_loss(logits, mb)
+        out = model.apply({"params": tp}, mb["inputs"], mb["segment_ids"], mb["positions"], hidden=h, output=output)
+        return head_loss(out, mb)
 
     run = functools.partial(_run, stage, tail, part, axes, (stages, m, repeats))
 

@@ -182,7 +182,7 @@ class Transformer(nn.Module):
         s, c = self.spec, self.part.constrain
         scalar = None
         if self.scalar_head and (output in ("scalar", "logits_and_scalar") or self.is_initializing()):
-            scalar = ScalarHead(s, name="scalar_head")(x)
+            scalar = ScalarHead(s, self.part, name="scalar_head")(x)
             if output == "scalar":
                 return scalar
         if output == "hidden":

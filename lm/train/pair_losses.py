@@ -174,15 +174,20 @@ def reward_terms(r_chosen, r_rejected, margin, center_coef: float):
 
 
 def reward_loss(model, center_coef: float = 0.0):
-    """LossFn of a Bradley-Terry reward model (a scalar head on the trunk)."""
+    """LossFn of a Bradley-Terry reward model (a scalar head on the trunk); under a 1F1B pipeline
+    the pairs run inside it, as DPO's do (`dpo_loss`)."""
 
-    def loss_fn(params, batch, frozen, rng):
-        rows = flat_pairs(batch)
-        scores, aux = forward(model, params, rows, rng, output="scalar")
-        scores = jnp.take_along_axis(scores, last_real(rows["segment_ids"])[:, None], axis=-1).reshape(-1, 2)
-        valid = jnp.all(jnp.any(batch["loss_mask"] > 0, axis=-1), axis=-1)
+    def objective(scores, rows):
+        """(objective_sum, sums) of pairs given as consecutive (chosen, rejected) rows."""
+        # each row's score at its last real token, selected and summed (exact: one term), not gathered:
+        # inside a 1F1B stage's branch a gather along the split sequence becomes collectives only
+        # the last stage would run
+        last = jnp.arange(scores.shape[-1])[None, :] == last_real(rows["segment_ids"])[:, None]
+        scores = jnp.sum(jnp.where(last, scores, 0.0), axis=-1).reshape(-1, 2)
+        side_tokens = jnp.sum(rows["loss_mask"], axis=-1).reshape(-1, 2)
+        valid = jnp.all(side_tokens > 0, axis=-1)
         chosen, rejected = scores[:, 0], scores[:, 1]
-        loss = reward_terms(chosen, rejected, batch["margin"], center_coef)
+        loss = reward_terms(chosen, rejected, rows["margin"].reshape(-1, 2)[:, 0], center_coef)
         stats = _pair_stats(
             valid,
             loss,
@@ -190,7 +195,14 @@ def reward_loss(model, center_coef: float = 0.0):
             margin=chosen - rejected,
             **{"rewards/chosen": chosen, "rewards/rejected": rejected},
         )
-        tokens = jnp.sum(jnp.where(valid[:, None], jnp.sum(batch["loss_mask"], axis=-1), 0.0))
-        return add_aux(model, stats["loss_sum"], stats | {"pairs_total": stats["count"], "tokens_total": tokens}, aux)
+        tokens = jnp.sum(jnp.where(valid[:, None], side_tokens, 0.0))
+        return stats["loss_sum"], stats | {"pairs_total": stats["count"], "tokens_total": tokens}
+
+    def loss_fn(params, batch, frozen, rng):
+        rows = flat_pairs(batch) | {"margin": jnp.repeat(jnp.asarray(batch["margin"], jnp.float32), 2)}
+        if runs_loss(model):
+            return pipelined_loss(model, params, rows, rng, objective, group=2, output="scalar")
+        scores, aux = forward(model, params, rows, rng, output="scalar")
+        return add_aux(model, *objective(scores, rows), aux)
 
     return loss_fn

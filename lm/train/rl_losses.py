@@ -43,6 +43,7 @@ import numpy as np
 
 from lm.config.rl import LOSS_TYPES, RlSettings
 from lm.model.apply import add_aux, forward, target_logprobs
+from lm.model.pipeline_1f1b import pipelined_loss, runs_loss
 
 ALGOS = ("grpo", "ppo")
 
@@ -168,15 +169,13 @@ def _totals(mask, **per_token) -> dict:
 
 
 def rl_loss(model, settings: RlSettings):
-    """LossFn of GRPO or PPO over a rollout batch (see the module doc)."""
+    """LossFn of GRPO or PPO over a rollout batch (see the module doc); under a 1F1B pipeline
+    (lm.model.pipeline_1f1b) it runs per pipeline micro-batch on the last stage."""
     s, ppo = settings, settings.algo == "ppo"
 
-    def loss_fn(params, batch, frozen, rng):
+    def objective(out, batch):
+        logits, values = out if ppo else (out, None)
         mask = batch["loss_mask"].astype(jnp.float32)
-        if ppo:
-            (logits, values), aux = forward(model, params, batch, rng, output="logits_and_scalar")
-        else:
-            logits, aux = forward(model, params, batch, rng)
         logits = tempered(logits, s.temperature)
         logp, _ = target_logprobs(logits, batch["targets"])
         ratio = importance_ratio(logp, batch["old_logp"], mask, s.importance_sampling_level)
@@ -192,7 +191,7 @@ def rl_loss(model, settings: RlSettings):
             kl = k3(logp, batch["ref_logp"])
             per_token = pg + s.beta * kl
             extra = {"kl": kl}
-        objective, count = aggregate(per_token, mask, s.loss_type, s.max_new_tokens)
+        value, count = aggregate(per_token, mask, s.loss_type, s.max_new_tokens)
         totals = _totals(
             mask,
             policy_loss=pg,
@@ -201,8 +200,14 @@ def rl_loss(model, settings: RlSettings):
             entropy=jax.lax.stop_gradient(entropy(logits)),
             **extra,
         )
-        return add_aux(
-            model, objective, totals | {"loss_sum": objective, "count": count, "tokens_total": jnp.sum(mask)}, aux
-        )
+        return value, totals | {"loss_sum": value, "count": count, "tokens_total": jnp.sum(mask)}
+
+    output = "logits_and_scalar" if ppo else "logits"
+
+    def loss_fn(params, batch, frozen, rng):
+        if runs_loss(model):
+            return pipelined_loss(model, params, batch, rng, objective, output=output)
+        out, aux = forward(model, params, batch, rng, output=output)
+        return add_aux(model, *objective(out, batch), aux)
 
     return loss_fn

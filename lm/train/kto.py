@@ -26,11 +26,12 @@ from lm.config.kto import KtoSettings
 from lm.data.cache import data_cache_dir
 from lm.data.unpaired import describe, prepare_unpaired
 from lm.eval.answers import compare_answers
-from lm.model.apply import add_aux
+from lm.model.apply import add_aux, sequence_logprobs
 from lm.model.lora import is_adapter
+from lm.model.pipeline_1f1b import pipelined_loss, runs_loss
 from lm.train import pairs
 from lm.train.dpo import Dpo
-from lm.train.pair_losses import pair_logprobs
+from lm.train.pair_losses import flat_pairs, pair_logprobs
 from lm.train.setup import build_run, reference_slot
 from lm.train.stage import first_eval, require_data, run_stage
 
@@ -59,18 +60,14 @@ def kl_estimate(logp, ref, valid):
 
 def kto_loss(model, settings: KtoSettings, reference: str = "live"):
     """LossFn of KTO over [B, 2, T] rows (the example, its mismatched twin) with `label` [B];
-    reference: 'live' (frozen['reference']) or 'precomputed' (batch['ref_logps'] [B, 2])."""
+    reference: 'live' (frozen['reference']) or 'precomputed' (batch['ref_logps'] [B, 2]). Under
+    a 1F1B pipeline the pairs run inside it (as DPO's: lm.train.pair_losses), and the KL estimate
+    is each pipeline micro-batch's, as it is each `train.micro_batches` split's."""
 
-    def loss_fn(params, batch, frozen, rng):
-        logp, count, aux = pair_logprobs(model, params, batch, rng)
-        if reference == "precomputed":
-            ref = batch["ref_logps"]
-        else:
-            r = frozen["reference"]
-            ref = jax.lax.stop_gradient(pair_logprobs(r.module, r.params, batch)[0])
+    def objective(logp, count, ref, label):
         valid, twin = count[:, 0] > 0, (count[:, 1] > 0) & (count[:, 0] > 0)
         kl = kl_estimate(logp[:, 1], ref[:, 1], twin)
-        desirable = batch["label"] > 0.5
+        desirable = label > 0.5
         loss, rewards = kto_terms(settings, logp[:, 0], ref[:, 0], kl, desirable)
         stats = {"loss_sum": jnp.sum(jnp.where(valid, loss, 0.0)), "count": jnp.sum(valid.astype(jnp.float32))}
         for name, side in (("chosen", desirable & valid), ("rejected", ~desirable & valid)):
@@ -80,7 +77,28 @@ def kto_loss(model, settings: KtoSettings, reference: str = "live"):
             stats[f"count/{name}_total"] = n
         stats["kl_sum"] = kl * stats["count"]  # the estimate as a mean over the examples' count
         tokens = jnp.sum(jnp.where(valid, count[:, 0], 0.0))
-        return add_aux(model, stats["loss_sum"], stats | {"pairs_total": stats["count"], "tokens_total": tokens}, aux)
+        return stats["loss_sum"], stats | {"pairs_total": stats["count"], "tokens_total": tokens}
+
+    def head(logits, rows):
+        logp, count = sequence_logprobs(logits, rows["targets"], rows["loss_mask"])
+        pair = lambda a: a.reshape(-1, 2)  # noqa: E731
+        return objective(pair(logp), pair(count), pair(rows["ref_logps"]), pair(rows["label"])[:, 0])
+
+    def ref_logps(frozen, batch):
+        if reference == "precomputed":
+            return batch["ref_logps"]
+        r = frozen["reference"]
+        return jax.lax.stop_gradient(pair_logprobs(r.module, r.params, batch)[0])
+
+    def loss_fn(params, batch, frozen, rng):
+        if runs_loss(model):
+            rows = flat_pairs(batch) | {
+                "ref_logps": ref_logps(frozen, batch).reshape(-1),
+                "label": jnp.repeat(jnp.asarray(batch["label"], jnp.float32), 2),
+            }
+            return pipelined_loss(model, params, rows, rng, head, group=2)
+        logp, count, aux = pair_logprobs(model, params, batch, rng)
+        return add_aux(model, *objective(logp, count, ref_logps(frozen, batch), batch["label"]), aux)
 
     return loss_fn
 

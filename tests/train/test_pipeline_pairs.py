@@ -2,7 +2,9 @@
 schedule, each pair's chosen and rejected rows in one micro-batch, and the loss, its statistics
 and every gradient equal the unpipelined loss on one device: DPO with precomputed and with live
 reference log-probs, on 2 stages (x fsdp 2 x tensor 2) and interleaved on 4 stages (x data 2),
-and the Bradley-Terry reward model (its scalar head) on 2 stages."""
+KTO (each example with its mismatched twin) and the Bradley-Terry reward model (its scalar head)
+on 2 stages. KTO's KL estimate is each micro-batch's, so its reference sums the single-device
+loss over the two pipeline micro-batches' pairs."""
 
 import math
 
@@ -10,9 +12,12 @@ import jax
 import numpy as np
 import pytest
 
+from lm.config import base_config
 from lm.config.dpo import DpoSettings
+from lm.config.kto import KtoSettings
 from lm.config.mesh import AXES
 from lm.model.build import FrozenModel, reward_model
+from lm.train.kto import kto_loss
 from lm.train.pair_losses import dpo_loss, reward_loss
 from lm.train.setup import build_run
 from tests.model.test_pipeline import CASES, needs_8_devices, packed_batch, pipeline_config, two_steps
@@ -34,10 +39,11 @@ def pairs() -> dict:
     rng = np.random.default_rng(1)
     out["ref_logps"] = rng.normal(-40.0, 3.0, (rows["inputs"].shape[0] // 2, 2)).astype(np.float32)
     out["margin"] = rng.uniform(0.0, 1.0, rows["inputs"].shape[0] // 2).astype(np.float32)
+    out["label"] = np.array([1, 0, 1, 1, 0, 0, 1, 0], np.float32)[: rows["inputs"].shape[0] // 2]  # KTO's
     return out
 
 
-def loss_and_grads(case: str, reference: str):
+def loss_and_grads(case: str, reference: str, kind: str = "dpo"):
     mesh, model_kw, _ = CASES.get(case, ({}, {}, 1))
     c = pipeline_config(mesh, 1, **model_kw)
     r = build_run(c, devices=jax.devices()[: math.prod(c.mesh[a] for a in AXES)])
@@ -46,18 +52,29 @@ def loss_and_grads(case: str, reference: str):
     if reference == "live":  # the reference: the init params moved a little, on the same mesh
         moved = jax.tree.map(lambda p: p * 1.01, params)
         frozen = {"reference": FrozenModel(r.model, moved)}
-    loss = dpo_loss(r.model, SETTINGS[reference], reference)
-    batch = jax.device_put(pairs())
-    value = jax.jit(lambda p: loss(p, batch, frozen, None))(params)
-    grads = jax.jit(jax.grad(lambda p: loss(p, batch, frozen, None)[0]))(params)
+    if kind == "kto":
+        loss = kto_loss(r.model, KtoSettings.from_config(base_config().kto), reference)
+    else:
+        loss = dpo_loss(r.model, SETTINGS[reference], reference)
+    parts = [pairs()]
+    if kind == "kto" and case == "reference":  # KL per pipeline micro-batch: micro-batch j holds pairs j, j+2, ...
+        parts = [{k: v[j::2] for k, v in parts[0].items()} for j in range(2)]
+    value = grads = None
+    for batch in map(jax.device_put, parts):
+        v = jax.jit(lambda p: loss(p, batch, frozen, None))(params)
+        g = jax.jit(jax.grad(lambda p: loss(p, batch, frozen, None)[0]))(params)
+        value, grads = (v, g) if value is None else jax.tree.map(lambda a, b: a + b, (value, grads), (v, g))
     return jax.device_get(value), jax.device_get(grads)
 
 
 @needs_8_devices
-@pytest.mark.parametrize("case, reference", [("1f1b-2stages", "precomputed"), ("interleaved-4stages", "live")])
-def test_dpo_in_a_1f1b_pipeline_equals_one_device(case, reference):
-    (ref_obj, ref_sums), ref = loss_and_grads("reference", reference)
-    (obj, sums), got = loss_and_grads(case, reference)
+@pytest.mark.parametrize(
+    "case, reference, kind",
+    [("1f1b-2stages", "precomputed", "dpo"), ("interleaved-4stages", "live", "dpo"), ("1f1b-2stages", "live", "kto")],
+)
+def test_dpo_and_kto_in_a_1f1b_pipeline_equal_one_device(case, reference, kind):
+    (ref_obj, ref_sums), ref = loss_and_grads("reference", reference, kind)
+    (obj, sums), got = loss_and_grads(case, reference, kind)
     assert float(ref_sums["count"]) == 8
     np.testing.assert_allclose(obj, ref_obj, rtol=1e-5)
     # rewards are differences of summed log-probs (~-80 a response): float32 rounding of those

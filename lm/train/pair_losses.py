@@ -179,11 +179,7 @@ def reward_loss(model, center_coef: float = 0.0):
 
     def objective(scores, rows):
         """(objective_sum, sums) of pairs given as consecutive (chosen, rejected) rows."""
-        # each row's score at its last real token, selected and summed (exact: one term), not gathered:
-        # inside a 1F1B stage's branch a gather along the split sequence becomes collectives only
-        # the last stage would run
-        last = jnp.arange(scores.shape[-1])[None, :] == last_real(rows["segment_ids"])[:, None]
-        scores = jnp.sum(jnp.where(last, scores, 0.0), axis=-1).reshape(-1, 2)
+        scores = jnp.take_along_axis(scores, last_real(rows["segment_ids"])[:, None], axis=-1).reshape(-1, 2)
         side_tokens = jnp.sum(rows["loss_mask"], axis=-1).reshape(-1, 2)
         valid = jnp.all(side_tokens > 0, axis=-1)
         chosen, rejected = scores[:, 0], scores[:, 1]

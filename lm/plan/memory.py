@@ -79,7 +79,6 @@ SAVED_MLP = 3.0
 LAYER_WORK = 8.0
 LOGIT_COPIES = 1.5
 TP_UPDATE = 1.5
-FP8_WEIGHTS = ("wq", "wk", "wv", "wo", "w_gate", "w_up", "w_down", "w_in")  # lm.model.fp8's products
 CODE_BYTES = 6 * 2**20
 LOOP_CODE_BYTES = 32 * 2**20  # the code of a pipelined or mixture-of-experts step (its loops and routing)
 # Mixture of experts, fitted like the above: float32 buffers of the experts' width and the stream's
@@ -298,7 +297,7 @@ def activations(config, step, spec: ModelSpec, leaves, rules, mesh, c, trained_f
 def _fp8_product(spec: ModelSpec, leaf: Leaf) -> bool:
     """Whether `leaf` is a trained weight of a block's fp8 product (lm.model.fp8: not routed experts)."""
     fp8 = spec.fp8 and not spec.lora.rank and "expert" not in leaf.names
-    return fp8 and leaf.path.startswith("['blocks']") and leaf.name in FP8_WEIGHTS
+    return fp8 and leaf.path.startswith("['blocks']") and leaf.name in BASE_WEIGHTS  # the blocks' products
 
 
 def expert_slots(spec: ModelSpec, rules, mesh, rows: float, seq: int) -> float:

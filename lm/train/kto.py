@@ -17,6 +17,8 @@ rewards/rejected, logps/rejected, count/chosen, count/rejected; held-out too.
 
 from __future__ import annotations
 
+import functools
+
 import jax
 import jax.numpy as jnp
 import numpy as np
@@ -31,7 +33,7 @@ from lm.model.lora import is_adapter
 from lm.model.pipeline_1f1b import pipelined_loss, runs_loss
 from lm.train import pairs
 from lm.train.dpo import Dpo
-from lm.train.pair_losses import flat_pairs, pair_logprobs
+from lm.train.pair_losses import flat_pairs, pair_logprobs, reference_logps
 from lm.train.setup import build_run, reference_slot
 from lm.train.stage import first_eval, require_data, run_stage
 
@@ -84,11 +86,7 @@ def kto_loss(model, settings: KtoSettings, reference: str = "live"):
         pair = lambda a: a.reshape(-1, 2)  # noqa: E731
         return objective(pair(logp), pair(count), pair(rows["ref_logps"]), pair(rows["label"])[:, 0])
 
-    def ref_logps(frozen, batch):
-        if reference == "precomputed":
-            return batch["ref_logps"]
-        r = frozen["reference"]
-        return jax.lax.stop_gradient(pair_logprobs(r.module, r.params, batch)[0])
+    ref_logps = functools.partial(reference_logps, reference)
 
     def loss_fn(params, batch, frozen, rng):
         if runs_loss(model):

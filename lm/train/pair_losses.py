@@ -27,6 +27,8 @@ The implicit rewards are beta (log pi - log ref) (simpo, orpo: beta log pi / len
 
 from __future__ import annotations
 
+import functools
+
 import jax
 import jax.numpy as jnp
 
@@ -108,6 +110,17 @@ def _pair_stats(valid, loss, **per_pair) -> dict:
     return out | {f"{k}_sum": jnp.sum(jnp.where(valid, x, 0.0)) for k, x in per_pair.items()}
 
 
+def reference_logps(reference: str, frozen, batch: dict):
+    """[B, 2] summed log-probs of the reference: 'live' runs frozen['reference'] (no gradient),
+    'precomputed' reads batch['ref_logps'], 'none' gives zeros."""
+    if reference == "precomputed":
+        return batch["ref_logps"]
+    if reference == "none":
+        return jnp.zeros(batch["inputs"].shape[:2], jnp.float32)
+    ref = frozen["reference"]
+    return jax.lax.stop_gradient(pair_logprobs(ref.module, ref.params, batch)[0])
+
+
 def dpo_loss(model, settings: DpoSettings, reference: str = "live"):
     """LossFn of DPO. reference: where the reference log-probs come from:
     'live'         the frozen model 'reference' (a copy of the init model, or a LoRA policy's
@@ -117,13 +130,7 @@ def dpo_loss(model, settings: DpoSettings, reference: str = "live"):
     Under a 1F1B pipeline (lm.model.pipeline_1f1b) the pairs run inside it, each pair's two rows in
     one of its micro-batches (RPO's per_token mean is then over a pipeline micro-batch's pairs)."""
 
-    def ref_logps(frozen, batch):
-        if reference == "precomputed":
-            return batch["ref_logps"]
-        if reference == "none":
-            return jnp.zeros(batch["inputs"].shape[:2], jnp.float32)
-        ref = frozen["reference"]
-        return jax.lax.stop_gradient(pair_logprobs(ref.module, ref.params, batch)[0])
+    ref_logps = functools.partial(reference_logps, reference)
 
     def objective(logp, count, ref):
         valid = jnp.all(count > 0, axis=-1)

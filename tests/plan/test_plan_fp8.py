@@ -9,8 +9,9 @@ import math
 import pytest
 
 from lm.config import load_config
+from lm.model.quant import BASE_WEIGHTS
 from lm.model.spec import ModelSpec
-from lm.plan.memory import FP8_WEIGHTS, estimate, param_leaves
+from lm.plan.memory import estimate, param_leaves
 
 
 def parts(*overrides):
@@ -21,7 +22,7 @@ def parts(*overrides):
 def block_products(config) -> int:
     """float32 bytes of the blocks' fp8-product weights, by their names."""
     leaves = param_leaves(ModelSpec.from_config(config.model).replace(attention=dict(kernel="xla"), kernels="plain"))
-    return sum(4 * math.prod(x.shape) for x in leaves if x.path.startswith("['blocks']") and x.name in FP8_WEIGHTS)
+    return sum(4 * math.prod(x.shape) for x in leaves if x.path.startswith("['blocks']") and x.name in BASE_WEIGHTS)
 
 
 @pytest.mark.parametrize("dtype, itemsize", [("bfloat16", 2), ("float32", 4)])
